@@ -1,0 +1,243 @@
+"""The LoRA layer and the model surgery around it.
+
+A LoRA linear keeps the pretrained weight W (out x in) frozen and learns a rank-r update:
+
+    h = W x + b + (alpha / r) * B A x          A: r x in,  B: out x r
+
+A starts Kaiming-uniform (a = sqrt(5), PEFT's default; the paper used a Gaussian) and B starts at
+zero, so a fresh layer computes exactly what the base layer computes. The product is evaluated as
+(x @ A^T) @ B^T: two skinny matmuls through an M x r intermediate, never the out x in matrix B A.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "LoRALinear",
+    "ParameterCount",
+    "add_lora",
+    "merge_lora",
+    "count_parameters",
+    "lora_layers",
+    "find_target_linears",
+]
+
+
+def _check_rank_alpha(r, alpha) -> None:
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}")
+
+
+class LoRALinear(nn.Module):
+    """``h = base(x) + (alpha / r) * (x @ A^T) @ B^T`` around a frozen ``nn.Linear``.
+
+    ``lora_A`` and ``lora_B`` live on the base weight's device and dtype. ``dropout`` applies to the
+    input of the low-rank branch only, as in PEFT.
+    """
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        if not isinstance(base, nn.Linear):
+            raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
+        if isinstance(base, LoRALinear):  # pragma: no cover - LoRALinear is not an nn.Linear
+            raise TypeError("this layer already carries LoRA")
+        _check_rank_alpha(r, alpha)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+        self.base = base
+        self.r = r
+        self.alpha = alpha
+        self.scaling = alpha / r
+        self.dropout_p = float(dropout)
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))
+        # PEFT's default init of A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)).
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        for p in self.base.parameters():
+            p.requires_grad_(False)
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """The low-rank branch without scaling: (dropout(x) @ A^T) @ B^T."""
+        if self.dropout_p > 0 and self.training:
+            x = F.dropout(x, p=self.dropout_p, training=True)
+        # F.linear(x, A) is x @ A^T: the same GEMM nn.Linear (and so PEFT) runs, which is what makes
+        # bit-for-bit parity with PEFT possible.
+        return F.linear(F.linear(x, self.lora_A), self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # h = W x + b + s * B A x ; the scale multiplies the branch output (PEFT's order).
+        return self.base(x) + self.lora_delta(x) * self.scaling
+
+    def delta_weight(self, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """s * B A, the out x in matrix a merge adds to W (computed in ``dtype``, fp32 by default)."""
+        B, A = self.lora_B, self.lora_A
+        if dtype is not None:
+            B, A = B.to(dtype), A.to(dtype)
+        return (B @ A) * self.scaling
+
+    @torch.no_grad()
+    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:
+        """Return a plain ``nn.Linear`` with ``W' = W + (alpha/r) B A``.
+
+        The sum is formed in ``compute_dtype`` (fp32 by default) and rounded once to W's dtype.
+        Raises if the merged weight is not finite (nothing is modified then).
+        """
+        w = self.base.weight
+        merged_w = (w.to(compute_dtype) + self.delta_weight(compute_dtype)).to(w.dtype)
+        if not torch.isfinite(merged_w).all():
+            raise FloatingPointError(
+                f"merging LoRA into a {tuple(w.shape)} weight produced non-finite values"
+            )
+        out = nn.Linear(
+            self.in_features, self.out_features, bias=self.base.bias is not None,
+            device=w.device, dtype=w.dtype,
+        )
+        out.weight.copy_(merged_w)
+        if self.base.bias is not None:
+            out.bias.copy_(self.base.bias)
+        out.weight.requires_grad_(self.base.weight.requires_grad)
+        if out.bias is not None:
+            out.bias.requires_grad_(self.base.bias.requires_grad)
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
+            f"alpha={self.alpha}, scaling={self.scaling:g}, dropout={self.dropout_p}"
+        )
+
+
+def _matches(name: str, targets: Sequence[str] | str) -> bool:
+    """PEFT's rule: a list matches a module whose name equals a target or ends with '.target';
+    a single string is a regular expression that must match the whole name."""
+    if isinstance(targets, str):
+        import re
+
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def find_target_linears(model: nn.Module, targets: Sequence[str] | str) -> list[tuple[str, nn.Module]]:
+    """Modules whose names match ``targets`` (PEFT's matching rule), in model order."""
+    return [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    """All LoRA layers of a model, with their module names."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def add_lora(
+    model: nn.Module,
+    r: int = 8,
+    alpha: float = 16,
+    targets: Sequence[str] | str = ("q_proj", "v_proj"),
+    dropout: float = 0.0,
+) -> nn.Module:
+    """Freeze ``model`` and wrap every ``nn.Linear`` whose name matches ``targets`` in a LoRALinear.
+
+    All checks run before anything changes, so a failing call leaves the model as it was.
+    Returns the model (modified in place).
+    """
+    _check_rank_alpha(r, alpha)
+    if isinstance(targets, str) and not targets:
+        raise ValueError("targets is empty")
+    if not isinstance(targets, str):
+        targets = tuple(targets)
+        if not targets:
+            raise ValueError("targets is empty")
+    matched = find_target_linears(model, targets)
+    already = [n for n, m in matched if isinstance(m, LoRALinear)]
+    if already:
+        raise ValueError(
+            f"LoRA is already applied to {already[0]}"
+            + (f" (and {len(already) - 1} more)" if len(already) > 1 else "")
+            + "; merge_lora(model) or start from a fresh model before wrapping again"
+        )
+    not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, nn.Linear)]
+    if not_linear:
+        n, t = not_linear[0]
+        raise TypeError(f"target {n} is a {t}, not an nn.Linear; LoRALinear only wraps linear layers")
+    if not matched:
+        linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ValueError(
+            f"targets {targets!r} match no module of {type(model).__name__}; "
+            f"its linear layers are named: {', '.join(linear_names) or '(none)'}"
+        )
+    wrapped = [(n, LoRALinear(m, r=r, alpha=alpha, dropout=dropout)) for n, m in matched]
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name, layer in wrapped:
+        _set_submodule(model, name, layer)
+    model._lora_lab_config = {
+        "r": r,
+        "alpha": alpha,
+        "dropout": dropout,
+        "targets": targets if isinstance(targets, str) else list(targets),
+    }
+    return model
+
+
+def merge_lora(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Replace every LoRALinear with its merged nn.Linear (``W + (alpha/r) B A``). In place; returns model."""
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} carries no LoRA layer: nothing to merge")
+    merged = [(name, layer.merge(compute_dtype)) for name, layer in layers]  # all computed before any swap
+    for name, linear in merged:
+        _set_submodule(model, name, linear)
+    if hasattr(model, "_lora_lab_config"):
+        del model._lora_lab_config
+    return model
+
+
+class ParameterCount(NamedTuple):
+    trainable: int
+    frozen: int
+
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen
+
+    @property
+    def trainable_share(self) -> float:
+        """Trainable parameters as a share of the frozen (base) ones, as the LoRA literature quotes it."""
+        return self.trainable / self.frozen if self.frozen else float("nan")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.trainable:,} trainable of {self.frozen:,} frozen base parameters "
+            f"({100 * self.trainable_share:.2f}%); {self.total:,} in all"
+        )
+
+
+def count_parameters(model: nn.Module | Iterable[nn.Parameter]) -> ParameterCount:
+    """Trainable and frozen parameter counts. Shared (tied) tensors count once. Works on meta tensors."""
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    seen: set[int] = set()
+    trainable = frozen = 0
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if p.requires_grad:
+            trainable += p.numel()
+        else:
+            frozen += p.numel()
+    return ParameterCount(trainable, frozen)

@@ -1,0 +1,201 @@
+"""Model and tokenizer sources: bundled ``random:<name>`` architectures, hub ids and local directories.
+
+No weights can be downloaded on the machines this project is developed on, and memory or speed
+depend on shapes rather than weight values. So ``random:<name>`` builds a bundled architecture
+config with seeded random init (built in fp32 on the CPU, then cast and moved, so the bf16 model is
+exactly the rounding of the fp32 one). Any other spec is handed to ``from_pretrained``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from importlib import resources
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ModelNotFoundError",
+    "random_model_names",
+    "model_config",
+    "load_model",
+    "load_tokenizer",
+    "ByteTokenizer",
+]
+
+RANDOM_PREFIX = "random:"
+
+
+class ModelNotFoundError(ValueError):
+    """A model spec that names neither a bundled config, a local directory nor a reachable hub id."""
+
+
+def random_model_names() -> list[str]:
+    """Names accepted after ``random:``."""
+    files = resources.files("lora_lab").joinpath("configs").iterdir()
+    return sorted(f.name[: -len(".json")] for f in files if f.name.endswith(".json"))
+
+
+def model_config(name: str):
+    """The transformers config of a bundled architecture (``name`` with or without ``random:``)."""
+    from transformers import AutoConfig
+
+    name = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
+    known = random_model_names()
+    if name not in known:
+        raise ModelNotFoundError(
+            f"unknown bundled model {RANDOM_PREFIX}{name}; known: "
+            + ", ".join(RANDOM_PREFIX + k for k in known)
+        )
+    data = json.loads(resources.files("lora_lab").joinpath("configs", f"{name}.json").read_text())
+    data = {k: v for k, v in data.items() if not k.startswith("_")}
+    model_type = data.pop("model_type")
+    return AutoConfig.for_model(model_type, **data)
+
+
+def _as_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if isinstance(dtype, str) and dtype in names:
+        return names[dtype]
+    raise ValueError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(names)}")
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = host.partition(":")
+    try:
+        with socket.create_connection((host, int(port or 443)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def load_model(
+    spec: str,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str | None = "eager",
+    seed: int = 0,
+) -> nn.Module:
+    """A causal LM from ``random:<name>``, a local directory, or a hub id.
+
+    ``device="meta"`` builds a ``random:`` model without allocating memory (for counting).
+    The model comes back in eval mode.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dtype = _as_dtype(dtype)
+    device = torch.device(device)
+    kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    if spec.startswith(RANDOM_PREFIX):
+        config = model_config(spec)
+        if device.type == "meta":
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype, **kwargs)
+        else:
+            # Seeded init in fp32 on the CPU, whatever the target: the same spec and seed give the same
+            # values on every device, and lower-precision models are roundings of the fp32 one.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
+            model = model.to(device=device, dtype=dtype)
+        return model.eval()
+
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} exists but holds no config.json; it is not a saved model")
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
+        return model.to(device).eval()
+    try:  # the local cache first: no network, no retries
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True, **kwargs)
+        return model.to(device).eval()
+    except OSError:
+        pass
+    suggestion = "use a bundled architecture instead: " + ", ".join(RANDOM_PREFIX + k for k in random_model_names())
+    if not _hub_reachable():
+        raise ModelNotFoundError(
+            f"{spec!r} is not a local directory, not in the Hugging Face cache, and the hub cannot be "
+            f"reached (offline); {suggestion}"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **kwargs)
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load {spec!r} from the hub ({exc}); {suggestion}") from exc
+    return model.to(device).eval()
+
+
+class ByteTokenizer:
+    """Byte-level fallback tokenizer for models that ship none (``random:`` models).
+
+    Text is UTF-8 encoded and byte ``b`` becomes id ``b + 3``; ids 0, 1, 2 are pad, bos and eos.
+    It needs a vocabulary of at least 259 ids, which every bundled config has. Korean text costs
+    three ids per syllable, so sequences are longer than with a real BPE tokenizer.
+    """
+
+    pad_token_id = 0
+    bos_token_id = 1
+    eos_token_id = 2
+    offset = 3
+    vocab_size = 256 + 3
+    padding_side = "right"
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = [b + self.offset for b in text.encode("utf-8")]
+        return ([self.bos_token_id] if add_bos else []) + ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data = bytes(int(i) - self.offset for i in ids if int(i) >= self.offset)
+        return data.decode("utf-8", errors="replace")
+
+    def __call__(self, texts: str | Sequence[str], padding: bool = True, return_tensors: str | None = "pt",
+                 add_bos: bool = True):
+        single = isinstance(texts, str)
+        batch = [self.encode(t, add_bos=add_bos) for t in ([texts] if single else texts)]
+        if return_tensors != "pt":
+            return {"input_ids": batch[0] if single else batch}
+        if not padding and len({len(b) for b in batch}) > 1:
+            raise ValueError("sequences of different lengths need padding=True to make a tensor")
+        width = max(len(b) for b in batch)
+        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, b in enumerate(batch):
+            ids[i, : len(b)] = torch.tensor(b, dtype=torch.long)
+            mask[i, : len(b)] = 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer(utf-8 bytes + 3; pad=0, bos=1, eos=2)"
+
+
+def load_tokenizer(spec: str):
+    """The model's own tokenizer when one is available, else :class:`ByteTokenizer`."""
+    if spec.startswith(RANDOM_PREFIX):
+        model_config(spec)  # validates the name
+        return ByteTokenizer()
+    from transformers import AutoTokenizer
+
+    path = Path(spec).expanduser()
+    if path.exists() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
+        return ByteTokenizer()
+    try:
+        if path.exists():
+            tok = AutoTokenizer.from_pretrained(str(path))
+        else:
+            tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        return ByteTokenizer()
+    # transformers can build an empty tokenizer from a config alone; that is no tokenizer at all
+    return tok if len(tok) > 1 else ByteTokenizer()
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")

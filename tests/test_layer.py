@@ -1,0 +1,112 @@
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import lora_lab
+from lora_lab import LoRALinear, add_lora, count_parameters, merge_lora
+
+
+def test_fresh_layer_equals_base_and_init():
+    torch.manual_seed(0)
+    base = nn.Linear(24, 40)
+    layer = LoRALinear(base, r=4, alpha=8)
+    x = torch.randn(3, 5, 24)
+    assert torch.equal(layer(x), base(x))  # B = 0
+    assert torch.count_nonzero(layer.lora_B) == 0
+    bound = 1 / math.sqrt(24)  # Kaiming-uniform, a = sqrt(5)
+    assert layer.lora_A.abs().max() <= bound
+    assert layer.lora_A.std() > bound / 4  # not all zeros
+    assert layer.scaling == 2.0
+    assert not base.weight.requires_grad and layer.lora_A.requires_grad
+
+
+def test_forward_formula_and_merge():
+    torch.manual_seed(1)
+    base = nn.Linear(16, 12, dtype=torch.float64)
+    layer = LoRALinear(base, r=3, alpha=6)
+    assert layer.lora_A.dtype == torch.float64
+    nn.init.normal_(layer.lora_B, std=0.1)
+    x = torch.randn(7, 16, dtype=torch.float64)
+    want = x @ base.weight.T + base.bias + 2.0 * (x @ layer.lora_A.T) @ layer.lora_B.T
+    torch.testing.assert_close(layer(x), want)
+    merged = layer.merge()
+    assert type(merged) is nn.Linear
+    torch.testing.assert_close(merged(x), want)
+
+
+def test_add_lora_count_on_qwen_shape_without_memory():
+    model = lora_lab.load_model("random:qwen2.5-0.5b", device="meta")
+    assert count_parameters(model).total == 494_032_768
+    add_lora(model)
+    c = count_parameters(model)
+    assert (c.trainable, c.frozen) == (540_672, 494_032_768)
+    # the formula: 24 layers x r (in+out) for q (896->896) and v (896->128)
+    assert c.trainable == 24 * 8 * ((896 + 896) + (896 + 128))
+
+
+def test_add_lora_wraps_targets_and_freezes():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    add_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"))
+    names = [n for n, _ in lora_lab.lora_layers(model)]
+    assert names == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(".lora_A" in n or ".lora_B" in n for n in trainable) and len(trainable) == 8
+
+
+@pytest.mark.parametrize("r,alpha", [(0, 16), (-1, 16), (2.5, 16), (8, 0), (8, -3)])
+def test_bad_rank_or_alpha(r, alpha):
+    model = lora_lab.load_model("random:tiny-qwen2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="rank|alpha"):
+        add_lora(model, r=r, alpha=alpha)
+    assert not lora_lab.lora_layers(model)
+    assert all(p.requires_grad for p in model.parameters())  # not half-frozen
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_targets_matching_nothing_names_the_linears():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(ValueError, match=r"match no module.*q_proj"):
+        add_lora(model, targets=("query",))
+    assert not lora_lab.lora_layers(model)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_wrapping_twice_is_refused_and_leaves_model_intact():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    add_lora(model, targets=("q_proj",))
+    with pytest.raises(ValueError, match=r"already applied to model\.layers\.0\.self_attn\.q_proj"):
+        add_lora(model, targets=("q_proj", "k_proj"))
+    assert [n.rsplit(".", 1)[-1] for n, _ in lora_lab.lora_layers(model)] == ["q_proj", "q_proj"]
+    assert not isinstance(model.model.layers[0].self_attn.k_proj, LoRALinear)
+
+
+def test_non_linear_target_refused():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(TypeError, match="not an nn.Linear"):
+        add_lora(model, targets=("self_attn",))
+
+
+def test_merge_lora_model_and_no_lora_error():
+    torch.manual_seed(0)
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(ValueError, match="no LoRA layer"):
+        merge_lora(model)
+    add_lora(model, r=4, alpha=8)
+    for _, layer in lora_lab.lora_layers(model):
+        nn.init.normal_(layer.lora_B, std=0.05)
+    ids = torch.randint(3, 500, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+        merge_lora(model)
+        got = model(ids).logits
+    assert not lora_lab.lora_layers(model)
+    assert type(model.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert (got - ref).abs().max() < 1e-4
+
+
+def test_layer_rejects_non_linear():
+    with pytest.raises(TypeError, match="nn.Linear"):
+        LoRALinear(nn.Conv1d(3, 3, 1), r=2, alpha=2)

@@ -19,9 +19,22 @@ $(STAMP): pyproject.toml requirements-cpu.txt
 
 install: $(STAMP)
 
-run: $(STAMP)
-	TQDM_DISABLE=$${TQDM_DISABLE:-0} $(VENV)/bin/lora-lab run --profile $(PROFILE)
-	$(VENV)/bin/lora-lab grade --profile $(PROFILE)
+TEST_OUT := $(CURDIR)/build/test-outputs
 
+# make run: execute every notebook on PROFILE into outputs/<profile>/, then grade (grading happens
+# even when a notebook failed; the exit code still reports the failure).
+run: $(STAMP)
+	TQDM_DISABLE=$${TQDM_DISABLE:-0} $(VENV)/bin/lora-lab run --profile $(PROFILE); run_status=$$?; \
+	$(VENV)/bin/lora-lab grade --profile $(PROFILE) && exit $$run_status
+
+# make test: unit tests, the papermill cpu run of every notebook (into build/, leaving the committed
+# outputs alone), grading, the pre-registration history check, and nbval over notebooks/.
 test: $(STAMP)
 	$(PY) -m pytest -q
+	TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_OUT); run_status=$$?; \
+	$(VENV)/bin/lora-lab grade --profile cpu --outputs-dir $(TEST_OUT) && exit $$run_status
+	$(VENV)/bin/lora-lab verify
+	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+	  LORA_LAB_OUTPUT_DIR=$(CURDIR)/build/nbval-outputs TRITON_INTERPRET=1 TQDM_DISABLE=1 \
+	  $(PY) -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/; \
+	else echo "nbval: no notebooks yet"; fi

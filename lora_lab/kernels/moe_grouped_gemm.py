@@ -1,0 +1,247 @@
+"""Routing-aware grouped GEMM over expert-sorted rows, with gather / scatter-add fused in.
+
+For every sorted row j of expert e (see ``moe_routing``):
+
+    C[j, :] = A[src(j), :] @ B_e                        B_e: (K, N), any strides (so W or Wᵀ views)
+            + scale · P[j, :] @ L_e                     optional LoRA term, P: (S, R), L_e: (R, N)
+
+    src(j) = sorted_token[j]  if GATHER_A  (read X / dOut rows directly, no sorted copy)
+           = j                otherwise    (A already in sorted order, e.g. SiLU·up output)
+
+Epilogue, one of
+
+    STORE:        C_sorted[j, :] = C[j, :]                                 (sorted order, A's dtype)
+    SCATTER_ADD:  Out[sorted_token[j], :] += w[sorted_slot[j]] · C[j, :]    (fp32, atomics; w optional)
+
+Uses in the MoE layer (E experts, X: (T, H), W1 = gate_up_proj (E, 2I, H), W2 = down_proj (E, H, I)):
+
+    forward  down:  Out[t] += Σ_k w_tk · (h_j @ W2_eᵀ + s₂ (h_j A2_eᵀ) B2_eᵀ)      SCATTER_ADD, weighted
+    backward dX:    dX[t]  += Σ_k       (dGU_j @ W1_e + s₁ (dGU_j B1_e) A1_e)     SCATTER_ADD
+    LoRA factors:   P1 = X[tok] A1_eᵀ,  P2 = h A2_eᵀ,  Q1 = dGU B1_e,  Q2 = dOut[tok] B2_e   STORE, N = rank
+
+The scatter-add uses fp32 atomics, so the summation order over a token's K experts is not fixed
+(results are not bitwise deterministic; they are within fp32 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lora_lab.kernels.moe_launch_config import (
+    autotune_configs,
+    autotune_enabled,
+    dot_precision,
+    fixed_meta,
+    rank_block_size,
+)
+from lora_lab.kernels.moe_routing import ExpertRouting
+
+
+@triton.jit
+def _grouped_rows_gemm_kernel(
+    a_ptr, stride_a_row, stride_a_k,
+    b_ptr, stride_b_e, stride_b_k, stride_b_n,
+    lora_p_ptr, stride_p_row, stride_p_r,
+    lora_l_ptr, stride_l_e, stride_l_r, stride_l_n,
+    out_ptr, stride_out_row, stride_out_n,
+    row_weight_ptr, sorted_slot_ptr, sorted_token_ptr,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    N, K, R, lora_scale, num_experts,
+    GATHER_A: tl.constexpr, HAS_LORA: tl.constexpr, ROW_WEIGHT: tl.constexpr, SCATTER_ADD: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    tile = tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= num_experts:  # tile past the real total: nothing to do
+        return
+    # rows of this tile: [row_start, row_start + BLOCK_M) ∩ [.., offsets[e+1])
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    rows64 = rows.to(tl.int64)
+    token = tl.load(sorted_token_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    if GATHER_A:
+        a_rows = token  # A[sorted_token[j]]: gather fused into the load
+    else:
+        a_rows = rows64
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a_row + offs_k[None, :] * stride_a_k
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k + cols[None, :] * stride_b_n
+
+    # C = A_rows @ B_e, fp32 accumulation over K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_mask[None, :], other=0.0)
+        else:
+            k_mask = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_a_k
+        b_ptrs += BLOCK_K * stride_b_k
+
+    if HAS_LORA:
+        # C += scale · P_rows @ L_e   (rank-R product; W + B·A is never built)
+        offs_r = tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        p = tl.load(
+            lora_p_ptr + rows64[:, None] * stride_p_row + offs_r[None, :] * stride_p_r,
+            mask=row_mask[:, None] & r_mask[None, :], other=0.0,
+        )
+        lo = tl.load(
+            lora_l_ptr + expert.to(tl.int64) * stride_l_e + offs_r[:, None] * stride_l_r + cols[None, :] * stride_l_n,
+            mask=r_mask[:, None] & col_mask[None, :], other=0.0,
+        )
+        acc += lora_scale * tl.dot(p, lo, input_precision=DOT_PRECISION)
+
+    if ROW_WEIGHT:
+        # C[j] *= w[sorted_slot[j]]   (routing weight of this token-expert pair)
+        slot = tl.load(sorted_slot_ptr + rows, mask=row_mask, other=0)
+        weight = tl.load(row_weight_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+
+    mask = row_mask[:, None] & col_mask[None, :]
+    if SCATTER_ADD:
+        # Out[sorted_token[j]] += C[j]: the gather back to token order, fused (fp32 atomics)
+        out_ptrs = out_ptr + token[:, None] * stride_out_row + cols[None, :] * stride_out_n
+        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        out_ptrs = out_ptr + rows64[:, None] * stride_out_row + cols[None, :] * stride_out_n
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_rows_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_grouped_rows_gemm_kernel)
+_rows_kernel_tuned = triton.autotune(
+    configs=autotune_configs("rows"),
+    key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M"],
+    reset_to_zero=["out_ptr"],
+)(_rows_kernel)
+
+
+def _check_operands(a: torch.Tensor, b: torch.Tensor, routing: ExpertRouting, gather_rows: bool) -> None:
+    if a.dim() != 2 or b.dim() != 3:
+        raise ValueError(f"grouped_rows_gemm needs A (rows, K) and B (E, K, N); got {tuple(a.shape)}, {tuple(b.shape)}")
+    if b.shape[0] != routing.num_experts:
+        raise ValueError(f"B has {b.shape[0]} experts, routing has {routing.num_experts}")
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"K mismatch: A has {a.shape[1]} columns, B_e has {b.shape[1]} rows")
+    expected_rows = routing.num_tokens if gather_rows else routing.num_assignments
+    if a.shape[0] != expected_rows:
+        raise ValueError(f"A has {a.shape[0]} rows, expected {expected_rows} (gather_rows={gather_rows})")
+    if a.dtype != b.dtype:
+        raise TypeError(f"A is {a.dtype} but B is {b.dtype}; cast one of them first")
+
+
+def grouped_rows_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    routing: ExpertRouting,
+    *,
+    gather_rows: bool,
+    scatter_into: torch.Tensor | None = None,
+    row_weight: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    tune: bool = True,
+) -> torch.Tensor:
+    """C_j = A[src(j)] @ B_e (+ scale · P_j @ L_e), stored in sorted order or scatter-added by token.
+
+    a: (T, K) if ``gather_rows`` else (S, K); b: (E, K, N) with any strides; ``lora = (P (S, R),
+    L (E, R, N), scale)``; ``scatter_into``: fp32 (T, N) accumulated in place (then returned);
+    ``row_weight``: (S,) routing weights in assignment order (only with ``scatter_into``).
+    """
+    _check_operands(a, b, routing, gather_rows)
+    num_experts, k_dim, n_dim = b.shape
+    num_rows = routing.num_assignments
+    if scatter_into is not None:
+        if scatter_into.dtype != torch.float32 or tuple(scatter_into.shape) != (routing.num_tokens, n_dim):
+            raise ValueError(
+                f"scatter_into must be fp32 ({routing.num_tokens}, {n_dim}), got "
+                f"{scatter_into.dtype} {tuple(scatter_into.shape)}"
+            )
+        out = scatter_into
+    else:
+        out = torch.empty(num_rows, n_dim, device=a.device, dtype=a.dtype)
+    if row_weight is not None and scatter_into is None:
+        raise ValueError("row_weight is only supported together with scatter_into")
+    if num_rows == 0 or n_dim == 0:
+        return out
+
+    if lora is not None:
+        lora_p, lora_l, lora_scale = lora
+        rank = lora_p.shape[1]
+        if lora_l.shape != (num_experts, rank, n_dim) or lora_p.shape[0] != num_rows:
+            raise ValueError(f"LoRA operands P {tuple(lora_p.shape)} / L {tuple(lora_l.shape)} do not fit B {tuple(b.shape)}")
+        block_r = rank_block_size(rank)
+    else:
+        lora_p, lora_l, lora_scale, rank, block_r = a, b, 0.0, 0, 16
+    weight = row_weight if row_weight is not None else a
+
+    args = (
+        a, a.stride(0), a.stride(1),
+        b, b.stride(0), b.stride(1), b.stride(2),
+        lora_p, lora_p.stride(0), lora_p.stride(1),
+        lora_l, lora_l.stride(0), lora_l.stride(1), lora_l.stride(2),
+        out, out.stride(0), out.stride(1),
+        weight, routing.sorted_slot, routing.sorted_token,
+        routing.tile_expert, routing.tile_row_start, routing.expert_offsets,
+        n_dim, k_dim, rank, float(lora_scale), num_experts,
+    )
+    flags = dict(
+        GATHER_A=gather_rows, HAS_LORA=lora is not None, ROW_WEIGHT=row_weight is not None,
+        SCATTER_ADD=scatter_into is not None, DOT_PRECISION=dot_precision(a.dtype),
+        BLOCK_M=routing.block_m, BLOCK_R=block_r,
+    )
+    # Narrow outputs (LoRA factors, N = rank) get one tile across N and no tuning.
+    if tune and autotune_enabled() and n_dim > 128:
+        grid = lambda meta: (triton.cdiv(n_dim, meta["BLOCK_N"]), routing.max_tiles)  # noqa: E731
+        _rows_kernel_tuned[grid](*args, **flags)
+    else:
+        meta = fixed_meta("rows")
+        if n_dim <= 128:
+            meta["BLOCK_N"] = max(16, triton.next_power_of_2(n_dim))
+        grid = (triton.cdiv(n_dim, meta["BLOCK_N"]), routing.max_tiles)
+        _rows_kernel[grid](*args, **flags, **meta)
+    return out
+
+
+def grouped_rows_gemm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    routing: ExpertRouting,
+    *,
+    gather_rows: bool,
+    scatter_into: torch.Tensor | None = None,
+    row_weight: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """Plain-torch version of ``grouped_rows_gemm`` (per-expert loop, fp32 math)."""
+    offsets = routing.expert_offsets.tolist()
+    src = routing.sorted_token.long() if gather_rows else torch.arange(routing.num_assignments, device=a.device)
+    result = torch.zeros(routing.num_assignments, b.shape[2], device=a.device, dtype=torch.float32)
+    for e in range(routing.num_experts):
+        lo, hi = offsets[e], offsets[e + 1]
+        if hi == lo:
+            continue
+        rows = a[src[lo:hi]].float()
+        part = rows @ b[e].float()
+        if lora is not None:
+            lora_p, lora_l, scale = lora
+            part = part + scale * (lora_p[lo:hi].float() @ lora_l[e].float())
+        result[lo:hi] = part
+    if scatter_into is None:
+        return result.to(a.dtype)
+    in_range = slice(offsets[0], offsets[-1])
+    contrib = result[in_range]
+    if row_weight is not None:
+        contrib = contrib * row_weight.float()[routing.sorted_slot[in_range].long()][:, None]
+    return scatter_into.index_add(0, routing.sorted_token[in_range].long(), contrib)

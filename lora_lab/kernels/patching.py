@@ -1,0 +1,394 @@
+"""Switch a model's LoRA layers to the fused Triton kernels, and back.
+
+``patch_model(model)`` finds every PEFT ``lora.Linear`` and every :class:`lora_lab.LoRALinear`, checks that the
+fused kernel computes exactly what the layer computes, and replaces the layer's ``forward`` (an instance
+attribute; the module tree, parameter names and state dict are untouched). Projections that read the same
+input — q/k/v, gate/up, GatedDeltaNet's in_proj_qkv/z/b/a — are grouped into one shared-input op; frozen plain
+``nn.Linear`` siblings join their group (they read the same X for free). The group's frozen weights are moved into
+one concatenated buffer and each member's weight becomes a view of it (no extra memory).
+
+Checked once at patch time (unsupported → ``UnsupportedLoRAError`` naming every offending layer, nothing
+patched): DoRA and other PEFT LoRA variants, ``lora_bias``, ``fan_in_fan_out`` (Conv1D) layers, quantized or
+non-``nn.Linear`` bases, LoRA on embeddings/convolutions, dtypes other than bf16/fp16/fp32, tensors off CUDA
+(unless Triton's interpreter is on). ``strict=False`` leaves such layers on their own forward instead.
+
+Checked at every call (then the layer's original forward runs, which is right by construction): adapters
+disabled or merged, several active adapters or a mixed-adapter batch (``adapter_names``), an input dtype that
+differs from the weights, autocast.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .lora_linear import SUPPORTED_DTYPES, fused_lora_linear, running_in_interpreter
+from .lora_shared_input import MAX_SEGMENTS, fused_shared_input_lora
+
+__all__ = ["patch_model", "unpatch_model", "UnsupportedLoRAError", "patched_layers", "SHARED_INPUT_GROUPS"]
+
+# sibling projections that read the same input in the supported architectures
+SHARED_INPUT_GROUPS = (
+    ("q_proj", "k_proj", "v_proj"),
+    ("gate_proj", "up_proj"),
+    ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+)
+
+_STATE_ATTR = "_lora_lab_fused"
+
+
+class UnsupportedLoRAError(ValueError):
+    """The model carries a LoRA configuration the fused kernels do not implement."""
+
+
+def _peft_lora_classes():
+    try:
+        from peft.tuners.lora.layer import Linear as PeftLoraLinear
+        from peft.tuners.lora.layer import LoraLayer
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return None, None
+    return PeftLoraLinear, LoraLayer
+
+
+def _lora_lab_linear_class():
+    from lora_lab.layer import LoRALinear
+
+    return LoRALinear
+
+
+# ----------------------------------------------------------------------------------------------
+# What one patched layer needs at call time.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _LayerState:
+    kind: str  # "peft", "lora_lab" or "frozen" (a plain nn.Linear that joined a shared-input group)
+    original_forward_in_dict: object  # instance-level forward before patching (normally absent → None)
+    had_forward_attr: bool
+    group: "_SharedInputGroup | None" = None
+    index: int = -1
+    weight_view_of_group: bool = False
+
+    # --- per-call resolution of the layer's LoRA parts -----------------------------------------
+    @staticmethod
+    def parts(module):
+        """(base nn.Linear, A, B, scaling, dropout_p) for the simple case, or None: use the original forward."""
+        st = getattr(module, _STATE_ATTR)
+        if st.kind == "frozen":
+            return module, None, None, 0.0, 0.0
+        if st.kind == "lora_lab":
+            p = module.dropout_p if module.training else 0.0
+            return module.base, module.lora_A, module.lora_B, module.scaling, p
+        # PEFT lora.Linear
+        if module.disable_adapters or module.merged:
+            return None
+        active = module.active_adapters
+        if len(active) != 1 or active[0] not in module.lora_A:
+            return None
+        name = active[0]
+        if module.use_dora.get(name, False) or name in getattr(module, "lora_variant", {}):
+            return None
+        drop = module.lora_dropout[name]
+        p = drop.p if isinstance(drop, nn.Dropout) and drop.training else 0.0
+        return (module.get_base_layer(), module.lora_A[name].weight, module.lora_B[name].weight,
+                module.scaling[name], p)
+
+
+def _fusable_call(x, base) -> bool:
+    if not isinstance(x, torch.Tensor) or x.dtype != base.weight.dtype or x.device != base.weight.device:
+        return False
+    if torch.is_autocast_enabled(x.device.type):
+        return False
+    return x.device.type == "cuda" or running_in_interpreter()
+
+
+def _original_forward(module):
+    # the class's forward, bound to this module (we only ever patch an instance attribute)
+    return type(module).forward.__get__(module, type(module))
+
+
+def _make_forward(module):
+    def fused_forward(x, *args, **kwargs):
+        st = getattr(module, _STATE_ATTR)
+        parts = None if (args or kwargs) else _LayerState.parts(module)
+        if parts is None or not _fusable_call(x, parts[0]):
+            return _original_forward(module)(x, *args, **kwargs)
+        base, a, b, s, p = parts
+        if st.group is not None and p == 0.0:
+            y = st.group.output_for(st.index, x)
+            if y is not None:
+                return y
+        if a is None:  # a frozen plain linear outside its group's fast path
+            return _original_forward(module)(x)
+        return fused_lora_linear(x, base.weight, base.bias, a, b, s, dropout_p=p, training=module.training)
+
+    return fused_forward
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared-input groups.
+# ----------------------------------------------------------------------------------------------
+class _SharedInputGroup:
+    """One fused op for sibling projections of the same input; the first member called computes all outputs,
+    the others pick theirs up (matched by tensor identity and version of the input)."""
+
+    MAX_UNUSED = 3  # after this many computed-but-never-collected outputs the group turns itself off
+
+    def __init__(self, members):
+        self.members = members  # list of modules, in call order of SHARED_INPUT_GROUPS
+        self.splits = [self._base(m).out_features for m in members]
+        bases = [self._base(m) for m in members]
+        w0 = bases[0].weight
+        with torch.no_grad():
+            self.weight_cat = torch.cat([b.weight.detach() for b in bases], 0)
+            has_bias = [b.bias is not None for b in bases]
+            self.bias_cat = None
+            if any(has_bias):
+                self.bias_cat = torch.cat([b.bias.detach() if b.bias is not None else
+                                           torch.zeros(b.out_features, device=w0.device, dtype=w0.dtype)
+                                           for b in bases], 0)
+            # members' weights become views of the concatenated buffer (no duplicate memory)
+            off = 0
+            for b in bases:
+                n = b.out_features
+                b.weight.data = self.weight_cat[off:off + n]
+                if b.bias is not None:
+                    b.bias.data = self.bias_cat[off:off + n]
+                off += n
+        self._pending = None
+        self.unused = 0
+        self.enabled = True
+
+    @staticmethod
+    def _base(m):
+        st = getattr(m, _STATE_ATTR, None)
+        kind = st.kind if st is not None else None
+        if kind == "peft":
+            return m.get_base_layer()
+        if kind == "lora_lab":
+            return m.base
+        return m
+
+    def _weights_still_views(self) -> bool:
+        off = 0
+        ptr0 = self.weight_cat.data_ptr()
+        es = self.weight_cat.element_size() * self.weight_cat.shape[1]
+        for m, n in zip(self.members, self.splits):
+            w = self._base(m).weight
+            if w.data_ptr() != ptr0 + off * es or w.shape != (n, self.weight_cat.shape[1]):
+                return False
+            off += n
+        return True
+
+    def output_for(self, index, x):
+        """This member's output, or None when the group cannot serve it (caller runs the single kernel)."""
+        if not self.enabled:
+            return None
+        pend = self._pending
+        if pend is not None:
+            px, pver, outs = pend
+            if px is x and pver == x._version and index in outs:
+                y = outs.pop(index)
+                if not outs:
+                    self._pending = None
+                return y
+            self.unused += len(outs)
+            self._pending = None
+            if self.unused > self.MAX_UNUSED:
+                self.enabled = False
+                warnings.warn("lora_lab.kernels: projections of a shared-input group are not called on the same "
+                              "input; running them one by one", RuntimeWarning, stacklevel=3)
+                return None
+        parts = [_LayerState.parts(m) for m in self.members]
+        if any(p is None or p[4] != 0.0 for p in parts) or not self._weights_still_views():
+            return None
+        if any(self._base(m).weight.requires_grad or (self._base(m).bias is not None and
+                                                      self._base(m).bias.requires_grad) for m in self.members):
+            return None
+        outs = fused_shared_input_lora(x, self.weight_cat, self.bias_cat, self.splits,
+                                       [p[1] for p in parts], [p[2] for p in parts], [p[3] for p in parts])
+        rest = {j: o for j, o in enumerate(outs) if j != index}
+        self._pending = (x, x._version, rest) if rest else None
+        return outs[index]
+
+    def release(self):
+        """Give every member its own contiguous weight again (a saved model then has no shared storage)."""
+        with torch.no_grad():
+            for m in self.members:
+                b = self._base(m)
+                b.weight.data = b.weight.data.clone()
+                if b.bias is not None:
+                    b.bias.data = b.bias.data.clone()
+        self._pending = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Support checks.
+# ----------------------------------------------------------------------------------------------
+def _why_unsupported_base(base, where) -> str | None:
+    if type(base) is not nn.Linear:
+        return f"{where}: base layer is {type(base).__name__}, not a plain nn.Linear (quantized bases are not supported)"
+    if base.weight.dtype not in SUPPORTED_DTYPES:
+        return f"{where}: base weight dtype {base.weight.dtype} is not bf16/fp16/fp32 (quantized?)"
+    if base.weight.device.type != "cuda" and not running_in_interpreter():
+        return f"{where}: weights on {base.weight.device}; the Triton kernels need CUDA (or TRITON_INTERPRET=1)"
+    return None
+
+
+def _why_unsupported_peft(module, name) -> str | None:
+    PeftLoraLinear, _ = _peft_lora_classes()
+    if type(module) is not PeftLoraLinear:
+        return f"{name}: PEFT LoRA layer type {type(module).__name__} (only lora.Linear on nn.Linear is fused)"
+    if getattr(module, "fan_in_fan_out", False):
+        return f"{name}: fan_in_fan_out=True (Conv1D weights) is not supported"
+    for adapter in module.lora_A:
+        if module.use_dora.get(adapter, False) or getattr(module, "lora_magnitude_vector", {}) and \
+                adapter in module.lora_magnitude_vector:
+            return f"{name}: DoRA (use_dora=True) is not supported"
+        if adapter in getattr(module, "lora_variant", {}):
+            return f"{name}: LoRA variant {type(module.lora_variant[adapter]).__name__} is not supported"
+        if getattr(module, "lora_bias", {}).get(adapter, False):
+            return f"{name}: lora_bias=True is not supported"
+        drop = module.lora_dropout[adapter]
+        if not isinstance(drop, (nn.Dropout, nn.Identity)):
+            return f"{name}: LoRA dropout module {type(drop).__name__} is not supported"
+        if module.lora_A[adapter].weight.dtype not in SUPPORTED_DTYPES:
+            return f"{name}: LoRA weight dtype {module.lora_A[adapter].weight.dtype} is not supported"
+    return _why_unsupported_base(module.get_base_layer(), name)
+
+
+def _lora_modules(model):
+    """(name, module, kind, reason-if-unsupported) for every LoRA-carrying module."""
+    PeftLoraLinear, LoraLayer = _peft_lora_classes()
+    LoRALinear = _lora_lab_linear_class()
+    found = []
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            found.append((name, m, "lora_lab", _why_unsupported_base(m.base, name)))
+        elif LoraLayer is not None and isinstance(m, LoraLayer):
+            found.append((name, m, "peft", _why_unsupported_peft(m, name)))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API.
+# ----------------------------------------------------------------------------------------------
+def _install(module, kind, group=None, index=-1):
+    had = "forward" in module.__dict__
+    state = _LayerState(kind=kind, original_forward_in_dict=module.__dict__.get("forward"), had_forward_attr=had,
+                        group=group, index=index)
+    setattr(module, _STATE_ATTR, state)
+    module.forward = _make_forward(module)
+
+
+def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True) -> dict:
+    """Route every supported LoRA linear of ``model`` through the fused Triton kernels (idempotent).
+
+    Returns a summary: ``{"lora_layers": n, "shared_input_groups": g, "frozen_members": f, "moe_experts": e,
+    "skipped": [reasons]}``. Raises :class:`UnsupportedLoRAError` (and patches nothing) when ``strict`` and any
+    LoRA layer is unsupported; with ``strict=False`` those layers keep their own forward.
+    """
+    found = _lora_modules(model)
+    bad = [(n, why) for n, _, _, why in found if why is not None]
+    if bad and strict:
+        lines = "\n  ".join(why for _, why in bad)
+        raise UnsupportedLoRAError(f"patch_model: {len(bad)} LoRA layer(s) cannot use the fused kernels:\n  {lines}\n"
+                                   "(pass strict=False to fuse the others and leave these as they are)")
+    if bad:
+        warnings.warn(f"patch_model: leaving {len(bad)} unsupported LoRA layer(s) unfused", RuntimeWarning,
+                      stacklevel=2)
+    patched = 0
+    for name, m, kind, why in found:
+        if why is None and not hasattr(m, _STATE_ATTR):
+            _install(m, kind)
+            patched += 1
+
+    groups = frozen = 0
+    if fuse_shared_inputs:
+        for parent in model.modules():
+            for names in SHARED_INPUT_GROUPS:
+                members = []
+                for n in names:
+                    child = parent._modules.get(n)
+                    if child is None:
+                        continue
+                    st = getattr(child, _STATE_ATTR, None)
+                    if st is not None and st.group is None and st.kind in ("peft", "lora_lab"):
+                        if _LayerState.parts(child) is not None and _LayerState.parts(child)[4] == 0.0 \
+                                and not _has_dropout(child):
+                            members.append(child)
+                    elif st is None and type(child) is nn.Linear and not child.weight.requires_grad and \
+                            (child.bias is None or not child.bias.requires_grad) and \
+                            _why_unsupported_base(child, n) is None:
+                        members.append(child)
+                lora_members = [c for c in members if hasattr(c, _STATE_ATTR)]
+                if len(members) < 2 or not lora_members or len(members) > MAX_SEGMENTS:
+                    continue
+                bases = [_SharedInputGroup._base(c) if hasattr(c, _STATE_ATTR) else c for c in members]
+                if len({(b.in_features, b.weight.dtype, b.weight.device) for b in bases}) != 1:
+                    continue
+                if any(b.weight.requires_grad for b in bases):
+                    continue
+                for c in members:
+                    if not hasattr(c, _STATE_ATTR):
+                        _install(c, "frozen")
+                        frozen += 1
+                group = _SharedInputGroup(members)
+                for i, c in enumerate(members):
+                    st = getattr(c, _STATE_ATTR)
+                    st.group, st.index, st.weight_view_of_group = group, i, True
+                groups += 1
+
+    moe_patch = _moe_patch_module()
+    moe = int(moe_patch.patch_moe_experts(model)) if moe_patch is not None else 0
+    return {"lora_layers": patched, "shared_input_groups": groups, "frozen_members": frozen, "moe_experts": moe,
+            "skipped": [why for _, why in bad]}
+
+
+def _has_dropout(module) -> bool:
+    st = getattr(module, _STATE_ATTR)
+    if st.kind == "lora_lab":
+        return module.dropout_p > 0
+    return any(isinstance(d, nn.Dropout) and d.p > 0 for d in module.lora_dropout.values())
+
+
+def patched_layers(model: nn.Module) -> list[str]:
+    """Names of the modules currently routed through the fused kernels."""
+    return [n for n, m in model.named_modules() if hasattr(m, _STATE_ATTR)]
+
+
+def unpatch_model(model: nn.Module) -> int:
+    """Undo :func:`patch_model`: original forwards back, members' weights contiguous again. Returns the count."""
+    count = 0
+    released = set()
+    for _, m in model.named_modules():
+        st = getattr(m, _STATE_ATTR, None)
+        if st is None:
+            continue
+        if st.group is not None and id(st.group) not in released:
+            st.group.release()
+            released.add(id(st.group))
+        if st.had_forward_attr:
+            m.forward = st.original_forward_in_dict
+        else:
+            m.__dict__.pop("forward", None)
+        delattr(m, _STATE_ATTR)
+        count += 1
+    moe_patch = _moe_patch_module()
+    if moe_patch is not None:
+        count += int(moe_patch.unpatch_moe_experts(model))
+    return count
+
+
+def _moe_patch_module():
+    """The MoE experts' patcher (lora_lab.kernels.moe_patch), or None while it does not exist."""
+    import importlib
+
+    name = __package__ + ".moe_patch"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name != name:
+            raise
+        return None

@@ -25,6 +25,7 @@ __all__ = [
     "count_parameters",
     "lora_layers",
     "find_target_linears",
+    "replace_module",
 ]
 
 
@@ -132,7 +133,8 @@ def find_target_linears(model: nn.Module, targets: Sequence[str] | str) -> list[
     return [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
 
 
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Put ``new`` where the submodule called ``name`` (dotted path) is."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, child, new)
@@ -184,7 +186,7 @@ def add_lora(
     for p in model.parameters():
         p.requires_grad_(False)
     for name, layer in wrapped:
-        _set_submodule(model, name, layer)
+        replace_module(model, name, layer)
     model._lora_lab_config = {
         "r": r,
         "alpha": alpha,
@@ -201,7 +203,7 @@ def merge_lora(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> 
         raise ValueError(f"{type(model).__name__} carries no LoRA layer: nothing to merge")
     merged = [(name, layer.merge(compute_dtype)) for name, layer in layers]  # all computed before any swap
     for name, linear in merged:
-        _set_submodule(model, name, linear)
+        replace_module(model, name, linear)
     if hasattr(model, "_lora_lab_config"):
         del model._lora_lab_config
     return model

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layer import LoRALinear, _set_submodule, lora_layers
+from .layer import LoRALinear, replace_module, lora_layers
 
 __all__ = [
     "RECIPES",
@@ -208,11 +208,11 @@ def projections_swapped(
     swapped = {name: RoundedLoRAProjection(ref_layers[name], recipe, low_dtype) for name in host_layers}
     try:
         for name, module in swapped.items():
-            _set_submodule(host, name, module)
+            replace_module(host, name, module)
         yield host
     finally:
         for name, layer in host_layers.items():
-            _set_submodule(host, name, layer)
+            replace_module(host, name, layer)
 
 
 # --------------------------------------------------------------------------------------------

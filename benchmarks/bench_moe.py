@@ -1,6 +1,6 @@
 """MoE experts benchmark (GPU): transformers eager vs grouped_mm vs lora_lab's fused Triton kernels.
 
-    python benchmarks/bench_moe.py --out outputs/gpu/moe_bench            # everything (~2-3 min on an H200)
+    python benchmarks/bench_moe.py --out outputs/gpu/moe_bench            # everything (~1.5-2 min on an H200)
     python benchmarks/bench_moe.py --out /tmp/moe --tokens 8192 --no-e2e  # one token count, layer only
 
 Writes into --out: moe_numerics.csv, moe_layer_bench.csv, moe_e2e_bench.csv, moe_layer_speed.png,
@@ -28,7 +28,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 32768], help="token counts T")
     parser.add_argument("--shapes", nargs="+", default=list(LAYER_SHAPES), choices=list(LAYER_SHAPES))
     parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    parser.add_argument("--eager-tokens", type=int, nargs="*", default=[8192],
+                        help="token counts at which the slow eager loop is also timed (empty: every T)")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training-step benchmark")
+    parser.add_argument("--e2e-steps", type=int, default=3, help="timed end-to-end steps per implementation")
     args = parser.parse_args()
 
     import torch
@@ -37,7 +40,8 @@ def main() -> None:
     print(f"[moe-bench] {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
     result = run_moe_benchmarks(
         args.out, tokens=tuple(args.tokens), shapes=tuple(args.shapes), modes=tuple(args.modes),
-        e2e=not args.no_e2e, log=lambda msg: print(msg, flush=True),
+        e2e=not args.no_e2e, e2e_steps=args.e2e_steps, eager_tokens=tuple(args.eager_tokens) or None,
+        log=lambda msg: print(msg, flush=True),
     )
     worst = {}
     for row in result["numerics"]:

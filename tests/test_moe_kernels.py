@@ -268,6 +268,45 @@ def test_bad_inputs_are_named():
         fused_moe_experts(x, index, weights, w1, w2, lora=ExpertLoRA(torch.zeros(3, 2, 16), None))
 
 
+def test_fixed_launch_configs_switches_tuning_off_and_restores(monkeypatch):
+    from lora_lab.kernels import moe_launch_config as lc
+
+    monkeypatch.setattr(lc, "triton_interpreting", lambda: False)  # behave as on a GPU
+    monkeypatch.setenv("LORA_LAB_MOE_AUTOTUNE", "1")
+    assert lc.autotune_enabled() and lc.fixed_kernel("spec", "unspec") == "spec"
+    assert lc.narrow_block_size(3) == 16
+    with lc.fixed_launch_configs():
+        assert not lc.autotune_enabled() and lc.fixed_kernel("spec", "unspec") == "unspec"
+        assert lc.narrow_block_size(3) == 64 and lc.narrow_block_size(100) == 128
+    assert lc.autotune_enabled()
+    monkeypatch.delenv("LORA_LAB_MOE_AUTOTUNE")
+    with lc.fixed_launch_configs():
+        pass
+    assert "LORA_LAB_MOE_AUTOTUNE" not in __import__("os").environ
+
+
+def test_unspecialized_twins_cover_every_size_and_stride():
+    import triton
+
+    from lora_lab.kernels import moe_down_backward, moe_expert_weight_grad, moe_gate_up_silu, moe_grouped_gemm
+
+    twins = [
+        (moe_gate_up_silu._gate_up_silu_kernel, moe_gate_up_silu._gate_up_kernel_unspecialized.fn),
+        (moe_grouped_gemm._grouped_rows_gemm_kernel, moe_grouped_gemm._rows_kernel_unspecialized.fn),
+        (moe_down_backward._down_backward_silu_kernel, moe_down_backward._down_backward_kernel_unspecialized.fn),
+        (moe_expert_weight_grad._expert_weight_grad_kernel, moe_expert_weight_grad._expert_weight_grad_kernel_unspecialized),
+    ]
+    for original, twin in twins:
+        assert twin.fn is original.fn
+        params = triton.runtime.jit.JITFunction(original.fn).params  # also under the interpreter
+        expected = [p.name for p in params if not p.is_constexpr and not p.name.endswith("_ptr")]
+        assert {"K", "N", "M"} & set(expected) and not any(p.do_not_specialize for p in params)
+        # a compiled twin lists them in .params; the interpreter keeps the jit keyword arguments
+        unspecialized = ([p.name for p in twin.params if p.do_not_specialize] if hasattr(twin, "params")
+                         else list(twin.kwargs["do_not_specialize"]))
+        assert unspecialized == expected, original.fn.__name__
+
+
 @pytest.mark.skipif(triton_interpreting() or torch.cuda.is_available(), reason="only without CUDA and interpreter")
 def test_cpu_without_interpreter_is_refused():
     x, index, weights, w1, w2, _ = make_problem(4, 16, 8, 3, 2)

@@ -29,8 +29,10 @@ from lora_lab.kernels.moe_launch_config import (
     autotune_configs,
     autotune_enabled,
     dot_precision,
+    fixed_kernel,
     fixed_meta,
     rank_block_size,
+    unspecialized_twin,
 )
 from lora_lab.kernels.moe_routing import ExpertRouting
 
@@ -119,6 +121,9 @@ def _down_backward_silu_kernel(
 _down_backward_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
     _down_backward_silu_kernel
 )
+_down_backward_kernel_unspecialized = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
+    unspecialized_twin(_down_backward_silu_kernel)
+)
 _down_backward_kernel_tuned = triton.autotune(
     configs=autotune_configs("down_backward"),
     key=["I", "K", "HAS_LORA", "COMPUTE_DW", "BLOCK_M"],
@@ -184,7 +189,7 @@ def down_backward_silu(
     else:
         meta = fixed_meta("down_backward")
         grid = (triton.cdiv(inter, meta["BLOCK_N"]), routing.max_tiles)
-        _down_backward_kernel[grid](*args, **flags, **meta)
+        fixed_kernel(_down_backward_kernel, _down_backward_kernel_unspecialized)[grid](*args, **flags, **meta)
     return dgu, dw
 
 

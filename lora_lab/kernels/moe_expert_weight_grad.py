@@ -27,7 +27,10 @@ from lora_lab.kernels.moe_launch_config import (
     autotune_configs,
     autotune_enabled,
     dot_precision,
+    fixed_kernel,
     fixed_meta,
+    narrow_block_size,
+    unspecialized_twin,
 )
 from lora_lab.kernels.moe_routing import ExpertRouting
 
@@ -88,6 +91,7 @@ def _expert_weight_grad_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+_expert_weight_grad_kernel_unspecialized = unspecialized_twin(_expert_weight_grad_kernel)
 _weight_grad_kernel_tuned = triton.autotune(
     configs=autotune_configs("weight_grad"),
     key=["M", "N", "GATHER_A", "GATHER_B", "ROW_WEIGHT"],
@@ -141,11 +145,11 @@ def expert_weight_grad(
     else:
         meta = fixed_meta("weight_grad")
         if m_dim <= 128:
-            meta["BLOCK_M"] = max(16, triton.next_power_of_2(m_dim))
+            meta["BLOCK_M"] = narrow_block_size(m_dim)
         if n_dim <= 128:
-            meta["BLOCK_N"] = max(16, triton.next_power_of_2(n_dim))
+            meta["BLOCK_N"] = narrow_block_size(n_dim)
         grid = (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
-        _expert_weight_grad_kernel[grid](*args, **flags, **meta)
+        fixed_kernel(_expert_weight_grad_kernel, _expert_weight_grad_kernel_unspecialized)[grid](*args, **flags, **meta)
     return out
 
 

@@ -25,8 +25,10 @@ from lora_lab.kernels.moe_launch_config import (
     autotune_configs,
     autotune_enabled,
     dot_precision,
+    fixed_kernel,
     fixed_meta,
     rank_block_size,
+    unspecialized_twin,
 )
 from lora_lab.kernels.moe_routing import ExpertRouting
 
@@ -109,6 +111,9 @@ def _gate_up_silu_kernel(
 
 
 _gate_up_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gate_up_silu_kernel)
+_gate_up_kernel_unspecialized = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
+    unspecialized_twin(_gate_up_silu_kernel)
+)
 _gate_up_kernel_tuned = triton.autotune(
     configs=autotune_configs("gate_up"), key=["I", "K", "HAS_LORA", "BLOCK_M"],
 )(_gate_up_kernel)
@@ -163,7 +168,7 @@ def gate_up_silu(
     else:
         meta = fixed_meta("gate_up")
         grid = (triton.cdiv(inter, meta["BLOCK_N"]), routing.max_tiles)
-        _gate_up_kernel[grid](*args, **flags, **meta)
+        fixed_kernel(_gate_up_kernel, _gate_up_kernel_unspecialized)[grid](*args, **flags, **meta)
     return gu, h
 
 

@@ -33,8 +33,11 @@ from lora_lab.kernels.moe_launch_config import (
     autotune_configs,
     autotune_enabled,
     dot_precision,
+    fixed_kernel,
     fixed_meta,
+    narrow_block_size,
     rank_block_size,
+    unspecialized_twin,
 )
 from lora_lab.kernels.moe_routing import ExpertRouting
 
@@ -121,6 +124,9 @@ def _grouped_rows_gemm_kernel(
 
 
 _rows_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_grouped_rows_gemm_kernel)
+_rows_kernel_unspecialized = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
+    unspecialized_twin(_grouped_rows_gemm_kernel)
+)
 _rows_kernel_tuned = triton.autotune(
     configs=autotune_configs("rows"),
     key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M"],
@@ -208,9 +214,9 @@ def grouped_rows_gemm(
     else:
         meta = fixed_meta("rows")
         if n_dim <= 128:
-            meta["BLOCK_N"] = max(16, triton.next_power_of_2(n_dim))
+            meta["BLOCK_N"] = narrow_block_size(n_dim)
         grid = (triton.cdiv(n_dim, meta["BLOCK_N"]), routing.max_tiles)
-        _rows_kernel[grid](*args, **flags, **meta)
+        fixed_kernel(_rows_kernel, _rows_kernel_unspecialized)[grid](*args, **flags, **meta)
     return out
 
 

@@ -11,6 +11,8 @@ tiny shapes do not each trigger a tuning sweep); the interpreter never autotunes
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 
 import torch
@@ -27,6 +29,57 @@ def autotune_enabled() -> bool:
     if triton_interpreting():
         return False
     return os.environ.get("LORA_LAB_MOE_AUTOTUNE", "1") not in ("0", "false", "False")
+
+
+@contextlib.contextmanager
+def fixed_launch_configs():
+    """Within the block, GPU launches use the fixed configs (as ``LORA_LAB_MOE_AUTOTUNE=0``).
+
+    For correctness checks over many small shapes: each new shape would otherwise start a tuning
+    sweep (compile + time every config), which costs time and proves nothing about correctness.
+    """
+    saved = os.environ.get("LORA_LAB_MOE_AUTOTUNE")
+    os.environ["LORA_LAB_MOE_AUTOTUNE"] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LORA_LAB_MOE_AUTOTUNE", None)
+        else:
+            os.environ["LORA_LAB_MOE_AUTOTUNE"] = saved
+
+
+def unspecialized_twin(kernel):
+    """The same ``@triton.jit`` kernel without value specialisation of its integer arguments.
+
+    Triton compiles one variant per pattern of "int == 1" / "int % 16 == 0" over all sizes and
+    strides; the correctness checks sweep many small odd shapes, and each shape would compile every
+    kernel again. The twin (sizes and strides not specialised, pointers still are) compiles once per
+    set of constexprs. Launched only when tuning is off on a GPU (``fixed_kernel``), so the tuned,
+    specialised kernels that the benchmarks time are unchanged.
+    """
+    names = [
+        name for name, param in inspect.signature(kernel.fn).parameters.items()
+        if not name.endswith("_ptr") and "constexpr" not in str(param.annotation)
+    ]
+    return triton.jit(kernel.fn, do_not_specialize=names)
+
+
+def fixed_kernel(specialized, unspecialized):
+    """Kernel for a fixed-config launch: the unspecialised twin when tuning is off on a GPU."""
+    if triton_interpreting() or autotune_enabled():
+        return specialized
+    return unspecialized
+
+
+def narrow_block_size(size: int) -> int:
+    """Tile side for a GEMM dimension <= 128 (LoRA rank, tiny test shapes): one tile covers it.
+
+    A power of two >= 16 (tl.dot's minimum). With the unspecialised twins (tuning off on a GPU) the
+    side is at least 64, so the many small shapes of the correctness checks share compiled variants.
+    """
+    floor = 16 if triton_interpreting() or autotune_enabled() else 64
+    return max(floor, triton.next_power_of_2(size))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -124,6 +124,8 @@ def main(argv=None):
     ap.add_argument("--check-seq", type=int, default=2048, help="sequence for the whole-layer check (0: skip)")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=25)
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="measure only these variants (base and peft always; default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_gated_deltanet needs a CUDA GPU")
@@ -170,6 +172,9 @@ def main(argv=None):
         "fused_overlap": (lambda: projection_group(fused_model.base_model.model.layer, x, c),
                           [p for p in fused_model.parameters() if p.requires_grad]),
     }
+    if args.variants:  # a subset (the ratios need base and peft)
+        keep = {"base", "peft", *args.variants}
+        variants = {k: v for k, v in variants.items() if k in keep}
     all_params = [p for m in (layer, peft_model, nocast_model, fused_model, fused32_model) for p in m.parameters()]
     rows = []
     for name, (fwd, params) in variants.items():

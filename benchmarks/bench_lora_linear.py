@@ -5,7 +5,9 @@ Variants, side by side in one process on the same X and dY:
   peft          PEFT lora.Linear, default settings (fp32 adapters → X cast bf16→fp32→bf16)
   peft_nocast   PEFT lora.Linear with bf16 adapters (no input-dtype cast)
   chained       chained-cuBLAS autograd Function (lora_lab.kernels.chained_lora_linear)
-  fused         lora_lab.kernels.fused_lora_linear (Triton, rank-r term folded into the GEMMs)
+  fused         lora_lab.kernels.fused_lora_linear as shipped (Triton, rank-r term folded into the GEMMs; the
+                same formulas as cuBLAS calls below a GEMM-size threshold, see lora_linear.engine_for)
+  fused_triton  the same with the Triton kernels at every shape (LORA_LAB_DISPATCH=triton)
   fused_overlap, fused_qdb, fused_qdb_overlap   the same kernels with experimental switches: dA/dB on a
                 side CUDA stream during the dX GEMM; Q and dB in one pass over dY (atomic adds)
 
@@ -31,11 +33,13 @@ from bench_timing import environment_line, median_ms, out_dir, peak_bytes, write
 
 
 # environment switches of lora_lab.kernels.lora_linear per fused variant
+_OFF = {"LORA_LAB_OVERLAP": "0", "LORA_LAB_FUSE_QDB": "0", "LORA_LAB_DISPATCH": "auto"}
 VARIANT_ENV = {
-    "fused": {"LORA_LAB_OVERLAP": "0", "LORA_LAB_FUSE_QDB": "0"},
-    "fused_overlap": {"LORA_LAB_OVERLAP": "1", "LORA_LAB_FUSE_QDB": "0"},  # dA/dB on a side stream
-    "fused_qdb": {"LORA_LAB_OVERLAP": "0", "LORA_LAB_FUSE_QDB": "1"},  # Q and dB in one pass over dY
-    "fused_qdb_overlap": {"LORA_LAB_OVERLAP": "1", "LORA_LAB_FUSE_QDB": "1"},
+    "fused": dict(_OFF),  # what fused_lora_linear ships: Triton, or cuBLAS calls for small GEMMs (engine_for)
+    "fused_triton": {**_OFF, "LORA_LAB_DISPATCH": "triton"},  # the Triton kernels at every shape
+    "fused_overlap": {**_OFF, "LORA_LAB_OVERLAP": "1"},  # dA/dB on a side stream
+    "fused_qdb": {**_OFF, "LORA_LAB_FUSE_QDB": "1"},  # Q and dB in one pass over dY
+    "fused_qdb_overlap": {**_OFF, "LORA_LAB_OVERLAP": "1", "LORA_LAB_FUSE_QDB": "1"},
 }
 
 
@@ -98,11 +102,14 @@ def make_variants(M, K, N, r, dtype=torch.bfloat16, device="cuda"):
     return variants, info, (lin, A, B, s)
 
 
-def measure_cell(M, K, N, r, rep, warmup):
+def measure_cell(M, K, N, r, rep, warmup, only=None, components=True):
     dtype = torch.bfloat16
     x = torch.randn(M, K, device="cuda", dtype=dtype, requires_grad=True)
     dy = torch.randn(M, N, device="cuda", dtype=dtype)
     variants, info, parts = make_variants(M, K, N, r)
+    if only:  # a subset (the ratios need base and peft)
+        keep = {"base", "peft", *only}
+        variants = {k: v for k, v in variants.items() if k in keep}
     rows = []
     for name, (f, params) in variants.items():
         set_variant_env(name)
@@ -135,7 +142,7 @@ def measure_cell(M, K, N, r, rep, warmup):
         row["time_vs_base"] = round(row["fwd_bwd_ms"] / base["fwd_bwd_ms"], 4)
         row["time_vs_peft"] = round(row["fwd_bwd_ms"] / peft["fwd_bwd_ms"], 4)
         row["peak_vs_base"] = round(row["peak_bytes"] / base["peak_bytes"], 4)
-    comps = measure_components(x.detach(), dy, *parts, rep=rep, warmup=warmup)
+    comps = measure_components(x.detach(), dy, *parts, rep=rep, warmup=warmup) if components else {}
     comps.update({"M": M, "K": K, "N": N, "r": r})
     del x, dy, variants
     torch.cuda.empty_cache()
@@ -190,7 +197,7 @@ def measure_components(x, dy, lin, A, B, s, rep, warmup):
     c["triton_fwd_tflops"] = round(flops / c["triton_fwd_gemm_ms"] / 1e9, 1)
     from lora_lab.kernels import lora_linear as ll
 
-    c["tma_disabled_reason"] = ll._TMA_STATE["broken"] or ""
+    c["tma_disabled_reason"] = ll._TMA_STATE.get(torch.bfloat16) or ""
 
     def best(kernel):
         cfg = getattr(kernel, "best_config", None)
@@ -211,7 +218,8 @@ def plot(rows, out: Path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    variants = ["peft", "peft_nocast", "chained"] + list(VARIANT_ENV)
+    present = {r["variant"] for r in rows}
+    variants = [v for v in ["peft", "peft_nocast", "chained"] + list(VARIANT_ENV) if v in present]
     cells = sorted({(r["M"], r["K"], r["N"], r["r"]) for r in rows})
     fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.9), 4.5))
     width = 0.8 / len(variants)
@@ -257,6 +265,11 @@ def main(argv=None):
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
     ap.add_argument("--quick", action="store_true", help="M=32768, 4096x4096, r=16 only")
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="measure only these variants (base and peft always; default: all)")
+    ap.add_argument("--components", choices=["all", "target", "none"], default="all",
+                    help="per-kernel breakdown for every cell, only the target cell (M=32768, 4096x4096, r=16), "
+                         "or none")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_lora_linear needs a CUDA GPU")
@@ -269,11 +282,15 @@ def main(argv=None):
         for shape in args.shapes:
             K, N = (int(v) for v in shape.lower().split("x"))
             for r in args.ranks:
-                cr, cc = measure_cell(M, K, N, r, args.rep, args.warmup)
+                cr, cc = measure_cell(M, K, N, r, args.rep, args.warmup, args.variants,
+                                      args.components == "all" or (args.components == "target" and
+                                                                   (M, K, N, r) == (32768, 4096, 4096, 16)))
                 rows += cr
-                comps.append(cc)
+                if len(cc) > 4:  # more than the cell's M, K, N, r
+                    comps.append(cc)
                 write_csv(rows, out / "05_lora_linear.csv")
-                write_csv(comps, out / "05_lora_linear_components.csv")
+                if comps:
+                    write_csv(comps, out / "05_lora_linear_components.csv")
     plot(rows, out)
     print("wrote", out / "05_lora_linear.csv")
 

@@ -81,7 +81,7 @@ def run_variant(model, ids, steps, warmup):
     return statistics.median(times), peak, losses
 
 
-def bench_model(name, layers, batch, seq, steps, warmup):
+def bench_model(name, layers, batch, seq, steps, warmup, variants=None):
     from peft import LoraConfig, get_peft_model
 
     from lora_lab.kernels import patch_model, unpatch_model
@@ -104,9 +104,11 @@ def bench_model(name, layers, batch, seq, steps, warmup):
                 if n in init:
                     p.data = init[n].to(dtype).clone()
 
-    for variant, dtype, patched in [("peft", torch.float32, False), ("fused", torch.float32, True),
-                                    ("fused_overlap", torch.float32, True),
-                                    ("peft_nocast", torch.bfloat16, False), ("fused_bf16", torch.bfloat16, True)]:
+    all_variants = [("peft", torch.float32, False), ("fused", torch.float32, True),
+                    ("fused_overlap", torch.float32, True),
+                    ("peft_nocast", torch.bfloat16, False), ("fused_bf16", torch.bfloat16, True)]
+    keep = {"peft", "peft_nocast", *(variants or [v for v, _, _ in all_variants])}  # ratios need both PEFTs
+    for variant, dtype, patched in [v for v in all_variants if v[0] in keep]:
         reset(dtype)
         os.environ["LORA_LAB_OVERLAP"] = "1" if variant.endswith("_overlap") else "0"
         if patched:
@@ -167,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="measure only these variants (peft and peft_nocast always; default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_lora_train_step needs a CUDA GPU")
@@ -174,7 +178,7 @@ def main(argv=None):
     print(environment_line(), flush=True)
     rows = []
     for m in args.models:
-        rows += bench_model(m, args.layers, args.batch, args.seq, args.steps, args.warmup)
+        rows += bench_model(m, args.layers, args.batch, args.seq, args.steps, args.warmup, args.variants)
         write_csv(rows, out / "05_train_step.csv")
     plot(rows, out)
     print("wrote", out / "05_train_step.csv")

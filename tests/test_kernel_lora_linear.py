@@ -8,12 +8,19 @@ import torch
 
 from lora_lab.kernels.lora_linear import (
     dropout_keep_mask,
+    engine_for,
     fused_lora_linear,
     lora_linear_reference,
     lora_linear_unfused,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_engine(monkeypatch):
+    # these tests are about the Triton kernels: no small-shape dispatch to cuBLAS (tested on its own below)
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "triton")
 
 # per-dtype tolerances on relative L2 error against the fp64 reference (issue 7's bars for bf16)
 TOL = {
@@ -224,3 +231,44 @@ def test_one_pass_q_and_db_option(monkeypatch, dtype):
     monkeypatch.setenv("LORA_LAB_FUSE_QDB", "1")
     x, w, b, A, B = make_case(70, 40, 96, 16, dtype)
     run_and_compare(x, w, b, A, B, 2.0, tol=TOL[dtype])
+
+
+# ------------------------------------------------------------------------------ engine dispatch
+def test_engine_dispatch_by_gemm_volume(monkeypatch):
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "auto")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert engine_for(8192, 896, 896, cuda) == "cublas"  # hidden-896 model: host-bound in Triton
+    assert engine_for(8192, 4096, 4096, cuda) == "triton"  # forward: Triton from ~1e11 up
+    assert engine_for(8192, 4096, 4096, cuda, backward=True) == "cublas"  # backward: from ~5e11 up
+    assert engine_for(32768, 4096, 4096, cuda, backward=True) == "triton"
+    assert engine_for(8, 8, 8, cpu) == "triton"  # the interpreter always runs the kernels
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
+    assert engine_for(32768, 4096, 4096, cuda) == "cublas"
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "fast")
+    with pytest.raises(ValueError, match="LORA_LAB_DISPATCH"):
+        engine_for(8, 8, 8, cuda)
+
+
+@pytest.mark.parametrize("M,K,N,r,bias", [(37, 45, 53, 1, True), (70, 96, 80, 16, False), (0, 33, 17, 4, True)])
+def test_cublas_engine_matches_reference(monkeypatch, M, K, N, r, bias):
+    # the small-shape engine: the same formulas as cuBLAS calls, same saved tensors, same gradients
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
+    x, w, b, A, B = make_case(M, K, N, r, torch.float32, bias=bias)
+    if M == 0:
+        y = fused_lora_linear(x.requires_grad_(), w, b, A, B, 2.0)
+        y.sum().backward()
+        assert y.shape == (0, N) and x.grad.shape == x.shape and torch.count_nonzero(A.grad) == 0
+        return
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32])
+    # dropout always takes the Triton kernels (the mask is regenerated from the seed there)
+    run_and_compare(*make_case(M, K, N, r, torch.float32, bias=bias), 2.0, p=0.25, seed=99,
+                    tol=TOL[torch.float32])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_bf16_cublas_engine(monkeypatch, adapter_dtype):
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
+    x, w, b, A, B = make_case(1000, 1030, 2051, 16, torch.bfloat16, adapter_dtype=adapter_dtype, device="cuda")
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16])
+    assert cosine(y, yr) >= 0.99999

@@ -9,6 +9,12 @@ import torch
 from lora_lab.kernels.lora_shared_input import fused_shared_input_lora, shared_input_lora_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_engine(monkeypatch):
+    # these tests are about the Triton kernels: no small-shape dispatch to cuBLAS (tested on its own below)
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "triton")
 TOL = {
     torch.float32: {"y": 1e-5, "dx": 1e-5, "dA": 1e-5, "dB": 1e-5},
     torch.float16: {"y": 2e-3, "dx": 1e-2, "dA": 5e-3, "dB": 5e-3},
@@ -130,3 +136,21 @@ def test_gpu_side_stream_overlap(monkeypatch):
     x, Ws, bs, As, Bs = build((1, 1500), 512, [1024, 512, 8, 8], [16, 16, 16, 0], torch.bfloat16, bias=False,
                               device="cuda")
     check(x, Ws, bs, As, Bs, [2.0] * 4, TOL[torch.bfloat16])
+
+
+def test_cublas_engine_matches_reference(monkeypatch):
+    # the small-shape engine (cuBLAS calls): segments without LoRA, outputs without gradient, bias, M = 0
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
+    x, Ws, bs, As, Bs = build((2, 19), 40, [72, 36, 5, 5], [8, 0, 1, 16], torch.float32)
+    check(x, Ws, bs, As, Bs, [2.0, 1.0, 0.5, 3.0], TOL[torch.float32])
+    x, Ws, bs, As, Bs = build((25,), 32, [40, 24, 8], [4, 2, 3], torch.float32, bias=False)
+    check(x, Ws, bs, As, Bs, [1.0, 1.0, 1.0], TOL[torch.float32], grad_mask=[True, False, True])
+    x, Ws, bs, As, Bs = build((0,), 32, [40, 24], [4, 2], torch.float32)
+    check(x, Ws, bs, As, Bs, [1.0, 1.0], TOL[torch.float32])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_cublas_engine(monkeypatch):
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
+    x, Ws, bs, As, Bs = build((1531,), 896, [896, 128, 128], [8, 0, 8], torch.bfloat16, device="cuda")
+    check(x, Ws, bs, As, Bs, [2.0, 1.0, 2.0], TOL[torch.bfloat16])

@@ -12,6 +12,14 @@ import lora_lab
 from lora_lab.kernels import UnsupportedLoRAError, patch_model, patched_layers, unpatch_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_engine(monkeypatch):
+    # patched layers must run the Triton kernels here, not the small-shape cuBLAS dispatch
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "triton")
+
+
 ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -246,4 +254,36 @@ def test_gpu_bf16_gated_deltanet_hidden_1024():
     g = torch.randn_like(yr)
     yr.backward(g)
     yf.backward(g)
-    assert rel_l2(xf.grad, xr.grad) < 2e-2
+    # The whole layer (delta-rule core included) loses accuracy in bf16 whichever projections it uses, so two
+    # bf16 runs differ by about √2 × each one's own error. The yardstick is the same layer in fp32: the fused
+    # layer's error must be no worse than the unfused bf16 layer's own (plus a little slack).
+    truth = copy.deepcopy(ref).float()
+    truth.zero_grad(set_to_none=True)  # the copy carries ref's gradients
+    xt = x.float().requires_grad_()
+    yt = truth(xt)
+    yt.backward(g.float())
+    err_fused_y, err_unfused_y = rel_l2(yf, yt), rel_l2(yr, yt)
+    err_fused_dx, err_unfused_dx = rel_l2(xf.grad, xt.grad), rel_l2(xr.grad, xt.grad)
+    assert err_fused_y <= 1.25 * err_unfused_y + 1e-3, (err_fused_y, err_unfused_y)
+    assert err_fused_dx <= 1.25 * err_unfused_dx + 1e-3, (err_fused_dx, err_unfused_dx)
+    gt, gf = lora_grads(truth), lora_grads(fused)
+    gr = lora_grads(ref)
+    for n in gt:  # some factors are tiny (in_proj_b/a: a few hundred entries), so their errors fluctuate more
+        assert rel_l2(gf[n], gt[n]) <= 1.5 * rel_l2(gr[n], gt[n]) + 2e-3, (n, rel_l2(gf[n], gt[n]), rel_l2(gr[n], gt[n]))
+
+
+def test_moe_expert_wrappers_are_left_to_the_moe_patcher():
+    # strict mode must not refuse PEFT's wrappers of stacked MoE experts: lora_lab.kernels.moe_patch fuses them
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, intermediate_size=64, moe_intermediate_size=24,
+                            num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+    torch.manual_seed(0)
+    model = get_peft_model(Qwen3MoeForCausalLM(config), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    summary = patch_model(model)  # strict by default
+    assert summary["skipped"] == [] and summary["lora_layers"] == 2 and summary["moe_experts"] >= 1
+    assert unpatch_model(model) >= 3

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .lora_linear import dropout_keep_mask, fused_lora_linear, lora_linear_reference
+from .lora_linear import dropout_keep_mask, fused_lora_linear, lora_linear_reference, triton_engine
 from .lora_shared_input import fused_shared_input_lora, shared_input_lora_reference
 
 __all__ = [
@@ -65,7 +65,8 @@ def linear_numerics(cases, dtype, device) -> dict:
     worst = {"fwd_cosine": 1.0, "y_rel_l2": 0.0, "dx_rel_l2": 0.0, "da_rel_l2": 0.0, "db_rel_l2": 0.0}
     rows = []
     for i, (M, K, N, r, bias, p) in enumerate(cases):
-        res = _one_linear_case(M, K, N, r, dtype, device, bias, p, seed=i)
+        with triton_engine():  # the kernels' numerics, whichever engine the shape would be dispatched to
+            res = _one_linear_case(M, K, N, r, dtype, device, bias, p, seed=i)
         rows.append({"M": M, "K": K, "N": N, "r": r, "bias": bias, "dropout": p, **res})
         worst["fwd_cosine"] = min(worst["fwd_cosine"], res["fwd_cosine"])
         for k in ("y_rel_l2", "dx_rel_l2", "da_rel_l2", "db_rel_l2"):
@@ -75,6 +76,11 @@ def linear_numerics(cases, dtype, device) -> dict:
 
 def shared_input_numerics(lead, K, splits, ranks, dtype, device, seed=0) -> dict:
     """Shared-input op vs separate fp64 projections: worst output cosine and worst gradient relative L2."""
+    with triton_engine():  # the kernels' numerics, whichever engine the shape would be dispatched to
+        return _shared_input_numerics(lead, K, splits, ranks, dtype, device, seed)
+
+
+def _shared_input_numerics(lead, K, splits, ranks, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(*lead, K, generator=g).to(device, dtype).requires_grad_()
     Ws = [(torch.randn(n, K, generator=g) / K**0.5).to(device, dtype) for n in splits]
@@ -163,7 +169,8 @@ def patched_training_losses(model, ids, steps, lr=1e-3) -> tuple[list[float], li
     fused = copy.deepcopy(model)
     patch_model(fused)
     ref_losses = train(model)
-    fused_losses = train(fused)
+    with triton_engine():  # the patched model on the Triton kernels, not the small-shape cuBLAS dispatch
+        fused_losses = train(fused)
     return ref_losses, fused_losses
 
 

@@ -29,6 +29,7 @@ import torch
 from .lora_linear import (
     SUPPORTED_DTYPES,
     _check_kernel_device,
+    engine_for,
     join_side_stream,
     lora_gemm,
     rank_projection,
@@ -96,8 +97,20 @@ class SharedInputLoRAFunction(torch.autograd.Function):
         As = [lora_params[2 * j].to(cdt) for j in range(len(lora_segments))]
         Bs = [lora_params[2 * j + 1].to(cdt) for j in range(len(lora_segments))]
 
-        y = torch.empty((M, N), device=x.device, dtype=cdt)
-        if R > 0:
+        if engine_for(M, K, N, x.device) == "cublas":
+            # small GEMMs: the same Y and P from cuBLAS calls (Triton launches would leave the GPU idle)
+            y = torch.addmm(bias_cat, x2, weight_cat.t()) if bias_cat is not None else torch.mm(x2, weight_cat.t())
+            if R > 0:
+                col_scale = _column_scales(ranks, scalings, x.device)
+                # P = X Aᵀ diag(s)
+                p = torch.mm(x2, torch.cat(As, 0).t()).mul_(col_scale)
+                for j, i in enumerate(lora_segments):
+                    # Y_i += P_i B_iᵀ, in place in Y's columns of segment i
+                    y[:, n_off[i]:n_off[i + 1]].addmm_(p[:, r_off[i]:r_off[i + 1]], Bs[j].t())
+            else:
+                p = torch.empty((M, 0), device=x.device, dtype=cdt)
+        elif R > 0:
+            y = torch.empty((M, N), device=x.device, dtype=cdt)
             a_cat = torch.cat(As, 0)  # R×K (tiny)
             b_diag = torch.zeros((N, R), device=x.device, dtype=cdt)  # blockdiag(B_i), N×R (tiny)
             for j, i in enumerate(lora_segments):
@@ -109,6 +122,7 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             lora_gemm(y, [(x2, weight_cat.t())], low=p, rt=b_diag.t(), bias=bias_cat,
                       rank_lo=rank_lo, rank_hi=rank_hi)
         else:
+            y = torch.empty((M, N), device=x.device, dtype=cdt)
             p = torch.empty((M, 0), device=x.device, dtype=cdt)
             lora_gemm(y, [(x2, weight_cat.t())], bias=bias_cat)
 
@@ -133,6 +147,8 @@ class SharedInputLoRAFunction(torch.autograd.Function):
         lora_grads = [None] * len(lora_params)
         need_x = ctx.needs_input_grad[0]
         need_lora = any(ctx.needs_input_grad[6:])
+        if engine_for(M, K, weight_cat.shape[0], x2.device, backward=True) == "cublas":
+            return _cublas_backward(ctx, x2, p, weight_cat, lora_params, dys, need_x)
 
         q = None
         lora_work = R > 0 and (need_x or need_lora)
@@ -198,6 +214,47 @@ class SharedInputLoRAFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             raise RuntimeError("fused_shared_input_lora: the concatenated bias must be frozen")
         return (dx, None, dbias, None, None, None, *lora_grads)
+
+
+def _cublas_backward(ctx, x2, p, weight_cat, lora_params, dys, need_x):
+    """The backward's formulas as cuBLAS calls (small GEMMs; see lora_linear.engine_for)."""
+    splits, ranks, scalings, n_off, r_off = ctx.splits, ctx.ranks, ctx.scalings, ctx.n_off, ctx.r_off
+    M, K = x2.shape
+    cdt = x2.dtype
+    R = r_off[-1]
+    lora_segments = [i for i, r in enumerate(ranks) if r > 0]
+    lora_grads = [None] * len(lora_params)
+    q = None
+    if R > 0:
+        # Q_i = s_i · dY_i B_i   (zero where Y_i got no gradient)
+        q = torch.cat([torch.mm(dys[i], lora_params[2 * j + 1].to(cdt)).mul_(scalings[i]) if dys[i] is not None
+                       else torch.zeros((M, ranks[i]), device=x2.device, dtype=cdt)
+                       for j, i in enumerate(lora_segments)], 1)
+        if any(ctx.needs_input_grad[6 + 2 * j] for j in range(len(lora_segments))):
+            da = torch.mm(q.t(), x2)  # dA = Qᵀ X, every adapter at once
+        for j, i in enumerate(lora_segments):
+            if ctx.needs_input_grad[6 + 2 * j]:
+                lora_grads[2 * j] = da[r_off[i]:r_off[i + 1]].to(lora_params[2 * j].dtype)
+            if ctx.needs_input_grad[6 + 2 * j + 1]:
+                # dB_i = dY_iᵀ P_i
+                lora_grads[2 * j + 1] = (torch.mm(dys[i].t(), p[:, r_off[i]:r_off[i + 1]]).to(
+                    lora_params[2 * j + 1].dtype) if dys[i] is not None else torch.zeros_like(lora_params[2 * j + 1]))
+    dx = None
+    if need_x:
+        # dX = Σ_i dY_i W_i + Q A
+        terms = [(dys[i], weight_cat[n_off[i]:n_off[i + 1]]) for i in range(len(splits)) if dys[i] is not None]
+        if R > 0:
+            terms.append((q, torch.cat([lora_params[2 * j].to(cdt) for j in range(len(lora_segments))], 0)))
+        if not terms:
+            dx = torch.zeros((M, K), device=x2.device, dtype=cdt)
+        else:
+            dx = torch.mm(*terms[0])
+            for left, right in terms[1:]:
+                dx.addmm_(left, right)
+        dx = dx.reshape(ctx.x_shape)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        raise RuntimeError("fused_shared_input_lora: the concatenated bias must be frozen")
+    return (dx, None, None, None, None, None, *lora_grads)
 
 
 def fused_shared_input_lora(x: torch.Tensor, weight_cat: torch.Tensor, bias_cat: torch.Tensor | None,

@@ -258,12 +258,22 @@ def _why_unsupported_peft(module, name) -> str | None:
     return _why_unsupported_base(module.get_base_layer(), name)
 
 
+def _handled_by_moe_patcher(module) -> bool:
+    """True for a PEFT wrapper around stacked MoE experts: :mod:`.moe_patch` fuses those, not this module."""
+    moe_patch = _moe_patch_module()
+    check = getattr(moe_patch, "is_expert_lora_wrapper", None) if moe_patch is not None else None
+    return bool(check(module)) if check is not None else False
+
+
 def _lora_modules(model):
-    """(name, module, kind, reason-if-unsupported) for every LoRA-carrying module."""
+    """(name, module, kind, reason-if-unsupported) for every LoRA-carrying module this patcher handles
+    (PEFT wrappers of stacked MoE experts are skipped, not refused: the MoE patcher takes them)."""
     PeftLoraLinear, LoraLayer = _peft_lora_classes()
     LoRALinear = _lora_lab_linear_class()
     found = []
     for name, m in model.named_modules():
+        if _handled_by_moe_patcher(m):
+            continue
         if isinstance(m, LoRALinear):
             found.append((name, m, "lora_lab", _why_unsupported_base(m.base, name)))
         elif LoraLayer is not None and isinstance(m, LoraLayer):

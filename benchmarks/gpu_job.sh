@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU side of lora_lab in one script, for a CUDA machine with torch/triton/transformers/peft already
 # installed (the H200 this project publishes from). Usage: bash benchmarks/gpu_job.sh STAGE [STAGE...]
-#   kernels-lora   GPU tests (bf16) of the fused LoRA kernels + their benchmarks  -> outputs/gpu/
-#   kernels-moe    GPU tests of the fused MoE kernels + the MoE benchmark          -> outputs/gpu/moe_bench/
+#   kernels-lora   focused bf16 GPU tests of the fused LoRA kernels + their benchmarks -> outputs/gpu/
+#   kernels-moe    focused bf16 GPU tests of the fused MoE kernels (notebook 06 benchmarks them)
 #   notebooks:LIST lora-lab run --profile gpu --only LIST, then grade              -> outputs/gpu/
 # Wheels for papermill/nbval/ipykernel, when carried in .whl/, are installed into /tmp/site first.
 # If $OUT is set, logs and a tarball of outputs/gpu land there.
@@ -20,19 +20,29 @@ for stage in "$@"; do
   echo "=== stage $stage ($(date +%T))"
   case "$stage" in
     kernels-lora)
-      LORA_LAB_AUTOTUNE=0 timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu \
-        tests/test_kernel_lora_linear.py tests/test_kernel_lora_shared_input.py tests/test_patching.py 2>&1 | tail -40
-      timeout 150 python3 benchmarks/bench_lora_linear.py --out outputs/gpu --rep 50 --warmup 10 2>&1 | tail -60
-      timeout 60 python3 benchmarks/bench_gated_deltanet.py --out outputs/gpu --rep 50 --warmup 10 2>&1 | tail -20
-      timeout 90 python3 benchmarks/bench_lora_train_step.py --out outputs/gpu --steps 5 --warmup 2 2>&1 | tail -20
+      # focused bf16 GPU tests, then the three benchmarks (CSV + PNG into outputs/gpu), then notebook 05 reads them
+      LORA_LAB_AUTOTUNE=0 timeout 90 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu \
+        -k "bfloat16 or bf16 or qkv_bias_odd or float32-777" \
+        tests/test_kernel_lora_linear.py tests/test_kernel_lora_shared_input.py tests/test_patching.py 2>&1 | tail -30
+      timeout 110 python3 benchmarks/bench_lora_linear.py --out outputs/gpu --rep 20 --warmup 5 \
+        --variants peft_nocast chained fused fused_triton --components target 2>&1 | tail -90
+      timeout 60 python3 benchmarks/bench_gated_deltanet.py --out outputs/gpu --rep 20 --warmup 5 \
+        --variants peft_nocast chained fused --check-seq 1024 2>&1 | tail -12
+      timeout 80 python3 benchmarks/bench_lora_train_step.py --out outputs/gpu --steps 3 --warmup 1 \
+        --variants fused fused_bf16 2>&1 | tail -12
       ;;
     kernels-moe)
-      LORA_LAB_MOE_AUTOTUNE=0 timeout 90 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu \
-        tests/test_moe_kernels.py tests/test_moe_patch.py 2>&1 | tail -25
-      timeout 200 python3 benchmarks/bench_moe.py --out outputs/gpu/moe_bench 2>&1 | grep -v Warning
+      # focused bf16 GPU tests of the MoE kernels; notebook 06 runs the benchmarks itself
+      LORA_LAB_MOE_AUTOTUNE=0 timeout 75 python3 -m pytest -q --tb=short -p no:cacheprovider \
+        "tests/test_moe_kernels.py::test_fused_bf16_gpu_against_fp32_reference[1000-264-136-16-4-16]" \
+        "tests/test_moe_kernels.py::test_fused_bf16_gpu_against_fp32_reference[257-128-96-8-8-0]" \
+        "tests/test_moe_kernels.py::test_fused_bf16_gpu_against_fp32_reference[1-64-32-4-2-16]" \
+        tests/test_moe_kernels.py::test_fused_bf16_gpu_against_grouped_mm_and_eager \
+        tests/test_moe_kernels.py::test_unspecialized_twins_cover_every_size_and_stride \
+        tests/test_moe_patch.py::test_patched_peft_model_bf16_gpu_close_to_fp32_eager 2>&1 | tail -20
       ;;
     notebooks:*)
-      python3 -m lora_lab run --profile gpu --only "${stage#notebooks:}"
+      LORA_LAB_AUTOTUNE=${LORA_LAB_AUTOTUNE:-0} python3 -m lora_lab run --profile gpu --only "${stage#notebooks:}"
       python3 -m lora_lab grade --profile gpu | tail -80
       ;;
     *) echo "unknown stage $stage"; exit 2 ;;

@@ -6,7 +6,7 @@
 #   notebooks:LIST lora-lab run --profile gpu --only LIST, then grade              -> outputs/gpu/
 # Wheels for papermill/nbval/ipykernel, when carried in .whl/, are installed into /tmp/site first.
 # If $OUT is set, a tarball of outputs/gpu lands there, refreshed after every stage.
-# Measured on the H200: kernels-lora ~4.6 min, notebook 04 ~3.5 min, notebook 05 ~3.2 min; notebook 06 > 1.5 min.
+# Measured on the H200: kernels-lora ~4.2 min, notebook 04 ~3.3 min, notebook 05 ~3.2 min; notebook 06 > 1.5 min.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1

@@ -102,7 +102,8 @@ def command_grade(args: argparse.Namespace) -> int:
     from lora_lab.recording import resolve_profile
 
     try:
-        profile = resolve_profile(args.profile)
+        # grading reads recorded metrics, so a named profile needs no device; only "auto" is resolved
+        profile = args.profile if args.profile in ("cpu", "gpu") else resolve_profile(args.profile)
         grade(
             profile,
             predictions_path=args.predictions,

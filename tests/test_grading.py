@@ -159,3 +159,14 @@ def test_grade_command_exits_zero_with_misses_and_two_on_bad_predictions(profile
     bad.write_text(EVERY_COMPARATOR.read_text().replace("notebook: 03_records_after_failure", "notebook: 07_missing", 1))
     assert main(["grade", "--predictions", str(bad), *common]) == 2
     assert "unknown notebook '07_missing'" in capsys.readouterr().err
+
+
+def test_grade_command_grades_the_gpu_profile_without_a_gpu(tmp_path, monkeypatch, capsys):
+    """Grading reads recorded metrics: `--profile gpu` must work on a CPU-only machine (CI, a laptop)."""
+    import lora_lab.recording as recording
+
+    monkeypatch.setattr(recording, "cuda_available", lambda: False)
+    (tmp_path / "gpu").mkdir()
+    common = ["--outputs-dir", str(tmp_path), "--notebooks-dir", str(FIXTURE_NOTEBOOKS), "--no-write"]
+    assert main(["grade", "--profile", "gpu", "--predictions", str(EVERY_COMPARATOR), *common]) == 0
+    assert "profile gpu:" in capsys.readouterr().out

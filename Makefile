@@ -2,18 +2,29 @@
 #   make run   [PROFILE=cpu|gpu|auto]  -> every notebook on PROFILE, graded, scoreboard printed
 #   make test                          -> the whole test suite (what CI runs)
 PYTHON ?= python3
-VENV   ?= .venv
 PROFILE ?= cpu
+# The cpu route pins the CPU build of torch (seconds to install, no CUDA download). The gpu route
+# uses its own venv that sees the machine's own (CUDA) torch/triton through --system-site-packages,
+# and installs only what is missing, within pyproject.toml's ranges.
+ifeq ($(PROFILE),gpu)
+VENV   ?= .venv-gpu
+VENV_FLAGS := --system-site-packages
+PINS   :=
+else
+VENV   ?= .venv
+VENV_FLAGS :=
+PINS   := -c requirements-cpu.txt
+endif
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install clean-outputs
+.PHONY: run test install
 
 $(STAMP): pyproject.toml requirements-cpu.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c requirements-cpu.txt torch triton
-	$(PY) -m pip install -q -c requirements-cpu.txt -e '.[kernels,notebooks,test]'
+	$(if $(PINS),$(PY) -m pip install -q $(PINS) torch triton)
+	$(PY) -m pip install -q $(PINS) -e '.[kernels,notebooks,test]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
@@ -185,17 +186,24 @@ def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
 
     path = Path(spec).expanduser()
-    if path.exists() and not any((path / f).is_file() for f in _TOKENIZER_FILES):
-        return ByteTokenizer()
-    try:
-        if path.exists():
-            tok = AutoTokenizer.from_pretrained(str(path))
-        else:
-            tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-    except (OSError, ValueError, TypeError):
-        return ByteTokenizer()
+    tok = None
+    if not path.exists() or any((path / f).is_file() for f in _TOKENIZER_FILES):
+        try:
+            if path.exists():
+                tok = AutoTokenizer.from_pretrained(str(path))
+            else:
+                tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError, TypeError):
+            tok = None
     # transformers can build an empty tokenizer from a config alone; that is no tokenizer at all
-    return tok if len(tok) > 1 else ByteTokenizer()
+    if tok is not None and len(tok) > 1:
+        return tok
+    warnings.warn(
+        f"no tokenizer found for {spec!r} (locally or in the cache); using lora_lab.ByteTokenizer "
+        "(UTF-8 bytes + 3), whose ids differ from the model's own tokenizer",
+        stacklevel=2,
+    )
+    return ByteTokenizer()
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")

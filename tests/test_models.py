@@ -36,8 +36,9 @@ def test_from_pretrained_local_directory(tmp_path):
     ids = torch.randint(3, 500, (1, 7))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, again(ids).logits)
-    # no tokenizer saved there: the byte-level fallback
-    assert isinstance(lora_lab.load_tokenizer(str(tmp_path)), lora_lab.ByteTokenizer)
+    # no tokenizer saved there: the byte-level fallback, with a warning that says so
+    with pytest.warns(UserWarning, match="ByteTokenizer"):
+        assert isinstance(lora_lab.load_tokenizer(str(tmp_path)), lora_lab.ByteTokenizer)
 
 
 def test_directory_without_config(tmp_path):

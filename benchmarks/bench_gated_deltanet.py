@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
 from bench_timing import environment_line, median_ms, out_dir, peak_bytes, write_csv  # noqa: E402
+from lora_lab.memory import saved_bytes_excluding  # noqa: E402
 
 IN_PROJ = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
 TARGETS = IN_PROJ + ["out_proj"]
@@ -96,23 +97,6 @@ def chained_group(layer, params, x, c):
     A, B = params["out_proj"]
     outs.append(chained_lora_linear(c, layer.out_proj.weight, None, A, B, 2.0))
     return outs
-
-
-def saved_activation_bytes(fn, params):
-    """Bytes of tensors autograd saves during ``fn()``, deduplicated by storage, parameters excluded."""
-    param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in param_ptrs:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())
 
 
 def main(argv=None):
@@ -190,7 +174,7 @@ def main(argv=None):
         peak, before = peak_bytes(step)
         for tns in [x, c] + params:
             tns.grad = None
-        saved = saved_activation_bytes(fwd, all_params)
+        saved = saved_bytes_excluding(fwd, all_params)
         os.environ["LORA_LAB_OVERLAP"] = "0"
         rows.append({"variant": name, "seq": T, "hidden": args.hidden, "rank": args.rank, "fwd_bwd_ms": round(t, 4),
                      "peak_bytes": peak, "resident_bytes": before, "saved_activation_bytes": saved})

@@ -43,6 +43,7 @@ __all__ = [
     "SavedTensorAccounting",
     "SavedActivationReport",
     "saved_activation_bytes",
+    "saved_bytes_excluding",
     "default_module_labels",
     "sdpa_kernels_used",
     "SDPA_OPS",
@@ -327,6 +328,28 @@ def saved_activation_bytes(model: nn.Module, forward: Callable[[], torch.Tensor]
     with SavedTensorAccounting(model, **kwargs) as acc:
         out = forward()
     return acc.report, out
+
+
+def saved_bytes_excluding(forward: Callable[[], object], exclude: Iterable[torch.Tensor]) -> int:
+    """Bytes of every storage autograd saves during ``forward()``, each storage once, leaving out
+    the storages of ``exclude`` (inputs and parameters that exist anyway).
+
+    Unlike :class:`SavedTensorAccounting` this needs no model and attributes nothing: it is the
+    number a kernel benchmark compares between implementations of one op.
+    """
+    skip = {_storage_key(t)[0] for t in exclude if t is not None}
+    seen: dict = {}
+
+    def pack(t):
+        key, nbytes = _storage_key(t)
+        if key is not None and key not in skip:
+            seen[key] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    del out
+    return sum(seen.values())
 
 
 # ---------------------------------------------------------------------------------------------

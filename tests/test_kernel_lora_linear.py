@@ -13,6 +13,7 @@ from lora_lab.kernels.lora_linear import (
     lora_linear_reference,
     lora_linear_unfused,
 )
+from lora_lab.kernels.lora_kernel_checks import cosine, rel_l2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -29,14 +30,6 @@ TOL = {
     torch.bfloat16: {"y": 1e-2, "dx": 1e-2, "dA": 5e-3, "dB": 5e-3},
 }
 
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
 def make_case(M, K, N, r, dtype, bias=True, adapter_dtype=None, seed=0, device=DEVICE):

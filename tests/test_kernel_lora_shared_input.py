@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lora_lab.kernels.lora_shared_input import fused_shared_input_lora, shared_input_lora_reference
+from lora_lab.kernels.lora_kernel_checks import rel_l2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -21,10 +22,6 @@ TOL = {
     torch.bfloat16: {"y": 1e-2, "dx": 1e-2, "dA": 5e-3, "dB": 5e-3},
 }
 
-
-def rel_l2(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def build(lead, K, splits, ranks, dtype, bias=True, device=DEVICE, seed=0):

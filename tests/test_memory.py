@@ -334,3 +334,14 @@ def test_accounting_matches_byte_model_on_cuda(dtype):
     for got, want in zip(acc.report.per_layer, predicted.saved_per_layer):
         assert abs(got - want) <= 0.01 * want, (kernel, got, want)
     out.backward()
+
+
+def test_saved_bytes_excluding_counts_each_storage_once_and_skips_the_excluded():
+    from lora_lab.memory import saved_bytes_excluding
+
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8, requires_grad=True)
+    # linear saves x and its weight (excluded); relu saves its output (3 x 4 fp32); the view adds nothing new
+    got = saved_bytes_excluding(lambda: torch.relu(lin(x)).view(12).exp(), [x, *lin.parameters()])
+    assert got == 3 * 4 * 4 + 12 * 4  # relu output + exp output
+    assert saved_bytes_excluding(lambda: torch.relu(lin(x)), []) == 3 * 8 * 4 + 4 * 8 * 4 + 3 * 4 * 4  # x, W, relu out

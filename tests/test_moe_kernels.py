@@ -19,6 +19,7 @@ from lora_lab.kernels.moe_launch_config import triton_interpreting
 from lora_lab.kernels.moe_lora import peft_delta_weight, peft_expert_factors
 from lora_lab.kernels.moe_numerics import make_moe_problem as make_problem
 from lora_lab.kernels.moe_routing import route_experts, route_experts_reference
+from lora_lab.kernels.lora_kernel_checks import cosine as _cos, rel_l2 as _rel_l2
 
 interpreter = pytest.mark.skipif(not triton_interpreting(), reason="CPU tests run the kernels in TRITON_INTERPRET=1")
 gpu = pytest.mark.gpu
@@ -315,14 +316,6 @@ def test_cpu_without_interpreter_is_refused():
 
 
 # ---------------------------------------------------------------- GPU, bf16
-
-
-def _rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _cos(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
 @gpu

@@ -10,6 +10,7 @@ from torch import nn
 
 import lora_lab
 from lora_lab.kernels import UnsupportedLoRAError, patch_model, patched_layers, unpatch_model
+from lora_lab.kernels.lora_kernel_checks import rel_l2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,9 +37,6 @@ def peft_tiny(targets=ALL_PROJ, dtype=torch.float32, device=DEVICE, **cfg):
                 p.normal_(0, 0.02)
     return model
 
-
-def rel_l2(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 def lora_grads(model):

@@ -18,6 +18,7 @@ from torch import nn
 
 from .lora_linear import dropout_keep_mask, fused_lora_linear, lora_linear_reference, triton_engine
 from .lora_shared_input import fused_shared_input_lora, shared_input_lora_reference
+from ..memory import saved_bytes_excluding
 
 __all__ = [
     "linear_numerics",
@@ -112,22 +113,6 @@ class _OneProjection(nn.Module):
         return self.proj(x)
 
 
-def _saved_bytes(fn, exclude) -> int:
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    del out
-    return sum(seen.values())
-
-
 def saved_bytes_per_linear(M, K, N, r, dtype, device) -> dict:
     """Bytes saved for backward by one LoRA linear (parameters excluded), PEFT default (fp32 adapters) vs fused."""
     from peft import LoraConfig, get_peft_model
@@ -141,8 +126,8 @@ def saved_bytes_per_linear(M, K, N, r, dtype, device) -> dict:
     patch_model(fused)
     x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
     params = list(model.parameters()) + list(fused.parameters())
-    peft_bytes = _saved_bytes(lambda: model(x), params + [x])
-    fused_bytes = _saved_bytes(lambda: fused(x), params + [x])
+    peft_bytes = saved_bytes_excluding(lambda: model(x), params + [x])
+    fused_bytes = saved_bytes_excluding(lambda: fused(x), params + [x])
     x_bytes = x.numel() * x.element_size()
     # X itself is saved by both (excluded above, as the layer's input is kept by whoever produced it anyway):
     # count it once for each so the ratio compares what each layer keeps alive

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lora_lab.kernels.moe_patch import patch_moe_experts, unpatch_moe_experts
+from lora_lab.kernels.moe_numerics import error_stats
 
 # NVIDIA H200 SXM: 1,979 TFLOP/s bf16 Tensor Core *with* 2:4 sparsity → 989.5 dense.
 H200_DENSE_BF16_TFLOPS = 989.5
@@ -187,19 +188,9 @@ def peak_extra_bytes(fn) -> int:
 def saved_activation_bytes(holder: nn.Module, x, index, weights) -> int:
     """Bytes of tensors autograd saves for backward in one forward, deduplicated by storage,
     excluding the inputs and the module's parameters (they exist anyway)."""
-    resident = {t.untyped_storage().data_ptr() for t in (x, index, weights, *holder.parameters())}
-    seen: dict[int, int] = {}
+    from ..memory import saved_bytes_excluding
 
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in resident:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = holder(x, index, weights)
-    del out
-    return sum(seen.values())
+    return saved_bytes_excluding(lambda: holder(x, index, weights), (x, index, weights, *holder.parameters()))
 
 
 def saved_bytes_by_implementation(
@@ -349,7 +340,7 @@ def layer_numerics(
     rows = []
     for impl in IMPLEMENTATIONS:
         for name, got, ref in zip(names, results[impl], results["reference"]):
-            rows.append(dict(shape=shape.name, tokens=num_tokens, mode=mode, impl=impl, tensor=name, **compare(got, ref)))
+            rows.append(dict(shape=shape.name, tokens=num_tokens, mode=mode, impl=impl, tensor=name, **error_stats(got, ref)))
     del experts, holder, reference_holder
     _free_memory()
     return rows
@@ -365,18 +356,6 @@ class _no_tf32:
 
     def __exit__(self, *exc):
         torch.backends.cuda.matmul.allow_tf32 = self.saved
-
-
-def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
-    """max |Δ|, relative L2 ‖Δ‖/‖ref‖ and cosine similarity (fp64)."""
-    got, ref = got.double().flatten(), ref.double().flatten()
-    diff = got - ref
-    ref_norm = ref.norm().item()
-    return dict(
-        max_abs=diff.abs().max().item() if diff.numel() else 0.0,
-        rel_l2=(diff.norm().item() / ref_norm) if ref_norm > 0 else diff.norm().item(),
-        cosine=torch.nn.functional.cosine_similarity(got, ref, dim=0).item() if ref_norm > 0 else 1.0,
-    )
 
 
 def small_qwen3_moe_config(num_layers: int = 4, vocab_size: int = 151936):

@@ -11,9 +11,12 @@ Variants (same layer weights, same X, C and output gradients):
   peft_nocast  PEFT with bf16 adapters
   chained      chained-cuBLAS Function per projection
   fused        PEFT model (bf16 adapters) patched by lora_lab.kernels.patch_model (one shared-input op + fused
-               out_proj)
+               out_proj), kernel switches as shipped (the group: cuBLAS GEMMs onto a Triton-written rank-r
+               term, dA/dB on a side stream; out_proj: one Triton GEMM)
   fused_fp32_adapters  the same with PEFT's default fp32 adapters (A, B cast per call, never X)
-  fused_overlap        fused, with the dA/dB reductions on a side CUDA stream during the dX GEMMs
+  fused_triton_base    every big GEMM in Triton with the rank-r term in its K loop, no side stream
+                       (LORA_LAB_BASE_GEMM=triton, LORA_LAB_OVERLAP=0); fused_triton_base_overlap with the stream
+  fused_cublas_base    every big GEMM (out_proj too) by cuBLAS, no side stream; fused_cublas_base_overlap with it
 
 Also: bytes saved for backward per layer (deduplicated by storage, parameters excluded) and a correctness
 check of the whole patched layer (core included) against the unpatched PEFT layer at a shorter sequence.
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from pathlib import Path
 
@@ -33,11 +35,18 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
-from bench_timing import environment_line, median_ms, out_dir, peak_bytes, write_csv  # noqa: E402
+from bench_timing import environment_line, median_ms, out_dir, peak_bytes, set_kernel_switches, write_csv  # noqa: E402
 from lora_lab.memory import saved_bytes_excluding  # noqa: E402
 
 IN_PROJ = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
 TARGETS = IN_PROJ + ["out_proj"]
+# kernel switches per variant of the patched layer (names without LORA_LAB_; the rest as shipped)
+SWITCHES = {
+    "fused_triton_base": {"BASE_GEMM": "triton", "OVERLAP": "0"},
+    "fused_triton_base_overlap": {"BASE_GEMM": "triton", "OVERLAP": "1"},
+    "fused_cublas_base": {"BASE_GEMM": "cublas", "OVERLAP": "0"},
+    "fused_cublas_base_overlap": {"BASE_GEMM": "cublas", "OVERLAP": "1"},
+}
 
 
 class _Holder(nn.Module):
@@ -153,16 +162,17 @@ def main(argv=None):
                   [p for p in fused_model.parameters() if p.requires_grad]),
         "fused_fp32_adapters": (lambda: projection_group(fused32_model.base_model.model.layer, x, c),
                                 [p for p in fused32_model.parameters() if p.requires_grad]),
-        "fused_overlap": (lambda: projection_group(fused_model.base_model.model.layer, x, c),
-                          [p for p in fused_model.parameters() if p.requires_grad]),
     }
+    # the same patched layer with other kernel switches (see SWITCHES)
+    for name in SWITCHES:
+        variants.setdefault(name, variants["fused"])
     if args.variants:  # a subset (the ratios need base and peft)
         keep = {"base", "peft", *args.variants}
         variants = {k: v for k, v in variants.items() if k in keep}
     all_params = [p for m in (layer, peft_model, nocast_model, fused_model, fused32_model) for p in m.parameters()]
     rows = []
     for name, (fwd, params) in variants.items():
-        os.environ["LORA_LAB_OVERLAP"] = "1" if name.endswith("_overlap") else "0"
+        set_kernel_switches(**SWITCHES.get(name, {}))
 
         def step():
             torch.autograd.backward(fwd(), grads)
@@ -175,7 +185,7 @@ def main(argv=None):
         for tns in [x, c] + params:
             tns.grad = None
         saved = saved_bytes_excluding(fwd, all_params)
-        os.environ["LORA_LAB_OVERLAP"] = "0"
+        set_kernel_switches()
         rows.append({"variant": name, "seq": T, "hidden": args.hidden, "rank": args.rank, "fwd_bwd_ms": round(t, 4),
                      "peak_bytes": peak, "resident_bytes": before, "saved_activation_bytes": saved})
         print(f"{name:12s} fwd+bwd {t:8.3f} ms  peak {peak / 2**30:6.2f} GiB  saved {saved / 2**30:6.3f} GiB",

@@ -10,6 +10,8 @@ Variants, side by side in one process on the same X and dY:
   fused_triton  the same with the Triton kernels at every shape (LORA_LAB_DISPATCH=triton)
   fused_overlap, fused_qdb, fused_qdb_overlap   the same kernels with experimental switches: dA/dB on a
                 side CUDA stream during the dX GEMM; Q and dB in one pass over dY (atomic adds)
+  fused_cublas_base, fused_cublas_base_overlap  the big GEMMs by cuBLAS onto a Triton-written rank-r term
+                (LORA_LAB_BASE_GEMM=cublas: Y = P Bᵀ, then Y += X Wᵀ with β = 1; the same for dX)
 
 Writes <out>/05_lora_linear.csv (one row per cell and variant), <out>/05_lora_linear_components.csv (where
 the fused kernel's time goes, next to cuBLAS for the same GEMMs) and two plots.
@@ -20,7 +22,6 @@ the fused kernel's time goes, next to cuBLAS for the same GEMMs) and two plots.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -29,23 +30,23 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
-from bench_timing import environment_line, median_ms, out_dir, peak_bytes, write_csv  # noqa: E402
+from bench_timing import environment_line, median_ms, out_dir, peak_bytes, set_kernel_switches, write_csv  # noqa: E402
 
 
-# environment switches of lora_lab.kernels.lora_linear per fused variant
-_OFF = {"LORA_LAB_OVERLAP": "0", "LORA_LAB_FUSE_QDB": "0", "LORA_LAB_DISPATCH": "auto"}
+# environment switches of lora_lab.kernels.lora_linear per fused variant (the rest as shipped)
 VARIANT_ENV = {
-    "fused": dict(_OFF),  # what fused_lora_linear ships: Triton, or cuBLAS calls for small GEMMs (engine_for)
-    "fused_triton": {**_OFF, "LORA_LAB_DISPATCH": "triton"},  # the Triton kernels at every shape
-    "fused_overlap": {**_OFF, "LORA_LAB_OVERLAP": "1"},  # dA/dB on a side stream
-    "fused_qdb": {**_OFF, "LORA_LAB_FUSE_QDB": "1"},  # Q and dB in one pass over dY
-    "fused_qdb_overlap": {**_OFF, "LORA_LAB_OVERLAP": "1", "LORA_LAB_FUSE_QDB": "1"},
+    "fused": {},  # what fused_lora_linear ships: Triton, or cuBLAS calls for small GEMMs (engine_for)
+    "fused_triton": {"DISPATCH": "triton"},  # the Triton kernels at every shape
+    "fused_overlap": {"OVERLAP": "1"},  # dA/dB on a side stream
+    "fused_qdb": {"FUSE_QDB": "1"},  # Q and dB in one pass over dY
+    "fused_qdb_overlap": {"OVERLAP": "1", "FUSE_QDB": "1"},
+    "fused_cublas_base": {"BASE_GEMM": "cublas"},  # cuBLAS GEMM, rank-r term in its epilogue
+    "fused_cublas_base_overlap": {"BASE_GEMM": "cublas", "OVERLAP": "1"},
 }
 
 
 def set_variant_env(name):
-    for k, v in VARIANT_ENV.get(name, VARIANT_ENV["fused"]).items():
-        os.environ[k] = v
+    set_kernel_switches(**VARIANT_ENV.get(name, {}))
 
 
 class _OneProjection(nn.Module):
@@ -174,6 +175,11 @@ def measure_components(x, dy, lin, A, B, s, rep, warmup):
         # cuBLAS base GEMM, then the rank-r term added in place (one more read+write of Y)
         "cublas_fwd_plus_addmm_ms": bench(lambda: torch.mm(x, W.t()).addmm_(p, b.t())),
         "cublas_dx_plus_addmm_ms": bench(lambda: torch.mm(dy, W).addmm_(q, a)),
+        # LORA_LAB_BASE_GEMM=cublas: the rank-r term written by Triton, then cuBLAS adds the GEMM (beta = 1)
+        "lowrank_fill_fwd_ms": bench(lambda: lora_gemm(y, [(p, b.t())])),
+        "cublas_beta1_fwd_gemm_ms": bench(lambda: y.addmm_(x, W.t())),
+        "lowrank_fill_dx_ms": bench(lambda: lora_gemm(dx, [(q, a)])),
+        "cublas_beta1_dx_gemm_ms": bench(lambda: dx.addmm_(dy, W)),
         "triton_fwd_gemm_ms": bench(lambda: lora_gemm(y, [(x, W.t())], low=p, rt=b.t())),
         "triton_fwd_gemm_tma_ms": bench(lambda: lora_gemm(y, [(x, W.t())], low=p, rt=b.t(), impl="tma")),
         "triton_fwd_gemm_pointer_ms": bench(lambda: lora_gemm(y, [(x, W.t())], low=p, rt=b.t(), impl="pointer")),

@@ -7,8 +7,9 @@ Models (random init, bf16, sdpa attention), LoRA r=16 alpha=32 on every attentio
 
 Variants, each starting from the same adapter weights with a fresh AdamW:
   peft              PEFT default (fp32 adapters, input cast)
-  fused             the same model after lora_lab.kernels.patch_model
-  fused_overlap     patched, dA/dB reductions on a side CUDA stream (LORA_LAB_OVERLAP=1)
+  fused             the same model after lora_lab.kernels.patch_model (kernel switches as shipped)
+  fused_overlap     patched, dA/dB reductions on a side CUDA stream everywhere (LORA_LAB_OVERLAP=1)
+  fused_triton_base patched, every big GEMM in Triton, no side stream (LORA_LAB_BASE_GEMM=triton, OVERLAP=0)
   peft_nocast       PEFT with bf16 adapters
   fused_bf16        bf16 adapters, patched
 
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,9 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
-from bench_timing import environment_line, out_dir, write_csv  # noqa: E402
+from bench_timing import environment_line, out_dir, set_kernel_switches, write_csv  # noqa: E402
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# kernel switches per patched variant (names without LORA_LAB_; the rest as shipped)
+SWITCHES = {"fused_overlap": {"OVERLAP": "1"}, "fused_triton_base": {"BASE_GEMM": "triton", "OVERLAP": "0"}}
 
 
 def build_model(name: str, layers: int):
@@ -105,12 +107,12 @@ def bench_model(name, layers, batch, seq, steps, warmup, variants=None):
                     p.data = init[n].to(dtype).clone()
 
     all_variants = [("peft", torch.float32, False), ("fused", torch.float32, True),
-                    ("fused_overlap", torch.float32, True),
+                    ("fused_overlap", torch.float32, True), ("fused_triton_base", torch.float32, True),
                     ("peft_nocast", torch.bfloat16, False), ("fused_bf16", torch.bfloat16, True)]
     keep = {"peft", "peft_nocast", *(variants or [v for v, _, _ in all_variants])}  # ratios need both PEFTs
     for variant, dtype, patched in [v for v in all_variants if v[0] in keep]:
         reset(dtype)
-        os.environ["LORA_LAB_OVERLAP"] = "1" if variant.endswith("_overlap") else "0"
+        set_kernel_switches(**SWITCHES.get(variant, {}))
         if patched:
             patch_model(model)
         gc.collect()
@@ -118,7 +120,7 @@ def bench_model(name, layers, batch, seq, steps, warmup, variants=None):
         ms, peak, losses = run_variant(model, ids, steps, warmup)
         if patched:
             unpatch_model(model)
-        os.environ["LORA_LAB_OVERLAP"] = "0"
+        set_kernel_switches()
         tokens = batch * seq
         rows.append({"model": name, "layers": model.config.num_hidden_layers, "variant": variant, "batch": batch,
                      "seq": seq, "step_ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3, 1),

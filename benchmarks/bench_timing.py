@@ -58,3 +58,16 @@ def environment_line() -> str:
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return f"torch {torch.__version__}, triton {triton.__version__}, device {dev}"
+
+
+# the environment switches of lora_lab's LoRA kernels (read at call time), as shipped
+SHIPPED_SWITCHES = {"LORA_LAB_OVERLAP": "auto", "LORA_LAB_FUSE_QDB": "0", "LORA_LAB_DISPATCH": "auto",
+                    "LORA_LAB_BASE_GEMM": "auto"}
+
+
+def set_kernel_switches(**overrides: str) -> None:
+    """Set every LoRA kernel switch: the shipped defaults, with ``overrides`` (names without LORA_LAB_)."""
+    for k, v in SHIPPED_SWITCHES.items():
+        os.environ[k] = v
+    for k, v in overrides.items():
+        os.environ[f"LORA_LAB_{k}"] = v

@@ -22,19 +22,21 @@ for stage in "$@"; do
   case "$stage" in
     kernels-lora)
       # focused bf16 GPU tests, then the three benchmarks (CSV + PNG into outputs/gpu), then notebook 05 reads them
-      LORA_LAB_AUTOTUNE=0 timeout 90 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu \
+      LORA_LAB_AUTOTUNE=0 timeout 150 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu \
         -k "bfloat16 or bf16 or qkv_bias_odd or float32-777" \
         tests/test_kernel_lora_linear.py tests/test_kernel_lora_shared_input.py tests/test_patching.py 2>&1 | tail -30
-      timeout 110 python3 benchmarks/bench_lora_linear.py --out outputs/gpu --rep 20 --warmup 5 \
-        --variants peft_nocast chained fused fused_triton --components target 2>&1 | tail -90
-      timeout 60 python3 benchmarks/bench_gated_deltanet.py --out outputs/gpu --rep 20 --warmup 5 \
-        --variants peft_nocast chained fused --check-seq 1024 2>&1 | tail -12
-      timeout 80 python3 benchmarks/bench_lora_train_step.py --out outputs/gpu --steps 3 --warmup 1 \
-        --variants fused fused_bf16 2>&1 | tail -12
+      timeout 220 python3 benchmarks/bench_lora_linear.py --out outputs/gpu --rep 20 --warmup 5 \
+        --variants peft_nocast chained fused fused_triton fused_overlap fused_qdb_overlap fused_cublas_base \
+        fused_cublas_base_overlap --components target 2>&1 | tail -130
+      timeout 100 python3 benchmarks/bench_gated_deltanet.py --out outputs/gpu --rep 20 --warmup 5 \
+        --variants peft_nocast chained fused fused_triton_base fused_triton_base_overlap fused_cublas_base \
+        fused_cublas_base_overlap --check-seq 1024 2>&1 | grep -v "falling back" | tail -14
+      timeout 110 python3 benchmarks/bench_lora_train_step.py --out outputs/gpu --steps 3 --warmup 1 \
+        --variants fused fused_bf16 fused_triton_base 2>&1 | tail -14
       ;;
     kernels-moe)
       # focused bf16 GPU tests of the MoE kernels; notebook 06 runs the benchmarks itself
-      LORA_LAB_MOE_AUTOTUNE=0 timeout 75 python3 -m pytest -q --tb=short -p no:cacheprovider \
+      LORA_LAB_MOE_AUTOTUNE=0 timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider \
         "tests/test_moe_kernels.py::test_fused_bf16_gpu_against_fp32_reference[1000-264-136-16-4-16]" \
         "tests/test_moe_kernels.py::test_fused_bf16_gpu_against_fp32_reference[257-128-96-8-8-0]" \
         "tests/test_moe_kernels.py::test_fused_bf16_gpu_against_fp32_reference[1-64-32-4-2-16]" \

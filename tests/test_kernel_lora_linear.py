@@ -226,12 +226,40 @@ def test_one_pass_q_and_db_option(monkeypatch, dtype):
     run_and_compare(x, w, b, A, B, 2.0, tol=TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_cublas_base_gemm_option(monkeypatch, dtype, case):
+    # LORA_LAB_BASE_GEMM=cublas: the rank-r term written first, the base GEMM added by cuBLAS (beta = 1);
+    # with dropout the backward's dX keeps the Triton GEMM (the mask multiplies the rank-r term only)
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
+    M, K, N, r, bias, p = case
+    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
+    run_and_compare(x, w, b, A, B, 2.0, p=p, seed=11 if p else None, tol=TOL[dtype])
+
+
+def test_base_gemm_switch_is_validated(monkeypatch):
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cutlass")
+    x, w, b, A, B = make_case(8, 16, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="LORA_LAB_BASE_GEMM"):
+        fused_lora_linear(x, w, b, A, B, 2.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_gpu_cublas_base_gemm_bf16(monkeypatch, p):
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
+    x, w, b, A, B = make_case(4097, 1030, 2051, 16, torch.bfloat16, device="cuda")
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, p=p, seed=5 if p else None, tol=TOL[torch.bfloat16])
+    assert cosine(y, yr) >= 0.99999
+
+
 # ------------------------------------------------------------------------------ engine dispatch
 def test_engine_dispatch_by_gemm_volume(monkeypatch):
     monkeypatch.setenv("LORA_LAB_DISPATCH", "auto")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert engine_for(8192, 896, 896, cuda) == "cublas"  # hidden-896 model: host-bound in Triton
-    assert engine_for(8192, 4096, 4096, cuda) == "triton"  # forward: Triton from ~1e11 up
+    assert engine_for(8192, 4096, 4096, cuda) == "cublas"  # forward: Triton from ~3e11 up
+    assert engine_for(8192, 4096, 12288, cuda) == "triton"
     assert engine_for(8192, 4096, 4096, cuda, backward=True) == "cublas"  # backward: from ~5e11 up
     assert engine_for(32768, 4096, 4096, cuda, backward=True) == "triton"
     assert engine_for(8, 8, 8, cpu) == "triton"  # the interpreter always runs the kernels

@@ -14,8 +14,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @pytest.fixture(autouse=True)
 def _triton_engine(monkeypatch):
-    # these tests are about the Triton kernels: no small-shape dispatch to cuBLAS (tested on its own below)
+    # these tests are about the Triton kernels: no small-shape dispatch to cuBLAS, and the one-Triton-GEMM form
+    # (the shipped cuBLAS-base form and the small-shape engine are tested on their own below)
     monkeypatch.setenv("LORA_LAB_DISPATCH", "triton")
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "triton")
 TOL = {
     torch.float32: {"y": 1e-5, "dx": 1e-5, "dA": 1e-5, "dB": 1e-5},
     torch.float16: {"y": 2e-3, "dx": 1e-2, "dA": 5e-3, "dB": 5e-3},
@@ -151,3 +153,26 @@ def test_gpu_bf16_cublas_engine(monkeypatch):
     monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
     x, Ws, bs, As, Bs = build((1531,), 896, [896, 128, 128], [8, 0, 8], torch.bfloat16, device="cuda")
     check(x, Ws, bs, As, Bs, [2.0, 1.0, 2.0], TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("narrow", [16, 0], ids=["narrow16", "all_wide"])
+def test_cublas_base_gemm_option(monkeypatch, narrow):
+    # LORA_LAB_BASE_GEMM=cublas: rank-r term (and narrow dY_i) written by Triton, wide GEMMs added by cuBLAS
+    from lora_lab.kernels import lora_shared_input
+
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
+    monkeypatch.setattr(lora_shared_input, "_NARROW_SEGMENT", narrow)
+    x, Ws, bs, As, Bs = build((2, 19), 40, [72, 36, 5, 5], [8, 0, 1, 16], torch.float32)
+    check(x, Ws, bs, As, Bs, [2.0, 1.0, 0.5, 3.0], TOL[torch.float32])
+    x, Ws, bs, As, Bs = build((25,), 32, [40, 24, 8], [4, 2, 3], torch.float32, bias=False)
+    check(x, Ws, bs, As, Bs, [1.0, 1.0, 1.0], TOL[torch.float32], grad_mask=[True, False, True])
+    x, Ws, bs, As, Bs = build((0,), 32, [40, 24], [4, 2], torch.float32)
+    check(x, Ws, bs, As, Bs, [1.0, 1.0], TOL[torch.float32])
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_cublas_base_gemm(monkeypatch):
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
+    x, Ws, bs, As, Bs = build((1, 4001), 1024, [2048, 1024, 32, 32], [16, 16, 16, 16], torch.bfloat16,
+                              bias=False, device="cuda")
+    check(x, Ws, bs, As, Bs, [2.0] * 4, TOL[torch.bfloat16])

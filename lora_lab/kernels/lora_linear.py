@@ -30,11 +30,12 @@ Three Triton kernels do the work, each reused by :mod:`lora_lab.kernels.lora_sha
 
 Dropout mask: keep(m, k) = rand(seed, m·K + k) ≥ p, the same Philox stream in every kernel that needs it.
 
-Switches (environment, read at call time): ``LORA_LAB_GEMM`` = auto | tma | pointer; ``LORA_LAB_OVERLAP=1`` runs
-the memory-bound dA/dB reductions on a side CUDA stream while the dX GEMM runs; ``LORA_LAB_FUSE_QDB=1`` computes
+Switches (environment, read at call time): ``LORA_LAB_GEMM`` = auto | tma | pointer; ``LORA_LAB_OVERLAP`` = auto |
+0 | 1 runs the memory-bound dA/dB reductions on a side CUDA stream while the dX GEMM runs (see :func:`side_stream`); ``LORA_LAB_FUSE_QDB=1`` computes
 Q and dB in one pass over dY (fp32 atomics: dB's summation order is then not deterministic);
 ``LORA_LAB_AUTOTUNE=0`` keeps one tile configuration (quick test runs); ``LORA_LAB_DISPATCH`` = auto | triton |
-cublas picks the engine per call (see :func:`engine_for`).
+cublas picks the engine per call (see :func:`engine_for`); ``LORA_LAB_BASE_GEMM`` = triton | cublas picks who runs the
+big GEMM on the Triton engine (see :func:`base_gemm_engine`).
 
 Engine dispatch (measured on an H200, bf16, first GPU run): every Triton launch costs host time (argument
 binding, autotuner lookup, TMA descriptors) that cuBLAS calls do not, and the backward makes four of them. When
@@ -63,6 +64,7 @@ __all__ = [
     "dropout_keep_mask",
     "SUPPORTED_DTYPES",
     "engine_for",
+    "base_gemm_engine",
     "triton_engine",
 ]
 
@@ -740,15 +742,27 @@ def check_lora_args(x, weight, bias, lora_A, lora_B, name="fused_lora_linear"):
 
 
 # ----------------------------------------------------------------------------------------------
-# Optional overlap: the memory-bound rank reductions (dA, dB) on a second CUDA stream while the
-# compute-bound dX GEMM runs (LORA_LAB_OVERLAP=1). Off by default until measured to help.
+# Overlap: the memory-bound rank reductions (dA, dB) on a second CUDA stream while the compute-bound dX
+# GEMM runs (LORA_LAB_OVERLAP = auto | 0 | 1). ``auto`` is each op's default, from the H200 runs (bf16):
+#   single projection, M=32768, 4096²: no gain next to the Triton GEMM (3.19 vs 3.20 ms fwd+bwd)
+#   GatedDeltaNet group, seq 32768: a gain next to cuBLAS GEMMs (14.58 vs 15.37 ms), a loss next to the
+#   Triton GEMM (16.22 vs 15.67 ms)
+# so the shared-input op overlaps when its GEMMs are cuBLAS's, the single projection does not.
 # ----------------------------------------------------------------------------------------------
 _SIDE_STREAMS: dict = {}
 
 
-def side_stream(device: torch.device):
-    """The side stream for ``device`` when overlap is on (CUDA only), else None."""
-    if device.type != "cuda" or os.environ.get("LORA_LAB_OVERLAP", "0") != "1":
+def _switch(name: str, allowed: tuple, default: str) -> str:
+    mode = os.environ.get(name, "auto")
+    if mode not in ("auto", *allowed):
+        raise ValueError(f"{name} must be auto, {' or '.join(allowed)}, got {mode!r}")
+    return default if mode == "auto" else mode
+
+
+def side_stream(device: torch.device, default: bool = False):
+    """The side stream for ``device`` when overlap is on (CUDA only), else None; ``default`` is the op's
+    choice under ``LORA_LAB_OVERLAP=auto``."""
+    if _switch("LORA_LAB_OVERLAP", ("0", "1"), "1" if default else "0") != "1" or device.type != "cuda":
         return None
     key = device.index if device.index is not None else torch.cuda.current_device()
     if key not in _SIDE_STREAMS:
@@ -767,11 +781,14 @@ def join_side_stream(side, main, *made_on_side) -> None:
 # ----------------------------------------------------------------------------------------------
 # Engine dispatch: Triton kernels for large GEMMs, the same math as cuBLAS calls for small ones.
 # ----------------------------------------------------------------------------------------------
-# Thresholds on the GEMM volume M·K·N, from the first H200 run (bf16, r = 16 and 64):
-#   forward  : fused ≤ chained at every measured shape (smallest M·K·N = 8192·4096·4096 ≈ 1.4e11)
+# Thresholds on the GEMM volume M·K·N, from the H200 runs (bf16, r = 16 and 64; fwd / fwd+bwd ms):
+#   forward  : at 8192·4096·4096 ≈ 1.4e11 Triton and chained cuBLAS were level in the first run (0.41 vs 0.45)
+#              and not in the fourth (r=16: 0.56 vs 0.43; r=64: 0.41 vs 0.43), so that size now stays on cuBLAS;
+#              from 8192·4096·12288 ≈ 4.1e11 up the Triton forward is level or faster (1.24–1.27 vs 1.25;
+#              8192·12288·4096: 1.10–1.18 vs 1.20)
 #   backward : fused slower than chained at M·K·N ≤ 4.1e11 (8192·4096·12288: 1.32 vs 1.11 ms of backward;
 #              8192·12288·4096: equal), faster from 5.5e11 up (32768·4096·4096 and above)
-FORWARD_TRITON_MIN_VOLUME = 1.0e11
+FORWARD_TRITON_MIN_VOLUME = 3.0e11
 BACKWARD_TRITON_MIN_VOLUME = 5.0e11
 
 
@@ -789,6 +806,23 @@ def engine_for(M: int, K: int, N: int, device: torch.device, backward: bool = Fa
         return "triton"
     threshold = BACKWARD_TRITON_MIN_VOLUME if backward else FORWARD_TRITON_MIN_VOLUME
     return "triton" if float(M) * K * N >= threshold else "cublas"
+
+
+def base_gemm_engine(default: str = "triton") -> str:
+    """Who runs the big GEMM on the Triton engine (``LORA_LAB_BASE_GEMM`` = auto | triton | cublas; ``auto`` is
+    ``default``, the op's choice: ``triton`` for one projection, ``cublas`` for the shared-input op).
+
+    ``triton``: one Triton GEMM with the rank-r term as the last step of its K loop. ``cublas``: a Triton pass
+    writes the rank-r term (P Bᵀ + b, or Q A) into the output, then cuBLAS adds the base GEMM onto it with
+    β = 1 (``addmm_``): the rank-r term rides in cuBLAS's epilogue, and the GEMM is cuBLAS's (faster than the
+    Triton GEMM on the H200: 774 vs 664 TFLOP/s), at the price of one M×N write. The backward's dX takes this
+    path only without dropout (the mask multiplies the rank-r term alone).
+
+    Measured on the H200 (bf16, fwd+bwd): one projection at M=32768, 4096², r=16: Triton 3.20 ms, cuBLAS
+    3.38 ms (the Triton pass writing the rank-r term took 0.15 ms, the β = 1 GEMM 1.41 vs 1.37 ms); the
+    GatedDeltaNet group at seq 32768: Triton 15.67 ms, cuBLAS 15.37 ms, cuBLAS with overlap 14.58 ms.
+    """
+    return _switch("LORA_LAB_BASE_GEMM", ("triton", "cublas"), default)
 
 
 @contextlib.contextmanager
@@ -837,9 +871,14 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         else:
             # P = s · drop(X) Aᵀ          (M×r)
             p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed)
-            # Y = X Wᵀ + b + P Bᵀ         (one GEMM, rank-r step at the end of its K loop)
             y = torch.empty((M, N), device=x.device, dtype=cdt)
-            lora_gemm(y, [(x2, weight.t())], low=p, rt=b.t(), bias=bias)
+            if base_gemm_engine() == "cublas":
+                # Y = P Bᵀ + b (Triton, one write), then Y += X Wᵀ (cuBLAS, β = 1)
+                lora_gemm(y, [(p, b.t())], bias=bias)
+                y.addmm_(x2, weight.t())
+            else:
+                # Y = X Wᵀ + b + P Bᵀ     (one GEMM, rank-r step at the end of its K loop)
+                lora_gemm(y, [(x2, weight.t())], low=p, rt=b.t(), bias=bias)
 
         ctx.save_for_backward(x2, p, weight, bias, lora_A, lora_B)
         ctx.scaling, ctx.dropout_p, ctx.seed = scaling, dropout_p, seed
@@ -906,7 +945,12 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         if need_x:
             # dX = dY W + (Q A) ⊙ keep/(1-p)
             dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
-            lora_gemm(dx, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed)
+            if ctx.dropout_p == 0.0 and base_gemm_engine() == "cublas":
+                # dX = Q A (Triton, one write), then dX += dY W (cuBLAS, β = 1)
+                lora_gemm(dx, [(q, a)])
+                dx.addmm_(dy2, weight)
+            else:
+                lora_gemm(dx, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed)
             dx = dx.reshape(ctx.x_shape)
         if side is not None:
             join_side_stream(side, main, da, db)

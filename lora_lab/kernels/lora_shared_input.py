@@ -17,6 +17,10 @@ Backward, with dY_i the gradient of Y_i (absent ones skipped)::
     dA   = Qᵀ X                        (ONE pass over X for every adapter)
     dX   = Σ_i dY_i W_i + Q A          (ONE GEMM reading every dY_i: dX is accumulated once, not S times)
 
+By default (``LORA_LAB_BASE_GEMM=auto``) the big GEMMs are cuBLAS's, added with β = 1 onto the rank-r term a
+Triton pass wrote (and the narrow dY_i), with dA/dB on a side stream: measured faster on the H200 for the
+GatedDeltaNet group than the one-Triton-GEMM form (see ``lora_linear.base_gemm_engine``).
+
 Saved for backward: X, P (M×R) and the parameters. Dropout is not fused here (each PEFT projection draws its
 own mask); :func:`lora_lab.kernels.patch_model` keeps projections with dropout on the single-projection kernel.
 """
@@ -29,6 +33,7 @@ import torch
 from .lora_linear import (
     SUPPORTED_DTYPES,
     _check_kernel_device,
+    base_gemm_engine,
     engine_for,
     join_side_stream,
     lora_gemm,
@@ -45,6 +50,7 @@ __all__ = [
 ]
 
 MAX_SEGMENTS = 4  # the dX GEMM takes up to four dY segments in one launch
+_NARROW_SEGMENT = 256  # LORA_LAB_BASE_GEMM=cublas: dY_i this narrow joins the Triton pass instead of a cuBLAS call
 
 
 _LAYOUT_CACHE: dict = {}
@@ -118,9 +124,14 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             col_scale = _column_scales(ranks, scalings, x.device)
             # P = X Aᵀ diag(s): one pass over X for all adapters
             p = rank_projection(x2, a_cat.t(), 1.0, col_scale=col_scale)
-            # [Y_1 … Y_S] = X Wᵀ + b + P Bᵀ (block-diagonal B, rank range per tile)
-            lora_gemm(y, [(x2, weight_cat.t())], low=p, rt=b_diag.t(), bias=bias_cat,
-                      rank_lo=rank_lo, rank_hi=rank_hi)
+            if base_gemm_engine(default="cublas") == "cublas":
+                # [Y_1 … Y_S] = P Bᵀ + b (Triton, one write), then += X Wᵀ (cuBLAS, β = 1)
+                lora_gemm(y, [(p, b_diag.t())], bias=bias_cat)
+                y.addmm_(x2, weight_cat.t())
+            else:
+                # [Y_1 … Y_S] = X Wᵀ + b + P Bᵀ (block-diagonal B, rank range per tile)
+                lora_gemm(y, [(x2, weight_cat.t())], low=p, rt=b_diag.t(), bias=bias_cat,
+                          rank_lo=rank_lo, rank_hi=rank_hi)
         else:
             y = torch.empty((M, N), device=x.device, dtype=cdt)
             p = torch.empty((M, 0), device=x.device, dtype=cdt)
@@ -175,7 +186,9 @@ class SharedInputLoRAFunction(torch.autograd.Function):
                         lora_grads[2 * j] = da[r_off[i]:r_off[i + 1]].to(lora_params[2 * j].dtype)
 
         # the memory-bound reductions may run on a side stream next to the dX GEMM (LORA_LAB_OVERLAP=1)
-        side = side_stream(x2.device) if (lora_work and need_x and need_lora) else None
+        # (by default when the dX GEMM is cuBLAS's: measured faster there, slower next to the Triton GEMM)
+        base = base_gemm_engine(default="cublas")
+        side = side_stream(x2.device, default=base == "cublas") if (lora_work and need_x and need_lora) else None
         if side is not None:
             main = torch.cuda.current_stream(x2.device)
             side.wait_stream(main)
@@ -187,12 +200,24 @@ class SharedInputLoRAFunction(torch.autograd.Function):
         if need_x:
             segs = [(dys[i], weight_cat[n_off[i]:n_off[i + 1]]) for i in range(len(splits)) if dys[i] is not None]
             dx = torch.empty((M, K), device=x2.device, dtype=cdt)
+            a_cat = torch.cat([lora_params[2 * j].to(cdt) for j in range(len(lora_segments))], 0) \
+                if R > 0 else None
+            # LORA_LAB_BASE_GEMM=cublas: narrow segments (N_i ≤ 256) and Q A in one Triton pass writing dX,
+            # then cuBLAS adds each wide dY_i W_i onto it (β = 1)
+            wide = [sg for sg in segs if sg[0].shape[1] > _NARROW_SEGMENT]
+            fill = [sg for sg in segs if sg[0].shape[1] <= _NARROW_SEGMENT] + ([(q, a_cat)] if R > 0 else [])
             if not segs:
                 dx.zero_()
+            elif base == "cublas" and wide and len(fill) <= MAX_SEGMENTS:
+                if fill:
+                    lora_gemm(dx, fill)
+                else:
+                    torch.mm(*wide[0], out=dx)
+                    wide = wide[1:]
+                for dy_i, w_i in wide:
+                    dx.addmm_(dy_i, w_i)
             else:
                 # dX = Σ_i dY_i W_i + Q A: every dY_i in one GEMM (chunks of four segments per launch)
-                a_cat = torch.cat([lora_params[2 * j].to(cdt) for j in range(len(lora_segments))], 0) \
-                    if R > 0 else None
                 first = True
                 for c in range(0, len(segs), 4):
                     chunk = segs[c:c + 4]

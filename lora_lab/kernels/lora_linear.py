@@ -743,11 +743,12 @@ def check_lora_args(x, weight, bias, lora_A, lora_B, name="fused_lora_linear"):
 
 # ----------------------------------------------------------------------------------------------
 # Overlap: the memory-bound rank reductions (dA, dB) on a second CUDA stream while the compute-bound dX
-# GEMM runs (LORA_LAB_OVERLAP = auto | 0 | 1). ``auto`` is each op's default, from the H200 runs (bf16):
-#   single projection, M=32768, 4096²: no gain next to the Triton GEMM (3.19 vs 3.20 ms fwd+bwd)
-#   GatedDeltaNet group, seq 32768: a gain next to cuBLAS GEMMs (14.58 vs 15.37 ms), a loss next to the
-#   Triton GEMM (16.22 vs 15.67 ms)
-# so the shared-input op overlaps when its GEMMs are cuBLAS's, the single projection does not.
+# GEMM runs (LORA_LAB_OVERLAP = auto | 0 | 1). ``auto`` is each op's default, from two H200 runs (bf16, fwd+bwd):
+#   GatedDeltaNet group, seq 32768: next to cuBLAS GEMMs 14.58 vs 15.37 ms, then 14.85 vs 14.94 (a gain);
+#   next to the Triton GEMM 16.22 vs 15.67, then 16.85 vs 16.45 (a loss)
+#   single projection, M=32768, next to the Triton GEMM: level in the first run (3.19 vs 3.20 ms at 4096², r=16),
+#   faster in 5 of the 6 cells of the second (3.18 vs 3.26 ms there) — within run-to-run noise, so not yet on
+# so the shared-input op overlaps when its GEMMs are cuBLAS's, the single projection does not (yet).
 # ----------------------------------------------------------------------------------------------
 _SIDE_STREAMS: dict = {}
 
@@ -818,9 +819,10 @@ def base_gemm_engine(default: str = "triton") -> str:
     Triton GEMM on the H200: 774 vs 664 TFLOP/s), at the price of one M×N write. The backward's dX takes this
     path only without dropout (the mask multiplies the rank-r term alone).
 
-    Measured on the H200 (bf16, fwd+bwd): one projection at M=32768, 4096², r=16: Triton 3.20 ms, cuBLAS
-    3.38 ms (the Triton pass writing the rank-r term took 0.15 ms, the β = 1 GEMM 1.41 vs 1.37 ms); the
-    GatedDeltaNet group at seq 32768: Triton 15.67 ms, cuBLAS 15.37 ms, cuBLAS with overlap 14.58 ms.
+    Measured on the H200 in two runs (bf16, fwd+bwd): one projection at M=32768, 4096², r=16: Triton 3.20 /
+    3.26 ms, cuBLAS 3.38 / 3.38 ms (the Triton pass writing the rank-r term takes 0.15 ms, the β = 1 GEMM
+    1.41–1.48 vs 1.37–1.39 ms for β = 0); the GatedDeltaNet group at seq 32768: Triton 15.67 / 16.45 ms,
+    cuBLAS 15.37 / 14.94 ms, cuBLAS with the side stream 14.58 / 14.85 ms.
     """
     return _switch("LORA_LAB_BASE_GEMM", ("triton", "cublas"), default)
 

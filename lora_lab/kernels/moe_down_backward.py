@@ -25,16 +25,16 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_lab.kernels.moe_launch_config import (
-    autotune_configs,
-    autotune_enabled,
-    dot_precision,
-    fixed_kernel,
-    fixed_meta,
-    rank_block_size,
-    unspecialized_twin,
-)
+from lora_lab.kernels.moe_launch_config import autotune_configs, dot_precision, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe_routing import ExpertRouting
+from lora_lab.kernels.moe_tiles import (
+    launch_row_tiles,
+    load_rank_cols,
+    load_rank_rows,
+    rows_of_tile,
+    rows_times_expert_matrix,
+    with_even_k,
+)
 
 
 @triton.jit
@@ -56,44 +56,25 @@ def _down_backward_silu_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= num_experts:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    rows64 = rows.to(tl.int64)
-    token = tl.load(sorted_token_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows, row_mask, rows64, token = rows_of_tile(
+        tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
+    )
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within I
     col_mask = cols < I
-    offs_k = tl.arange(0, BLOCK_K)  # over H
-    d_ptrs = dout_ptr + token[:, None] * stride_d_tok + offs_k[None, :] * stride_d_k
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_w_e + offs_k[:, None] * stride_w_k + cols[None, :] * stride_w_n
 
-    # D = dOut_rows @ W2_e   (K = H)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            d = tl.load(d_ptrs, mask=row_mask[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            d = tl.load(d_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(d, w, acc, input_precision=DOT_PRECISION)
-        d_ptrs += BLOCK_K * stride_d_k
-        w_ptrs += BLOCK_K * stride_w_k
+    # D = dOut[token] @ W2_e   (K = H; dOut rows read by token in place)
+    acc = rows_times_expert_matrix(
+        dout_ptr, token, row_mask, stride_d_tok, stride_d_k,
+        w_ptr, expert, cols, col_mask, stride_w_e, stride_w_k, stride_w_n, K,
+        EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
 
     if HAS_LORA:
         # D += s₂ · Q2_rows @ A2_e   with A2_e: (R, I)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        q = tl.load(
-            lora_q_ptr + rows64[:, None] * stride_q_row + offs_r[None, :] * stride_q_r,
-            mask=row_mask[:, None] & r_mask[None, :], other=0.0,
-        )
-        la = tl.load(
-            lora_a_ptr + expert.to(tl.int64) * stride_la_e + offs_r[:, None] * stride_la_r + cols[None, :] * stride_la_n,
-            mask=r_mask[:, None] & col_mask[None, :], other=0.0,
+        q = load_rank_rows(lora_q_ptr, rows64, row_mask, stride_q_row, stride_q_r, R, BLOCK_R)
+        la = load_rank_cols(
+            lora_a_ptr + expert.to(tl.int64) * stride_la_e, cols, col_mask, stride_la_r, stride_la_n, R, BLOCK_R,
         )
         acc += lora_scale * tl.dot(q, la, input_precision=DOT_PRECISION)
 
@@ -118,12 +99,8 @@ def _down_backward_silu_kernel(
     tl.store(dgu_ptrs + I * stride_dgu_n, du.to(out_ty), mask=mask)
 
 
-_down_backward_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
-    _down_backward_silu_kernel
-)
-_down_backward_kernel_unspecialized = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
-    unspecialized_twin(_down_backward_silu_kernel)
-)
+_down_backward_kernel = with_even_k(_down_backward_silu_kernel)
+_down_backward_kernel_unspecialized = with_even_k(unspecialized_twin(_down_backward_silu_kernel))
 _down_backward_kernel_tuned = triton.autotune(
     configs=autotune_configs("down_backward"),
     key=["I", "K", "HAS_LORA", "COMPUTE_DW", "BLOCK_M"],
@@ -183,13 +160,10 @@ def down_backward_silu(
         HAS_LORA=lora is not None, COMPUTE_DW=dw is not None, DOT_PRECISION=dot_precision(gu.dtype),
         BLOCK_M=routing.block_m, BLOCK_R=block_r,
     )
-    if tune and autotune_enabled():
-        grid = lambda meta: (triton.cdiv(inter, meta["BLOCK_N"]), routing.max_tiles)  # noqa: E731
-        _down_backward_kernel_tuned[grid](*args, **flags)
-    else:
-        meta = fixed_meta("down_backward")
-        grid = (triton.cdiv(inter, meta["BLOCK_N"]), routing.max_tiles)
-        fixed_kernel(_down_backward_kernel, _down_backward_kernel_unspecialized)[grid](*args, **flags, **meta)
+    launch_row_tiles(
+        _down_backward_kernel_tuned, _down_backward_kernel, _down_backward_kernel_unspecialized, args, flags,
+        kind="down_backward", num_cols=inter, num_tiles=routing.max_tiles, tune=tune,
+    )
     return dgu, dw
 
 

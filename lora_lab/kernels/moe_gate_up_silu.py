@@ -21,16 +21,17 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_lab.kernels.moe_launch_config import (
-    autotune_configs,
-    autotune_enabled,
-    dot_precision,
-    fixed_kernel,
-    fixed_meta,
-    rank_block_size,
-    unspecialized_twin,
-)
+from lora_lab.kernels.moe_launch_config import autotune_configs, dot_precision, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe_routing import ExpertRouting
+from lora_lab.kernels.moe_tiles import (
+    launch_row_tiles,
+    load_k_by_cols,
+    load_rank_cols,
+    load_rank_rows,
+    load_rows_by_k,
+    rows_of_tile,
+    with_even_k,
+)
 
 
 @triton.jit
@@ -51,12 +52,9 @@ def _gate_up_silu_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= num_experts:
         return
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    rows64 = rows.to(tl.int64)
-    token = tl.load(sorted_token_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows, row_mask, rows64, token = rows_of_tile(
+        tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
+    )
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within I
     col_mask = cols < I
@@ -69,15 +67,9 @@ def _gate_up_silu_kernel(
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-            wg = tl.load(wg_ptrs, mask=col_mask[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        x = load_rows_by_k(x_ptrs, row_mask, offs_k, k0, K, EVEN_K)
+        wg = load_k_by_cols(wg_ptrs, col_mask, offs_k, k0, K, EVEN_K)
+        wu = load_k_by_cols(wu_ptrs, col_mask, offs_k, k0, K, EVEN_K)
         # g += X_rows @ W1_e[:I]ᵀ ;  u += X_rows @ W1_e[I:]ᵀ
         acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
         acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
@@ -87,16 +79,10 @@ def _gate_up_silu_kernel(
 
     if HAS_LORA:
         # [g | u] += s₁ · P1_rows @ B1_eᵀ   with B1_e: (2I, R)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        p = tl.load(
-            lora_p_ptr + rows64[:, None] * stride_p_row + offs_r[None, :] * stride_p_r,
-            mask=row_mask[:, None] & r_mask[None, :], other=0.0,
-        )
-        lb_base = lora_b_ptr + expert.to(tl.int64) * stride_lb_e + offs_r[:, None] * stride_lb_r
-        lb_mask = r_mask[:, None] & col_mask[None, :]
-        bg = tl.load(lb_base + cols[None, :] * stride_lb_n, mask=lb_mask, other=0.0)
-        bu = tl.load(lb_base + (cols + I)[None, :] * stride_lb_n, mask=lb_mask, other=0.0)
+        p = load_rank_rows(lora_p_ptr, rows64, row_mask, stride_p_row, stride_p_r, R, BLOCK_R)
+        lb_e = lora_b_ptr + expert.to(tl.int64) * stride_lb_e
+        bg = load_rank_cols(lb_e, cols, col_mask, stride_lb_r, stride_lb_n, R, BLOCK_R)  # B1_e[:I]ᵀ
+        bu = load_rank_cols(lb_e, cols + I, col_mask, stride_lb_r, stride_lb_n, R, BLOCK_R)  # B1_e[I:]ᵀ
         acc_g += lora_scale * tl.dot(p, bg, input_precision=DOT_PRECISION)
         acc_u += lora_scale * tl.dot(p, bu, input_precision=DOT_PRECISION)
 
@@ -110,10 +96,8 @@ def _gate_up_silu_kernel(
     tl.store(h_ptr + rows64[:, None] * stride_h_row + cols[None, :] * stride_h_n, h.to(out_ty), mask=mask)
 
 
-_gate_up_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gate_up_silu_kernel)
-_gate_up_kernel_unspecialized = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
-    unspecialized_twin(_gate_up_silu_kernel)
-)
+_gate_up_kernel = with_even_k(_gate_up_silu_kernel)
+_gate_up_kernel_unspecialized = with_even_k(unspecialized_twin(_gate_up_silu_kernel))
 _gate_up_kernel_tuned = triton.autotune(
     configs=autotune_configs("gate_up"), key=["I", "K", "HAS_LORA", "BLOCK_M"],
 )(_gate_up_kernel)
@@ -162,13 +146,10 @@ def gate_up_silu(
     flags = dict(
         HAS_LORA=lora is not None, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_R=block_r,
     )
-    if tune and autotune_enabled():
-        grid = lambda meta: (triton.cdiv(inter, meta["BLOCK_N"]), routing.max_tiles)  # noqa: E731
-        _gate_up_kernel_tuned[grid](*args, **flags)
-    else:
-        meta = fixed_meta("gate_up")
-        grid = (triton.cdiv(inter, meta["BLOCK_N"]), routing.max_tiles)
-        fixed_kernel(_gate_up_kernel, _gate_up_kernel_unspecialized)[grid](*args, **flags, **meta)
+    launch_row_tiles(
+        _gate_up_kernel_tuned, _gate_up_kernel, _gate_up_kernel_unspecialized, args, flags,
+        kind="gate_up", num_cols=inter, num_tiles=routing.max_tiles, tune=tune,
+    )
     return gu, h
 
 

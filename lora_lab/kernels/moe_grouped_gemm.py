@@ -29,17 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_lab.kernels.moe_launch_config import (
-    autotune_configs,
-    autotune_enabled,
-    dot_precision,
-    fixed_kernel,
-    fixed_meta,
-    narrow_block_size,
-    rank_block_size,
-    unspecialized_twin,
-)
+from lora_lab.kernels.moe_launch_config import autotune_configs, dot_precision, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe_routing import ExpertRouting
+from lora_lab.kernels.moe_tiles import (
+    launch_row_tiles,
+    load_rank_cols,
+    load_rank_rows,
+    rows_of_tile,
+    rows_times_expert_matrix,
+    with_even_k,
+)
 
 
 @triton.jit
@@ -61,13 +60,9 @@ def _grouped_rows_gemm_kernel(
     expert = tl.load(tile_expert_ptr + tile)
     if expert >= num_experts:  # tile past the real total: nothing to do
         return
-    # rows of this tile: [row_start, row_start + BLOCK_M) ∩ [.., offsets[e+1])
-    row_start = tl.load(tile_row_start_ptr + tile)
-    row_end = tl.load(expert_offsets_ptr + expert + 1)
-    rows = row_start + tl.arange(0, BLOCK_M)
-    row_mask = rows < row_end
-    rows64 = rows.to(tl.int64)
-    token = tl.load(sorted_token_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    rows, row_mask, rows64, token = rows_of_tile(
+        tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
+    )
     if GATHER_A:
         a_rows = token  # A[sorted_token[j]]: gather fused into the load
     else:
@@ -75,35 +70,19 @@ def _grouped_rows_gemm_kernel(
 
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_rows[:, None] * stride_a_row + offs_k[None, :] * stride_a_k
-    b_ptrs = b_ptr + expert.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k + cols[None, :] * stride_b_n
 
     # C = A_rows @ B_e, fp32 accumulation over K
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_mask[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=col_mask[None, :], other=0.0)
-        else:
-            k_mask = (k0 + offs_k) < K
-            a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K * stride_a_k
-        b_ptrs += BLOCK_K * stride_b_k
+    acc = rows_times_expert_matrix(
+        a_ptr, a_rows, row_mask, stride_a_row, stride_a_k,
+        b_ptr, expert, cols, col_mask, stride_b_e, stride_b_k, stride_b_n, K,
+        EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+    )
 
     if HAS_LORA:
         # C += scale · P_rows @ L_e   (rank-R product; W + B·A is never built)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        p = tl.load(
-            lora_p_ptr + rows64[:, None] * stride_p_row + offs_r[None, :] * stride_p_r,
-            mask=row_mask[:, None] & r_mask[None, :], other=0.0,
-        )
-        lo = tl.load(
-            lora_l_ptr + expert.to(tl.int64) * stride_l_e + offs_r[:, None] * stride_l_r + cols[None, :] * stride_l_n,
-            mask=r_mask[:, None] & col_mask[None, :], other=0.0,
+        p = load_rank_rows(lora_p_ptr, rows64, row_mask, stride_p_row, stride_p_r, R, BLOCK_R)
+        lo = load_rank_cols(
+            lora_l_ptr + expert.to(tl.int64) * stride_l_e, cols, col_mask, stride_l_r, stride_l_n, R, BLOCK_R,
         )
         acc += lora_scale * tl.dot(p, lo, input_precision=DOT_PRECISION)
 
@@ -123,10 +102,8 @@ def _grouped_rows_gemm_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_rows_kernel = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_grouped_rows_gemm_kernel)
-_rows_kernel_unspecialized = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(
-    unspecialized_twin(_grouped_rows_gemm_kernel)
-)
+_rows_kernel = with_even_k(_grouped_rows_gemm_kernel)
+_rows_kernel_unspecialized = with_even_k(unspecialized_twin(_grouped_rows_gemm_kernel))
 _rows_kernel_tuned = triton.autotune(
     configs=autotune_configs("rows"),
     key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M"],
@@ -208,15 +185,10 @@ def grouped_rows_gemm(
         BLOCK_M=routing.block_m, BLOCK_R=block_r,
     )
     # Narrow outputs (LoRA factors, N = rank) get one tile across N and no tuning.
-    if tune and autotune_enabled() and n_dim > 128:
-        grid = lambda meta: (triton.cdiv(n_dim, meta["BLOCK_N"]), routing.max_tiles)  # noqa: E731
-        _rows_kernel_tuned[grid](*args, **flags)
-    else:
-        meta = fixed_meta("rows")
-        if n_dim <= 128:
-            meta["BLOCK_N"] = narrow_block_size(n_dim)
-        grid = (triton.cdiv(n_dim, meta["BLOCK_N"]), routing.max_tiles)
-        fixed_kernel(_rows_kernel, _rows_kernel_unspecialized)[grid](*args, **flags, **meta)
+    launch_row_tiles(
+        _rows_kernel_tuned, _rows_kernel, _rows_kernel_unspecialized, args, flags,
+        kind="rows", num_cols=n_dim, num_tiles=routing.max_tiles, tune=tune, one_tile_if_narrow=True,
+    )
     return out
 
 

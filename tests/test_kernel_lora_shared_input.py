@@ -137,15 +137,20 @@ def test_gpu_side_stream_overlap(monkeypatch):
     check(x, Ws, bs, As, Bs, [2.0] * 4, TOL[torch.bfloat16])
 
 
-def test_cublas_engine_matches_reference(monkeypatch):
-    # the small-shape engine (cuBLAS calls): segments without LoRA, outputs without gradient, bias, M = 0
-    monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
+def check_edge_cases_fp32():
+    """Segments without LoRA, outputs without gradient, bias and none, M = 0 — fp32 against the reference."""
     x, Ws, bs, As, Bs = build((2, 19), 40, [72, 36, 5, 5], [8, 0, 1, 16], torch.float32)
     check(x, Ws, bs, As, Bs, [2.0, 1.0, 0.5, 3.0], TOL[torch.float32])
     x, Ws, bs, As, Bs = build((25,), 32, [40, 24, 8], [4, 2, 3], torch.float32, bias=False)
     check(x, Ws, bs, As, Bs, [1.0, 1.0, 1.0], TOL[torch.float32], grad_mask=[True, False, True])
     x, Ws, bs, As, Bs = build((0,), 32, [40, 24], [4, 2], torch.float32)
     check(x, Ws, bs, As, Bs, [1.0, 1.0], TOL[torch.float32])
+
+
+def test_cublas_engine_matches_reference(monkeypatch):
+    # the small-shape engine (cuBLAS calls)
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "cublas")
+    check_edge_cases_fp32()
 
 
 @pytest.mark.gpu
@@ -162,12 +167,7 @@ def test_cublas_base_gemm_option(monkeypatch, narrow):
 
     monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
     monkeypatch.setattr(lora_shared_input, "_NARROW_SEGMENT", narrow)
-    x, Ws, bs, As, Bs = build((2, 19), 40, [72, 36, 5, 5], [8, 0, 1, 16], torch.float32)
-    check(x, Ws, bs, As, Bs, [2.0, 1.0, 0.5, 3.0], TOL[torch.float32])
-    x, Ws, bs, As, Bs = build((25,), 32, [40, 24, 8], [4, 2, 3], torch.float32, bias=False)
-    check(x, Ws, bs, As, Bs, [1.0, 1.0, 1.0], TOL[torch.float32], grad_mask=[True, False, True])
-    x, Ws, bs, As, Bs = build((0,), 32, [40, 24], [4, 2], torch.float32)
-    check(x, Ws, bs, As, Bs, [1.0, 1.0], TOL[torch.float32])
+    check_edge_cases_fp32()
 
 
 @pytest.mark.gpu

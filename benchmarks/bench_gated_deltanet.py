@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
 from bench_timing import environment_line, median_ms, out_dir, peak_bytes, set_kernel_switches, write_csv  # noqa: E402
 from lora_lab.memory import saved_bytes_excluding  # noqa: E402
+from lora_lab.layer import SingleChild, fill_lora_B  # noqa: E402
 
 IN_PROJ = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
 TARGETS = IN_PROJ + ["out_proj"]
@@ -47,15 +48,6 @@ SWITCHES = {
     "fused_cublas_base": {"BASE_GEMM": "cublas", "OVERLAP": "0"},
     "fused_cublas_base_overlap": {"BASE_GEMM": "cublas", "OVERLAP": "1"},
 }
-
-
-class _Holder(nn.Module):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return self.layer(x)
 
 
 def gated_deltanet(hidden: int, dtype, device):
@@ -77,14 +69,13 @@ def peft_wrap(layer, r, fp32_adapters):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)  # same A init in every wrapped copy
-    model = get_peft_model(_Holder(layer), LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS),
+    model = get_peft_model(SingleChild(layer, "layer"), LoraConfig(r=r, lora_alpha=2 * r, target_modules=TARGETS),
                            autocast_adapter_dtype=fp32_adapters)
     torch.manual_seed(2)
-    with torch.no_grad():
+    fill_lora_B(model, 0.02)
+    if not fp32_adapters:
         for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
-            if not fp32_adapters and "lora_" in n:
+            if "lora_" in n:
                 p.data = p.data.to(layer.out_proj.weight.dtype)
     return model
 

@@ -31,6 +31,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
 from bench_timing import environment_line, median_ms, out_dir, peak_bytes, set_kernel_switches, write_csv  # noqa: E402
+from lora_lab.layer import SingleChild, fill_lora_B  # noqa: E402
 
 
 # environment switches of lora_lab.kernels.lora_linear per fused variant (the rest as shipped)
@@ -49,24 +50,13 @@ def set_variant_env(name):
     set_kernel_switches(**VARIANT_ENV.get(name, {}))
 
 
-class _OneProjection(nn.Module):
-    def __init__(self, lin):
-        super().__init__()
-        self.proj = lin
-
-    def forward(self, x):
-        return self.proj(x)
-
-
 def peft_projection(lin: nn.Linear, r: int, alpha: float, fp32_adapters: bool):
     from peft import LoraConfig, get_peft_model
 
     cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["proj"], lora_dropout=0.0)
-    model = get_peft_model(_OneProjection(lin), cfg, autocast_adapter_dtype=fp32_adapters)
-    layer = model.base_model.model.proj
-    with torch.no_grad():
-        layer.lora_B["default"].weight.normal_(0, 0.02)
-    return model, layer
+    model = get_peft_model(SingleChild(lin, "proj"), cfg, autocast_adapter_dtype=fp32_adapters)
+    fill_lora_B(model, 0.02)
+    return model, model.base_model.model.proj
 
 
 def make_variants(M, K, N, r, dtype=torch.bfloat16, device="cuda"):

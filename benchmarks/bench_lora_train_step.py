@@ -87,14 +87,12 @@ def bench_model(name, layers, batch, seq, steps, warmup, variants=None):
     from peft import LoraConfig, get_peft_model
 
     from lora_lab.kernels import patch_model, unpatch_model
+    from lora_lab.layer import fill_lora_B
 
     base = build_model(name, layers)
     torch.manual_seed(1)
     model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    fill_lora_B(model, 0.02)
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda", generator=g)

@@ -17,6 +17,7 @@ _EXPORTS = {
     "merge_lora": "layer",
     "count_parameters": "layer",
     "lora_layers": "layer",
+    "fill_lora_B": "layer",
     # adapters in PEFT's format
     "save_adapter": "adapters",
     "load_adapter": "adapters",

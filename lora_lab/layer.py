@@ -26,6 +26,8 @@ __all__ = [
     "lora_layers",
     "find_target_linears",
     "replace_module",
+    "fill_lora_B",
+    "SingleChild",
 ]
 
 
@@ -131,6 +133,42 @@ def _matches(name: str, targets: Sequence[str] | str) -> bool:
 def find_target_linears(model: nn.Module, targets: Sequence[str] | str) -> list[tuple[str, nn.Module]]:
     """Modules whose names match ``targets`` (PEFT's matching rule), in model order."""
     return [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+
+
+def fill_lora_B(model: nn.Module, std: float, generator: torch.Generator | None = None) -> int:
+    """Fill every LoRA B factor of ``model`` with N(0, std²); returns how many parameters were filled.
+
+    A fresh adapter has B = 0 and changes nothing, so a check of the LoRA path needs B ≠ 0 first. Matches
+    PEFT's and lora_lab's factors alike (parameter names containing ``lora_B``), in ``named_parameters`` order:
+    drawn in place from torch's RNG on the parameter's device, or, given a CPU ``generator``, from it.
+    """
+    filled = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                if generator is None:
+                    p.normal_(0, std)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=generator) * std)
+                filled += 1
+    if not filled:
+        raise ValueError("fill_lora_B: the model has no LoRA B parameter (no adapter added?)")
+    return filled
+
+
+class SingleChild(nn.Module):
+    """A parent whose one child is ``child``, registered as ``name``; forward passes straight through.
+
+    PEFT and the kernel patcher work on module trees: this is the smallest tree around one layer.
+    """
+
+    def __init__(self, child: nn.Module, name: str = "layer"):
+        super().__init__()
+        self.add_module(name, child)
+        self._child_name = name
+
+    def forward(self, *args, **kwargs):
+        return getattr(self, self._child_name)(*args, **kwargs)
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:

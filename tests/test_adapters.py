@@ -3,7 +3,6 @@ import json
 
 import pytest
 import torch
-from torch import nn
 
 import lora_lab
 from lora_lab import AdapterError, add_lora, load_adapter, save_adapter
@@ -38,11 +37,7 @@ def test_ours_to_peft_exact(tmp_path):
 def test_peft_to_ours_exact(tmp_path):
     base = lora_lab.load_model("random:tiny-qwen2")
     pm = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=12, target_modules=["q_proj", "k_proj", "v_proj"]))
-    g = torch.Generator().manual_seed(2)
-    for n, p in pm.named_parameters():
-        if "lora_B" in n:
-            with torch.no_grad():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    lora_lab.fill_lora_B(pm, 0.02, generator=torch.Generator().manual_seed(2))
     pm.save_pretrained(str(tmp_path))
     ours = load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
     layers = lora_lab.lora_layers(ours)

@@ -110,3 +110,20 @@ def test_merge_lora_model_and_no_lora_error():
 def test_layer_rejects_non_linear():
     with pytest.raises(TypeError, match="nn.Linear"):
         LoRALinear(nn.Conv1d(3, 3, 1), r=2, alpha=2)
+
+
+def test_fill_lora_B_fills_only_B_and_names_a_model_without_adapter():
+    from lora_lab.layer import SingleChild
+
+    model = SingleChild(nn.Linear(8, 6), "proj")
+    with pytest.raises(ValueError, match="no LoRA B"):
+        lora_lab.fill_lora_B(model, 0.1)
+    add_lora(model, r=2, alpha=4, targets=("proj",))
+    a_before = model.proj.lora_A.detach().clone()
+    assert torch.count_nonzero(model.proj.lora_B) == 0
+    assert lora_lab.fill_lora_B(model, 0.1, generator=torch.Generator().manual_seed(3)) == 1
+    assert torch.equal(model.proj.lora_A, a_before)
+    expected = torch.randn(6, 2, generator=torch.Generator().manual_seed(3)) * 0.1
+    assert torch.equal(model.proj.lora_B.detach(), expected)
+    x = torch.randn(3, 8)
+    assert torch.equal(model(x), model.proj(x))  # SingleChild passes straight through

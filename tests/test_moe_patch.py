@@ -10,6 +10,7 @@ from torch import nn
 
 from lora_lab.kernels.moe_launch_config import triton_interpreting
 from lora_lab.kernels.moe_patch import is_moe_patched, patch_moe_experts, unpatch_moe_experts
+from lora_lab.layer import fill_lora_B
 
 interpreter = pytest.mark.skipif(not triton_interpreting(), reason="CPU tests run the kernels in TRITON_INTERPRET=1")
 
@@ -96,9 +97,7 @@ def test_peft_expert_lora_matches_peft_and_saves_like_peft(tmp_path):
     base = tiny_qwen3_moe()
     model = get_peft_model(copy.deepcopy(base), LoraConfig(r=4, lora_alpha=8, target_modules=[],
                                                            target_parameters=EXPERT_TARGETS))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p, std=0.1)
+    fill_lora_B(model, 0.1)
     x = ids()
     loss_ref, grads_ref = loss_and_grads(model, x)
     assert patch_moe_experts(model) == 2
@@ -138,9 +137,7 @@ def test_peft_lora_on_one_expert_parameter_only():
 
     model = get_peft_model(tiny_qwen3_moe(), LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"],
                                                         target_parameters=["experts.down_proj"]))
-    for name, p in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(p, std=0.1)
+    fill_lora_B(model, 0.1)
     x = ids()
     loss_ref, grads_ref = loss_and_grads(model, x)
     assert patch_moe_experts(model) == 2
@@ -186,9 +183,7 @@ def test_patched_peft_model_bf16_gpu_close_to_fp32_eager():
         model = get_peft_model(tiny_qwen3_moe(), LoraConfig(r=4, lora_alpha=8, target_modules=[],
                                                             target_parameters=EXPERT_TARGETS))
         torch.manual_seed(5)
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                nn.init.normal_(p, std=0.1)
+        fill_lora_B(model, 0.1)
         return model.to("cuda", dtype)
 
     x = ids(shape=(4, 64)).cuda()

@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 import lora_lab
 from lora_lab.kernels import UnsupportedLoRAError, patch_model, patched_layers, unpatch_model
-from lora_lab.kernels.lora_kernel_checks import rel_l2
+from lora_lab.kernels.lora_kernel_checks import rel_l2, train_losses
+from lora_lab.layer import SingleChild
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -31,28 +31,12 @@ def peft_tiny(targets=ALL_PROJ, dtype=torch.float32, device=DEVICE, **cfg):
     model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **cfg),
                            autocast_adapter_dtype=False)
     torch.manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    lora_lab.fill_lora_B(model, 0.02)
     return model
-
 
 
 def lora_grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def train_losses(model, ids, steps, lr=1e-3):
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def test_peft_model_forward_backward_and_training_match():
@@ -156,10 +140,7 @@ def test_lora_lab_layers_are_patched():
     model = lora_lab.add_lora(base, r=4, alpha=8, targets=ALL_PROJ)
     model = model if model is not None else base
     torch.manual_seed(0)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    lora_lab.fill_lora_B(model, 0.02)
     ref = copy.deepcopy(model)
     s = patch_model(model)
     assert s["lora_layers"] == 14 and s["shared_input_groups"] == 4
@@ -181,27 +162,15 @@ def _tiny_gated_deltanet(dtype, device, hidden=64):
     return Qwen3_5GatedDeltaNet(cfg, layer_idx=0).to(device=device, dtype=dtype)
 
 
-class _Holder(nn.Module):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return self.layer(x)
-
-
 def _peft_gated_deltanet(dtype, device, hidden=64):
     from peft import LoraConfig, get_peft_model
 
     layer = _tiny_gated_deltanet(dtype, device, hidden)
     targets = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
-    model = get_peft_model(_Holder(layer), LoraConfig(r=16, lora_alpha=32, target_modules=targets),
+    model = get_peft_model(SingleChild(layer, "layer"), LoraConfig(r=16, lora_alpha=32, target_modules=targets),
                            autocast_adapter_dtype=False)
     torch.manual_seed(1)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    lora_lab.fill_lora_B(model, 0.02)
     return model
 
 

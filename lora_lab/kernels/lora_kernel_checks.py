@@ -18,6 +18,7 @@ from torch import nn
 
 from .lora_linear import dropout_keep_mask, fused_lora_linear, lora_linear_reference, triton_engine
 from .lora_shared_input import fused_shared_input_lora, shared_input_lora_reference
+from ..layer import SingleChild
 from ..memory import saved_bytes_excluding
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "shared_input_numerics",
     "saved_bytes_per_linear",
     "patched_training_losses",
+    "train_losses",
     "dora_is_refused",
     "benchmark_ratios",
     "rel_l2",
@@ -104,15 +106,6 @@ def _shared_input_numerics(lead, K, splits, ranks, dtype, device, seed):
     return {"fwd_cosine": min(cosine(o, r) for o, r in zip(outs, refs)), "grad_max_rel_l2": max(grad_errs)}
 
 
-class _OneProjection(nn.Module):
-    def __init__(self, lin):
-        super().__init__()
-        self.proj = lin
-
-    def forward(self, x):
-        return self.proj(x)
-
-
 def saved_bytes_per_linear(M, K, N, r, dtype, device) -> dict:
     """Bytes saved for backward by one LoRA linear (parameters excluded), PEFT default (fp32 adapters) vs fused."""
     from peft import LoraConfig, get_peft_model
@@ -121,7 +114,7 @@ def saved_bytes_per_linear(M, K, N, r, dtype, device) -> dict:
 
     torch.manual_seed(0)
     lin = nn.Linear(K, N, bias=False, device=device, dtype=dtype)
-    model = get_peft_model(_OneProjection(lin), LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
+    model = get_peft_model(SingleChild(lin, "proj"), LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"]))
     fused = copy.deepcopy(model)
     patch_model(fused)
     x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
@@ -135,27 +128,30 @@ def saved_bytes_per_linear(M, K, N, r, dtype, device) -> dict:
             "adapter_dtype": str(model.base_model.model.proj.lora_A["default"].weight.dtype)}
 
 
-def patched_training_losses(model, ids, steps, lr=1e-3) -> tuple[list[float], list[float]]:
-    """Train a copy unpatched and a copy patched from the same weights; returns both loss lists."""
-    from .patching import patch_model
+def train_losses(model, ids, steps, lr=1e-3) -> list[float]:
+    """``steps`` AdamW steps of a causal LM on one batch (``ids`` as inputs and labels); the loss of each step."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
-    def train(m):
-        m.train()
-        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)
-        losses = []
-        for _ in range(steps):
-            loss = m(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        return losses
+
+def patched_training_losses(model, ids, steps, lr=1e-3) -> tuple[list[float], list[float]]:
+    """Train a copy unpatched and a copy patched from the same weights (train mode); returns both loss lists."""
+    from .patching import patch_model
 
     fused = copy.deepcopy(model)
     patch_model(fused)
-    ref_losses = train(model)
+    model.train()
+    fused.train()
+    ref_losses = train_losses(model, ids, steps, lr)
     with triton_engine():  # the patched model on the Triton kernels, not the small-shape cuBLAS dispatch
-        fused_losses = train(fused)
+        fused_losses = train_losses(fused, ids, steps, lr)
     return ref_losses, fused_losses
 
 

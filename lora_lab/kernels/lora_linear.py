@@ -363,6 +363,22 @@ def _finish_tile(acc, rows, cols, rows_true, cols_true, M, N, out_ptr, stride_om
              acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program in grouped order: GROUP_M row-blocks share each column block while it
+    sits in L2 (both GEMM kernels)."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
 @_autotune(_gemm_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2", "D3", "R"])
 @triton.jit
 def _lora_gemm_kernel(
@@ -379,16 +395,7 @@ def _lora_gemm_kernel(
     DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # grouped program order: GROUP_M row-blocks share each column block while it sits in L2
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     rows_true = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols_true = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -454,15 +461,7 @@ def _lora_gemm_tma_kernel(
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = _grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
 

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lora_lab.kernels.moe_patch import patch_moe_experts, unpatch_moe_experts
+from lora_lab.layer import SingleChild, fill_lora_B
 from lora_lab.kernels.moe_numerics import error_stats
 
 # NVIDIA H200 SXM: 1,979 TFLOP/s bf16 Tensor Core *with* 2:4 sparsity → 989.5 dense.
@@ -98,17 +99,6 @@ def random_routing(num_tokens: int, shape: MoeLayerShape, device, dtype, seed: i
     return index, weights.to(dtype).requires_grad_(True)
 
 
-class _ExpertsHolder(nn.Module):
-    """Parent module so PEFT (``target_parameters=["experts.…"]``) and our patcher see a tree."""
-
-    def __init__(self, experts: nn.Module):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, hidden_states, top_k_index, top_k_weights):
-        return self.experts(hidden_states, top_k_index, top_k_weights)
-
-
 def add_peft_expert_lora(holder: nn.Module, rank: int, alpha: int, seed: int = 0) -> list[nn.Parameter]:
     """PEFT LoRA on experts.gate_up_proj / down_proj (B made non-zero so the path is exercised)."""
     from peft import LoraConfig, inject_adapter_in_model
@@ -118,15 +108,8 @@ def add_peft_expert_lora(holder: nn.Module, rank: int, alpha: int, seed: int = 0
         target_parameters=["experts.gate_up_proj", "experts.down_proj"],
     )
     inject_adapter_in_model(config, holder)
-    gen = torch.Generator(device="cpu").manual_seed(seed + 2)
-    params = []
-    for name, p in holder.named_parameters():
-        if p.requires_grad:
-            if "lora_B" in name:
-                with torch.no_grad():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.01)
-            params.append(p)
-    return params
+    fill_lora_B(holder, 0.01, generator=torch.Generator(device="cpu").manual_seed(seed + 2))
+    return [p for p in holder.parameters() if p.requires_grad]
 
 
 def set_implementation(holder: nn.Module, experts: nn.Module, impl: str) -> None:
@@ -198,7 +181,7 @@ def saved_bytes_by_implementation(
 ) -> dict:
     """saved_activation_bytes for eager / grouped_mm / ours on one shared layer."""
     experts = shape.build_experts(torch.device(device), dtype, seed)
-    holder = _ExpertsHolder(experts)
+    holder = SingleChild(experts, "experts")  # PEFT's target_parameters name "experts.…"
     if mode == "lora":
         experts.requires_grad_(False)
         add_peft_expert_lora(holder, 16, 32, seed)
@@ -230,7 +213,7 @@ def bench_layer(
     """Time + peak memory of forward+backward for each implementation on one shared layer."""
     device = torch.device(device)
     experts = shape.build_experts(device, dtype, seed)
-    holder = _ExpertsHolder(experts)
+    holder = SingleChild(experts, "experts")
     if mode == "full":
         params = [experts.gate_up_proj, experts.down_proj]
     elif mode == "lora":
@@ -302,7 +285,7 @@ def layer_numerics(
     """
     device = torch.device(device)
     experts = shape.build_experts(device, dtype, seed)
-    holder = _ExpertsHolder(experts)
+    holder = SingleChild(experts, "experts")
     if mode == "lora":
         experts.requires_grad_(False)
         torch.manual_seed(seed)

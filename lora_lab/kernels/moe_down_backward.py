@@ -177,16 +177,12 @@ def down_backward_silu_reference(
     lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch per-expert loop in fp32: (dGU, dw) in sorted / assignment order."""
-    offsets = routing.expert_offsets.tolist()
     token = routing.sorted_token.long()
     slot = routing.sorted_slot.long()
     inter = down_proj.shape[2]
     dgu = torch.zeros(routing.num_assignments, 2 * inter, device=gu.device, dtype=torch.float32)
     dw = torch.zeros(routing.num_assignments, device=gu.device, dtype=torch.float32)
-    for e in range(routing.num_experts):
-        lo, hi = offsets[e], offsets[e + 1]
-        if hi == lo:
-            continue
+    for e, lo, hi in routing.nonempty_experts():
         d = grad_out[token[lo:hi]].float() @ down_proj[e].float()
         if lora is not None:
             lora_q, lora_a, scale = lora

@@ -164,13 +164,9 @@ def expert_weight_grad_reference(
     scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain-torch per-expert loop in fp32."""
-    offsets = routing.expert_offsets.tolist()
     token = routing.sorted_token.long()
     out = torch.zeros(routing.num_experts, a.shape[1], b.shape[1], device=a.device, dtype=torch.float32)
-    for e in range(routing.num_experts):
-        lo, hi = offsets[e], offsets[e + 1]
-        if hi == lo:
-            continue
+    for e, lo, hi in routing.nonempty_experts():
         rows = torch.arange(lo, hi, device=a.device)
         a_rows = a[token[lo:hi] if gather_a else rows].float()
         b_rows = b[token[lo:hi] if gather_b else rows].float()

@@ -161,14 +161,10 @@ def gate_up_silu_reference(
     lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch per-expert loop in fp32 (rows outside every expert stay zero)."""
-    offsets = routing.expert_offsets.tolist()
     token = routing.sorted_token.long()
     two_i = gate_up_proj.shape[1]
     gu = torch.zeros(routing.num_assignments, two_i, device=x.device, dtype=torch.float32)
-    for e in range(routing.num_experts):
-        lo, hi = offsets[e], offsets[e + 1]
-        if hi == lo:
-            continue
+    for e, lo, hi in routing.nonempty_experts():
         part = x[token[lo:hi]].float() @ gate_up_proj[e].float().T
         if lora is not None:
             lora_p, lora_b, scale = lora

@@ -203,13 +203,9 @@ def grouped_rows_gemm_reference(
     lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Plain-torch version of ``grouped_rows_gemm`` (per-expert loop, fp32 math)."""
-    offsets = routing.expert_offsets.tolist()
     src = routing.sorted_token.long() if gather_rows else torch.arange(routing.num_assignments, device=a.device)
     result = torch.zeros(routing.num_assignments, b.shape[2], device=a.device, dtype=torch.float32)
-    for e in range(routing.num_experts):
-        lo, hi = offsets[e], offsets[e + 1]
-        if hi == lo:
-            continue
+    for e, lo, hi in routing.nonempty_experts():
         rows = a[src[lo:hi]].float()
         part = rows @ b[e].float()
         if lora is not None:
@@ -218,7 +214,7 @@ def grouped_rows_gemm_reference(
         result[lo:hi] = part
     if scatter_into is None:
         return result.to(a.dtype)
-    in_range = slice(offsets[0], offsets[-1])
+    in_range = slice(*routing.expert_offsets[[0, -1]].tolist())
     contrib = result[in_range]
     if row_weight is not None:
         contrib = contrib * row_weight.float()[routing.sorted_slot[in_range].long()][:, None]

@@ -17,6 +17,7 @@ import torch
 
 from lora_lab.kernels.moe_experts import ExpertLoRA, fused_moe_experts, moe_experts_reference
 from lora_lab.kernels.moe_patch import patch_moe_experts
+from lora_lab.layer import fill_lora_B
 
 TENSOR_NAMES = ["out", "d_x", "d_weights", "d_gate_up_proj", "d_down_proj",
                 "d_gate_up_A", "d_gate_up_B", "d_down_A", "d_down_B"]
@@ -129,11 +130,7 @@ def add_expert_lora(model, rank=4, alpha=8, seed=0, b_std=0.1):
 
     model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=[],
                                              target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * b_std)
+    fill_lora_B(model, b_std, generator=torch.Generator().manual_seed(seed))
     return model
 
 

@@ -52,6 +52,14 @@ class ExpertRouting:
     def max_tiles(self) -> int:
         return self.tile_expert.numel()
 
+    def nonempty_experts(self) -> list[tuple[int, int, int]]:
+        """``(e, lo, hi)`` for every expert that received rows: it owns sorted rows ``[lo, hi)``.
+
+        Reads the offsets on the host (a device sync): for the plain-torch references, never the kernels.
+        """
+        offsets = self.expert_offsets.tolist()
+        return [(e, offsets[e], offsets[e + 1]) for e in range(self.num_experts) if offsets[e + 1] > offsets[e]]
+
 
 def max_row_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
     """Host-side bound on the number of BLOCK_M row tiles: sum_e ceil(c_e / B) <= ceil(S / B) + min(E, S)."""

@@ -1,57 +1,74 @@
-"""lora_lab: pre-registered experiments, and the kernels behind them, about making LoRA cheap.
+"""lora_lab: the LoRA layer, adapters in PEFT's format, model loading, a chunked loss and memory probes, plus the
+lab that runs the pre-registered notebooks.
 
-The public names are imported lazily, so ``import lora_lab`` stays cheap (no transformers import
-until a model is loaded, no Triton until a kernel is used).
+The three layers of the package, a folder each:
+
+* the library — this package's top level, :mod:`lora_lab.memory` and :mod:`lora_lab.kernels` (Triton; imported
+  on demand, so ``import lora_lab`` does not import Triton);
+* :mod:`lora_lab.lab` — predictions, the notebook runner, recording, grading, verification, publishing, the CLI;
+* :mod:`lora_lab.experiments` — code that one notebook uses, a module named after its notebook.
 """
-from __future__ import annotations
-
-import importlib
+from lora_lab.adapters import AdapterError, load_adapter, save_adapter
+from lora_lab.determinism import deterministic, seed_everything
+from lora_lab.lab.recording import environment_report, finish_run, output_dir, record, resolve_profile, start_run
+from lora_lab.layer import (
+    LoRALinear,
+    ParameterCount,
+    add_lora,
+    count_parameters,
+    fill_lora_B,
+    find_target_linears,
+    lora_layers,
+    merge_lora,
+    remove_lora,
+    replace_module,
+)
+from lora_lab.loss import causal_lm_loss, chunked_cross_entropy
+from lora_lab.models import (
+    ByteTokenizer,
+    ModelNotFoundError,
+    load_model,
+    load_tokenizer,
+    model_config,
+    random_model_names,
+)
+from lora_lab.numerics import cosine, error_stats, max_abs_diff, rel_l2
 
 __version__ = "0.1.0"
 
-_EXPORTS = {
-    # the layer and model surgery
-    "LoRALinear": "layer",
-    "ParameterCount": "layer",
-    "add_lora": "layer",
-    "merge_lora": "layer",
-    "count_parameters": "layer",
-    "lora_layers": "layer",
-    "fill_lora_B": "layer",
-    # adapters in PEFT's format
-    "save_adapter": "adapters",
-    "load_adapter": "adapters",
-    "AdapterError": "adapters",
-    # models and tokenizers
-    "load_model": "models",
-    "load_tokenizer": "models",
-    "model_config": "models",
-    "random_model_names": "models",
-    "ModelNotFoundError": "models",
-    "ByteTokenizer": "models",
-    # exact experiments
-    "seed_everything": "determinism",
-    "deterministic": "determinism",
-    # recording metrics from notebooks
-    "resolve_profile": "recording",
-    "start_run": "recording",
-    "record": "recording",
-    "finish_run": "recording",
-    "output_dir": "recording",
-    "environment_report": "recording",
-}
-
-__all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lora_lab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__ = [
+    "AdapterError",
+    "ByteTokenizer",
+    "LoRALinear",
+    "ModelNotFoundError",
+    "ParameterCount",
+    "__version__",
+    "add_lora",
+    "causal_lm_loss",
+    "chunked_cross_entropy",
+    "cosine",
+    "count_parameters",
+    "deterministic",
+    "environment_report",
+    "error_stats",
+    "fill_lora_B",
+    "find_target_linears",
+    "finish_run",
+    "load_adapter",
+    "load_model",
+    "load_tokenizer",
+    "lora_layers",
+    "max_abs_diff",
+    "merge_lora",
+    "model_config",
+    "output_dir",
+    "random_model_names",
+    "record",
+    "rel_l2",
+    "remove_lora",
+    "replace_module",
+    "resolve_profile",
+    "save_adapter",
+    "seed_everything",
+    "start_run",
+]

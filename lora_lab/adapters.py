@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .layer import LoRALinear, _matches, add_lora, lora_layers
+from lora_lab.layer import LoRALinear, _matches, add_lora, lora_layers
 
 __all__ = ["save_adapter", "load_adapter", "AdapterError"]
 

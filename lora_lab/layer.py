@@ -21,6 +21,7 @@ __all__ = [
     "LoRALinear",
     "ParameterCount",
     "add_lora",
+    "remove_lora",
     "merge_lora",
     "count_parameters",
     "lora_layers",
@@ -181,6 +182,15 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     """All LoRA layers of a model, with their module names."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def remove_lora(model: nn.Module) -> nn.Module:
+    """Unwrap every LoRALinear back to its base nn.Linear, without merging: the base weights are untouched."""
+    for name, layer in lora_layers(model):
+        replace_module(model, name, layer.base)
+    if hasattr(model, "_lora_lab_config"):
+        del model._lora_lab_config
+    return model
 
 
 def add_lora(

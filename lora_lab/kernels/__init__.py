@@ -1,46 +1,51 @@
-"""Fused Triton kernels for LoRA training, one kernel per file, each with its autograd Function and a
-plain-torch reference.
+"""Fused Triton kernels for LoRA training, and the switch that puts them into a model.
 
-* :mod:`.lora_linear`        — one LoRA linear, forward + backward, rank-r term folded into the GEMMs
-* :mod:`.lora_shared_input`  — several LoRA projections of the same input (q/k/v, gate/up, GatedDeltaNet)
-* :mod:`.chained_lora_linear` — the chained-cuBLAS baseline the benchmarks compare against
-* :mod:`.patching`           — ``patch_model`` / ``unpatch_model`` for PEFT and lora_lab LoRA layers
-  (also patches MoE experts through :mod:`.moe_patch` when that module is present)
+* :mod:`.lora`      — one LoRA linear (:func:`fused_lora_linear`), several projections of one input
+                      (:func:`fused_shared_input_lora`), and the chained-cuBLAS baseline
+* :mod:`.moe`       — MoE experts with optional LoRA on them (:func:`fused_moe_experts`)
+* :mod:`.patching`  — :func:`patch_model` / :func:`unpatch_model` for PEFT and lora_lab models
+* :mod:`.config`    — :class:`KernelConfig`, every setting of the kernels as one argument
 
-Names are imported lazily so that ``import lora_lab.kernels`` does not import Triton until a kernel is used.
+Importing this package imports Triton; on a CPU set ``TRITON_INTERPRET=1`` before that to run the kernels in
+Triton's interpreter.
 """
-from __future__ import annotations
+from lora_lab.kernels.config import KernelConfig
+from lora_lab.kernels.lora.chained import ChainedLoRALinearFunction, chained_lora_linear
+from lora_lab.kernels.lora.linear import (
+    FusedLoRALinearFunction,
+    fused_lora_linear,
+    lora_linear_reference,
+    lora_linear_unfused,
+)
+from lora_lab.kernels.lora.rank_ops import dropout_keep_mask
+from lora_lab.kernels.lora.shared_input import (
+    SharedInputLoRAFunction,
+    fused_shared_input_lora,
+    shared_input_lora_reference,
+)
+from lora_lab.kernels.moe.experts import ExpertLoRA, fused_moe_experts, moe_experts_reference
+from lora_lab.kernels.moe.patch import patch_moe_experts, unpatch_moe_experts
+from lora_lab.kernels.patching import UnsupportedLoRAError, patch_model, patched_layers, unpatch_model
 
-import importlib
-
-_EXPORTS = {
-    "fused_lora_linear": "lora_linear",
-    "FusedLoRALinearFunction": "lora_linear",
-    "lora_linear_reference": "lora_linear",
-    "lora_linear_unfused": "lora_linear",
-    "dropout_keep_mask": "lora_linear",
-    "fused_shared_input_lora": "lora_shared_input",
-    "SharedInputLoRAFunction": "lora_shared_input",
-    "shared_input_lora_reference": "lora_shared_input",
-    "chained_lora_linear": "chained_lora_linear",
-    "ChainedLoRALinearFunction": "chained_lora_linear",
-    "patch_model": "patching",
-    "unpatch_model": "patching",
-    "patched_layers": "patching",
-    "UnsupportedLoRAError": "patching",
-}
-
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'lora_lab.kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__ = [
+    "ChainedLoRALinearFunction",
+    "ExpertLoRA",
+    "FusedLoRALinearFunction",
+    "KernelConfig",
+    "SharedInputLoRAFunction",
+    "UnsupportedLoRAError",
+    "chained_lora_linear",
+    "dropout_keep_mask",
+    "fused_lora_linear",
+    "fused_moe_experts",
+    "fused_shared_input_lora",
+    "lora_linear_reference",
+    "lora_linear_unfused",
+    "moe_experts_reference",
+    "patch_model",
+    "patch_moe_experts",
+    "patched_layers",
+    "shared_input_lora_reference",
+    "unpatch_model",
+    "unpatch_moe_experts",
+]

@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .lora_linear import SUPPORTED_DTYPES, fused_lora_linear, running_in_interpreter
-from .lora_shared_input import MAX_SEGMENTS, fused_shared_input_lora
+from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
+from lora_lab.kernels.lora.shared_input import MAX_SEGMENTS, fused_shared_input_lora
+from lora_lab.kernels.moe import patch as moe_patch
+from lora_lab.kernels.triton_helpers import running_in_interpreter
 
 __all__ = ["patch_model", "unpatch_model", "UnsupportedLoRAError", "patched_layers", "SHARED_INPUT_GROUPS"]
 
@@ -66,7 +69,8 @@ class _LayerState:
     kind: str  # "peft", "lora_lab" or "frozen" (a plain nn.Linear that joined a shared-input group)
     original_forward_in_dict: object  # instance-level forward before patching (normally absent → None)
     had_forward_attr: bool
-    group: "_SharedInputGroup | None" = None
+    config: KernelConfig
+    group: _SharedInputGroup | None = None
     index: int = -1
     weight_view_of_group: bool = False
 
@@ -121,7 +125,8 @@ def _make_forward(module):
                 return y
         if a is None:  # a frozen plain linear outside its group's fast path
             return _original_forward(module)(x)
-        return fused_lora_linear(x, base.weight, base.bias, a, b, s, dropout_p=p, training=module.training)
+        return fused_lora_linear(x, base.weight, base.bias, a, b, s, dropout_p=p, training=module.training,
+                                 config=st.config)
 
     return fused_forward
 
@@ -135,8 +140,9 @@ class _SharedInputGroup:
 
     MAX_UNUSED = 3  # after this many computed-but-never-collected outputs the group turns itself off
 
-    def __init__(self, members):
-        self.members = members  # list of modules, in call order of SHARED_INPUT_GROUPS
+    def __init__(self, members, config: KernelConfig):
+        self.members = members
+        self.config = config  # list of modules, in call order of SHARED_INPUT_GROUPS
         self.splits = [self._base(m).out_features for m in members]
         bases = [self._base(m) for m in members]
         w0 = bases[0].weight
@@ -207,7 +213,8 @@ class _SharedInputGroup:
                                                       self._base(m).bias.requires_grad) for m in self.members):
             return None
         outs = fused_shared_input_lora(x, self.weight_cat, self.bias_cat, self.splits,
-                                       [p[1] for p in parts], [p[2] for p in parts], [p[3] for p in parts])
+                                       [p[1] for p in parts], [p[2] for p in parts], [p[3] for p in parts],
+                                       config=self.config)
         rest = {j: o for j, o in enumerate(outs) if j != index}
         self._pending = (x, x._version, rest) if rest else None
         return outs[index]
@@ -259,10 +266,8 @@ def _why_unsupported_peft(module, name) -> str | None:
 
 
 def _handled_by_moe_patcher(module) -> bool:
-    """True for a PEFT wrapper around stacked MoE experts: :mod:`.moe_patch` fuses those, not this module."""
-    moe_patch = _moe_patch_module()
-    check = getattr(moe_patch, "is_expert_lora_wrapper", None) if moe_patch is not None else None
-    return bool(check(module)) if check is not None else False
+    """True for a PEFT wrapper around stacked MoE experts: :mod:`.moe.patch` fuses those, not this module."""
+    return moe_patch.is_expert_lora_wrapper(module)
 
 
 def _lora_modules(model):
@@ -284,21 +289,26 @@ def _lora_modules(model):
 # ----------------------------------------------------------------------------------------------
 # Public API.
 # ----------------------------------------------------------------------------------------------
-def _install(module, kind, group=None, index=-1):
+def _install(module, kind, config: KernelConfig):
     had = "forward" in module.__dict__
     state = _LayerState(kind=kind, original_forward_in_dict=module.__dict__.get("forward"), had_forward_attr=had,
-                        group=group, index=index)
+                        config=config)
     setattr(module, _STATE_ATTR, state)
     module.forward = _make_forward(module)
 
 
-def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True) -> dict:
+def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True,
+                config: KernelConfig | None = None) -> dict:
     """Route every supported LoRA linear of ``model`` through the fused Triton kernels (idempotent).
+
+    ``config`` sets how the kernels run (:class:`~lora_lab.kernels.KernelConfig`; None: the defaults, seeded
+    from the environment when this is called); the patched layers keep it.
 
     Returns a summary: ``{"lora_layers": n, "shared_input_groups": g, "frozen_members": f, "moe_experts": e,
     "skipped": [reasons]}``. Raises :class:`UnsupportedLoRAError` (and patches nothing) when ``strict`` and any
     LoRA layer is unsupported; with ``strict=False`` those layers keep their own forward.
     """
+    config = resolve_config(config)
     found = _lora_modules(model)
     bad = [(n, why) for n, _, _, why in found if why is not None]
     if bad and strict:
@@ -311,7 +321,7 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
     patched = 0
     for name, m, kind, why in found:
         if why is None and not hasattr(m, _STATE_ATTR):
-            _install(m, kind)
+            _install(m, kind, config)
             patched += 1
 
     groups = frozen = 0
@@ -342,16 +352,15 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
                     continue
                 for c in members:
                     if not hasattr(c, _STATE_ATTR):
-                        _install(c, "frozen")
+                        _install(c, "frozen", config)
                         frozen += 1
-                group = _SharedInputGroup(members)
+                group = _SharedInputGroup(members, config)
                 for i, c in enumerate(members):
                     st = getattr(c, _STATE_ATTR)
                     st.group, st.index, st.weight_view_of_group = group, i, True
                 groups += 1
 
-    moe_patch = _moe_patch_module()
-    moe = int(moe_patch.patch_moe_experts(model)) if moe_patch is not None else 0
+    moe = moe_patch.patch_moe_experts(model, config=config)
     return {"lora_layers": patched, "shared_input_groups": groups, "frozen_members": frozen, "moe_experts": moe,
             "skipped": [why for _, why in bad]}
 
@@ -385,20 +394,4 @@ def unpatch_model(model: nn.Module) -> int:
             m.__dict__.pop("forward", None)
         delattr(m, _STATE_ATTR)
         count += 1
-    moe_patch = _moe_patch_module()
-    if moe_patch is not None:
-        count += int(moe_patch.unpatch_moe_experts(model))
-    return count
-
-
-def _moe_patch_module():
-    """The MoE experts' patcher (lora_lab.kernels.moe_patch), or None while it does not exist."""
-    import importlib
-
-    name = __package__ + ".moe_patch"
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        if e.name != name:
-            raise
-        return None
+    return count + moe_patch.unpatch_moe_experts(model)

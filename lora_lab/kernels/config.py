@@ -1,0 +1,130 @@
+"""How the fused kernels run: one small, frozen settings object passed to ``patch_model`` and to every op.
+
+    cfg = KernelConfig(dispatch="triton", autotune=False)     # every shape on the Triton kernels, one tile config
+    patch_model(model, config=cfg)
+    fused_lora_linear(x, w, b, A, B, scaling, config=cfg)
+
+Fields left out take their value from an environment variable when it is set (``KernelConfig.from_env``, what
+``KernelConfig()`` does), else the shipped default. Environment variables only seed defaults; nothing in the
+package writes them.
+
+=================  ======================  ==============================================================
+field              variable                meaning
+=================  ======================  ==============================================================
+``dispatch``       ``LORA_LAB_DISPATCH``   ``auto``: cuBLAS calls for GEMMs below a volume M·K·N, Triton
+                                           above (see :mod:`lora_lab.kernels.lora.dispatch`);
+                                           ``triton`` / ``cublas``: always that engine
+``base_gemm``      ``LORA_LAB_BASE_GEMM``  who runs the big GEMM on the Triton engine: ``triton`` (one
+                                           GEMM, rank-r term in its loop), ``cublas`` (Triton writes the
+                                           rank-r term, cuBLAS adds the GEMM with β = 1), ``auto``: each
+                                           op's default
+``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
+                                           ``off``, ``auto`` (each op's default)
+``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
+                                           ``auto`` (TMA when the layout allows it)
+``fuse_q_db``      ``LORA_LAB_FUSE_QDB``   Q and dB in one pass over dY (fp32 atomics: dB's summation
+                                           order is then not deterministic)
+``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first
+                                           one that fits, for quick test runs)
+``moe_autotune``   ``LORA_LAB_MOE_AUTOTUNE``  the same for the MoE kernels
+``moe_block_m``    ``LORA_LAB_MOE_BLOCK_M``   rows per MoE row tile (power of two >= 16); None: by load
+=================  ======================  ==============================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+__all__ = ["KernelConfig", "ENV_VARIABLES", "resolve_config"]
+
+CHOICES = {
+    "dispatch": ("auto", "triton", "cublas"),
+    "base_gemm": ("auto", "triton", "cublas"),
+    "overlap": ("auto", "on", "off"),
+    "gemm_loads": ("auto", "tma", "pointer"),
+}
+ENV_VARIABLES = {
+    "dispatch": "LORA_LAB_DISPATCH",
+    "base_gemm": "LORA_LAB_BASE_GEMM",
+    "overlap": "LORA_LAB_OVERLAP",
+    "gemm_loads": "LORA_LAB_GEMM",
+    "fuse_q_db": "LORA_LAB_FUSE_QDB",
+    "autotune": "LORA_LAB_AUTOTUNE",
+    "moe_autotune": "LORA_LAB_MOE_AUTOTUNE",
+    "moe_block_m": "LORA_LAB_MOE_BLOCK_M",
+}
+_TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def _parse_env(field: str, text: str):
+    variable = ENV_VARIABLES[field]
+    value = text.strip().lower()
+    if field in CHOICES:
+        value = {"1": "on", "0": "off"}.get(value, value) if field == "overlap" else value
+        if value not in CHOICES[field]:
+            raise ValueError(f"{variable}={text!r}: expected one of {', '.join(CHOICES[field])}")
+        return value
+    if field == "moe_block_m":
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{variable}={text!r}: expected a power of two >= 16") from None
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{variable}={text!r}: expected 1 or 0")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Settings of the fused LoRA and MoE kernels (see the module docstring for each field)."""
+
+    dispatch: str = "auto"
+    base_gemm: str = "auto"
+    overlap: str = "auto"
+    gemm_loads: str = "auto"
+    fuse_q_db: bool = False
+    autotune: bool = True
+    moe_autotune: bool = True
+    moe_block_m: int | None = None
+
+    def __post_init__(self):
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"KernelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}")
+        for name in ("fuse_q_db", "autotune", "moe_autotune"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KernelConfig.{name} must be True or False; got {getattr(self, name)!r}")
+        block = self.moe_block_m
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 16
+                                  or block & (block - 1)):
+            raise ValueError(f"KernelConfig.moe_block_m must be a power of two >= 16 or None; got {block!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> KernelConfig:
+        """Defaults, replaced by each ``LORA_LAB_*`` variable that is set, then by ``overrides``."""
+        environ = os.environ if environ is None else environ
+        values = {}
+        for field, variable in ENV_VARIABLES.items():
+            text = environ.get(variable)
+            if text is not None and text.strip():
+                values[field] = _parse_env(field, text)
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes) -> KernelConfig:
+        """A copy with some fields changed (``cfg.replace(autotune=False)``)."""
+        return dataclasses.replace(self, **changes)
+
+
+def resolve_config(config: KernelConfig | None) -> KernelConfig:
+    """``config`` itself, or (None) the defaults seeded from the environment at the time of the call."""
+    if config is None:
+        return KernelConfig.from_env()
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config must be a lora_lab.kernels.KernelConfig or None; got {type(config).__name__}")
+    return config

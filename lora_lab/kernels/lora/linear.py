@@ -1,0 +1,251 @@
+"""Fused LoRA linear layer: forward and backward in Triton, no dtype round trip.
+
+The layer (W frozen, A and B trained, s = alpha / r, drop = inverted dropout on the LoRA input)::
+
+    Y = X Wᵀ + b + s · (drop(X) Aᵀ) Bᵀ          X: M×K, W: N×K, A: r×K, B: N×r, Y: M×N
+
+We fold the scale into the two rank-r products the layer keeps, so every later formula is free of ``s``::
+
+    P = s · drop(X) Aᵀ          (M×r, saved for backward)
+    Y = X Wᵀ + b + P Bᵀ         (one GEMM; the rank-r term is an extra depth-r step of its K loop)
+
+Backward, given dY (M×N)::
+
+    Q  = s · dY B               (M×r)
+    dB = dYᵀ P                  (N×r)
+    dA = Qᵀ drop(X)             (r×K; the dropout mask is regenerated from the seed, never stored)
+    dX = dY W + (Q A) ⊙ keep/(1-p)   (one GEMM; the rank-r term again rides at the end of its loop)
+
+Saved for backward: X, P (M×r), and the parameters. Nothing else of size M×K, no fp32 copy of X.
+The input stays in its dtype end to end (bf16, fp16 or fp32); the tensor cores accumulate in fp32 and
+each output is rounded once.
+
+The work is done by :mod:`.rank_ops` (the memory-bound rank-r passes P, Q, dA, dB) and :mod:`.gemm` (the GEMM
+with the rank-r term in its epilogue); :mod:`.dispatch` picks Triton or cuBLAS per call and size, and
+:class:`lora_lab.kernels.KernelConfig` holds every setting.
+"""
+from __future__ import annotations
+
+import torch
+
+from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, side_stream
+from lora_lab.kernels.lora.gemm import lora_gemm
+from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
+from lora_lab.kernels.triton_helpers import check_kernel_device
+
+__all__ = [
+    "FusedLoRALinearFunction",
+    "fused_lora_linear",
+    "lora_linear_reference",
+    "lora_linear_unfused",
+    "check_lora_args",
+    "SUPPORTED_DTYPES",
+]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks shared with the shared-input op: bad input → an error naming the problem.
+# ----------------------------------------------------------------------------------------------
+def check_lora_args(x, weight, bias, lora_A, lora_B, name="fused_lora_linear"):
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: input dtype {x.dtype} not supported (bf16, fp16, fp32)")
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: weight must be 2-D (out_features × in_features), got shape {tuple(weight.shape)}")
+    N, K = weight.shape
+    if x.shape[-1] != K:
+        raise ValueError(f"{name}: input's last dimension {x.shape[-1]} != weight in_features {K}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"{name}: weight dtype {weight.dtype} != input dtype {x.dtype}; cast the base layer "
+                        "(these kernels never round-trip the input through another dtype)")
+    if lora_A.dim() != 2 or lora_A.shape[1] != K:
+        raise ValueError(f"{name}: lora_A must be r × {K}, got {tuple(lora_A.shape)}")
+    r = lora_A.shape[0]
+    if lora_B.dim() != 2 or lora_B.shape != (N, r):
+        raise ValueError(f"{name}: lora_B must be {N} × {r}, got {tuple(lora_B.shape)}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"{name}: bias must have shape ({N},), got {tuple(bias.shape)}")
+    for t, what in ((weight, "weight"), (lora_A, "lora_A"), (lora_B, "lora_B"), (bias, "bias")):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"{name}: {what} is on {t.device} but the input is on {x.device}")
+    for t, what in ((lora_A, "lora_A"), (lora_B, "lora_B"), (bias, "bias")):
+        if t is not None and t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name}: {what} dtype {t.dtype} not supported")
+    check_kernel_device(x, "the input")
+
+
+
+def _cublas_forward(x2, weight, bias, a, b, scaling):
+    """(Y, P) with P = s · X Aᵀ and Y = X Wᵀ + b + P Bᵀ, as three cuBLAS calls (no dropout)."""
+    p = torch.mm(x2, a.t()).mul_(scaling)
+    y = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
+    y.addmm_(p, b.t())
+    return y, p
+
+
+# ----------------------------------------------------------------------------------------------
+# The autograd Function.
+# ----------------------------------------------------------------------------------------------
+class FusedLoRALinearFunction(torch.autograd.Function):
+    """Y = X Wᵀ + b + s·(drop(X) Aᵀ) Bᵀ with W (and b) frozen unless they require grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_A, lora_B, scaling, dropout_p, seed, config: KernelConfig):
+        K = x.shape[-1]
+        N = weight.shape[0]
+        x2 = x.reshape(-1, K)  # a view whenever the input's layout allows it
+        M = x2.shape[0]
+        cdt = x.dtype
+        # LoRA weights kept in another dtype (PEFT keeps fp32 adapters) are cast once per call — r×K and
+        # N×r, tiny — so the M×K input never leaves its dtype.
+        a = lora_A.to(cdt)
+        b = lora_B.to(cdt)
+
+        if dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas":
+            # small GEMMs: the same P and Y from cuBLAS calls (host-bound otherwise, see the module notes)
+            y, p = _cublas_forward(x2, weight, bias, a, b, scaling)
+        else:
+            # P = s · drop(X) Aᵀ          (M×r)
+            p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
+            y = torch.empty((M, N), device=x.device, dtype=cdt)
+            if base_gemm_engine(config) == "cublas":
+                # Y = P Bᵀ + b (Triton, one write), then Y += X Wᵀ (cuBLAS, β = 1)
+                lora_gemm(y, [(p, b.t())], bias=bias, config=config)
+                y.addmm_(x2, weight.t())
+            else:
+                # Y = X Wᵀ + b + P Bᵀ     (one GEMM, rank-r step at the end of its K loop)
+                lora_gemm(y, [(x2, weight.t())], low=p, rt=b.t(), bias=bias, config=config)
+
+        ctx.save_for_backward(x2, p, weight, bias, lora_A, lora_B)
+        ctx.scaling, ctx.dropout_p, ctx.seed, ctx.config = scaling, dropout_p, seed, config
+        ctx.x_shape = x.shape
+        return y.reshape(*x.shape[:-1], N)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, p, weight, bias, lora_A, lora_B = ctx.saved_tensors
+        config = ctx.config
+        N, K = weight.shape
+        dy2 = dy.reshape(-1, N)
+        cdt = x2.dtype
+        if dy2.dtype != cdt:
+            dy2 = dy2.to(cdt)
+        a = lora_A.to(cdt)
+        b = lora_B.to(cdt)
+        need_x, need_w, need_b, need_a, need_lb = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                                                   ctx.needs_input_grad[2], ctx.needs_input_grad[3],
+                                                   ctx.needs_input_grad[4])
+        dx = dw = dbias = da = db = None
+
+        if ctx.dropout_p == 0.0 and engine_for(x2.shape[0], K, N, dy2.device, config, backward=True) == "cublas":
+            # small GEMMs: the same formulas as cuBLAS calls (the Triton launches would leave the GPU idle)
+            q = torch.mm(dy2, b).mul_(ctx.scaling) if (need_x or need_a) else None  # Q = s · dY B
+            if need_lb:
+                db = torch.mm(dy2.t(), p).to(lora_B.dtype)  # dB = dYᵀ P
+            if need_a:
+                da = torch.mm(q.t(), x2).to(lora_A.dtype)  # dA = Qᵀ X
+            if need_x:
+                dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
+            if need_w:
+                dw = (dy2.t() @ x2).to(weight.dtype)
+            if need_b:
+                dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
+            return dx, dw, dbias, da, db, None, None, None, None
+
+        # Q = s · dY B               (M×r)
+        fused_q_db = need_lb and lora_B.shape[1] <= 128 and config.fuse_q_db
+        if fused_q_db:  # experimental: Q and dB in one pass over dY (atomic, non-deterministic dB)
+            q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
+            db = dbt.t().to(lora_B.dtype)
+        else:
+            q = rank_projection(dy2, b, ctx.scaling, tune=config.autotune) if (need_x or need_a) else None
+
+        def low_rank_grads():
+            grads = [None, db if fused_q_db else None]
+            if need_lb and not fused_q_db:
+                # dB = dYᵀ P = (Pᵀ dY)ᵀ    (N×r)
+                grads[1] = rank_reduction(p, dy2, tune=config.autotune).t().to(lora_B.dtype)
+            if need_a:
+                # dA = Qᵀ drop(X)          (r×K, mask regenerated from the seed)
+                grads[0] = rank_reduction(q, x2, ctx.dropout_p, ctx.seed, tune=config.autotune).to(lora_A.dtype)
+            return grads
+
+        # dA and dB only read memory; the dX GEMM is compute-bound: optionally run them side by side
+        side = side_stream(dy2.device, config) if need_x and (need_a or need_lb) else None
+        if side is not None:
+            main = torch.cuda.current_stream(dy2.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                da, db = low_rank_grads()
+        else:
+            da, db = low_rank_grads()
+        if need_x:
+            # dX = dY W + (Q A) ⊙ keep/(1-p)
+            dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
+            if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
+                # dX = Q A (Triton, one write), then dX += dY W (cuBLAS, β = 1)
+                lora_gemm(dx, [(q, a)], config=config)
+                dx.addmm_(dy2, weight)
+            else:
+                lora_gemm(dx, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed, config=config)
+            dx = dx.reshape(ctx.x_shape)
+        if side is not None:
+            join_side_stream(side, main, da, db)
+        if need_w:  # only when the base weight is trained too (not LoRA's usual setting): dW = dYᵀ X
+            dw = (dy2.t() @ x2).to(weight.dtype)
+        if need_b:
+            dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
+        return dx, dw, dbias, da, db, None, None, None, None
+
+
+def _draw_seed() -> int:
+    # from torch's CPU generator: reproducible under torch.manual_seed, and restored by activation
+    # checkpointing's RNG-state preservation so a recomputed forward sees the same mask
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def fused_lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,
+                      lora_B: torch.Tensor, scaling: float, dropout_p: float = 0.0, training: bool = True,
+                      seed: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
+    """Y = X Wᵀ + b + scaling · (dropout(X) lora_Aᵀ) lora_Bᵀ, fused (forward and backward) in Triton.
+
+    ``dropout_p`` applies only when ``training``; the mask comes from ``seed`` (drawn from torch's RNG when
+    None) and is regenerated in backward, never stored. ``config``: kernel settings (:class:`KernelConfig`;
+    None: the defaults, seeded from the environment).
+    """
+    check_lora_args(x, weight, bias, lora_A, lora_B)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"fused_lora_linear: dropout_p must be in [0, 1), got {dropout_p}")
+    p = float(dropout_p) if training else 0.0
+    if p > 0.0:
+        M = x.numel() // max(x.shape[-1], 1)
+        if M * x.shape[-1] >= 2**31:
+            raise ValueError("fused_lora_linear: dropout offsets are int32; input has ≥ 2^31 elements")
+        if seed is None:
+            seed = _draw_seed()
+    return FusedLoRALinearFunction.apply(x, weight, bias, lora_A, lora_B, float(scaling), p, seed,
+                                         resolve_config(config))
+
+
+# ----------------------------------------------------------------------------------------------
+# Plain-torch references.
+# ----------------------------------------------------------------------------------------------
+def lora_linear_reference(x, weight, bias, lora_A, lora_B, scaling, keep_mask=None, dropout_p=0.0,
+                          dtype=torch.float32):
+    """The layer in plain torch, every tensor upcast to ``dtype`` (fp32 or fp64): the numerics yardstick."""
+    xr = x.to(dtype)
+    xd = xr if keep_mask is None else xr * keep_mask.reshape(xr.shape).to(dtype) / (1.0 - dropout_p)
+    y = xr @ weight.to(dtype).t() + scaling * ((xd @ lora_A.to(dtype).t()) @ lora_B.to(dtype).t())
+    if bias is not None:
+        y = y + bias.to(dtype)
+    return y
+
+
+def lora_linear_unfused(x, weight, bias, lora_A, lora_B, scaling):
+    """What an unfused implementation computes in x's dtype: base, then (X Aᵀ) Bᵀ, scaled, added."""
+    a = lora_A.to(x.dtype)
+    b = lora_B.to(x.dtype)
+    base = torch.nn.functional.linear(x, weight, bias)
+    return base + (x @ a.t() @ b.t()) * scaling

@@ -1,0 +1,273 @@
+"""The memory-bound rank-r passes of a LoRA layer, in Triton.
+
+* ``rank_projection``  out[M, r] = scale · drop(In)[M, D] @ Mat[D, r]      (reads In once)
+* ``rank_reduction``   out[r, D] = L[M, r]ᵀ @ drop(In)[M, D]             (split over M, fp32 partials)
+* ``q_and_db``         Q = s · dY B and dBᵀ = Pᵀ dY from one pass over dY (atomics: dB not deterministic)
+* ``dropout_keep_mask`` the mask every kernel regenerates from a seed: keep(m, k) = rand(seed, m·K + k) ≥ p
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lora_lab.kernels.lora.tuning import autotune, skinny_configs
+from lora_lab.kernels.triton_helpers import (
+    check_kernel_device,
+    dot_precision,
+    rank_block,
+    row_bucket,
+    running_in_interpreter,
+)
+
+__all__ = ["rank_projection", "rank_reduction", "q_and_db", "dropout_keep_mask", "dropout_args"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel 1: out[M, r] = scale · drop(In)[M, D] @ Mat[D, r]
+#   forward  P = s · drop(X) Aᵀ   (Mat = Aᵀ through strides)
+#   backward Q = s · dY B         (Mat = B)
+# One program owns BLOCK_M rows and all (up to BLOCK_R) rank columns, so In is read once.
+# ----------------------------------------------------------------------------------------------
+@autotune(skinny_configs(), key=["M_BUCKET", "D", "R", "TUNE"])
+@triton.jit
+def _rank_projection_kernel(
+    in_ptr, stride_im, stride_id,
+    mat_ptr, stride_md, stride_mr,
+    out_ptr, stride_om, stride_or,
+    M, D, R, M_BUCKET, TUNE,
+    scale, col_scale_ptr, seed, p_drop, keep_scale,
+    HAS_COL_SCALE: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    rank_ok = ranks < R
+    in_rows = in_ptr + rows.to(tl.int64)[:, None] * stride_im
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + cols
+        x = tl.load(in_rows + d[None, :] * stride_id, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        if DROPOUT:
+            # drop(X)[m, d] = X[m, d] · keep/(1-p), rounded to X's dtype like torch's dropout
+            keep = tl.rand(seed, rows[:, None] * D + d[None, :]) >= p_drop
+            x = tl.where(keep, x.to(tl.float32) * keep_scale, 0.0).to(x.dtype)
+        w = tl.load(mat_ptr + d[:, None] * stride_md + ranks[None, :] * stride_mr,
+                    mask=(d[:, None] < D) & rank_ok[None, :], other=0.0)
+        # acc[m, r] += Σ_d drop(X)[m, d] · Mat[d, r]
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if HAS_COL_SCALE:
+        # one scale per rank column (the shared-input op stacks several adapters' A, each with its own s)
+        acc = acc * tl.load(col_scale_ptr + ranks, mask=rank_ok, other=0.0)[None, :]
+    out = (acc * scale).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + ranks[None, :] * stride_or, out,
+             mask=row_ok[:, None] & rank_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel 2: partial[split, r, D] = Σ_{m in split} L[m, r] · drop(In)[m, D]      (= Lᵀ drop(In))
+#   dA = Qᵀ drop(X)   (In = X, with the forward's dropout mask)
+#   dBᵀ = Pᵀ dY       (In = dY)
+# The reduction runs over M, the long axis: each program sums a contiguous slice of rows in fp32
+# registers; the few per-slice partials are summed on the host (deterministic, no atomics).
+# ----------------------------------------------------------------------------------------------
+@autotune(skinny_configs(), key=["M_BUCKET", "D", "R", "TUNE"])
+@triton.jit
+def _rank_reduction_kernel(
+    l_ptr, stride_lm, stride_lr,
+    in_ptr, stride_im, stride_id,
+    partial_ptr, stride_ps, stride_pr, stride_pd,
+    M, D, R, M_BUCKET, TUNE, rows_per_split,
+    seed, p_drop, keep_scale,
+    DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_d = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    ranks = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    col_ok = cols < D
+    rank_ok = ranks < R
+    row_start = pid_s * rows_per_split
+    row_end = tl.minimum(row_start + rows_per_split, M)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        # Lᵀ tile, loaded transposed: lt[r, m] = L[m, r]
+        lt = tl.load(l_ptr + rows.to(tl.int64)[None, :] * stride_lm + ranks[:, None] * stride_lr,
+                     mask=rank_ok[:, None] & row_ok[None, :], other=0.0)
+        x = tl.load(in_ptr + rows.to(tl.int64)[:, None] * stride_im + cols[None, :] * stride_id,
+                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if DROPOUT:
+            keep = tl.rand(seed, rows[:, None] * D + cols[None, :]) >= p_drop
+            x = tl.where(keep, x.to(tl.float32) * keep_scale, 0.0).to(x.dtype)
+        # acc[r, d] += Σ_m L[m, r] · drop(In)[m, d]
+        acc = tl.dot(lt, x, acc, input_precision=PRECISION)
+    tl.store(partial_ptr + pid_s * stride_ps + ranks[:, None] * stride_pr + cols[None, :] * stride_pd, acc,
+             mask=rank_ok[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernel 2b (experimental, KernelConfig(fuse_q_db=True)): Q and dB from ONE pass over dY.
+#   Q[m, :]  = s · Σ_n dY[m, n] B[n, :]        (reduction over N: stays inside the program)
+#   dBᵀ[:, n] += Σ_{m in block} P[m, :]ᵀ dY[m, n]  (reduction over M: fp32 atomic adds across programs)
+# Saves one read of dY; the price is a non-deterministic summation order for dB.
+# ----------------------------------------------------------------------------------------------
+@autotune(skinny_configs(), key=["M_BUCKET", "D", "R", "TUNE"], reset_to_zero=["dbt_ptr"])
+@triton.jit
+def _q_and_db_kernel(
+    dy_ptr, stride_ym, stride_yn,
+    b_ptr, stride_bn, stride_br,
+    p_ptr, stride_pm, stride_pr,
+    q_ptr, stride_qm, stride_qr,
+    dbt_ptr, stride_dr, stride_dn,
+    M, D, R, M_BUCKET, TUNE, scale,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ranks = tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < M
+    rank_ok = ranks < R
+    # Pᵀ tile of this row block, loaded once: pt[r, m] = P[m, r]
+    pt = tl.load(p_ptr + rows.to(tl.int64)[None, :] * stride_pm + ranks[:, None] * stride_pr,
+                 mask=rank_ok[:, None] & row_ok[None, :], other=0.0)
+    q_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    dy_rows = dy_ptr + rows.to(tl.int64)[:, None] * stride_ym
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + cols
+        dy = tl.load(dy_rows + d[None, :] * stride_yn, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        bt = tl.load(b_ptr + d[:, None] * stride_bn + ranks[None, :] * stride_br,
+                     mask=(d[:, None] < D) & rank_ok[None, :], other=0.0)
+        q_acc = tl.dot(dy, bt, q_acc, input_precision=PRECISION)
+        part = tl.dot(pt, dy, input_precision=PRECISION)  # [R, BLOCK_D]
+        tl.atomic_add(dbt_ptr + ranks[:, None] * stride_dr + d[None, :] * stride_dn, part,
+                      mask=rank_ok[:, None] & (d[None, :] < D), sem="relaxed")
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + ranks[None, :] * stride_qr,
+             (q_acc * scale).to(q_ptr.dtype.element_ty), mask=row_ok[:, None] & rank_ok[None, :])
+
+
+@triton.jit
+def _dropout_mask_kernel(out_ptr, M, D, seed, p_drop, BLOCK: tl.constexpr):
+    # keep(m, d) = rand(seed, m·D + d) ≥ p — the same stream the three kernels above draw from
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < M * D
+    keep = tl.rand(seed, offs) >= p_drop
+    tl.store(out_ptr + offs, keep.to(tl.int8), mask=ok)
+
+
+def dropout_args(p: float, seed: int | None):
+    if p > 0.0:
+        if seed is None:
+            raise ValueError("dropout > 0 needs a seed")
+        return True, int(seed), float(p), 1.0 / (1.0 - p)
+    return False, 0, 0.0, 1.0
+
+
+def rank_projection(inp: torch.Tensor, mat: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                    dropout_p: float = 0.0, seed: int | None = None,
+                    col_scale: torch.Tensor | None = None, tune: bool = True) -> torch.Tensor:
+    """out[M, r] = scale · drop(inp)[M, D] @ mat[D, r] [· col_scale[r]] (``mat`` may be a transposed view)."""
+    M, D = inp.shape
+    R = mat.shape[1]
+    if out is None:
+        out = torch.empty((M, R), device=inp.device, dtype=inp.dtype)
+    if M == 0 or R == 0:
+        return out
+    dropout, seed_, p_, keep_scale = dropout_args(dropout_p, seed)
+    block_r = rank_block(R, cap=128)
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(R, block_r))
+    _rank_projection_kernel[grid](
+        inp, inp.stride(0), inp.stride(1),
+        mat, mat.stride(0), mat.stride(1),
+        out, out.stride(0), out.stride(1),
+        M, D, R, row_bucket(M), int(tune),
+        float(scale), col_scale if col_scale is not None else out, seed_, p_, keep_scale,
+        HAS_COL_SCALE=col_scale is not None, DROPOUT=dropout, PRECISION=dot_precision(inp.dtype), BLOCK_R=block_r,
+    )
+    return out
+
+
+def _num_row_splits(M: int, D: int, R: int, block_r: int) -> int:
+    # enough programs to fill the GPU (≈ 2 waves of 132 SMs) without a large partial buffer
+    if running_in_interpreter():
+        return 2 if M >= 32 else 1
+    programs_per_split = triton.cdiv(D, 64) * triton.cdiv(R, block_r)
+    splits = triton.cdiv(264, max(programs_per_split, 1))
+    return int(max(1, min(splits, 32, triton.cdiv(M, 128))))
+
+
+def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, tune: bool = True):
+    """(Q = scale · dY B in dY's dtype, fp32 dBᵀ = Pᵀ dY) from one pass over dY (atomic adds for dB)."""
+    M, D = dy.shape
+    R = b.shape[1]
+    q = torch.empty((M, R), device=dy.device, dtype=dy.dtype)
+    dbt = torch.zeros((R, D), device=dy.device, dtype=torch.float32)
+    if M == 0 or R == 0:
+        return q, dbt
+    block_r = rank_block(R, cap=128)
+    if block_r < R:
+        raise ValueError("q_and_db handles r <= 128")
+
+    def grid(meta):
+        return (triton.cdiv(M, meta["BLOCK_M"]),)
+    _q_and_db_kernel[grid](
+        dy, dy.stride(0), dy.stride(1), b, b.stride(0), b.stride(1), p, p.stride(0), p.stride(1),
+        q, q.stride(0), q.stride(1), dbt, dbt.stride(0), dbt.stride(1),
+        M, D, R, row_bucket(M), int(tune), float(scale),
+        PRECISION=dot_precision(dy.dtype), BLOCK_R=block_r,
+    )
+    return q, dbt
+
+
+def rank_reduction(l: torch.Tensor, inp: torch.Tensor, dropout_p: float = 0.0,
+                   seed: int | None = None, tune: bool = True) -> torch.Tensor:
+    """fp32 out[r, D] = l[M, r]ᵀ @ drop(inp)[M, D], summed over M in a few deterministic slices."""
+    M, R = l.shape
+    D = inp.shape[1]
+    if M == 0 or R == 0 or D == 0:
+        return torch.zeros((R, D), device=inp.device, dtype=torch.float32)
+    dropout, seed_, p_, keep_scale = dropout_args(dropout_p, seed)
+    block_r = rank_block(R, cap=64)
+    splits = _num_row_splits(M, D, R, block_r)
+    rows_per_split = triton.cdiv(triton.cdiv(M, splits), 128) * 128 if not running_in_interpreter() \
+        else triton.cdiv(M, splits)
+    splits = triton.cdiv(M, rows_per_split)
+    partial = torch.empty((splits, R, D), device=inp.device, dtype=torch.float32)
+
+    def grid(meta):
+        return (triton.cdiv(D, meta["BLOCK_D"]), triton.cdiv(R, block_r), splits)
+    _rank_reduction_kernel[grid](
+        l, l.stride(0), l.stride(1),
+        inp, inp.stride(0), inp.stride(1),
+        partial, partial.stride(0), partial.stride(1), partial.stride(2),
+        M, D, R, row_bucket(M), int(tune), rows_per_split,
+        seed_, p_, keep_scale,
+        DROPOUT=dropout, PRECISION=dot_precision(inp.dtype), BLOCK_R=block_r,
+    )
+    return partial[0] if splits == 1 else partial.sum(0)
+
+
+# dtype → error text once a TMA launch failed for that dtype: the pointer kernel from then on (per dtype, so an
+# fp32 tile that overflows shared memory does not take TMA away from bf16)
+_TMA_STATE: dict = {}
+
+
+
+def dropout_keep_mask(seed: int, rows: int, cols: int, p: float, device) -> torch.Tensor:
+    """The keep mask (bool, rows×cols) the kernels regenerate from ``seed`` — for references and tests."""
+    out = torch.empty((rows, cols), device=device, dtype=torch.int8)
+    n = rows * cols
+    if n:
+        check_kernel_device(out, "the mask")
+        _dropout_mask_kernel[(triton.cdiv(n, 1024),)](out, rows, cols, int(seed), float(p), BLOCK=1024)
+    return out.bool()

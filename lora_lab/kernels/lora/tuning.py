@@ -1,0 +1,84 @@
+"""Tile configurations and autotuning shared by the LoRA kernels (:mod:`.rank_ops`, :mod:`.gemm`).
+
+A handful of Hopper-friendly tiles on the GPU, one tiny tile in the interpreter (correctness, not speed).
+Each autotuned kernel takes an integer argument ``TUNE`` (part of the autotune key): with ``TUNE=0``
+(``KernelConfig(autotune=False)``) the pruner keeps only the first tile that fits, so quick runs skip the
+tuning sweep without touching the tuned entries.
+"""
+from __future__ import annotations
+
+import inspect
+
+import triton
+import triton.testing
+
+from lora_lab.kernels.triton_helpers import running_in_interpreter
+
+__all__ = ["gemm_configs", "skinny_configs", "autotune"]
+
+
+def gemm_configs():
+    if running_in_interpreter():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+    ]
+
+
+def skinny_configs():
+    if running_in_interpreter():
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_D": 32}, num_warps=4)]
+    return [
+        triton.Config({"BLOCK_M": 64, "BLOCK_D": 128}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_D": 64}, num_warps=4, num_stages=4),
+        triton.Config({"BLOCK_M": 128, "BLOCK_D": 128}, num_warps=8, num_stages=3),
+    ]
+
+
+def _tuning_bench(kernel_call, quantiles):
+    # short autotuning runs: a few configs per shape, each timed over ~25 ms
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+
+
+_SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per program; Hopper allows 227 KiB
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles whose pipelined operand buffers overflow shared memory for this dtype (fp32 needs smaller
+    tiles than bf16); ``TUNE=0`` keeps only the first survivor (quick test runs)."""
+    if running_in_interpreter():
+        return configs
+    ref = named_args.get("in0_ptr", named_args.get("in_ptr"))
+    if ref is None:  # the TMA GEMM: its operands arrive as descriptors over a tensor (``base``)
+        ref = getattr(named_args.get("in0_desc"), "base", None)
+    elsize = ref.element_size() if hasattr(ref, "element_size") else 2
+    block_r = kwargs.get("BLOCK_R", 16)
+    kept = []
+    for c in configs:
+        kw = c.kwargs
+        if "BLOCK_N" in kw:  # the GEMM: In tile BM×BK and Mat tile BK×BN per stage
+            tile = kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_K"] * kw["BLOCK_N"]
+        else:  # the skinny kernels: In tile BM×BD and a rank tile BD×BR (or BR×BM) per stage
+            tile = kw["BLOCK_M"] * kw["BLOCK_D"] + max(kw["BLOCK_D"], kw["BLOCK_M"]) * block_r
+        if tile * elsize * max(c.num_stages, 1) <= _SHARED_MEMORY_BUDGET:
+            kept.append(c)
+    if not kept:  # fp32 with wide tiles: a small safe tile
+        first = dict(configs[0].kwargs)
+        if "BLOCK_N" in first:
+            first.update(BLOCK_M=64, BLOCK_N=128, BLOCK_K=32)
+        else:
+            first.update(BLOCK_M=64, BLOCK_D=64)
+        kept = [triton.Config(first, num_warps=4, num_stages=2, pre_hook=configs[0].pre_hook)]
+    if not named_args.get("TUNE", 1):
+        kept = kept[:1]
+    return kept
+
+
+def autotune(configs, key, reset_to_zero=None):
+    kwargs = {"prune_configs_by": {"early_config_prune": _prune_configs}, "reset_to_zero": reset_to_zero}
+    if "do_bench" in inspect.signature(triton.autotune).parameters:
+        kwargs["do_bench"] = _tuning_bench
+    return triton.autotune(configs=configs, key=key, **kwargs)

@@ -1,0 +1,180 @@
+"""Per-expert weight gradient: a grouped GEMM that reduces over each expert's own rows.
+
+For every expert e with sorted rows j ∈ [offsets[e], offsets[e+1]):
+
+    G_e = scale · Σ_j  (w_j · A[src_a(j), :])ᵀ  B[src_b(j), :]          G_e: (M, N)
+
+    src(j) = sorted_token[j] if GATHER (rows of X or dOut, read in place), else j (sorted rows)
+    w_j    = routing weight of row j if ROW_WEIGHT, else 1
+
+Uses (W1 = gate_up_proj (E, 2I, H), W2 = down_proj (E, H, I), dGU: (S, 2I), h = SiLU(g)·u: (S, I)):
+
+    dW1_e = Σ_j dGU_jᵀ X[tok_j]                          (2I, H)  full fine-tuning
+    dW2_e = Σ_j (w_j dOut[tok_j])ᵀ h_j                   (H, I)   full fine-tuning
+    dA1_e = s₁ Σ_j Q1_jᵀ X[tok_j],   dB1_e = s₁ Σ_j dGU_jᵀ P1_j          LoRA on gate_up_proj
+    dA2_e = s₂ Σ_j w_j Q2_jᵀ h_j,    dB2_e = s₂ Σ_j (w_j dOut[tok_j])ᵀ P2_j   LoRA on down_proj
+
+An expert that received no token gets an exact zero gradient (the loop runs zero times).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.moe.launch import (
+    autotune_configs,
+    autotune_enabled,
+    fixed_kernel,
+    fixed_meta,
+    narrow_block_size,
+    unspecialized_twin,
+)
+from lora_lab.kernels.moe.routing import ExpertRouting
+from lora_lab.kernels.triton_helpers import dot_precision
+
+
+@triton.jit
+def _expert_weight_grad_kernel(
+    a_ptr, stride_a_row, stride_a_m,
+    b_ptr, stride_b_row, stride_b_n,
+    out_ptr, stride_out_e, stride_out_m, stride_out_n,
+    row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, expert_offsets_ptr,
+    M, N, scale,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    expert = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    row_start = tl.load(expert_offsets_ptr + expert)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # reduce over this expert's rows, BLOCK_K rows at a time
+    for k0 in range(row_start, row_end, BLOCK_K):
+        rows = k0 + tl.arange(0, BLOCK_K)
+        r_mask = rows < row_end
+        token = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+        if GATHER_A:
+            a_rows = token
+        else:
+            a_rows = rows.to(tl.int64)
+        if GATHER_B:
+            b_rows = token
+        else:
+            b_rows = rows.to(tl.int64)
+        # Aᵀ tile (BLOCK_M, BLOCK_K) read straight from row-major A
+        a_t = tl.load(
+            a_ptr + a_rows[None, :] * stride_a_row + offs_m[:, None] * stride_a_m,
+            mask=m_mask[:, None] & r_mask[None, :], other=0.0,
+        )
+        if ROW_WEIGHT:
+            slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=0)
+            weight = tl.load(row_weight_ptr + slot, mask=r_mask, other=0.0).to(tl.float32)
+            a_t = (a_t.to(tl.float32) * weight[None, :]).to(a_ptr.dtype.element_ty)
+        b = tl.load(
+            b_ptr + b_rows[:, None] * stride_b_row + offs_n[None, :] * stride_b_n,
+            mask=r_mask[:, None] & n_mask[None, :], other=0.0,
+        )
+        acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
+
+    acc = acc * scale
+    out_ptrs = out_ptr + expert.to(tl.int64) * stride_out_e + offs_m[:, None] * stride_out_m + offs_n[None, :] * stride_out_n
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+_expert_weight_grad_kernel_unspecialized = unspecialized_twin(_expert_weight_grad_kernel)
+_weight_grad_kernel_tuned = triton.autotune(
+    configs=autotune_configs("weight_grad"),
+    key=["M", "N", "GATHER_A", "GATHER_B", "ROW_WEIGHT"],
+)(_expert_weight_grad_kernel)
+
+
+def expert_weight_grad(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    routing: ExpertRouting,
+    *,
+    gather_a: bool,
+    gather_b: bool,
+    row_weight: torch.Tensor | None = None,
+    scale: float = 1.0,
+    out_dtype: torch.dtype | None = None,
+    tune: bool = True,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """G (E, M, N) with G_e = scale · Σ_{j ∈ e} (w_j A[src_a(j)])ᵀ B[src_b(j)]."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"expert_weight_grad needs 2-D row operands, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"A is {a.dtype} but B is {b.dtype}")
+    for name, t, gathered in (("A", a, gather_a), ("B", b, gather_b)):
+        expected = routing.num_tokens if gathered else routing.num_assignments
+        if t.shape[0] != expected:
+            raise ValueError(f"{name} has {t.shape[0]} rows, expected {expected} (gather={gathered})")
+    m_dim, n_dim = a.shape[1], b.shape[1]
+    num_experts = routing.num_experts
+    out = torch.empty(num_experts, m_dim, n_dim, device=a.device, dtype=out_dtype or a.dtype)
+    if out.numel() == 0:
+        return out
+    weight = row_weight if row_weight is not None else a
+    args = (
+        a, a.stride(0), a.stride(1),
+        b, b.stride(0), b.stride(1),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        weight, routing.sorted_slot, routing.sorted_token, routing.expert_offsets,
+        m_dim, n_dim, float(scale),
+    )
+    flags = dict(
+        GATHER_A=gather_a, GATHER_B=gather_b, ROW_WEIGHT=row_weight is not None,
+        DOT_PRECISION=dot_precision(a.dtype),
+    )
+    config = resolve_config(config)
+    narrow = min(m_dim, n_dim) <= 128  # LoRA factor gradients: rank-sized side, fixed tiles
+    if tune and autotune_enabled(config) and not narrow:
+        def grid(meta):
+            return (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
+
+        _weight_grad_kernel_tuned[grid](*args, **flags)
+    else:
+        meta = fixed_meta("weight_grad")
+        if m_dim <= 128:
+            meta["BLOCK_M"] = narrow_block_size(m_dim, config)
+        if n_dim <= 128:
+            meta["BLOCK_N"] = narrow_block_size(n_dim, config)
+        grid = (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
+        kernel = fixed_kernel(_expert_weight_grad_kernel, _expert_weight_grad_kernel_unspecialized, config)
+        kernel[grid](*args, **flags, **meta)
+    return out
+
+
+def expert_weight_grad_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    routing: ExpertRouting,
+    *,
+    gather_a: bool,
+    gather_b: bool,
+    row_weight: torch.Tensor | None = None,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Plain-torch per-expert loop in fp32."""
+    token = routing.sorted_token.long()
+    out = torch.zeros(routing.num_experts, a.shape[1], b.shape[1], device=a.device, dtype=torch.float32)
+    for e, lo, hi in routing.nonempty_experts():
+        rows = torch.arange(lo, hi, device=a.device)
+        a_rows = a[token[lo:hi] if gather_a else rows].float()
+        b_rows = b[token[lo:hi] if gather_b else rows].float()
+        if row_weight is not None:
+            a_rows = a_rows * row_weight.float()[routing.sorted_slot[lo:hi].long()][:, None]
+        out[e] = scale * a_rows.T @ b_rows
+    return out.to(a.dtype)

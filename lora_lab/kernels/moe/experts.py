@@ -1,0 +1,231 @@
+"""Fused MoE experts: autograd Function over the routing-aware Triton kernels, plus the reference.
+
+Shapes: X (T, H) hidden states, top_k_index / top_k_weights (T, K), W1 = ``gate_up_proj``
+(E, 2I, H), W2 = ``down_proj`` (E, H, I), as in transformers 5.x experts modules. S = T·K.
+
+Forward (per expert-sorted row j of expert e, token t, weight w_j; see ``moe_routing``):
+
+    route   : sort assignments by expert on the device (no host sync)
+    [P1     : P1_j = X_t A1_eᵀ                                   LoRA only, (S, r)]
+    gate_up : [g_j | u_j] = X_t W1_eᵀ (+ s₁ P1_j B1_eᵀ),  h_j = SiLU(g_j) u_j      one kernel
+    [P2     : P2_j = h_j A2_eᵀ                                   LoRA only]
+    down    : Out_t += w_j (h_j W2_eᵀ (+ s₂ P2_j B2_eᵀ))          one kernel, scatter-add by token
+
+Saved for backward: X, W1, W2, weights, GU (S, 2I), h (S, I), the routing, P1/P2 (LoRA).
+Nothing of size (S, H) is saved (transformers' grouped_mm path saves sorted copies of X and of
+the down output).
+
+Backward, given dOut (T, H):
+
+    [Q2     : Q2_j = dOut_t B2_e]
+    down_bw : D_j = dOut_t W2_e (+ s₂ Q2_j A2_e);  dw_j = ⟨D_j, h_j⟩;  dGU_j = SiLU·up backward of w_j D_j
+    [Q1     : Q1_j = dGU_j B1_e]
+    dX      : dX_t += dGU_j W1_e (+ s₁ Q1_j A1_e)                  scatter-add by token
+    dW1_e   = Σ_j dGU_jᵀ X_t,            dW2_e = Σ_j (w_j dOut_t)ᵀ h_j          full fine-tuning only
+    dA1_e   = s₁ Σ Q1_jᵀ X_t,  dB1_e = s₁ Σ dGU_jᵀ P1_j,  dA2_e = s₂ Σ w_j Q2_jᵀ h_j,  dB2_e = s₂ Σ w_j dOut_tᵀ P2_j
+
+Each gradient is computed only when autograd asks for it, so LoRA on frozen experts runs two
+big grouped GEMMs in backward instead of four.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lora_lab.kernels.moe.down_backward import down_backward_silu
+from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad
+from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
+from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
+from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.moe.launch import row_block_size
+from lora_lab.kernels.moe.lora import ExpertLoRA, moe_experts_reference
+from lora_lab.kernels.moe.routing import ExpertRouting, route_experts
+from lora_lab.kernels.triton_helpers import running_in_interpreter
+
+__all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _FusedMoeExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, scale1, scale2, block_m, config):
+        num_tokens, top_k = top_k_index.shape
+        routing = route_experts(top_k_index, w1.shape[0], block_m)
+        row_weight = top_k_weights.reshape(-1).contiguous()
+
+        c = config
+        p1 = grouped_rows_gemm(x, a1.transpose(1, 2), routing, gather_rows=True, config=c) if a1 is not None else None
+        gu, h = gate_up_silu(x, w1, routing, lora=(p1, b1, scale1) if a1 is not None else None, config=c)
+        p2 = grouped_rows_gemm(h, a2.transpose(1, 2), routing, gather_rows=False, config=c) if a2 is not None else None
+
+        out = torch.zeros(num_tokens, w2.shape[1], device=x.device, dtype=torch.float32)
+        grouped_rows_gemm(
+            h, w2.transpose(1, 2), routing, gather_rows=False, scatter_into=out, row_weight=row_weight,
+            lora=(p2, b2.transpose(1, 2), scale2) if a2 is not None else None, config=c,
+        )
+
+        # routing tensors go through save_for_backward too, so saved-tensor accounting sees them
+        ctx.routing_meta = (routing.num_tokens, routing.top_k, routing.num_experts, routing.block_m)
+        ctx.scales = (scale1, scale2)
+        ctx.config = config
+        ctx.has_lora = (a1 is not None, a2 is not None)
+        ctx.weights_dtype = top_k_weights.dtype
+        ctx.weights_shape = top_k_weights.shape
+        ctx.save_for_backward(
+            x, row_weight, w1, w2, gu, h, a1, b1, a2, b2, p1, p2,
+            routing.sorted_slot, routing.sorted_token, routing.expert_offsets, routing.tile_expert,
+            routing.tile_row_start,
+        )
+        return out.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, row_weight, w1, w2, gu, h, a1, b1, a2, b2, p1, p2, *routing_tensors = ctx.saved_tensors
+        routing = ExpertRouting(*ctx.routing_meta, *routing_tensors)
+        scale1, scale2 = ctx.scales
+        has_lora1, has_lora2 = ctx.has_lora
+        need = ctx.needs_input_grad
+        grad_out = grad_out.to(x.dtype)
+        c = ctx.config
+
+        q2 = grouped_rows_gemm(grad_out, b2, routing, gather_rows=True, config=c) if has_lora2 else None
+        dgu, dw = down_backward_silu(
+            grad_out, w2, gu, row_weight, routing, compute_router_grad=need[2],
+            lora=(q2, a2, scale2) if has_lora2 else None, config=c,
+        )
+        q1 = grouped_rows_gemm(dgu, b1, routing, gather_rows=False, config=c) if has_lora1 else None
+
+        dx = None
+        if need[0]:
+            dx = torch.zeros(routing.num_tokens, x.shape[1], device=x.device, dtype=torch.float32)
+            grouped_rows_gemm(
+                dgu, w1, routing, gather_rows=False, scatter_into=dx,
+                lora=(q1, a1, scale1) if has_lora1 else None, config=c,
+            )
+            dx = dx.to(x.dtype)
+        d_weights = dw.view(ctx.weights_shape).to(ctx.weights_dtype) if need[2] else None
+        dw1 = expert_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, config=c) if need[3] else None
+        dw2 = (
+            expert_weight_grad(grad_out, h, routing, gather_a=True, gather_b=False, row_weight=row_weight, config=c)
+            if need[4] else None
+        )
+        da1 = (
+            expert_weight_grad(q1, x, routing, gather_a=False, gather_b=True, scale=scale1, config=c)
+            if has_lora1 and need[5] else None
+        )
+        db1 = (
+            expert_weight_grad(dgu, p1, routing, gather_a=False, gather_b=False, scale=scale1, config=c)
+            if has_lora1 and need[6] else None
+        )
+        da2 = (
+            expert_weight_grad(q2, h, routing, gather_a=False, gather_b=False, row_weight=row_weight, scale=scale2,
+                               config=c)
+            if has_lora2 and need[7] else None
+        )
+        db2 = (
+            expert_weight_grad(grad_out, p2, routing, gather_a=True, gather_b=False, row_weight=row_weight,
+                               scale=scale2, config=c)
+            if has_lora2 and need[8] else None
+        )
+        return dx, None, d_weights, dw1, dw2, da1, db1, da2, db2, None, None, None, None
+
+
+def _validate(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"hidden_states must be 2-D (tokens, hidden), got shape {tuple(x.shape)}")
+    if gate_up_proj.dim() != 3 or down_proj.dim() != 3:
+        raise ValueError(
+            f"gate_up_proj must be (E, 2I, H) and down_proj (E, H, I); got {tuple(gate_up_proj.shape)}, "
+            f"{tuple(down_proj.shape)}"
+        )
+    num_experts, two_i, hidden = gate_up_proj.shape
+    if two_i % 2 or tuple(down_proj.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(
+            f"down_proj {tuple(down_proj.shape)} does not match gate_up_proj {tuple(gate_up_proj.shape)}: "
+            f"expected ({num_experts}, {hidden}, {two_i // 2})"
+        )
+    if x.shape[1] != hidden:
+        raise ValueError(f"hidden_states has {x.shape[1]} features, experts expect {hidden}")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
+        raise ValueError(f"top_k_index must be ({x.shape[0]}, K), got {tuple(top_k_index.shape)}")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"top_k_weights {tuple(top_k_weights.shape)} must match top_k_index {tuple(top_k_index.shape)}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"top_k_index must be int32/int64, got {top_k_index.dtype}")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"top_k_weights must be floating point, got {top_k_weights.dtype}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"fused MoE experts support {_SUPPORTED_DTYPES}, got {x.dtype}")
+    if gate_up_proj.dtype != x.dtype or down_proj.dtype != x.dtype:
+        raise TypeError(
+            f"dtype mismatch: hidden_states {x.dtype}, gate_up_proj {gate_up_proj.dtype}, down_proj {down_proj.dtype}"
+        )
+    devices = {t.device for t in (x, top_k_index, top_k_weights, gate_up_proj, down_proj)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+    device = x.device
+    if device.type != "cuda" and not (device.type == "cpu" and running_in_interpreter()):
+        raise RuntimeError(
+            f"fused MoE experts need CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing "
+            "triton to run the kernels in Triton's interpreter (correctness only)"
+        )
+
+
+def _validate_lora(lora: ExpertLoRA, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+    num_experts, two_i, hidden = gate_up_proj.shape
+    inter = two_i // 2
+    pairs = (
+        ("gate_up", lora.gate_up_A, lora.gate_up_B, hidden, two_i),
+        ("down", lora.down_A, lora.down_B, inter, hidden),
+    )
+    for name, a, b, in_f, out_f in pairs:
+        if (a is None) != (b is None):
+            raise ValueError(f"LoRA on {name}: A and B must both be given or both be None")
+        if a is None:
+            continue
+        rank = a.shape[1]
+        if tuple(a.shape) != (num_experts, rank, in_f) or tuple(b.shape) != (num_experts, out_f, rank):
+            raise ValueError(
+                f"LoRA on {name}: expected A ({num_experts}, r, {in_f}) and B ({num_experts}, {out_f}, r), "
+                f"got {tuple(a.shape)} and {tuple(b.shape)}"
+            )
+        if a.device != gate_up_proj.device or b.device != gate_up_proj.device:
+            raise ValueError(f"LoRA on {name}: factors on {a.device}/{b.device}, experts on {gate_up_proj.device}")
+
+
+def fused_moe_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    lora: ExpertLoRA | None = None,
+    block_m: int | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Σ_k w_tk · Expert_{e_tk}(x_t) for every token, with Triton kernels (forward and backward).
+
+    Semantics match transformers' experts modules (SiLU gate, [gate; up] concatenated in
+    ``gate_up_proj``); expert ids outside [0, E) contribute nothing. ``lora`` adds per-expert
+    LoRA terms (factors are cast to the weights' dtype, differentiably). ``config``: kernel settings
+    (:class:`~lora_lab.kernels.KernelConfig`; None: the defaults).
+    """
+    config = resolve_config(config)
+    _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    if lora is not None:
+        _validate_lora(lora, gate_up_proj, down_proj)
+        lora = lora.cast(gate_up_proj.dtype)
+    else:
+        lora = ExpertLoRA()
+    num_tokens, top_k = top_k_index.shape
+    if num_tokens * top_k == 0:
+        return torch.zeros_like(hidden_states)
+    if block_m is None:
+        block_m = row_block_size(num_tokens * top_k, gate_up_proj.shape[0], config)
+    return _FusedMoeExpertsFunction.apply(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+        lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B,
+        float(lora.gate_up_scale), float(lora.down_scale), block_m, config,
+    )

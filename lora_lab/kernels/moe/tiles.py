@@ -1,0 +1,139 @@
+"""Pieces shared by the row-tiled MoE kernels: inlined ``@triton.jit`` tile helpers and the launch.
+
+A row-tiled program (pid_n, tile) of ``moe_grouped_gemm``, ``moe_gate_up_silu`` and
+``moe_down_backward`` owns BLOCK_M expert-sorted rows of one expert e = tile_expert[tile]
+(see ``moe_routing``) and BLOCK_N output columns:
+
+    rows   = [row_start, row_start + BLOCK_M) ∩ [.., offsets[e+1])       row_mask marks the real ones
+    token  = sorted_token[rows]                                           the token each row came from
+    C      = Σ_k A[rows, k] · B_e[k, cols]                                fp32 accumulation, BLOCK_K at a time
+    P, L_e = LoRA factor tiles, rank R zero-padded to BLOCK_R (tl.dot needs sides >= 16)
+
+The ``@triton.jit`` helpers below are inlined into each kernel at compile time: the kernels
+compute exactly what they computed with these lines written out in place (same loads, masks,
+pointer arithmetic and tl.dot accumulation order). Host side, ``with_even_k`` and
+``launch_row_tiles`` hold the launch code the three kernels share.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from lora_lab.kernels.config import KernelConfig
+from lora_lab.kernels.moe.launch import autotune_enabled, fixed_kernel, fixed_meta, narrow_block_size
+
+# ---------------------------------------------------------------- device side (inlined)
+
+
+@triton.jit
+def rows_of_tile(tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M: tl.constexpr):
+    """(rows, row_mask, rows as int64, token as int64) of a row tile whose expert is real (< E)."""
+    # rows of this tile: [row_start, row_start + BLOCK_M) ∩ [.., offsets[e+1])
+    row_start = tl.load(tile_row_start_ptr + tile)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    rows64 = rows.to(tl.int64)
+    # token = sorted_token[rows]   (0 for rows past the expert's end; they are masked everywhere)
+    token = tl.load(sorted_token_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    return rows, row_mask, rows64, token
+
+
+@triton.jit
+def load_rows_by_k(ptrs, row_mask, offs_k, k0, K, EVEN_K: tl.constexpr):
+    """(BLOCK_M, BLOCK_K) tile A[rows, k0:k0+BLOCK_K]; masks K only when K % BLOCK_K != 0."""
+    if EVEN_K:
+        tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        k_mask = (k0 + offs_k) < K
+        tile = tl.load(ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def load_k_by_cols(ptrs, col_mask, offs_k, k0, K, EVEN_K: tl.constexpr):
+    """(BLOCK_K, BLOCK_N) tile B_e[k0:k0+BLOCK_K, cols]; masks K only when K % BLOCK_K != 0."""
+    if EVEN_K:
+        tile = tl.load(ptrs, mask=col_mask[None, :], other=0.0)
+    else:
+        k_mask = (k0 + offs_k) < K
+        tile = tl.load(ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def rows_times_expert_matrix(
+    a_ptr, a_rows, row_mask, stride_a_row, stride_a_k,
+    b_ptr, expert, cols, col_mask, stride_b_e, stride_b_k, stride_b_n, K,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """C = A[a_rows, :] @ B_e[:, cols] with fp32 accumulation over K (B: (E, K, N), any strides)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_a_row + offs_k[None, :] * stride_a_k
+    b_ptrs = b_ptr + expert.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k + cols[None, :] * stride_b_n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = load_rows_by_k(a_ptrs, row_mask, offs_k, k0, K, EVEN_K)
+        b = load_k_by_cols(b_ptrs, col_mask, offs_k, k0, K, EVEN_K)
+        # C += A[rows, k0:k0+BLOCK_K] @ B_e[k0:k0+BLOCK_K, cols]
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_a_k
+        b_ptrs += BLOCK_K * stride_b_k
+    return acc
+
+
+@triton.jit
+def load_masked_tile(ptr, offs_i, mask_i, stride_i, offs_j, mask_j, stride_j):
+    """tile[i, j] = ptr[offs_i[i]·stride_i + offs_j[j]·stride_j] where mask_i[i] & mask_j[j], else 0."""
+    return tl.load(
+        ptr + offs_i[:, None] * stride_i + offs_j[None, :] * stride_j,
+        mask=mask_i[:, None] & mask_j[None, :], other=0.0,
+    )
+
+
+@triton.jit
+def load_rank_rows(p_ptr, rows64, row_mask, stride_p_row, stride_p_r, R, BLOCK_R: tl.constexpr):
+    """(BLOCK_M, BLOCK_R) tile P[rows, :R] of a LoRA factor product, zero past R."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return load_masked_tile(p_ptr, rows64, row_mask, stride_p_row, offs_r, offs_r < R, stride_p_r)
+
+
+@triton.jit
+def load_rank_cols(l_ptr, cols, col_mask, stride_l_r, stride_l_n, R, BLOCK_R: tl.constexpr):
+    """(BLOCK_R, BLOCK_N) tile L_e[:R, cols] of a LoRA factor, zero past R; l_ptr points at L_e."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return load_masked_tile(l_ptr, offs_r, offs_r < R, stride_l_r, cols, col_mask, stride_l_n)
+
+
+# ---------------------------------------------------------------- host side
+
+
+def with_even_k(kernel):
+    """``kernel`` with the constexpr EVEN_K = (K % BLOCK_K == 0) set at each launch (no K mask then)."""
+    return triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(kernel)
+
+
+def launch_row_tiles(
+    tuned, specialized, unspecialized, args: tuple, flags: dict, *,
+    kind: str, num_cols: int, num_tiles: int, tune: bool, config: KernelConfig, one_tile_if_narrow: bool = False,
+) -> None:
+    """Launch a row-tiled kernel on the grid (cdiv(num_cols, BLOCK_N), num_tiles).
+
+    Autotuned (``tuned``) when ``tune`` and ``config`` enables tuning, else with the fixed config of
+    ``kind``. ``one_tile_if_narrow``: outputs of <= 128 columns (LoRA factors, N = rank) are never
+    tuned and get one tile across their columns.
+    """
+    narrow = one_tile_if_narrow and num_cols <= 128
+    if tune and autotune_enabled(config) and not narrow:
+        def grid(meta):
+            return (triton.cdiv(num_cols, meta["BLOCK_N"]), num_tiles)
+
+        tuned[grid](*args, **flags)
+    else:
+        meta = fixed_meta(kind)
+        if narrow:
+            meta["BLOCK_N"] = narrow_block_size(num_cols, config)
+        grid = (triton.cdiv(num_cols, meta["BLOCK_N"]), num_tiles)
+        fixed_kernel(specialized, unspecialized, config)[grid](*args, **flags, **meta)

@@ -1,0 +1,50 @@
+"""Small helpers every Triton kernel of the package shares (one copy each).
+
+* :func:`running_in_interpreter` — Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``, read by Triton
+  itself when it is imported): correctness runs, never speed;
+* :func:`dot_precision` — fp32 GEMMs as true fp32 (``ieee``), so fp32 runs are a tight reference;
+* :func:`rank_block` — the width of a LoRA-rank tile (tl.dot needs powers of two >= 16);
+* :func:`row_bucket` — an autotune key for a row count that does not re-tune for every sequence length;
+* :func:`check_kernel_device` — a clear error for CPU tensors outside the interpreter.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+__all__ = ["running_in_interpreter", "dot_precision", "rank_block", "row_bucket", "check_kernel_device"]
+
+
+def running_in_interpreter() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``ieee`` for fp32 operands (like torch.matmul with TF32 off); 16-bit types ignore the setting."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def rank_block(rank: int, cap: int | None = None) -> int:
+    """Width of a rank tile: a power of two, at least 16 (the smallest tl.dot), at most ``cap`` if given.
+
+    With a cap, a kernel covers larger ranks with several tiles (a grid axis or a loop); without one the
+    whole rank is one tile.
+    """
+    width = max(16, triton.next_power_of_2(max(int(rank), 1)))
+    return min(width, cap) if cap is not None else width
+
+
+def row_bucket(rows: int) -> int:
+    """Autotune key for a row count: its power-of-two bucket."""
+    return 1 << max(0, (max(rows, 1) - 1).bit_length())
+
+
+def check_kernel_device(t: torch.Tensor, what: str) -> None:
+    if t.device.type != "cuda" and not running_in_interpreter():
+        raise RuntimeError(
+            f"the fused kernels need {what} on a CUDA device (got {t.device}); on a CPU set TRITON_INTERPRET=1 "
+            "before importing triton to run them in Triton's interpreter (correctness only)"
+        )

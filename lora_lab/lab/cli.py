@@ -1,0 +1,186 @@
+"""``lora-lab``: run, grade, verify, validate and publish the pre-registered notebooks.
+
+    lora-lab run      [--profile auto|cpu|gpu] [--only 01,03] [-p NAME VALUE ...]
+    lora-lab grade    [--profile auto|cpu|gpu]
+    lora-lab verify
+    lora-lab validate
+    lora-lab publish  --profile gpu [--only 05]
+
+Exit codes: 0 fine; 1 a notebook failed (run) or a pre-registration rule was broken (verify);
+2 bad input (unknown parameter, malformed predictions file, not a git repository, ...).
+Grading exits 0 whatever the hit rate: a miss is a finding, not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lora_lab.lab.recording import PROFILE_CHOICES, find_repo_root
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+def repo_root() -> Path:
+    return find_repo_root() or Path.cwd().resolve()
+
+
+def _paths(parser: argparse.ArgumentParser, *, notebooks=True, outputs=True, predictions=False) -> None:
+    if notebooks:
+        parser.add_argument("--notebooks-dir", type=Path, default=None, help="notebooks folder (default: <repo>/notebooks)")
+    if outputs:
+        parser.add_argument("--outputs-dir", type=Path, default=None, help="outputs root; results go to <it>/<profile>/ (default: <repo>/outputs)")
+    if predictions:
+        parser.add_argument("--predictions", type=Path, default=None, help="predictions file (default: <repo>/predictions/predictions.yaml)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-lab", description="Run, grade, verify, validate and publish the pre-registered notebooks.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = commands.add_parser("run", help="execute notebooks with papermill into outputs/<profile>/")
+    run.add_argument("--profile", choices=PROFILE_CHOICES, default="auto", help="auto = gpu iff CUDA is available")
+    run.add_argument("--only", default=None, help="comma-separated notebook numbers or stems, e.g. 01,03")
+    run.add_argument(
+        "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
+        help="override a parameters-cell value (Python literal, else text); repeatable",
+    )
+    run.add_argument("--cell-timeout", type=float, default=None, help="seconds a single cell may run (default: no limit)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars (also: TQDM_DISABLE=1)")
+    _paths(run)
+
+    grade = commands.add_parser("grade", help="grade predictions against outputs/<profile>/, write the scoreboard")
+    grade.add_argument("--profile", choices=PROFILE_CHOICES, default="auto")
+    grade.add_argument("--no-write", action="store_true", help="print only; do not write scoreboard.md/.png")
+    _paths(grade, predictions=True)
+
+    verify = commands.add_parser("verify", help="check from git history: append-only, predicted before measured")
+    verify.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
+    verify.add_argument("--predictions", default="predictions/predictions.yaml", help="predictions file, relative to the repo root")
+    verify.add_argument("--outputs", default="outputs", help="outputs root, relative to the repo root")
+
+    validate = commands.add_parser("validate", help="validate the predictions file only")
+    _paths(validate, outputs=False, predictions=True)
+
+    publish = commands.add_parser("publish", help="copy executed notebooks of a profile into notebooks/ for nbval")
+    publish.add_argument("--profile", choices=("cpu", "gpu"), required=True)
+    publish.add_argument("--only", default=None, help="comma-separated notebook numbers or stems")
+    publish.add_argument("--force", action="store_true", help="publish even if a notebook's source changed since the run")
+    _paths(publish)
+    return parser
+
+
+def command_run(args: argparse.Namespace) -> int:
+    from lora_lab.lab.runner import RunnerError, parse_only, parse_value, run
+
+    root = repo_root()
+    overrides = {}
+    for name, value in args.parameter:
+        if name in overrides:
+            print(f"error: parameter {name!r} is given twice", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        overrides[name] = parse_value(value)
+    try:
+        return run(
+            profile=args.profile,
+            only=parse_only(args.only),
+            overrides=overrides,
+            notebooks_dir=args.notebooks_dir or root / "notebooks",
+            outputs_root=args.outputs_dir or root / "outputs",
+            cell_timeout=args.cell_timeout,
+            disable_progress=True if args.no_progress else None,
+        )
+    except (RunnerError, RuntimeError, ValueError) as error:
+        print(f"error: {error}\nnothing was run.", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def command_grade(args: argparse.Namespace) -> int:
+    from lora_lab.lab.grading import grade
+    from lora_lab.lab.predictions import PredictionError
+    from lora_lab.lab.recording import resolve_profile
+
+    try:
+        # grading reads recorded metrics, so a named profile needs no device; only "auto" is resolved
+        profile = args.profile if args.profile in ("cpu", "gpu") else resolve_profile(args.profile)
+        grade(
+            profile,
+            predictions_path=args.predictions,
+            outputs_root=args.outputs_dir,
+            notebooks_dir=args.notebooks_dir,
+            write=not args.no_write,
+        )
+    except (PredictionError, RuntimeError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
+def command_verify(args: argparse.Namespace) -> int:
+    from lora_lab.lab.verify import GitError, verify
+
+    try:
+        report = verify(args.repo or repo_root(), predictions_path=args.predictions, outputs=args.outputs)
+    except GitError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(report.text())
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def command_validate(args: argparse.Namespace) -> int:
+    from lora_lab.lab.predictions import PredictionError, default_predictions_path, load_predictions
+
+    path = args.predictions or default_predictions_path()
+    try:
+        predictions = load_predictions(path, notebooks_dir=args.notebooks_dir)
+    except PredictionError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    superseding = sum(bool(prediction.supersedes) for prediction in predictions)
+    print(f"{path}: {len(predictions)} valid prediction(s), {superseding} superseding an earlier one")
+    return EXIT_OK
+
+
+def command_publish(args: argparse.Namespace) -> int:
+    from lora_lab.lab.publishing import PublishError, publish
+    from lora_lab.lab.runner import RunnerError, parse_only
+
+    root = repo_root()
+    try:
+        done = publish(
+            args.profile,
+            outputs_root=args.outputs_dir or root / "outputs",
+            notebooks_dir=args.notebooks_dir or root / "notebooks",
+            only=parse_only(args.only),
+            force=args.force,
+        )
+    except (PublishError, RunnerError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for item in done:
+        print(f"published {item.source} -> {item.destination}")
+    return EXIT_OK
+
+
+COMMANDS = {
+    "run": command_run,
+    "grade": command_grade,
+    "verify": command_verify,
+    "validate": command_validate,
+    "publish": command_publish,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return EXIT_BAD_INPUT
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

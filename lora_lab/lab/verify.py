@@ -1,0 +1,316 @@
+"""Check from git history that the pre-registration was honest.
+
+Two invariants:
+
+1. **Append-only.** For every commit C that touched ``predictions/predictions.yaml`` and every
+   parent P of C: each id in the file at P is in the file at C, unchanged (compared as parsed
+   YAML, so comments and formatting may change). The working tree is checked against HEAD the
+   same way, so an edit is caught before it is committed.
+2. **Predicted before measured.** For every prediction that grading would grade (it applies to
+   the profile and is not superseded) and whose metric appears in a committed
+   ``outputs/<profile>/<notebook>.metrics.json``: the commit that first added the prediction must
+   be a strict ancestor of the first commit whose metrics file holds that metric.
+
+A prediction's registration date and commit (shown on the scoreboard) are the first commit,
+in topological order, whose predictions file holds its id. The predictions file is followed
+by its path only (a rename starts a new history). A shallow clone cannot be verified.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH, PredictionError, parse_predictions_yaml
+
+DEFAULT_OUTPUTS = Path("outputs")
+
+
+class GitError(RuntimeError):
+    """git is missing, the directory is not a repository, or a git command failed."""
+
+
+def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False)
+    except OSError as error:
+        raise GitError(f"cannot run git: {error}") from error
+    if check and done.returncode != 0:
+        raise GitError(f"git {' '.join(args)} failed in {repo}: {done.stderr.strip()}")
+    return done
+
+
+def repository_root(path: Path | str) -> Path:
+    done = git(Path(path), "rev-parse", "--show-toplevel", check=False)
+    if done.returncode != 0:
+        raise GitError(f"{path} is not inside a git repository ({done.stderr.strip()})")
+    return Path(done.stdout.strip())
+
+
+def has_commits(repo: Path) -> bool:
+    return git(repo, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode == 0
+
+
+def is_shallow(repo: Path) -> bool:
+    return git(repo, "rev-parse", "--is-shallow-repository", check=False).stdout.strip() == "true"
+
+
+@dataclass(frozen=True)
+class Commit:
+    sha: str
+    date: str  # committer date, ISO 8601
+
+    @property
+    def short(self) -> str:
+        return self.sha[:10]
+
+
+def commits_touching(repo: Path, relative_path: str) -> list[Commit]:
+    """Commits of HEAD's history that changed ``relative_path``, oldest first (topological)."""
+    if not has_commits(repo):
+        return []
+    done = git(repo, "log", "--full-history", "--topo-order", "--reverse", "--format=%H %cI", "HEAD", "--", relative_path)
+    commits = []
+    for line in done.stdout.splitlines():
+        sha, _, date = line.partition(" ")
+        commits.append(Commit(sha, date))
+    return commits
+
+
+def parents_of(repo: Path, shas: list[str]) -> dict[str, list[str]]:
+    if not shas:
+        return {}
+    done = git(repo, "rev-list", "--parents", "--no-walk=unsorted", *shas)
+    parents: dict[str, list[str]] = {}
+    for line in done.stdout.splitlines():
+        sha, *rest = line.split()
+        parents[sha] = rest
+    return parents
+
+
+def file_at(repo: Path, sha: str, relative_path: str) -> str | None:
+    """The text of ``relative_path`` at commit ``sha``, or None if it does not exist there."""
+    done = git(repo, "show", f"{sha}:{relative_path}", check=False)
+    return done.stdout if done.returncode == 0 else None
+
+
+def is_ancestor(repo: Path, older: str, newer: str) -> bool:
+    return git(repo, "merge-base", "--is-ancestor", older, newer, check=False).returncode == 0
+
+
+class _Unreadable(Exception):
+    pass
+
+
+def entries_by_id(text: str | None, where: str) -> dict[str, Any]:
+    """``{id: raw entry}`` of one version of the predictions file (missing file: empty)."""
+    if text is None:
+        return {}
+    try:
+        entries, _ = parse_predictions_yaml(text, source=where)
+    except PredictionError as error:
+        raise _Unreadable(f"{where}: {'; '.join(error.problems)}") from None
+    found: dict[str, Any] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"] not in found:
+            found[entry["id"]] = entry
+    return found
+
+
+def describe_edit(old: Any, new: Any) -> str:
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return f"{old!r} -> {new!r}"
+    changes = []
+    for key in sorted(set(old) | set(new), key=str):
+        if key not in new:
+            changes.append(f"field '{key}' removed (was {old[key]!r})")
+        elif key not in old:
+            changes.append(f"field '{key}' added ({new[key]!r})")
+        elif old[key] != new[key]:
+            changes.append(f"field '{key}' {old[key]!r} -> {new[key]!r}")
+    return "; ".join(changes)
+
+
+@dataclass(frozen=True)
+class Registration:
+    commit: str
+    date: str
+
+    @property
+    def short(self) -> str:
+        return self.commit[:10]
+
+
+@dataclass
+class VerifyReport:
+    violations: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    checked_ids: int = 0
+    checked_grades: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def text(self) -> str:
+        lines = [f"note: {note}" for note in self.notes]
+        lines += [f"VIOLATION: {violation}" for violation in self.violations]
+        verdict = "OK" if self.ok else f"FAILED ({len(self.violations)} violation{'s' if len(self.violations) != 1 else ''})"
+        lines.append(
+            f"verify {verdict}: {self.checked_ids} registered prediction(s) checked append-only, "
+            f"{self.checked_grades} graded metric(s) checked predicted-before-measured"
+        )
+        return "\n".join(lines)
+
+
+def registrations(repo: Path | str, predictions_path: str = str(DEFAULT_PREDICTIONS_PATH)) -> dict[str, Registration]:
+    """``{id: Registration}``: the first commit whose predictions file holds each id."""
+    repo = repository_root(repo)
+    found: dict[str, Registration] = {}
+    for commit in commits_touching(repo, predictions_path):
+        try:
+            ids = entries_by_id(file_at(repo, commit.sha, predictions_path), f"{predictions_path}@{commit.short}")
+        except _Unreadable:
+            continue
+        for entry_id in ids:
+            found.setdefault(entry_id, Registration(commit.sha, commit.date))
+    return found
+
+
+def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -> None:
+    history = commits_touching(repo, predictions_path)
+    parents = parents_of(repo, [commit.sha for commit in history])
+    cache: dict[str, dict[str, Any]] = {}
+
+    def version(sha: str) -> dict[str, Any]:
+        if sha not in cache:
+            cache[sha] = entries_by_id(file_at(repo, sha, predictions_path), f"{predictions_path} at commit {sha[:10]}")
+        return cache[sha]
+
+    seen: set[str] = set()
+    for commit in history:
+        try:
+            new = version(commit.sha)
+        except _Unreadable as error:
+            report.violations.append(f"cannot check across an unreadable version: {error}")
+            continue
+        seen.update(new)
+        for parent in parents.get(commit.sha, []):
+            try:
+                old = version(parent)
+            except _Unreadable:
+                continue  # reported when that commit itself was visited
+            for entry_id, entry in old.items():
+                if entry_id not in new:
+                    report.violations.append(
+                        f"prediction {entry_id!r} was removed in commit {commit.short} ({commit.date}); "
+                        "predictions are append-only: supersede it with a new entry instead"
+                    )
+                elif new[entry_id] != entry:
+                    report.violations.append(
+                        f"prediction {entry_id!r} was edited in commit {commit.short} ({commit.date}): "
+                        f"{describe_edit(entry, new[entry_id])}; predictions are append-only: add a new entry "
+                        "with 'supersedes' instead"
+                    )
+    report.checked_ids = len(seen)
+
+    working_file = repo / predictions_path
+    if has_commits(repo):
+        try:
+            committed = version("HEAD")
+            working = entries_by_id(
+                working_file.read_text(encoding="utf-8") if working_file.is_file() else None,
+                f"{predictions_path} (working tree)",
+            )
+        except _Unreadable as error:
+            report.violations.append(f"cannot check the working tree: {error}")
+            return
+        for entry_id, entry in committed.items():
+            if entry_id not in working:
+                report.violations.append(f"prediction {entry_id!r} is removed in the working tree (uncommitted)")
+            elif working[entry_id] != entry:
+                report.violations.append(
+                    f"prediction {entry_id!r} is edited in the working tree (uncommitted): {describe_edit(entry, working[entry_id])}"
+                )
+
+
+def first_commit_with_metric(repo: Path, metrics_path: str, metric: str, cache: dict) -> Commit | None:
+    if metrics_path not in cache:
+        versions = []
+        for commit in commits_touching(repo, metrics_path):
+            text = file_at(repo, commit.sha, metrics_path)
+            try:
+                metrics = json.loads(text).get("metrics", {}) if text else {}
+            except (ValueError, AttributeError):
+                metrics = {}
+            versions.append((commit, set(metrics) if isinstance(metrics, dict) else set()))
+        cache[metrics_path] = versions
+    for commit, keys in cache[metrics_path]:
+        if metric in keys:
+            return commit
+    return None
+
+
+def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: str, report: VerifyReport) -> None:
+    working_file = repo / predictions_path
+    try:
+        current = entries_by_id(
+            working_file.read_text(encoding="utf-8") if working_file.is_file() else None, predictions_path
+        )
+    except _Unreadable as error:
+        report.violations.append(f"cannot read the current predictions: {error}")
+        return
+    superseded = set()
+    for entry in current.values():
+        old = entry.get("supersedes")
+        superseded.update([old] if isinstance(old, str) else old if isinstance(old, list) else [])
+    registered = registrations(repo, predictions_path)
+    listing = git(repo, "ls-tree", "-d", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() if has_commits(repo) else []
+    profiles = sorted(Path(item).name for item in listing)
+    cache: dict = {}
+    for profile in profiles:
+        for entry_id, entry in current.items():
+            profiles_of_entry = entry.get("profiles") or []
+            if entry_id in superseded or not isinstance(profiles_of_entry, list) or profile not in profiles_of_entry:
+                continue
+            notebook, metric = entry.get("notebook"), entry.get("metric")
+            if not isinstance(notebook, str) or not isinstance(metric, str):
+                continue
+            metrics_path = f"{outputs}/{profile}/{notebook}.metrics.json"
+            measured = first_commit_with_metric(repo, metrics_path, metric, cache)
+            if measured is None:
+                continue
+            report.checked_grades += 1
+            registration = registered.get(entry_id)
+            if registration is None:
+                report.violations.append(
+                    f"prediction {entry_id!r} is not committed, but its metric {metric!r} already is "
+                    f"({metrics_path}, commit {measured.short}, {measured.date})"
+                )
+            elif registration.commit == measured.sha or not is_ancestor(repo, registration.commit, measured.sha):
+                report.violations.append(
+                    f"prediction {entry_id!r} (registered in commit {registration.short}, {registration.date}) "
+                    f"did not land before its metric {metric!r} ({metrics_path}, first committed in "
+                    f"{measured.short}, {measured.date}): a prediction must be committed strictly before "
+                    "the results that grade it"
+                )
+
+
+def verify(
+    repo: Path | str = ".",
+    predictions_path: str = str(DEFAULT_PREDICTIONS_PATH),
+    outputs: str = str(DEFAULT_OUTPUTS),
+) -> VerifyReport:
+    """Run both checks on the repository containing ``repo``; paths are relative to its root."""
+    root = repository_root(repo)
+    if is_shallow(root):
+        raise GitError("this is a shallow clone: verify needs the full history (git fetch --unshallow, or fetch-depth: 0 in CI)")
+    report = VerifyReport()
+    if not has_commits(root):
+        report.notes.append("the repository has no commits yet: nothing is registered")
+    check_append_only(root, predictions_path, report)
+    check_predicted_before_measured(root, predictions_path, outputs.rstrip("/"), report)
+    return report

@@ -1,0 +1,290 @@
+"""Fused LoRA linear (lora_lab.kernels.lora.linear) against its plain-torch reference.
+
+CPU: Triton interpreter, fp32 and fp16 (the interpreter's bf16 dot is wrong), odd shapes, r = 1 and 128,
+non-contiguous input, M = 0, bias, dropout. GPU (@pytest.mark.gpu): the same in bf16 at larger odd shapes.
+"""
+import pytest
+import torch
+
+from lora_lab.kernels import (
+    KernelConfig,
+    dropout_keep_mask,
+    fused_lora_linear,
+    lora_linear_reference,
+    lora_linear_unfused,
+)
+from lora_lab.kernels.lora.dispatch import engine_for
+from lora_lab.numerics import cosine, rel_l2
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# these tests are about the Triton kernels: no small-shape dispatch to cuBLAS (tested on its own below)
+TRITON = KernelConfig.from_env(dispatch="triton")
+
+# per-dtype tolerances on relative L2 error against the fp64 reference (issue 7's bars for bf16)
+TOL = {
+    torch.float32: {"y": 1e-5, "dx": 1e-5, "dA": 1e-5, "dB": 1e-5},
+    torch.float16: {"y": 2e-3, "dx": 1e-2, "dA": 5e-3, "dB": 5e-3},
+    torch.bfloat16: {"y": 1e-2, "dx": 1e-2, "dA": 5e-3, "dB": 5e-3},
+}
+
+
+
+def make_case(M, K, N, r, dtype, bias=True, adapter_dtype=None, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    adapter_dtype = adapter_dtype or dtype
+    x = torch.randn(M, K, generator=g).to(device, dtype)
+    w = (torch.randn(N, K, generator=g) / K**0.5).to(device, dtype)
+    b = torch.randn(N, generator=g).to(device, dtype) if bias else None
+    A = (torch.randn(r, K, generator=g) / K**0.5).to(device, adapter_dtype).requires_grad_()
+    B = (torch.randn(N, r, generator=g) / max(r, 1) ** 0.5).to(device, adapter_dtype).requires_grad_()
+    return x, w, b, A, B
+
+
+def run_and_compare(x, w, b, A, B, s, p=0.0, seed=None, tol=None, config=TRITON):
+    """Fused forward+backward vs the fp64 reference on the same inputs (and the same dropout mask)."""
+    x = x.detach().requires_grad_()
+    A.grad = B.grad = None
+    y = fused_lora_linear(x, w, b, A, B, s, dropout_p=p, seed=seed, config=config)
+    M = x.numel() // x.shape[-1]
+    mask = dropout_keep_mask(seed, M, x.shape[-1], p, x.device) if p > 0 else None
+    xr = x.detach().double().requires_grad_()
+    Ar = A.detach().double().requires_grad_()
+    Br = B.detach().double().requires_grad_()
+    yr = lora_linear_reference(xr, w, b, Ar, Br, s, keep_mask=mask, dropout_p=p, dtype=torch.float64)
+    g = torch.randn(yr.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(yr.device)
+    y.backward(g.to(y.dtype))
+    yr.backward(g)
+    errs = {"y": rel_l2(y, yr), "dx": rel_l2(x.grad, xr.grad), "dA": rel_l2(A.grad, Ar.grad),
+            "dB": rel_l2(B.grad, Br.grad)}
+    assert y.dtype == x.dtype and y.shape == yr.shape
+    assert A.grad.dtype == A.dtype and B.grad.dtype == B.dtype and x.grad.dtype == x.dtype
+    if tol is not None:
+        for k, v in errs.items():
+            assert v <= tol[k], f"{k}: relative L2 error {v:.3g} > {tol[k]:.3g} ({errs})"
+    return y, yr, errs
+
+
+CPU_DTYPES = [torch.float32, torch.float16]
+# (M, K, N, r, bias, dropout) — none of M, K, N a multiple of the interpreter's 32/16 tiles
+CPU_CASES = [
+    (37, 45, 53, 1, True, 0.0),
+    (70, 96, 80, 16, False, 0.0),
+    (5, 33, 17, 128, True, 0.0),
+    (61, 50, 41, 8, True, 0.25),
+]
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N,r,bias,p", CPU_CASES)
+def test_matches_reference(M, K, N, r, bias, p, dtype):
+    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
+    y, yr, _ = run_and_compare(x, w, b, A, B, 1.75, p=p, seed=1234 if p else None, tol=TOL[dtype])
+    assert cosine(y, yr) >= 0.99999
+
+
+def test_fp32_adapters_with_fp16_input():
+    # PEFT's default keeps adapters in fp32: the kernel casts A, B (tiny), never X, and returns fp32 grads
+    x, w, b, A, B = make_case(29, 40, 36, 4, torch.float16, adapter_dtype=torch.float32)
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float16])
+
+
+def test_non_contiguous_and_3d_input():
+    dtype = torch.float32
+    _, w, b, A, B = make_case(1, 44, 30, 3, dtype)
+    big = torch.randn(3, 13, 88, dtype=dtype, device=DEVICE)
+    x = big[:, :, ::2]  # strided last dimension, 3-D
+    assert not x.is_contiguous()
+    y, yr, errs = run_and_compare(x, w, b, A, B, 0.5, tol=TOL[dtype])
+    assert y.shape == (3, 13, 30)
+    xt = torch.randn(44, 21, dtype=dtype, device=DEVICE).t()  # transposed 2-D view
+    run_and_compare(xt, w, b, A, B, 0.5, tol=TOL[dtype])
+
+
+def test_zero_rows():
+    x, w, b, A, B = make_case(0, 40, 24, 4, torch.float32)
+    x.requires_grad_()
+    y = fused_lora_linear(x, w, b, A, B, 2.0, config=TRITON)
+    assert y.shape == (0, 24)
+    y.sum().backward()
+    assert x.grad.shape == (0, 40)
+    assert torch.count_nonzero(A.grad) == 0 and torch.count_nonzero(B.grad) == 0
+
+
+def test_dropout_mask_regenerated_and_seeded():
+    dtype = torch.float32
+    x, w, b, A, B = make_case(64, 48, 32, 4, dtype)
+    p = 0.5
+    mask = dropout_keep_mask(99, 64, 48, p, x.device)
+    assert 0.4 < mask.float().mean().item() < 0.6
+    y1 = fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=p, seed=99, config=TRITON)
+    y2 = fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=p, seed=99, config=TRITON)
+    y3 = fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=p, seed=100, config=TRITON)
+    assert torch.equal(y1, y2)
+    assert not torch.equal(y1, y3)
+    # not training: no dropout at all
+    y_eval = fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=p, training=False, config=TRITON)
+    y_ref = lora_linear_reference(x, w, b, A.detach(), B.detach(), 1.0).to(dtype)
+    assert rel_l2(y_eval, y_ref) < 1e-5
+    # seed drawn from torch's generator when not given: reproducible under manual_seed
+    torch.manual_seed(5)
+    ya = fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=p, config=TRITON)
+    torch.manual_seed(5)
+    yb = fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=p, config=TRITON)
+    assert torch.equal(ya, yb)
+
+
+def test_reference_gradcheck_fp64():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    b = torch.randn(4, generator=g, dtype=torch.float64)
+    A = torch.randn(2, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    B = torch.randn(4, 2, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(5, 6, generator=g) > 0.3
+    assert torch.autograd.gradcheck(
+        lambda x, A, B: lora_linear_reference(x, w, b, A, B, 1.5, keep_mask=mask, dropout_p=0.3,
+                                              dtype=torch.float64), (x, A, B))
+
+
+def test_bad_inputs_are_named():
+    x, w, b, A, B = make_case(8, 16, 12, 2, torch.float32)
+    with pytest.raises(ValueError, match="last dimension"):
+        fused_lora_linear(x[:, :15], w, b, A, B, 1.0)
+    with pytest.raises(ValueError, match="lora_A"):
+        fused_lora_linear(x, w, b, A[:, :15], B, 1.0)
+    with pytest.raises(ValueError, match="lora_B"):
+        fused_lora_linear(x, w, b, A, B[:11], 1.0)
+    with pytest.raises(TypeError, match="weight dtype"):
+        fused_lora_linear(x, w.half(), b, A, B, 1.0)
+    with pytest.raises(TypeError, match="not supported"):
+        fused_lora_linear(x.double(), w.double(), b, A, B, 1.0)
+    with pytest.raises(ValueError, match="bias"):
+        fused_lora_linear(x, w, b[:5], A, B, 1.0)
+    with pytest.raises(ValueError, match="dropout_p"):
+        fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=1.0)
+
+
+# ------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [
+    (1000, 1030, 2051, 16, True, 0.0),
+    (777, 512, 384, 1, False, 0.0),
+    (513, 384, 640, 128, True, 0.0),
+    (2048, 1024, 1536, 64, False, 0.1),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N,r,bias,p", GPU_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_matches_reference(M, K, N, r, bias, p, dtype):
+    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias, device="cuda")
+    y, yr, errs = run_and_compare(x, w, b, A, B, 2.0, p=p, seed=4321 if p else None, tol=TOL[dtype])
+    assert cosine(y, yr) >= 0.99999
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_forward_vs_unfused_bf16():
+    # Our single rounding vs an unfused bf16 chain: both near the fp32 truth, ours at least as near
+    x, w, b, A, B = make_case(4096, 2048, 2048, 16, torch.bfloat16, device="cuda")
+    y = fused_lora_linear(x, w, b, A, B, 2.0, config=TRITON)
+    yu = lora_linear_unfused(x, w, b, A.detach(), B.detach(), 2.0)
+    yr = lora_linear_reference(x, w, b, A.detach(), B.detach(), 2.0)
+    assert cosine(y, yr) >= 0.99999
+    assert rel_l2(y, yr) <= rel_l2(yu, yr) * 1.05
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_adapters_bf16_input_and_3d_noncontiguous():
+    x, w, b, A, B = make_case(1, 1024, 768, 16, torch.bfloat16, adapter_dtype=torch.float32, device="cuda")
+    big = torch.randn(4, 300, 2048, device="cuda", dtype=torch.bfloat16)
+    run_and_compare(big[..., ::2], w, b, A, B, 2.0, tol=TOL[torch.bfloat16])
+
+
+@pytest.mark.gpu
+def test_gpu_side_stream_overlap_gives_the_same_gradients():
+    x, w, b, A, B = make_case(3000, 1024, 1536, 16, torch.bfloat16, device="cuda")
+    grads = []
+    for flag in ("off", "on"):
+        xx = x.detach().requires_grad_()
+        A.grad = B.grad = None
+        fused_lora_linear(xx, w, b, A, B, 2.0, config=TRITON.replace(overlap=flag)).float().square().sum().backward()
+        torch.cuda.synchronize()
+        grads.append((xx.grad.clone(), A.grad.clone(), B.grad.clone()))
+    for g0, g1 in zip(*grads):
+        assert torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+def test_one_pass_q_and_db_option(dtype):
+    # fuse_q_db: Q and dB from one pass over dY (atomic adds for dB)
+    x, w, b, A, B = make_case(70, 40, 96, 16, dtype)
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[dtype], config=TRITON.replace(fuse_q_db=True))
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CPU_CASES, ids=lambda c: "x".join(map(str, c)))
+def test_cublas_base_gemm_option(dtype, case):
+    # base_gemm="cublas": the rank-r term written first, the base GEMM added by cuBLAS (beta = 1);
+    # with dropout the backward's dX keeps the Triton GEMM (the mask multiplies the rank-r term only)
+    M, K, N, r, bias, p = case
+    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
+    run_and_compare(x, w, b, A, B, 2.0, p=p, seed=11 if p else None, tol=TOL[dtype],
+                    config=TRITON.replace(base_gemm="cublas"))
+
+
+def test_environment_seeds_the_defaults_and_bad_values_are_named(monkeypatch):
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cutlass")
+    x, w, b, A, B = make_case(8, 16, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="LORA_LAB_BASE_GEMM"):
+        fused_lora_linear(x, w, b, A, B, 2.0)
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "triton")
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32], config=None)  # env-seeded defaults
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_gpu_cublas_base_gemm_bf16(p):
+    x, w, b, A, B = make_case(4097, 1030, 2051, 16, torch.bfloat16, device="cuda")
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, p=p, seed=5 if p else None, tol=TOL[torch.bfloat16],
+                               config=TRITON.replace(base_gemm="cublas"))
+    assert cosine(y, yr) >= 0.99999
+
+
+# ------------------------------------------------------------------------------ engine dispatch
+def test_engine_dispatch_by_gemm_volume():
+    auto = KernelConfig(dispatch="auto")
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert engine_for(8192, 896, 896, cuda, auto) == "cublas"  # hidden-896 model: host-bound in Triton
+    assert engine_for(8192, 4096, 4096, cuda, auto) == "cublas"  # forward: Triton from ~3e11 up
+    assert engine_for(8192, 4096, 12288, cuda, auto) == "triton"
+    assert engine_for(8192, 4096, 4096, cuda, auto, backward=True) == "cublas"  # backward: from ~5e11 up
+    assert engine_for(32768, 4096, 4096, cuda, auto, backward=True) == "triton"
+    assert engine_for(8, 8, 8, cpu, auto) == "triton"  # the interpreter always runs the kernels
+    assert engine_for(32768, 4096, 4096, cuda, KernelConfig(dispatch="cublas")) == "cublas"
+    with pytest.raises(ValueError, match="dispatch"):
+        KernelConfig(dispatch="fast")
+
+
+@pytest.mark.parametrize("M,K,N,r,bias", [(37, 45, 53, 1, True), (70, 96, 80, 16, False), (0, 33, 17, 4, True)])
+def test_cublas_engine_matches_reference(M, K, N, r, bias):
+    # the small-shape engine: the same formulas as cuBLAS calls, same saved tensors, same gradients
+    cublas = TRITON.replace(dispatch="cublas")
+    x, w, b, A, B = make_case(M, K, N, r, torch.float32, bias=bias)
+    if M == 0:
+        y = fused_lora_linear(x.requires_grad_(), w, b, A, B, 2.0, config=cublas)
+        y.sum().backward()
+        assert y.shape == (0, N) and x.grad.shape == x.shape and torch.count_nonzero(A.grad) == 0
+        return
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32], config=cublas)
+    # dropout always takes the Triton kernels (the mask is regenerated from the seed there)
+    run_and_compare(*make_case(M, K, N, r, torch.float32, bias=bias), 2.0, p=0.25, seed=99,
+                    tol=TOL[torch.float32], config=cublas)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_bf16_cublas_engine(adapter_dtype):
+    x, w, b, A, B = make_case(1000, 1030, 2051, 16, torch.bfloat16, adapter_dtype=adapter_dtype, device="cuda")
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=TRITON.replace(dispatch="cublas"))
+    assert cosine(y, yr) >= 0.99999

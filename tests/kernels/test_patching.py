@@ -1,0 +1,257 @@
+"""patch_model / unpatch_model: PEFT and lora_lab LoRA layers switched to the fused kernels and back.
+
+CPU runs the kernels in Triton's interpreter on CI-sized models in fp32; GPU (@pytest.mark.gpu) in bf16.
+"""
+import copy
+
+import pytest
+import torch
+
+import lora_lab
+from lora_lab.kernels import UnsupportedLoRAError, patch_model, patched_layers, unpatch_model
+from lora_lab.experiments.fused_lora_kernels import train_losses
+from lora_lab.numerics import rel_l2
+from lora_lab.layer import SingleChild
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _triton_engine(monkeypatch):
+    # patched layers must run the Triton kernels here, not the small-shape cuBLAS dispatch
+    monkeypatch.setenv("LORA_LAB_DISPATCH", "triton")
+
+
+ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def peft_tiny(targets=ALL_PROJ, dtype=torch.float32, device=DEVICE, **cfg):
+    from peft import LoraConfig, get_peft_model
+
+    base = lora_lab.load_model("random:tiny-qwen2", dtype=dtype, device=device)
+    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **cfg),
+                           autocast_adapter_dtype=False)
+    torch.manual_seed(1)
+    lora_lab.fill_lora_B(model, 0.02)
+    return model
+
+
+def lora_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_peft_model_forward_backward_and_training_match():
+    ref = peft_tiny()
+    fused = copy.deepcopy(ref)
+    summary = patch_model(fused)
+    assert summary["lora_layers"] == 14  # 7 projections × 2 layers
+    assert summary["shared_input_groups"] == 4  # q/k/v and gate/up in each layer
+    assert len(patched_layers(fused)) == 14
+    ids = torch.randint(0, 512, (2, 13), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    ref.train()
+    fused.train()
+    out_r = ref(input_ids=ids, labels=ids)
+    out_f = fused(input_ids=ids, labels=ids)
+    assert rel_l2(out_f.logits, out_r.logits) < 1e-5
+    out_r.loss.backward()
+    out_f.loss.backward()
+    gr, gf = lora_grads(ref), lora_grads(fused)
+    assert gr.keys() == gf.keys() and len(gr) == 28
+    for n in gr:
+        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+    ref.zero_grad(set_to_none=True)
+    fused.zero_grad(set_to_none=True)
+    lr_, lf = train_losses(ref, ids, 5), train_losses(fused, ids, 5)
+    assert lf[-1] < lf[0]
+    assert max(abs(a - b) for a, b in zip(lr_, lf)) < 1e-4
+
+
+def test_unpatch_restores_forward_and_separate_weights():
+    model = peft_tiny()
+    ids = torch.randint(0, 512, (1, 9), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    patch_model(model)
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    k = model.base_model.model.model.layers[0].self_attn.k_proj
+    assert "forward" in q.__dict__
+    # group weights live in one buffer
+    assert q.base_layer.weight.untyped_storage().data_ptr() == k.base_layer.weight.untyped_storage().data_ptr()
+    assert unpatch_model(model) == 14
+    assert patched_layers(model) == [] and "forward" not in q.__dict__
+    assert q.base_layer.weight.untyped_storage().data_ptr() != k.base_layer.weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+def test_frozen_siblings_join_the_group_and_dropout_stays_single():
+    # LoRA on q and v only: k (frozen nn.Linear) joins the q/k/v group; with dropout no group is formed
+    model = peft_tiny(targets=["q_proj", "v_proj"])
+    ref = copy.deepcopy(model)
+    s = patch_model(model)
+    assert s["lora_layers"] == 4 and s["shared_input_groups"] == 2 and s["frozen_members"] == 2
+    ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        assert rel_l2(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
+    unpatch_model(model)
+
+    drop = peft_tiny(targets=["q_proj", "v_proj"], lora_dropout=0.1)
+    s = patch_model(drop)
+    assert s["lora_layers"] == 4 and s["shared_input_groups"] == 0
+    drop.train()
+    loss = drop(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert torch.isfinite(loss)
+
+
+def test_dynamic_states_fall_back_to_the_original_forward():
+    model = peft_tiny(targets=["q_proj", "v_proj"])
+    ref = copy.deepcopy(model)
+    patch_model(model)
+    ids = torch.randint(0, 512, (1, 8), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        with model.disable_adapter(), ref.disable_adapter():
+            assert rel_l2(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-6
+        model.merge_adapter()
+        ref.merge_adapter()
+        assert rel_l2(model(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
+
+
+def test_unsupported_configurations_are_refused():
+    dora = peft_tiny(targets=["q_proj"], use_dora=True)
+    with pytest.raises(UnsupportedLoRAError, match="DoRA"):
+        patch_model(dora)
+    assert patched_layers(dora) == []
+    with pytest.warns(RuntimeWarning, match="unsupported"):
+        s = patch_model(dora, strict=False)
+    assert s["lora_layers"] == 0 and len(s["skipped"]) == 2
+
+    biased = peft_tiny(targets=["q_proj"], lora_bias=True)
+    with pytest.raises(UnsupportedLoRAError, match="lora_bias"):
+        patch_model(biased)
+
+    emb = peft_tiny(targets=["embed_tokens", "q_proj"])
+    with pytest.raises(UnsupportedLoRAError, match="Embedding"):
+        patch_model(emb)
+
+
+def test_lora_lab_layers_are_patched():
+    base = lora_lab.load_model("random:tiny-qwen2", dtype=torch.float32, device=DEVICE)
+    model = lora_lab.add_lora(base, r=4, alpha=8, targets=ALL_PROJ)
+    model = model if model is not None else base
+    torch.manual_seed(0)
+    lora_lab.fill_lora_B(model, 0.02)
+    ref = copy.deepcopy(model)
+    s = patch_model(model)
+    assert s["lora_layers"] == 14 and s["shared_input_groups"] == 4
+    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    model.train()
+    ref.train()
+    lr_, lf = train_losses(ref, ids, 3), train_losses(model, ids, 3)
+    assert max(abs(a - b) for a, b in zip(lr_, lf)) < 1e-4
+
+
+def _tiny_gated_deltanet(dtype, device, hidden=64):
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    cfg = Qwen3_5TextConfig(hidden_size=hidden, linear_num_key_heads=2, linear_num_value_heads=4,
+                            linear_key_head_dim=16, linear_value_head_dim=16, num_hidden_layers=1,
+                            layer_types=["linear_attention"], vocab_size=32)
+    torch.manual_seed(0)
+    return Qwen3_5GatedDeltaNet(cfg, layer_idx=0).to(device=device, dtype=dtype)
+
+
+def _peft_gated_deltanet(dtype, device, hidden=64):
+    from peft import LoraConfig, get_peft_model
+
+    layer = _tiny_gated_deltanet(dtype, device, hidden)
+    targets = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+    model = get_peft_model(SingleChild(layer, "layer"), LoraConfig(r=16, lora_alpha=32, target_modules=targets),
+                           autocast_adapter_dtype=False)
+    torch.manual_seed(1)
+    lora_lab.fill_lora_B(model, 0.02)
+    return model
+
+
+def test_gated_deltanet_layer_patched_matches():
+    ref = _peft_gated_deltanet(torch.float32, DEVICE)
+    fused = copy.deepcopy(ref)
+    s = patch_model(fused)
+    assert s["lora_layers"] == 5 and s["shared_input_groups"] == 1
+    x = torch.randn(2, 12, 64, device=DEVICE, generator=None)
+    xr = x.clone().requires_grad_()
+    xf = x.clone().requires_grad_()
+    yr, yf = ref(xr), fused(xf)
+    assert rel_l2(yf, yr) < 1e-5
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    yf.backward(g)
+    assert rel_l2(xf.grad, xr.grad) < 1e-5
+    gr, gf = lora_grads(ref), lora_grads(fused)
+    assert len(gr) == 10
+    for n in gr:
+        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_training_tracks_unpatched():
+    ref = peft_tiny(dtype=torch.bfloat16, device="cuda")
+    fused = copy.deepcopy(ref)
+    patch_model(fused)
+    ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
+    ref.train()
+    fused.train()
+    lr_, lf = train_losses(ref, ids, 10), train_losses(fused, ids, 10)
+    assert lf[-1] < lf[0] - 0.05
+    assert max(abs(a - b) / abs(a) for a, b in zip(lr_, lf)) < 0.02
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_gated_deltanet_hidden_1024():
+    ref = _peft_gated_deltanet(torch.bfloat16, "cuda", hidden=1024)
+    fused = copy.deepcopy(ref)
+    patch_model(fused)
+    x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16)
+    xr = x.clone().requires_grad_()
+    xf = x.clone().requires_grad_()
+    yr, yf = ref(xr), fused(xf)
+    cos = torch.nn.functional.cosine_similarity(yf.double().flatten(), yr.double().flatten(), dim=0).item()
+    assert cos > 0.9999
+    g = torch.randn_like(yr)
+    yr.backward(g)
+    yf.backward(g)
+    # The whole layer (delta-rule core included) loses accuracy in bf16 whichever projections it uses, so two
+    # bf16 runs differ by about √2 × each one's own error. The yardstick is the same layer in fp32: the fused
+    # layer's error must be no worse than the unfused bf16 layer's own (plus a little slack).
+    truth = copy.deepcopy(ref).float()
+    truth.zero_grad(set_to_none=True)  # the copy carries ref's gradients
+    xt = x.float().requires_grad_()
+    yt = truth(xt)
+    yt.backward(g.float())
+    err_fused_y, err_unfused_y = rel_l2(yf, yt), rel_l2(yr, yt)
+    err_fused_dx, err_unfused_dx = rel_l2(xf.grad, xt.grad), rel_l2(xr.grad, xt.grad)
+    assert err_fused_y <= 1.25 * err_unfused_y + 1e-3, (err_fused_y, err_unfused_y)
+    assert err_fused_dx <= 1.25 * err_unfused_dx + 1e-3, (err_fused_dx, err_unfused_dx)
+    gt, gf = lora_grads(truth), lora_grads(fused)
+    gr = lora_grads(ref)
+    for n in gt:  # some factors are tiny (in_proj_b/a: a few hundred entries), so their errors fluctuate more
+        assert rel_l2(gf[n], gt[n]) <= 1.5 * rel_l2(gr[n], gt[n]) + 2e-3, (n, rel_l2(gf[n], gt[n]), rel_l2(gr[n], gt[n]))
+
+
+def test_moe_expert_wrappers_are_left_to_the_moe_patcher():
+    # strict mode must not refuse PEFT's wrappers of stacked MoE experts: lora_lab.kernels.moe.patch fuses them
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, intermediate_size=64, moe_intermediate_size=24,
+                            num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
+    torch.manual_seed(0)
+    model = get_peft_model(Qwen3MoeForCausalLM(config), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    summary = patch_model(model)  # strict by default
+    assert summary["skipped"] == [] and summary["lora_layers"] == 2 and summary["moe_experts"] >= 1
+    assert unpatch_model(model) >= 3

@@ -1,0 +1,191 @@
+"""lora_lab.recording: profiles, the metrics file, value conversion, provenance."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import lora_lab
+from lora_lab.lab import recording
+from lora_lab.lab.recording import RecordingError
+
+
+@pytest.fixture
+def out_dir(tmp_path, monkeypatch):
+    """A fresh output directory via $LORA_LAB_OUTPUT_DIR and no run left over from another test."""
+    directory = tmp_path / "out"
+    monkeypatch.setenv(recording.OUTPUT_DIR_ENV, str(directory))
+    monkeypatch.delenv(recording.NOTEBOOK_ENV, raising=False)
+    monkeypatch.setattr(recording, "_current", None)
+    return directory
+
+
+def read(directory, stem="01_demo"):
+    return json.loads((directory / f"{stem}.metrics.json").read_text())
+
+
+def test_public_names_are_exported_by_the_package():
+    for name in ("resolve_profile", "start_run", "record", "finish_run", "output_dir", "environment_report"):
+        assert getattr(lora_lab, name) is getattr(recording, name)
+
+
+def test_resolve_profile():
+    assert recording.resolve_profile("cpu") == "cpu"
+    assert recording.resolve_profile(" CPU ") == "cpu"
+    assert recording.resolve_profile("auto") == ("gpu" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="unknown profile 'tpu'.*auto, cpu, gpu"):
+        recording.resolve_profile("tpu")
+    with pytest.raises(TypeError):
+        recording.resolve_profile(None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_gpu_profile_without_cuda_is_an_error():
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        recording.resolve_profile("gpu")
+
+
+def test_run_writes_metrics_at_every_record_and_finishes(out_dir):
+    run = lora_lab.start_run("01_demo", profile="cpu", parameters={"SEQ": np.int64(8), "NAME": "x"})
+    payload = read(out_dir)
+    assert run.path == out_dir / "01_demo.metrics.json"
+    assert payload["notebook"] == "01_demo" and payload["profile"] == "cpu"
+    assert payload["parameters"] == {"SEQ": 8, "NAME": "x"}
+    assert payload["metrics"] == {}
+    provenance = payload["provenance"]
+    assert provenance["status"] == "running" and provenance["finished"] is None
+    assert set(provenance["versions"]) == {"python", "torch", "triton", "transformers", "peft"}
+    assert provenance["versions"]["torch"].split("+")[0] == torch.__version__.split("+")[0]
+    assert provenance["device"] and provenance["started"]
+    assert "git_commit" in provenance
+
+    lora_lab.record("loss", 0.25)
+    assert read(out_dir)["metrics"] == {"loss": 0.25}  # partial results survive a later crash
+    lora_lab.record({"steps": 3, "ok": True})
+    lora_lab.record("loss", 0.125)  # recording again replaces
+    path = lora_lab.finish_run()
+    payload = read(out_dir)
+    assert payload["metrics"] == {"loss": 0.125, "steps": 3, "ok": True}
+    assert payload["provenance"]["status"] == "completed" and payload["provenance"]["finished"]
+    assert path == run.path
+    assert sorted(item.name for item in out_dir.iterdir()) == ["01_demo.metrics.json"]  # no temp files left
+
+
+def test_numpy_and_torch_values_become_python(out_dir):
+    lora_lab.start_run("01_demo", profile="cpu")
+    lora_lab.record(
+        {
+            "np_float": np.float32(0.5),
+            "np_int": np.int16(7),
+            "np_bool": np.bool_(True),
+            "np_array": np.array([[1, 2], [3, 4]]),
+            "torch_scalar": torch.tensor(2.5, requires_grad=True) * 2,
+            "torch_half": torch.tensor([1.0, 2.0], dtype=torch.float16),
+            "tuple": (1, "a"),
+            "nested": {"a": [np.float64(1.5)]},
+        }
+    )
+    metrics = read(out_dir)["metrics"]
+    assert metrics == {
+        "np_float": 0.5,
+        "np_int": 7,
+        "np_bool": True,
+        "np_array": [[1, 2], [3, 4]],
+        "torch_scalar": 5.0,
+        "torch_half": [1.0, 2.0],
+        "tuple": [1, "a"],
+        "nested": {"a": [1.5]},
+    }
+    assert type(metrics["np_int"]) is int and type(metrics["np_bool"]) is bool
+
+
+def test_nan_and_inf_are_stored_as_null_with_a_note(out_dir):
+    lora_lab.start_run("01_demo", profile="cpu")
+    lora_lab.record("loss", float("nan"))
+    lora_lab.record("curve", [1.0, math.inf, torch.tensor(float("nan"))])
+    payload = read(out_dir)
+    assert payload["metrics"] == {"loss": None, "curve": [1.0, None, None]}
+    assert "nan" in payload["notes"]["loss"]
+    assert "curve[1]=inf" in payload["notes"]["curve"]
+    lora_lab.record("loss", 1.0)  # a finite value clears the note
+    assert "loss" not in read(out_dir)["notes"]
+
+
+def test_values_that_are_not_json_are_rejected_naming_the_key(out_dir):
+    lora_lab.start_run("01_demo", profile="cpu")
+    lora_lab.record("kept", 1)
+    with pytest.raises(RecordingError, match=r"cannot record 'model'.*builtins.object"):
+        lora_lab.record("model", object())
+    with pytest.raises(RecordingError, match=r"cannot record 'table'.*dict key 3"):
+        lora_lab.record("table", {3: "x"})
+    with pytest.raises(RecordingError, match=r"cannot record 'b': b\[1\] is a builtins.set"):
+        lora_lab.record({"a": 1, "b": [1, {2}]})
+    with pytest.raises(RecordingError, match="non-empty string"):
+        lora_lab.record("", 1)
+    with pytest.raises(TypeError, match="needs a value"):
+        lora_lab.record("forgot")
+    assert read(out_dir)["metrics"] == {"kept": 1}  # a rejected dict stores nothing
+
+
+def test_record_before_start_and_finish_twice_are_errors(out_dir):
+    with pytest.raises(RuntimeError, match="start_run"):
+        lora_lab.record("x", 1)
+    lora_lab.start_run("01_demo", profile="cpu")
+    lora_lab.finish_run()
+    with pytest.raises(RuntimeError, match="no run in progress"):
+        lora_lab.finish_run()
+
+
+def test_start_run_checks_the_stem(out_dir, monkeypatch):
+    with pytest.raises(ValueError, match="without '.ipynb'"):
+        lora_lab.start_run("01_demo.ipynb", profile="cpu")
+    with pytest.raises(ValueError, match="file stem"):
+        lora_lab.start_run("notebooks/01_demo", profile="cpu")
+    monkeypatch.setenv(recording.NOTEBOOK_ENV, "02_other")
+    with pytest.raises(ValueError, match="inside notebook '02_other'"):
+        lora_lab.start_run("01_demo", profile="cpu")
+
+
+def test_output_dir_follows_env_then_repo_then_cwd(tmp_path, monkeypatch):
+    monkeypatch.setattr(recording, "_current", None)
+    monkeypatch.setenv(recording.OUTPUT_DIR_ENV, str(tmp_path / "env"))
+    assert lora_lab.output_dir("cpu") == (tmp_path / "env").resolve()
+
+    monkeypatch.delenv(recording.OUTPUT_DIR_ENV)
+    repo = tmp_path / "repo"
+    (repo / "lora_lab").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("")
+    (repo / "notebooks").mkdir()
+    monkeypatch.chdir(repo / "notebooks")
+    assert lora_lab.output_dir("cpu") == repo.resolve() / "outputs" / "cpu"
+    run = lora_lab.start_run("01_demo", profile="cpu")
+    assert run.path == repo.resolve() / "outputs" / "cpu" / "01_demo.metrics.json"
+    assert lora_lab.output_dir() == run.directory
+    lora_lab.finish_run()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert lora_lab.output_dir("cpu") == elsewhere.resolve() / "outputs" / "cpu"
+
+
+def test_mark_run_failed_keeps_what_was_recorded(out_dir):
+    lora_lab.start_run("01_demo", profile="cpu")
+    lora_lab.record("before", 1.0)
+    error = {"cell_index": 4, "ename": "ValueError", "evalue": "boom"}
+    assert recording.mark_run_failed(out_dir / "01_demo.metrics.json", error)
+    payload = read(out_dir)
+    assert payload["metrics"] == {"before": 1.0}
+    assert payload["provenance"]["status"] == "failed" and payload["provenance"]["error"] == error
+    assert not recording.mark_run_failed(out_dir / "missing.metrics.json", error)
+
+
+def test_environment_report_prints_versions_and_device(capsys):
+    report = lora_lab.environment_report()
+    printed = capsys.readouterr().out
+    for key in ("python", "torch", "triton", "transformers", "peft", "device"):
+        assert key in report
+        assert key in printed
+    assert report["torch"] and str(report["device"]) in printed
+    assert report["cuda_available"] == torch.cuda.is_available()

@@ -1,0 +1,212 @@
+"""lora_lab.runner (papermill on the fixture notebooks), publishing, and the run/publish commands."""
+import io
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from lora_lab.lab.cli import main
+from lora_lab.lab.grading import grade_predictions
+from lora_lab.lab.predictions import load_predictions
+from lora_lab.lab.publishing import PublishError, publish
+from lora_lab.lab.runner import (
+    RunnerError,
+    declared_parameters,
+    discover_notebooks,
+    failing_cell_index,
+    parse_value,
+    plan_parameters,
+    progress_disabled,
+    run,
+    select_notebooks,
+)
+from test_grading import EXPECTED_CPU_OUTCOMES
+
+FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURE_NOTEBOOKS = FIXTURES / "notebooks"
+EVERY_COMPARATOR = FIXTURES / "predictions" / "every_comparator.yaml"
+STALE = {"notebook": "02_fails_at_known_cell", "profile": "cpu", "metrics": {"after_failure": 2.0},
+         "provenance": {"status": "completed"}}
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory):
+    """All three fixture notebooks run once on cpu; 02 fails at cell 4. A stale 02 result is planted first."""
+    outputs = tmp_path_factory.mktemp("outputs")
+    (outputs / "cpu").mkdir()
+    (outputs / "cpu" / "02_fails_at_known_cell.metrics.json").write_text(json.dumps(STALE))
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MPLBACKEND", "Agg")  # as in CI: the runner must still keep figures in the notebooks
+        code = run(profile="cpu", notebooks_dir=FIXTURE_NOTEBOOKS, outputs_root=outputs, disable_progress=True, stream=printed)
+    return code, outputs / "cpu", printed.getvalue()
+
+
+def metrics(directory: Path, stem: str) -> dict:
+    return json.loads((directory / f"{stem}.metrics.json").read_text())
+
+
+def test_a_failing_notebook_is_reported_and_the_others_survive(batch):
+    code, cpu, printed = batch
+    assert code == 1
+    assert "FAILED 02_fails_at_known_cell.ipynb: cell 4 (In [" in printed
+    assert "ValueError: deliberate failure in cell 4" in printed
+    assert "2 ok, 1 failed" in printed
+
+    summary = json.loads((cpu / "run_summary.json").read_text())
+    assert summary["profile"] == "cpu"
+    entries = summary["notebooks"]
+    assert [entries[stem]["status"] for stem in sorted(entries)] == ["ok", "failed", "ok"]
+    error = entries["02_fails_at_known_cell"]["error"]
+    assert error["cell_index"] == 4  # index in the source notebook: papermill's injected cell is not counted
+    assert (error["ename"], error["evalue"]) == ("ValueError", "deliberate failure in cell 4")
+    assert error["cell_source_first_line"] == 'raise ValueError("deliberate failure in cell 4")'
+
+    first, failed, third = (metrics(cpu, stem) for stem in sorted(entries))
+    assert first["provenance"]["status"] == third["provenance"]["status"] == "completed"
+    assert first["metrics"] == {"answer": 42, "ratio": 0.5, "exact": True, "label": "base", "pair": [1.5, 2.5]}
+    assert third["metrics"] == {"steps": 3, "total": 6}
+    assert failed["provenance"]["status"] == "failed" and failed["provenance"]["error"]["cell_index"] == 4
+    assert failed["metrics"] == {"before_failure": 1.0}  # the stale after_failure is gone
+    assert first["parameters"] == {"SCALE": 2, "LABEL": "base"} and first["provenance"]["versions"]["python"]
+    for stem in sorted(entries):
+        assert (cpu / f"{stem}.ipynb").is_file()
+    assert (cpu / "01_records_metrics.txt").read_text() == "profile=cpu\n"  # lora_lab.output_dir() is outputs/cpu
+    assert (cpu / "01_line.png").is_file()
+
+
+def test_figures_stay_in_the_executed_notebook_even_with_mplbackend_agg(batch):
+    _, cpu, _ = batch
+    executed = nbformat.read(str(cpu / "01_records_metrics.ipynb"), as_version=4)
+    [plot_cell] = [cell for cell in executed.cells if "plt.show()" in cell.source]
+    assert any("image/png" in output.get("data", {}) for output in plot_cell.outputs)
+
+
+def test_the_batch_grades_as_expected(batch):
+    _, cpu, _ = batch
+    predictions = load_predictions(EVERY_COMPARATOR, notebooks_dir=FIXTURE_NOTEBOOKS)
+    board = grade_predictions(predictions, "cpu", cpu)
+    assert {row.id: row.outcome for row in board.rows} == EXPECTED_CPU_OUTCOMES
+    [failed] = [row for row in board.rows if row.id == "p02-before-failure"]
+    assert failed.why.startswith("notebook failed: ValueError: deliberate failure in cell 4")
+
+
+def test_parameters_and_only_rerun_one_notebook_and_keep_the_rest(batch, tmp_path):
+    _, cpu, _ = batch
+    shutil.copytree(cpu, tmp_path / "cpu")
+    printed = io.StringIO()
+    code = run(profile="cpu", only=["1"], overrides={"SCALE": 5}, notebooks_dir=FIXTURE_NOTEBOOKS,
+               outputs_root=tmp_path, disable_progress=True, stream=printed)
+    assert code == 0, printed.getvalue()
+    assert metrics(tmp_path / "cpu", "01_records_metrics")["metrics"]["answer"] == 105
+    assert metrics(tmp_path / "cpu", "01_records_metrics")["parameters"]["SCALE"] == 5
+    summary = json.loads((tmp_path / "cpu" / "run_summary.json").read_text())["notebooks"]
+    assert summary["01_records_metrics"]["parameters"] == {"PROFILE": "cpu", "SCALE": 5}
+    assert summary["02_fails_at_known_cell"]["status"] == "failed"  # kept from the earlier batch
+    assert metrics(tmp_path / "cpu", "03_records_after_failure")["metrics"] == {"steps": 3, "total": 6}
+
+
+def test_parameters_cell_is_read():
+    assert declared_parameters(FIXTURE_NOTEBOOKS / "01_records_metrics.ipynb") == {
+        "PROFILE": "auto", "SCALE": 2, "LABEL": "base"}
+    assert [path.name for path in discover_notebooks(FIXTURE_NOTEBOOKS)] == [
+        "01_records_metrics.ipynb", "02_fails_at_known_cell.ipynb", "03_records_after_failure.ipynb"]
+
+
+@pytest.mark.parametrize("text, value", [("512", 512), ("1e-3", 1e-3), ("[1, 2]", [1, 2]), ("True", True),
+                                         ("random:tiny-qwen2", "random:tiny-qwen2"), ("'07'", "07")])
+def test_command_line_values_are_python_literals_else_text(text, value):
+    assert parse_value(text) == value
+
+
+def test_parameter_problems_are_caught_before_anything_runs(tmp_path):
+    notebooks = discover_notebooks(FIXTURE_NOTEBOOKS)
+    plan = plan_parameters(notebooks, {"SCALE": 3, "STEPS": 4}, "cpu")
+    assert plan[notebooks[0]] == {"PROFILE": "cpu", "SCALE": 3}
+    assert plan[notebooks[1]] == {"PROFILE": "cpu"}
+    assert plan[notebooks[2]] == {"PROFILE": "cpu", "STEPS": 4}
+    with pytest.raises(RunnerError, match=r"unknown parameter 'SCAEL'.*01_records_metrics: LABEL, PROFILE, SCALE"):
+        plan_parameters(notebooks, {"SCAEL": 3}, "cpu")
+    with pytest.raises(RunnerError, match=r"01_records_metrics: parameter 'SCALE' defaults to int 2; got str 'big'"):
+        plan_parameters(notebooks, {"SCALE": "big"}, "cpu")
+    with pytest.raises(RunnerError, match="PROFILE is set with --profile"):
+        plan_parameters(notebooks, {"PROFILE": "gpu"}, "cpu")
+    with pytest.raises(RunnerError, match=r"--only '09' matches no notebook \(available: 01_records_metrics"):
+        select_notebooks(notebooks, ["09"])
+    assert select_notebooks(notebooks, ["03_records_after_failure", "01"]) == [notebooks[0], notebooks[2]]
+
+    bare = tmp_path / "nb"
+    bare.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), str(bare / "01_bare.ipynb"))
+    with pytest.raises(RunnerError, match="01_bare.ipynb: no cell is tagged 'parameters'"):
+        run(profile="cpu", notebooks_dir=bare, outputs_root=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_run_command_rejects_unknown_parameter_without_running(tmp_path, capsys):
+    code = main(["run", "--profile", "cpu", "--notebooks-dir", str(FIXTURE_NOTEBOOKS),
+                 "--outputs-dir", str(tmp_path), "-p", "NOPE", "1"])
+    assert code == 2
+    assert "unknown parameter 'NOPE'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_gpu_profile_without_cuda_runs_nothing(tmp_path, capsys):
+    code = main(["run", "--profile", "gpu", "--notebooks-dir", str(FIXTURE_NOTEBOOKS), "--outputs-dir", str(tmp_path)])
+    assert code == 2 and "needs a CUDA device" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_notebooks_is_not_an_error(tmp_path, capsys):
+    assert main(["run", "--profile", "cpu", "--notebooks-dir", str(tmp_path), "--outputs-dir", str(tmp_path / "o")]) == 0
+    assert "nothing to run" in capsys.readouterr().out
+
+
+def test_failing_cell_is_found_without_an_exception_index():
+    def cell(started=True, error=False):
+        code = nbformat.v4.new_code_cell("x")
+        code.metadata["papermill"] = {"start_time": "2025-01-01T00:00:00" if started else None, "exception": False}
+        code.outputs = [nbformat.v4.new_output("error", ename="E", evalue="", traceback=[])] if error else []
+        return code
+
+    markdown = nbformat.v4.new_markdown_cell("# title")
+    assert failing_cell_index([markdown, cell(), cell(error=True), cell(started=False)]) == 2  # e.g. a cell timeout
+    assert failing_cell_index([markdown, cell(), cell(), cell(started=False)]) == 2  # the kernel died in cell 2
+    assert failing_cell_index([markdown, cell(started=False)]) is None
+
+
+def test_progress_bar_follows_tqdm_disable(monkeypatch):
+    monkeypatch.setenv("TQDM_DISABLE", "0")
+    assert progress_disabled() is False
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert progress_disabled() is True
+    assert progress_disabled(False) is False
+
+
+def test_publish_strips_papermill_and_keeps_outputs(batch, tmp_path):
+    _, cpu, _ = batch
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
+    [done] = publish("cpu", outputs_root=cpu.parent, notebooks_dir=notebooks, only=["01"])
+    published = nbformat.read(str(done.destination), as_version=4)
+    original = nbformat.read(str(FIXTURE_NOTEBOOKS / "01_records_metrics.ipynb"), as_version=4)
+    assert [cell.source for cell in published.cells] == [cell.source for cell in original.cells]
+    assert "papermill" not in published.metadata
+    assert all("papermill" not in cell.metadata and "execution" not in cell.metadata for cell in published.cells)
+    code_cells = [cell for cell in published.cells if cell.cell_type == "code"]
+    assert [cell.execution_count for cell in code_cells] == [1, 3, 4, 5, 6]  # In [2] was papermill's injected cell
+    assert published.metadata.kernelspec.name == "python3"
+
+    with pytest.raises(PublishError, match="02_fails_at_known_cell.ipynb: the run failed"):
+        publish("cpu", outputs_root=cpu.parent, notebooks_dir=notebooks, only=["02"])
+    changed = nbformat.read(str(notebooks / "03_records_after_failure.ipynb"), as_version=4)
+    changed.cells[-1].source += "\nprint('edited after the run')"
+    nbformat.write(changed, str(notebooks / "03_records_after_failure.ipynb"))
+    with pytest.raises(PublishError, match="03_records_after_failure.ipynb changed since the cpu run"):
+        publish("cpu", outputs_root=cpu.parent, notebooks_dir=notebooks, only=["03"])
+    assert main(["publish", "--profile", "cpu", "--outputs-dir", str(cpu.parent), "--notebooks-dir", str(notebooks),
+                 "--only", "03", "--force"]) == 0

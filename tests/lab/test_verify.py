@@ -1,0 +1,206 @@
+"""lora_lab.verify on temporary git repositories: append-only, and predicted before measured."""
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lora_lab.lab.cli import main
+from lora_lab.lab.grading import registered_labels
+from lora_lab.lab.verify import GitError, registrations, verify
+
+ENTRY = """\
+- id: {id}
+  notebook: 01_demo
+  claim: "{metric} is small"
+  metric: {metric}
+  comparator: "<"
+  threshold: {threshold}
+  profiles: [cpu]
+  confidence: 0.8
+  rationale: "because"
+"""
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "test", "GIT_AUTHOR_EMAIL": "test@example.com",
+    "GIT_COMMITTER_NAME": "test", "GIT_COMMITTER_EMAIL": "test@example.com",
+    "GIT_CONFIG_GLOBAL": os.devnull, "GIT_CONFIG_NOSYSTEM": "1",
+}
+
+
+class Repo:
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.git("init", "-q", "-b", "main")
+
+    def git(self, *args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=self.root, capture_output=True, text=True, env={**os.environ, **GIT_ENV})
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    def write(self, relative: str, text: str) -> None:
+        path = self.root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+    def predictions(self, *entries: dict) -> None:
+        self.write("predictions/predictions.yaml", "".join(ENTRY.format(**entry) for entry in entries) or "[]\n")
+
+    def metrics(self, **values) -> None:
+        payload = {"notebook": "01_demo", "profile": "cpu", "metrics": values, "provenance": {"status": "completed"}}
+        self.write("outputs/cpu/01_demo.metrics.json", json.dumps(payload))
+
+    def commit(self, message: str) -> str:
+        self.git("add", "-A")
+        self.git("commit", "-q", "-m", message)
+        return self.git("rev-parse", "HEAD")
+
+
+A = {"id": "p01-a", "metric": "loss", "threshold": 0.5}
+B = {"id": "p01-b", "metric": "error", "threshold": 0.1}
+
+
+@pytest.fixture
+def repo(tmp_path):
+    return Repo(tmp_path / "repo")
+
+
+def test_honest_history_passes(repo):
+    repo.predictions()
+    repo.commit("empty predictions")
+    repo.predictions(A)
+    registered = repo.commit("register p01-a")
+    repo.predictions(A, B)  # appending is fine
+    repo.commit("register p01-b")
+    repo.metrics(loss=0.3, error=0.2)
+    repo.commit("results")
+    repo.write("predictions/predictions.yaml", "# comments and quoting may change\n" + ENTRY.format(**A).replace("0.8", "8.0e-1") + ENTRY.format(**B))
+    repo.commit("reformat")
+    report = verify(repo.root)
+    assert report.ok, report.text()
+    assert report.checked_ids == 2 and report.checked_grades == 2
+    assert registrations(repo.root)["p01-a"].commit == registered
+    date = repo.git("show", "-s", "--format=%cI", registered)[:10]
+    assert registered_labels(repo.root / "predictions" / "predictions.yaml")["p01-a"] == f"{registered[:10]} {date}"
+    assert "verify OK" in report.text()
+
+
+def test_edited_prediction_is_caught(repo):
+    repo.predictions(A)
+    repo.commit("register")
+    repo.predictions({**A, "threshold": 0.9})
+    edit = repo.commit("move the goalposts")
+    report = verify(repo.root)
+    assert not report.ok
+    [violation] = report.violations
+    assert f"prediction 'p01-a' was edited in commit {edit[:10]}" in violation
+    assert "field 'threshold' 0.5 -> 0.9" in violation
+
+
+def test_removed_prediction_is_caught(repo):
+    repo.predictions(A, B)
+    repo.commit("register")
+    repo.predictions(B)
+    repo.commit("drop a")
+    [violation] = verify(repo.root).violations
+    assert "prediction 'p01-a' was removed in commit" in violation
+
+
+def test_uncommitted_edit_is_caught(repo):
+    repo.predictions(A)
+    repo.commit("register")
+    repo.predictions({**A, "threshold": 0.7})
+    [violation] = verify(repo.root).violations
+    assert "prediction 'p01-a' is edited in the working tree (uncommitted): field 'threshold' 0.5 -> 0.7" in violation
+
+
+def test_edit_on_a_merged_branch_is_caught(repo):
+    repo.predictions(A)
+    repo.commit("register")
+    repo.git("checkout", "-q", "-b", "side")
+    repo.predictions({**A, "threshold": 0.9})
+    repo.commit("edit on a branch")
+    repo.git("checkout", "-q", "main")
+    repo.write("notes.txt", "x")
+    repo.commit("unrelated")
+    repo.git("merge", "-q", "--no-edit", "side")
+    assert any("was edited in commit" in violation for violation in verify(repo.root).violations)
+
+
+def test_metrics_committed_before_the_prediction_are_caught(repo):
+    repo.predictions()
+    repo.commit("start")
+    repo.metrics(loss=0.3)
+    measured = repo.commit("results first")
+    repo.predictions(A)
+    repo.commit("then the prediction")
+    report = verify(repo.root)
+    [violation] = report.violations
+    assert "prediction 'p01-a'" in violation and "did not land before its metric 'loss'" in violation
+    assert f"first committed in {measured[:10]}" in violation
+
+
+def test_prediction_and_metrics_in_the_same_commit_are_caught(repo):
+    repo.predictions(A)
+    repo.metrics(loss=0.3)
+    repo.commit("both at once")
+    [violation] = verify(repo.root).violations
+    assert "must be committed strictly before" in violation
+
+
+def test_uncommitted_prediction_with_committed_metrics_is_caught(repo):
+    repo.metrics(loss=0.3)
+    repo.commit("results")
+    repo.predictions(A)
+    [violation] = verify(repo.root).violations
+    assert "prediction 'p01-a' is not committed, but its metric 'loss' already is" in violation
+
+
+def test_superseding_after_the_results_is_caught_but_the_superseded_entry_is_not_graded(repo):
+    repo.predictions(A)
+    repo.commit("register")
+    repo.metrics(loss=0.3)
+    repo.commit("results")
+    late = repo.root / "predictions/predictions.yaml"
+    late.write_text(late.read_text() + ENTRY.format(id="p01-c", metric="loss", threshold=0.4) + "  supersedes: p01-a\n")
+    repo.commit("supersede after seeing the result")
+    [violation] = verify(repo.root).violations
+    assert "prediction 'p01-c'" in violation and "did not land before its metric 'loss'" in violation
+
+
+def test_a_metric_added_to_an_existing_file_later_is_dated_by_its_own_commit(repo):
+    repo.predictions(A)
+    repo.commit("register a")
+    repo.metrics(loss=0.3)
+    repo.commit("first results")
+    repo.predictions(A, B)
+    repo.commit("register b, about a metric not measured yet")
+    repo.metrics(loss=0.3, error=0.05)
+    repo.commit("second results")
+    report = verify(repo.root)
+    assert report.ok, report.text()
+    assert report.checked_grades == 2
+
+
+def test_repository_without_commits_and_outside_git(repo, tmp_path):
+    repo.predictions(A)
+    report = verify(repo.root)
+    assert report.ok and "no commits yet" in report.text()
+    outside = tmp_path / "plain"
+    outside.mkdir()
+    with pytest.raises(GitError, match="not inside a git repository"):
+        verify(outside)
+
+
+def test_verify_command_exit_codes(repo, tmp_path, capsys):
+    repo.predictions(A)
+    repo.commit("register")
+    assert main(["verify", "--repo", str(repo.root)]) == 0
+    repo.predictions({**A, "threshold": 0.9})
+    repo.commit("edit")
+    assert main(["verify", "--repo", str(repo.root)]) == 1
+    assert "VIOLATION: prediction 'p01-a' was edited" in capsys.readouterr().out
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert main(["verify", "--repo", str(plain)]) == 2

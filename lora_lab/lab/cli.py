@@ -1,13 +1,15 @@
 """``lora-lab``: run, grade, verify, validate and publish the pre-registered notebooks.
 
-    lora-lab run      [--profile auto|cpu|gpu] [--only 01,03] [-p NAME VALUE ...]
-    lora-lab grade    [--profile auto|cpu|gpu]
+    lora-lab run      [--profile auto|cpu|gpu] [--only 01,03] [-p NAME VALUE ...]   -> build/runs/<profile>/
+    lora-lab grade    [--profile auto|cpu|gpu] [--outputs-dir build/runs]            (default: outputs/)
+    lora-lab publish  --profile gpu [--only 05]       build/runs/<profile>/ -> outputs/<profile>/ (+ notebooks/)
     lora-lab verify
     lora-lab validate
-    lora-lab publish  --profile gpu [--only 05]
+    lora-lab check-prose
 
-Exit codes: 0 fine; 1 a notebook failed (run) or a pre-registration rule was broken (verify);
-2 bad input (unknown parameter, malformed predictions file, not a git repository, ...).
+Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify) or prose states
+a number no run recorded (check-prose); 2 bad input (unknown parameter, malformed or uncommitted predictions
+file, not a git repository, a run that cannot be published, ...); 130 interrupted (Ctrl-C).
 Grading exits 0 whatever the hit rate: a miss is a finding, not a failure.
 """
 
@@ -17,9 +19,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_lab.lab.recording import PROFILE_CHOICES, find_repo_root
+from lora_lab.lab.provenance import find_repo_root
+from lora_lab.lab.recording import PROFILE_CHOICES
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def repo_root() -> Path:
@@ -28,27 +31,34 @@ def repo_root() -> Path:
 
 def _paths(parser: argparse.ArgumentParser, *, notebooks=True, outputs=True, predictions=False) -> None:
     if notebooks:
-        parser.add_argument("--notebooks-dir", type=Path, default=None, help="notebooks folder (default: <repo>/notebooks)")
+        parser.add_argument("--notebooks-dir", type=Path, default=None,
+                            help="notebooks folder (default: <repo>/notebooks)")
     if outputs:
-        parser.add_argument("--outputs-dir", type=Path, default=None, help="outputs root; results go to <it>/<profile>/ (default: <repo>/outputs)")
+        parser.add_argument("--outputs-dir", type=Path, default=None,
+                            help="outputs root; results go to <it>/<profile>/ (default: <repo>/outputs)")
     if predictions:
-        parser.add_argument("--predictions", type=Path, default=None, help="predictions file (default: <repo>/predictions/predictions.yaml)")
+        parser.add_argument("--predictions", type=Path, default=None,
+                            help="predictions file (default: <repo>/predictions/predictions.yaml)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lora-lab", description="Run, grade, verify, validate and publish the pre-registered notebooks.")
+    parser = argparse.ArgumentParser(
+        prog="lora-lab", description="Run, grade, verify, validate and publish the pre-registered notebooks.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    run = commands.add_parser("run", help="execute notebooks with papermill into outputs/<profile>/")
+    run = commands.add_parser("run", help="execute notebooks with papermill into build/runs/<profile>/ (scratch)")
     run.add_argument("--profile", choices=PROFILE_CHOICES, default="auto", help="auto = gpu iff CUDA is available")
     run.add_argument("--only", default=None, help="comma-separated notebook numbers or stems, e.g. 01,03")
     run.add_argument(
         "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
         help="override a parameters-cell value (Python literal, else text); repeatable",
     )
-    run.add_argument("--cell-timeout", type=float, default=None, help="seconds a single cell may run (default: no limit)")
+    run.add_argument("--cell-timeout", type=float, default=None,
+                     help="seconds a single cell may run (default: no limit)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (also: TQDM_DISABLE=1)")
-    _paths(run)
+    run.add_argument("--notebooks-dir", type=Path, default=None, help="notebooks folder (default: <repo>/notebooks)")
+    run.add_argument("--outputs-dir", type=Path, default=None,
+                     help="runs root; results go to <it>/<profile>/ (default: <repo>/build/runs)")
 
     grade = commands.add_parser("grade", help="grade predictions against outputs/<profile>/, write the scoreboard")
     grade.add_argument("--profile", choices=PROFILE_CHOICES, default="auto")
@@ -57,22 +67,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = commands.add_parser("verify", help="check from git history: append-only, predicted before measured")
     verify.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
-    verify.add_argument("--predictions", default="predictions/predictions.yaml", help="predictions file, relative to the repo root")
+    verify.add_argument("--predictions", default="predictions/predictions.yaml",
+                        help="predictions file, relative to the repo root")
     verify.add_argument("--outputs", default="outputs", help="outputs root, relative to the repo root")
 
     validate = commands.add_parser("validate", help="validate the predictions file only")
     _paths(validate, outputs=False, predictions=True)
 
-    publish = commands.add_parser("publish", help="copy executed notebooks of a profile into notebooks/ for nbval")
+    publish = commands.add_parser("publish", help="copy a checked run into outputs/<profile>/ (gpu: and notebooks/)")
     publish.add_argument("--profile", choices=("cpu", "gpu"), required=True)
     publish.add_argument("--only", default=None, help="comma-separated notebook numbers or stems")
-    publish.add_argument("--force", action="store_true", help="publish even if a notebook's source changed since the run")
+    publish.add_argument("--from", dest="runs_dir", type=Path, default=None,
+                         help="runs root holding <profile>/ (default: <repo>/build/runs)")
+    publish.add_argument("--notebooks", dest="to_notebooks", action=argparse.BooleanOptionalAction, default=None,
+                         help="also publish the executed notebooks into notebooks/ (default: for the gpu profile)")
     _paths(publish)
+
+    prose = commands.add_parser("check-prose",
+                                help="fail on numbers in markdown that no run recorded and no source cites")
+    prose.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
     return parser
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from lora_lab.lab.runner import RunnerError, parse_only, parse_value, run
+    from lora_lab.lab.runner import DEFAULT_RUNS_DIR, RunnerError, parse_only, parse_value, run
 
     root = repo_root()
     overrides = {}
@@ -87,13 +105,16 @@ def command_run(args: argparse.Namespace) -> int:
             only=parse_only(args.only),
             overrides=overrides,
             notebooks_dir=args.notebooks_dir or root / "notebooks",
-            outputs_root=args.outputs_dir or root / "outputs",
+            outputs_root=args.outputs_dir or root / DEFAULT_RUNS_DIR,
             cell_timeout=args.cell_timeout,
             disable_progress=True if args.no_progress else None,
         )
     except (RunnerError, RuntimeError, ValueError) as error:
         print(f"error: {error}\nnothing was run.", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): the notebook that was running is recorded as interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def command_grade(args: argparse.Namespace) -> int:
@@ -145,23 +166,33 @@ def command_validate(args: argparse.Namespace) -> int:
 
 def command_publish(args: argparse.Namespace) -> int:
     from lora_lab.lab.publishing import PublishError, publish
-    from lora_lab.lab.runner import RunnerError, parse_only
+    from lora_lab.lab.runner import DEFAULT_RUNS_DIR, RunnerError, parse_only
 
     root = repo_root()
     try:
         done = publish(
             args.profile,
+            runs_root=args.runs_dir or root / DEFAULT_RUNS_DIR,
             outputs_root=args.outputs_dir or root / "outputs",
             notebooks_dir=args.notebooks_dir or root / "notebooks",
             only=parse_only(args.only),
-            force=args.force,
+            to_notebooks=args.to_notebooks,
         )
     except (PublishError, RunnerError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for item in done:
-        print(f"published {item.source} -> {item.destination}")
+        also = f" and {item.notebook_destination}" if item.notebook_destination else ""
+        print(f"published {item.notebook} -> {item.destination}{also}")
     return EXIT_OK
+
+
+def command_check_prose(args: argparse.Namespace) -> int:
+    from lora_lab.lab.prose import check_prose
+
+    report = check_prose(args.repo or repo_root())
+    print(report.text())
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 COMMANDS = {
@@ -170,6 +201,7 @@ COMMANDS = {
     "verify": command_verify,
     "validate": command_validate,
     "publish": command_publish,
+    "check-prose": command_check_prose,
 }
 
 

@@ -3,13 +3,19 @@
 Each prediction gets one outcome:
 
 - ``hit`` / ``miss``: the recorded value does / does not satisfy ``value <comparator> threshold``;
-- ``void``: it could not be graded, and ``why`` says so (not run, notebook failed, run
-  unfinished, metric missing, metric null, value not a number);
+  for a repeated measurement (median and 95% interval over >= 5 independent repetitions, see
+  :mod:`lora_lab.lab.measure`) the whole interval must satisfy it (hit) or none of it (miss);
+- ``inconclusive``: the interval straddles the threshold — the runs cannot tell;
+- ``void``: it could not be graded, and ``why`` says so (not run, notebook failed or interrupted, run
+  unfinished, run with parameters other than the registered ones, metric missing or null, fewer than
+  five repetitions, value not a number);
 - ``superseded``: a later entry replaced it; shown, never graded.
 
-Hit rate = hits / (hits + misses). Brier score = mean over hits and misses of
-(confidence - outcome)^2 with outcome 1 for a hit and 0 for a miss (0 is perfect, 0.25 is what
-always saying 0.5 earns). A miss is a finding, not a failure: grading never fails a build on one.
+Hit rate = hits / (hits + misses). Brier score = mean over hits and misses of (confidence - outcome)^2
+with outcome 1 for a hit and 0 for a miss (0 is perfect, 0.25 is what always saying 0.5 earns);
+inconclusive outcomes count apart. Blind predictions (registered before any related result) and
+informed ones (``informed_by``) are scored separately as well as together. A miss is a finding, not a
+failure: grading never fails a build on one.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab.predictions import Prediction, format_number, load_predictions, superseded_ids
-from lora_lab.lab.recording import STATUS_COMPLETED, STATUS_FAILED, STATUS_RUNNING, find_repo_root
+from lora_lab.lab.measure import MIN_REPETITIONS
+from lora_lab.lab.predictions import Prediction, PredictionError, format_number, load_predictions, superseded_ids
+from lora_lab.lab.provenance import find_repo_root
+from lora_lab.lab.recording import STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 
 RUN_SUMMARY_NAME = "run_summary.json"
 SCOREBOARD_MD = "scoreboard.md"
 SCOREBOARD_PNG = "scoreboard.png"
-OUTCOMES = ("hit", "miss", "void", "superseded")
+OUTCOMES = ("hit", "miss", "inconclusive", "void", "superseded")
 
 
 @dataclass
@@ -44,6 +52,19 @@ class GradedRow:
     outcome: str
     why: str = ""
     registered: str = ""  # "<short commit> <date>" from git, "" if unknown
+    informed_by: str = ""
+    interval: tuple[float, float] | None = None  # 95% interval of a repeated measurement
+    repetitions: int | None = None
+
+    @property
+    def blind(self) -> bool:
+        return not self.informed_by
+
+    def measured_text(self) -> str:
+        text = format_value(self.value)
+        if self.interval is not None:
+            text += f" [{format_number(self.interval[0])}, {format_number(self.interval[1])}] (n={self.repetitions})"
+        return text
 
 
 @dataclass
@@ -52,32 +73,49 @@ class Scoreboard:
     rows: list[GradedRow] = field(default_factory=list)
     generated: str = ""
 
-    def count(self, outcome: str) -> int:
-        return sum(row.outcome == outcome for row in self.rows)
+    def count(self, outcome: str, rows: list[GradedRow] | None = None) -> int:
+        return sum(row.outcome == outcome for row in (self.rows if rows is None else rows))
 
     @property
     def graded(self) -> list[GradedRow]:
         return [row for row in self.rows if row.outcome in ("hit", "miss")]
 
-    @property
-    def hit_rate(self) -> float | None:
-        graded = self.graded
+    @staticmethod
+    def _hit_rate(graded: list[GradedRow]) -> float | None:
         return sum(row.outcome == "hit" for row in graded) / len(graded) if graded else None
 
-    @property
-    def brier(self) -> float | None:
-        graded = self.graded
+    @staticmethod
+    def _brier(graded: list[GradedRow]) -> float | None:
         if not graded:
             return None
         return sum((row.confidence - (1.0 if row.outcome == "hit" else 0.0)) ** 2 for row in graded) / len(graded)
 
+    @property
+    def hit_rate(self) -> float | None:
+        return self._hit_rate(self.graded)
+
+    @property
+    def brier(self) -> float | None:
+        return self._brier(self.graded)
+
+    def group_line(self, label: str, rows: list[GradedRow]) -> str:
+        graded = [row for row in rows if row.outcome in ("hit", "miss")]
+        rate, brier = self._hit_rate(graded), self._brier(graded)
+        rate_text = "n/a" if rate is None else f"{rate:.1%} ({self.count('hit', rows)}/{len(graded)})"
+        brier_text = "n/a" if brier is None else f"{brier:.4f}"
+        return (f"{label}: {self.count('hit', rows)} hit, {self.count('miss', rows)} miss, "
+                f"{self.count('inconclusive', rows)} inconclusive, {self.count('void', rows)} void; "
+                f"hit rate {rate_text}; Brier score {brier_text}")
+
     def summary_line(self) -> str:
-        rate = "n/a" if self.hit_rate is None else f"{self.hit_rate:.1%} ({self.count('hit')}/{len(self.graded)})"
-        brier = "n/a" if self.brier is None else f"{self.brier:.4f}"
-        return (
-            f"profile {self.profile}: {self.count('hit')} hit, {self.count('miss')} miss, {self.count('void')} void, "
-            f"{self.count('superseded')} superseded; hit rate {rate}; Brier score {brier}"
-        )
+        live = [row for row in self.rows if row.outcome != "superseded"]
+        return (self.group_line(f"profile {self.profile}", live)
+                + f"; {self.count('superseded')} superseded")
+
+    def split_lines(self) -> list[str]:
+        live = [row for row in self.rows if row.outcome != "superseded"]
+        return [self.group_line("blind", [row for row in live if row.blind]),
+                self.group_line("informed", [row for row in live if not row.blind])]
 
     def table_text(self, claim_width: int = 48) -> str:
         if not self.rows:
@@ -87,13 +125,15 @@ class Scoreboard:
         for row in self.rows:
             claim = row.claim if len(row.claim) <= claim_width else row.claim[: claim_width - 1] + "…"
             detail = claim + (f"  [{row.why}]" if row.why else "")
-            body.append((row.id, row.outcome.upper(), format_value(row.value), row.predicted, f"{row.confidence:.2f}", detail))
+            body.append((row.id, row.outcome.upper(), row.measured_text(), row.predicted, f"{row.confidence:.2f}",
+                         detail))
         widths = [max(len(str(line[column])) for line in [header, *body]) for column in range(len(header) - 1)]
 
         def render(line: tuple) -> str:
             return "  ".join(str(cell).ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1]
 
-        return "\n".join([render(header), render(tuple("-" * width for width in widths) + ("-" * 11,)), *map(render, body)])
+        rule = render(tuple("-" * width for width in widths) + ("-" * 11,))
+        return "\n".join([render(header), rule, *map(render, body)])
 
     def markdown(self) -> str:
         lines = [
@@ -103,11 +143,16 @@ class Scoreboard:
             "",
             f"**{self.summary_line()}**",
             "",
-            "Hit rate and Brier score count hits and misses only; void predictions say why they could not be graded; "
-            "superseded ones are shown, not graded.",
+            *[f"- {line}" for line in self.split_lines()],
             "",
-            "| id | notebook | claim | metric | value | predicted | confidence | outcome | why | registered |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "Hit rate and Brier score count hits and misses only. *Inconclusive*: the 95% interval of repeated "
+            "measurements straddles the threshold. Void predictions say why they could not be graded; superseded "
+            "ones are shown, not graded. *Informed*: registered after a related result was seen (what, in the "
+            "column).",
+            "",
+            "| id | notebook | claim | metric | measured | predicted | confidence | outcome | why | informed by "
+            "| registered |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in self.rows:
             cells = (
@@ -115,16 +160,17 @@ class Scoreboard:
                 row.notebook,
                 row.claim,
                 f"`{row.metric}`",
-                format_value(row.value),
+                row.measured_text(),
                 row.predicted,
                 f"{row.confidence:.2f}",
                 f"**{row.outcome}**",
                 row.why,
+                row.informed_by or "blind",
                 row.registered,
             )
             lines.append("| " + " | ".join(escape_cell(cell) for cell in cells) + " |")
         if not self.rows:
-            lines.append(f"| (no predictions apply to profile {self.profile}) | | | | | | | | | |")
+            lines.append(f"| (no predictions apply to profile {self.profile}) | | | | | | | | | | |")
         return "\n".join(lines) + "\n"
 
 
@@ -190,6 +236,8 @@ def why_void(
     if status == STATUS_FAILED:
         error = provenance.get("error") or summary_entry.get("error")
         return f"notebook failed: {describe_error(error)}".rstrip(": "), value
+    if status == STATUS_INTERRUPTED:
+        return "run interrupted before the end", value
     if status == STATUS_RUNNING:
         return "run unfinished: finish_run() was not called, or the kernel died", value
     if status != STATUS_COMPLETED:
@@ -198,12 +246,33 @@ def why_void(
         recorded = sorted(metrics) if isinstance(metrics, dict) else []
         shown = ", ".join(recorded[:6]) + (", …" if len(recorded) > 6 else "")
         return f"metric {prediction.metric!r} not recorded (recorded: {shown or 'nothing'})", None
+    overrides = provenance.get("parameter_overrides") or {}
+    if overrides:
+        shown = ", ".join(f"{name}={value!r}" for name, value in sorted(overrides.items()))
+        return f"run with parameters other than the registered ones ({shown})", value
     if value is None:
         note = (payload.get("notes") or {}).get(prediction.metric)
         return f"metric {prediction.metric!r} is null" + (f" ({note})" if note else ""), None
+    if is_repeated(value):
+        if value["n"] < MIN_REPETITIONS:
+            return (f"metric {prediction.metric!r} has {value['n']} repetition(s); a timing claim is graded on "
+                    f">= {MIN_REPETITIONS}"), value
+        return "", value
     if isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
         return "", value
     return f"metric {prediction.metric!r} is not a number: {format_value(value)}", value
+
+
+def is_repeated(value: Any) -> bool:
+    """A repeated measurement as :func:`lora_lab.lab.measure.summarize` writes it."""
+    return isinstance(value, dict) and {"median", "ci95", "n"} <= set(value)
+
+
+def outcome_of(prediction: Prediction, value: Any) -> str:
+    if is_repeated(value):
+        low, high = value["ci95"]
+        return prediction.outcome_for_interval(float(low), float(high))
+    return "hit" if prediction.holds_for(value) else "miss"
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,6 +292,38 @@ def registered_labels(predictions_path: Path) -> dict[str, str]:
         return {}
 
 
+def grade_row(prediction: Prediction, profile: str, metrics_file: Path, run_summary: dict[str, Any],
+              superseded_by: str | None = None, registered: str = "") -> GradedRow:
+    """One prediction graded against one metrics file."""
+    row = GradedRow(
+        id=prediction.id,
+        claim=prediction.claim,
+        notebook=prediction.notebook,
+        metric=prediction.metric,
+        value=None,
+        comparator=prediction.comparator,
+        threshold=prediction.threshold,
+        predicted=prediction.threshold_text(),
+        confidence=prediction.confidence,
+        outcome="void",
+        registered=registered,
+        informed_by=prediction.informed_by,
+    )
+    if superseded_by is not None:
+        row.outcome, row.why = "superseded", f"superseded by {superseded_by}"
+        return row
+    why, value = why_void(prediction, profile, metrics_file, run_summary)
+    if is_repeated(value):
+        row.value, row.interval, row.repetitions = value["median"], tuple(value["ci95"]), value["n"]
+    else:
+        row.value = value
+    if why:
+        row.why = why
+    else:
+        row.outcome = outcome_of(prediction, value)
+    return row
+
+
 def grade_predictions(
     predictions: list[Prediction], profile: str, profile_dir: Path | str, registered: dict[str, str] | None = None
 ) -> Scoreboard:
@@ -234,32 +335,29 @@ def grade_predictions(
     replaced_by = superseded_ids(predictions)
     board = Scoreboard(profile=profile, generated=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     for prediction in predictions:
-        if not prediction.applies_to(profile):
-            continue
-        row = GradedRow(
-            id=prediction.id,
-            claim=prediction.claim,
-            notebook=prediction.notebook,
-            metric=prediction.metric,
-            value=None,
-            comparator=prediction.comparator,
-            threshold=prediction.threshold,
-            predicted=prediction.threshold_text(),
-            confidence=prediction.confidence,
-            outcome="void",
-            registered=registered.get(prediction.id, ""),
-        )
-        if prediction.id in replaced_by:
-            row.outcome, row.why = "superseded", f"superseded by {replaced_by[prediction.id]}"
-        else:
-            why, value = why_void(prediction, profile, profile_dir / f"{prediction.notebook}.metrics.json", run_summary)
-            row.value = value
-            if why:
-                row.why = why
-            else:
-                row.outcome = "hit" if prediction.holds_for(value) else "miss"
-        board.rows.append(row)
+        if prediction.applies_to(profile):
+            board.rows.append(grade_row(prediction, profile, profile_dir / f"{prediction.notebook}.metrics.json",
+                                        run_summary, replaced_by.get(prediction.id),
+                                        registered.get(prediction.id, "")))
     return board
+
+
+def uncommitted_change(predictions_path: Path) -> str | None:
+    """Why ``predictions_path`` does not match the last commit (None when it does, or git cannot tell)."""
+    import subprocess
+
+    path = Path(predictions_path).resolve()
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--", path.name], cwd=path.parent,
+                                capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if status.returncode != 0:
+        return None  # not a repository: nothing to compare with
+    line = status.stdout.strip()
+    if not line:
+        return None
+    return "not committed yet" if line.startswith("??") else "changed since the last commit"
 
 
 def plot_scoreboard(board: Scoreboard, path: Path) -> Path:
@@ -269,8 +367,9 @@ def plot_scoreboard(board: Scoreboard, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"hit": "#2e7d32", "miss": "#c62828", "void": "#9e9e9e", "superseded": "#bdbdbd"}
-    figure, (counts_axis, calibration_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    colours = {"hit": "#2e7d32", "miss": "#c62828", "inconclusive": "#f9a825", "void": "#9e9e9e",
+               "superseded": "#bdbdbd"}
+    figure, (counts_axis, calibration_axis) = plt.subplots(1, 2, figsize=(11, 4))
     counts = [board.count(outcome) for outcome in OUTCOMES]
     counts_axis.bar(OUTCOMES, counts, color=[colours[outcome] for outcome in OUTCOMES])
     for position, count in enumerate(counts):
@@ -326,11 +425,23 @@ def grade(
     known_notebooks: set[str] | None = None,
     write: bool = True,
     echo: bool = True,
+    require_committed: bool = True,
 ) -> Scoreboard:
-    """Load and validate predictions, grade ``profile``, write scoreboard.md/.png, print the table."""
+    """Load and validate predictions, grade ``profile``, write scoreboard.md/.png, print the table.
+
+    Refuses (PredictionError) a predictions file with uncommitted changes: a prediction is registered by
+    committing it, and grading against an edit would grade what nobody registered.
+    """
     root = find_repo_root() or Path.cwd().resolve()
-    predictions_path = Path(predictions_path) if predictions_path is not None else root / "predictions" / "predictions.yaml"
+    predictions_path = (Path(predictions_path) if predictions_path is not None
+                        else root / "predictions" / "predictions.yaml")
     profile_dir = (Path(outputs_root) if outputs_root is not None else root / "outputs") / profile
+    if require_committed:
+        change = uncommitted_change(predictions_path)
+        if change is not None:
+            raise PredictionError(str(predictions_path), [
+                f"{change}: commit the predictions before grading (a prediction counts from the commit that "
+                "registers it)"])
     predictions = load_predictions(predictions_path, notebooks_dir=notebooks_dir, known=known_notebooks)
     board = grade_predictions(predictions, profile, profile_dir, registered_labels(predictions_path))
     if write:
@@ -339,6 +450,8 @@ def grade(
         print(board.table_text())
         print()
         print(board.summary_line())
+        for line in board.split_lines():
+            print("  " + line)
         if write:
             print(f"wrote {markdown_path} and {png_path}")
     return board

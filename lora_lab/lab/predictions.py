@@ -12,6 +12,7 @@ The file is an append-only YAML list. One entry::
       confidence: 0.9                  # probability of a hit, in [0, 1]
       rationale: "why"
       supersedes: p05-old-id           # optional: an id (or list of ids) defined earlier in the file
+      informed_by: "dev runs, ~4e-4"   # optional: the related result seen before registering (absent: blind)
 
 When an entry was registered (date and commit) is read from git (``lora_lab.lab.verify``), never
 typed. Validation collects every problem and names the entry (index, id, line) and the field.
@@ -22,9 +23,10 @@ from __future__ import annotations
 import math
 import operator
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import yaml
 
@@ -33,8 +35,10 @@ from lora_lab.lab.recording import PROFILES, find_repo_root
 DEFAULT_PREDICTIONS_PATH = Path("predictions") / "predictions.yaml"
 DEFAULT_NOTEBOOKS_DIR = Path("notebooks")
 
-REQUIRED_FIELDS = ("id", "notebook", "claim", "metric", "comparator", "threshold", "profiles", "confidence", "rationale")
-OPTIONAL_FIELDS = ("supersedes",)
+REQUIRED_FIELDS = (
+    "id", "notebook", "claim", "metric", "comparator", "threshold", "profiles", "confidence", "rationale",
+)
+OPTIONAL_FIELDS = ("supersedes", "informed_by")
 DERIVED_FIELDS = ("date", "registered", "commit", "registration_date", "registration_commit")
 
 COMPARATORS: dict[str, Callable[[float, Any], bool]] = {
@@ -82,7 +86,8 @@ def _construct_mapping_without_duplicates(loader: yaml.SafeLoader, node: yaml.Ma
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} appears twice in one entry (first on line {seen[key] + 1})", key_node.start_mark
+                None, None, f"key {key!r} appears twice in one entry (first on line {seen[key] + 1})",
+                key_node.start_mark,
             )
         seen[key] = key_node.start_mark.line
     return loader.construct_mapping(node, deep=deep)
@@ -141,15 +146,40 @@ class Prediction:
     confidence: float
     rationale: str
     supersedes: tuple[str, ...] = ()
+    informed_by: str = ""  # what related result was seen before registering it ("" = blind)
     index: int = 0  # position in the file, 0-based
     line: int | None = None
 
     def applies_to(self, profile: str) -> bool:
         return profile in self.profiles
 
+    @property
+    def blind(self) -> bool:
+        return not self.informed_by
+
     def holds_for(self, value: Any) -> bool:
         """True iff the recorded ``value`` satisfies ``value <comparator> threshold``."""
         return bool(COMPARATORS[self.comparator](value, self.threshold))
+
+    def outcome_for_interval(self, low: float, high: float) -> str:
+        """``hit`` if every value of [low, high] satisfies the claim, ``miss`` if none does, else ``inconclusive``.
+
+        Each comparator's set of satisfying values is an interval (a half-line, a range, a point), so checking
+        the two ends and the overlap decides it.
+        """
+        if self.comparator == "in_range":
+            lo, hi = self.threshold
+            if lo <= low and high <= hi:
+                return "hit"
+            return "miss" if high < lo or low > hi else "inconclusive"
+        if self.comparator == "==":
+            if low == high == self.threshold:
+                return "hit"
+            return "inconclusive" if low <= self.threshold <= high else "miss"
+        at_low, at_high = self.holds_for(low), self.holds_for(high)
+        if at_low and at_high:
+            return "hit"
+        return "miss" if not (at_low or at_high) else "inconclusive"
 
     def threshold_text(self) -> str:
         if self.comparator == "in_range":
@@ -198,7 +228,7 @@ def validate_entries(
             where = f"entry #{index + 1} id {entry_id!r}" + (f" (line {line})" if line else "")
         before = len(problems)
 
-        def problem(field: str, message: str) -> None:
+        def problem(field: str, message: str, where: str = where) -> None:
             problems.append(f"{where}: field '{field}': {message}")
 
         for field in entry:
@@ -212,16 +242,19 @@ def validate_entries(
 
         if "id" in entry:
             if not isinstance(entry_id, str) or not ID_PATTERN.match(entry_id):
-                problem("id", f"must be a word of letters, digits, '.', '_' or '-' (e.g. p05-fused-fwd); got {_describe(entry_id)}")
+                problem("id", "must be a word of letters, digits, '.', '_' or '-' (e.g. p05-fused-fwd); "
+                        f"got {_describe(entry_id)}")
             elif entry_id in first_index_of_id:
-                problem("id", f"duplicate id {entry_id!r}: already used by entry #{first_index_of_id[entry_id] + 1} (ids are never reused)")
+                problem("id", f"duplicate id {entry_id!r}: already used by entry #{first_index_of_id[entry_id] + 1} "
+                        "(ids are never reused)")
             else:
                 first_index_of_id[entry_id] = index
 
         notebook = entry.get("notebook")
         if "notebook" in entry:
             if not isinstance(notebook, str) or not notebook:
-                problem("notebook", f"must be a notebook stem such as '05_fused_lora_kernels'; got {_describe(notebook)}")
+                problem("notebook", "must be a notebook stem such as '05_fused_lora_kernels'; "
+                        f"got {_describe(notebook)}")
             elif notebook not in known:
                 listing = ", ".join(sorted(known)) if known else "none: there are no notebooks yet"
                 problem("notebook", f"unknown notebook {notebook!r} (known: {listing})")
@@ -239,7 +272,8 @@ def validate_entries(
         threshold = entry.get("threshold")
         if "threshold" in entry and comparator_ok:
             if comparator == "in_range":
-                if not (isinstance(threshold, list) and len(threshold) == 2 and all(_is_number(bound) for bound in threshold)):
+                if not (isinstance(threshold, list) and len(threshold) == 2
+                        and all(_is_number(bound) for bound in threshold)):
                     problem("threshold", f"in_range needs [lo, hi] with two finite numbers; got {_describe(threshold)}")
                 elif threshold[0] > threshold[1]:
                     problem("threshold", f"in_range needs lo <= hi; got [{threshold[0]}, {threshold[1]}]")
@@ -251,12 +285,14 @@ def validate_entries(
                     hint = " (a [lo, hi] pair goes with comparator in_range)"
                 elif isinstance(threshold, str):
                     hint = " (write numbers without quotes)"
-                problem("threshold", f"comparator {comparator!r} needs one finite number; got {_describe(threshold)}{hint}")
+                problem("threshold",
+                        f"comparator {comparator!r} needs one finite number; got {_describe(threshold)}{hint}")
 
         profiles = entry.get("profiles")
         if "profiles" in entry:
             if not isinstance(profiles, list) or not profiles:
-                problem("profiles", f"must be a non-empty list, a subset of [{', '.join(PROFILES)}]; got {_describe(profiles)}")
+                problem("profiles", f"must be a non-empty list, a subset of [{', '.join(PROFILES)}]; "
+                        f"got {_describe(profiles)}")
             else:
                 unknown = [item for item in profiles if item not in PROFILES]
                 if unknown:
@@ -268,11 +304,17 @@ def validate_entries(
         if "confidence" in entry and not (_is_number(confidence) and 0.0 <= confidence <= 1.0):
             problem("confidence", f"must be a probability between 0 and 1; got {_describe(confidence)}")
 
+        informed_by = entry.get("informed_by")
+        if "informed_by" in entry and (not isinstance(informed_by, str) or not informed_by.strip()):
+            problem("informed_by", "must be text saying what was seen before registering, e.g. "
+                    f"'development interpreter runs, ~4e-4'; got {_describe(informed_by)}")
+
         supersedes = entry.get("supersedes")
         superseded: list[str] = []
         if supersedes is not None:
             superseded = [supersedes] if isinstance(supersedes, str) else supersedes
-            if not isinstance(superseded, list) or not superseded or not all(isinstance(item, str) for item in superseded):
+            if (not isinstance(superseded, list) or not superseded
+                    or not all(isinstance(item, str) for item in superseded)):
                 problem("supersedes", f"must be an id or a list of ids; got {_describe(supersedes)}")
                 superseded = []
             for old_id in superseded:
@@ -298,6 +340,7 @@ def validate_entries(
                     confidence=float(confidence),
                     rationale=entry["rationale"].strip(),
                     supersedes=tuple(superseded),
+                    informed_by=(informed_by or "").strip() if isinstance(informed_by, str) else "",
                     index=index,
                     line=line,
                 )

@@ -1,33 +1,47 @@
-"""Publish executed notebooks: copy ``outputs/<profile>/NN_*.ipynb`` over ``notebooks/NN_*.ipynb``.
+"""Publish a run: copy what ``lora-lab run`` wrote (scratch, ``build/runs/<profile>/``) into the committed
+``outputs/<profile>/`` and, for the gpu profile, the executed notebooks into ``notebooks/``.
 
-The published notebook keeps every cell's source, outputs and execution count from the run;
-it loses what papermill added (the injected-parameters cell, error banners, papermill and
-timing metadata), so that its parameters cell still reads ``PROFILE = "auto"`` and nbval can
-re-execute it on the CPU. Publishing refuses a notebook whose run failed, and one whose source
-changed since the run (its outputs would no longer belong to its code).
+Every check happens first, on the files themselves (not on a summary another run may have left), and a
+single problem publishes nothing:
+
+* the executed notebook ran to the end: every code cell has an execution count and no error output;
+* its metrics file says ``completed``, was written by the runner with the registered parameters (no
+  overrides), and its **code hash** and **notebook hash** equal those of the working tree — the published
+  outputs belong to the code published with them.
+
+The published notebook keeps every cell's source, outputs and execution count; it loses what papermill
+added (the injected-parameters cell, error banners, papermill and timing metadata), so that its parameters
+cell still reads ``PROFILE = "auto"`` and nbval can re-execute it. A notebook's files in the run folder are
+its executed notebook, its metrics and every file or folder whose name starts with its number (``05_*``).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab.runner import INJECTED_TAG, NOTEBOOK_NAME, PAPERMILL_ERROR_TAG, KERNEL_NAME, read_notebook
+from lora_lab.lab.notebooks import NOTEBOOK_NAME
+from lora_lab.lab.provenance import code_hash, notebook_hash
+from lora_lab.lab.recording import STATUS_COMPLETED, read_metrics, write_json_atomically
+from lora_lab.lab.runner import INJECTED_TAG, KERNEL_NAME, PAPERMILL_ERROR_TAG, RUN_SUMMARY_NAME, read_notebook
 
 PAPERMILL_CELL_METADATA = ("papermill", "execution")
 
 
 class PublishError(ValueError):
-    """A notebook cannot be published; the message says which and why."""
+    """A run cannot be published; the message says which notebook and why."""
 
 
 @dataclass
 class Published:
     notebook: str
     source: Path
-    destination: Path
+    destination: Path  # the notebook's folder in outputs/<profile>/
+    notebook_destination: Path | None  # notebooks/<stem>.ipynb when published there
 
 
 def _tags(cell: Any) -> list[str]:
@@ -51,62 +65,118 @@ def strip_papermill(executed: Any) -> Any:
     return notebook
 
 
-def run_failed(executed: Any) -> bool:
+def incomplete_reason(executed: Any) -> str | None:
+    """Why an executed notebook is not a complete run (None when it is)."""
     if executed.metadata.get("papermill", {}).get("exception"):
-        return True
-    for cell in executed.cells:
+        return "the run raised an exception"
+    code_cells = [cell for cell in executed.cells if cell.cell_type == "code" and INJECTED_TAG not in _tags(cell)]
+    for index, cell in enumerate(executed.cells):
         if PAPERMILL_ERROR_TAG in _tags(cell):
-            return True
+            return "the run failed (papermill's error banner is in it)"
         if any(output.get("output_type") == "error" for output in cell.get("outputs", [])):
-            return True
-    return False
+            return f"cell {index} ended in an error"
+    unexecuted = [cell for cell in code_cells if cell.get("execution_count") is None]
+    if unexecuted:
+        return (f"{len(unexecuted)} of {len(code_cells)} code cells never ran (interrupted?), the first: "
+                f"{unexecuted[0].source.splitlines()[0][:80] if unexecuted[0].source else '(empty)'!r}")
+    return None
 
 
 def sources(notebook: Any) -> list[tuple[str, str]]:
     return [(cell.cell_type, cell.source) for cell in notebook.cells]
 
 
+def notebook_files(run_dir: Path, stem: str) -> list[Path]:
+    """The executed notebook, the metrics and every ``NN_*`` artifact of notebook ``stem`` in ``run_dir``."""
+    number = stem[:2]
+    return sorted(path for path in run_dir.iterdir() if path.name.startswith(f"{number}_"))
+
+
+def check_run(executed_path: Path, notebooks_dir: Path, current_code: str) -> list[str]:
+    stem = executed_path.stem
+    problems = []
+    source_path = notebooks_dir / executed_path.name
+    if not source_path.is_file():
+        return [f"{stem}: there is no {source_path} to publish over"]
+    try:
+        executed = read_notebook(executed_path)
+    except Exception as error:  # noqa: BLE001 - a half-written notebook is reported, not raised
+        return [f"{stem}: the executed notebook cannot be read ({error})"]
+    why = incomplete_reason(executed)
+    if why:
+        problems.append(f"{stem}: not a complete run: {why}")
+    metrics_file = executed_path.with_name(f"{stem}.metrics.json")
+    if not metrics_file.is_file():
+        return problems + [f"{stem}: no {metrics_file.name} next to the executed notebook"]
+    provenance = read_metrics(metrics_file).get("provenance") or {}
+    if provenance.get("status") != STATUS_COMPLETED:
+        problems.append(f"{stem}: its metrics say {provenance.get('status')!r}, not 'completed'")
+    if not provenance.get("runner"):
+        problems.append(f"{stem}: not run by `lora-lab run` (a scratch run cannot be published)")
+    if provenance.get("parameter_overrides"):
+        problems.append(f"{stem}: run with overridden parameters {provenance['parameter_overrides']}; publish a run "
+                        "with the registered ones")
+    if provenance.get("code_hash") != current_code:
+        problems.append(f"{stem}: run by other code (code hash {str(provenance.get('code_hash'))[:12]}, working tree "
+                        f"{current_code[:12]}): run it again")
+    if provenance.get("notebook_hash") != notebook_hash(source_path):
+        problems.append(f"{stem}: {source_path.name} changed since the run (cell sources differ): run it again")
+    elif sources(strip_papermill(executed)) != sources(read_notebook(source_path)):
+        problems.append(f"{stem}: the executed notebook's cells differ from {source_path.name}")
+    return problems
+
+
 def publish(
     profile: str,
+    runs_root: Path | str,
     outputs_root: Path | str,
     notebooks_dir: Path | str,
     only: list[str] | None = None,
-    force: bool = False,
+    to_notebooks: bool | None = None,
 ) -> list[Published]:
-    """Copy the executed notebooks of ``profile`` into ``notebooks_dir``; all checks happen first."""
+    """Copy ``<runs_root>/<profile>``'s notebooks into ``<outputs_root>/<profile>`` (and, by default for the gpu
+    profile, into ``notebooks_dir``); every check happens first."""
     import nbformat
 
     from lora_lab.lab.runner import select_notebooks
 
-    profile_dir = Path(outputs_root) / profile
+    run_dir = Path(runs_root) / profile
+    out_dir = Path(outputs_root) / profile
     notebooks_dir = Path(notebooks_dir)
-    executed_paths = sorted(path for path in profile_dir.glob("*.ipynb") if NOTEBOOK_NAME.match(path.name))
+    to_notebooks = (profile == "gpu") if to_notebooks is None else to_notebooks
+    if not run_dir.is_dir():
+        raise PublishError(f"no run folder {run_dir}: run `lora-lab run --profile {profile}` first")
+    executed_paths = sorted(path for path in run_dir.glob("*.ipynb") if NOTEBOOK_NAME.match(path.name))
     if not executed_paths:
-        raise PublishError(f"no executed NN_*.ipynb notebooks in {profile_dir}: run `lora-lab run --profile {profile}` first")
+        raise PublishError(f"no executed NN_*.ipynb notebooks in {run_dir}: "
+                           f"run `lora-lab run --profile {profile}` first")
     executed_paths = select_notebooks(executed_paths, only)
-    problems: list[str] = []
-    plan: list[tuple[Path, Path, Any]] = []
-    for executed_path in executed_paths:
-        destination = notebooks_dir / executed_path.name
-        executed = read_notebook(executed_path)
-        if run_failed(executed):
-            problems.append(f"{executed_path}: the run failed; fix it and run again before publishing")
-            continue
-        if not destination.is_file():
-            problems.append(f"{executed_path.name}: there is no {destination} to publish over")
-            continue
-        published = strip_papermill(executed)
-        if not force and sources(published) != sources(read_notebook(destination)):
-            problems.append(
-                f"{destination} changed since the {profile} run (cell sources differ): run it again "
-                "(or pass --force to publish the old run's code and outputs)"
-            )
-            continue
-        plan.append((executed_path, destination, published))
+    current_code = code_hash()
+    problems = [problem for path in executed_paths for problem in check_run(path, notebooks_dir, current_code)]
     if problems:
         raise PublishError("nothing published:\n  - " + "\n  - ".join(problems))
+
     done = []
-    for executed_path, destination, published in plan:
-        nbformat.write(published, str(destination))
-        done.append(Published(executed_path.stem, executed_path, destination))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary_in = json.loads((run_dir / RUN_SUMMARY_NAME).read_text()) if (run_dir / RUN_SUMMARY_NAME).is_file() else {}
+    summary_path = out_dir / RUN_SUMMARY_NAME
+    summary_out = json.loads(summary_path.read_text()) if summary_path.is_file() else {"notebooks": {}}
+    for executed_path in executed_paths:
+        stem = executed_path.stem
+        for old in notebook_files(out_dir, stem):  # the previous publication's files of this notebook
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+        for item in notebook_files(run_dir, stem):
+            target = out_dir / item.name
+            shutil.copytree(item, target) if item.is_dir() else shutil.copy2(item, target)
+        entry = (summary_in.get("notebooks") or {}).get(stem)
+        if entry is not None:
+            summary_out.setdefault("notebooks", {})[stem] = entry
+        notebook_destination = None
+        if to_notebooks:
+            notebook_destination = notebooks_dir / executed_path.name
+            nbformat.write(strip_papermill(read_notebook(executed_path)), str(notebook_destination))
+        done.append(Published(stem, executed_path, out_dir, notebook_destination))
+    summary_out["profile"] = profile
+    summary_out["notebooks"] = dict(sorted(summary_out.get("notebooks", {}).items()))
+    write_json_atomically(summary_path, summary_out)
     return done

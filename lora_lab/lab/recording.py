@@ -1,23 +1,29 @@
-"""Recording what a notebook run measured, with enough provenance to trust it later.
+"""Recording what a notebook run measured, with enough provenance to tie it to the code that measured it.
 
 A notebook calls, in this order::
 
-    profile = lora_lab.resolve_profile(PROFILE)          # "auto" -> "gpu" iff CUDA is present
-    lora_lab.start_run("05_fused_lora_kernels", profile=profile, parameters={...})
-    lora_lab.record("fwd_cosine_bf16", cosine)           # or lora_lab.record({"a": 1, "b": 2})
+    run = lora_lab.start_run("05_fused_lora_kernels", PROFILE)   # profile, output folder, parameters
+    lora_lab.record("fwd_cosine_bf16", cosine)                   # or lora_lab.record({"a": 1, "b": 2})
+    lora_lab.record("time_vs_base", summarize(samples))          # a repeated measurement: median + interval
     lora_lab.finish_run()
+    lora_lab.show_verdicts()                                      # this notebook's predictions, graded
 
-and the run lands in ``<output dir>/<notebook>.metrics.json``::
+and the run lands in ``<output folder>/<notebook>.metrics.json``::
 
     {"notebook", "profile", "parameters", "metrics": {...}, "notes": {...},
-     "provenance": {"device", "versions", "git_commit", "git_dirty", "started", "finished", "status"}}
+     "provenance": {"device", "versions", "code_hash", "notebook_hash", "git_commit", "git_dirty",
+                    "parameter_overrides", "runner", "started", "finished", "status"}}
 
-The file is rewritten (atomically: temp file + rename) at every ``record`` so that the values
-measured before a crash survive it. The output directory is ``$LORA_LAB_OUTPUT_DIR`` when set
-(the batch runner sets it), else ``<repo>/outputs/<profile>/``.
+**Where the run goes.** Under ``lora-lab run`` the runner hands the notebook one context (the environment
+variable ``LORA_LAB_RUN``): its profile, its output folder and its parameters. Run any other way (Jupyter,
+``papermill``, ``pytest --nbval``), results go to a scratch folder, ``<repo>/build/scratch/<profile>/``: the
+committed ``outputs/`` only ever receive what ``lora-lab publish`` copies there after its checks.
 
-Nothing here imports torch unless it has to (``resolve_profile("auto")``, a gpu device name,
-``environment_report``), so recording stays cheap in small notebooks and tests.
+**Parameters** are read from the notebook's own ``parameters`` cell (names) and the caller's namespace
+(values), so a notebook never lists them twice; values that differ from the cell's literals are recorded as
+``parameter_overrides`` and such a run is not graded against the registered predictions.
+
+The file is rewritten atomically at every ``record`` so the values measured before a crash survive it.
 """
 
 from __future__ import annotations
@@ -26,22 +32,24 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
-import subprocess
+import sys
 import tempfile
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from lora_lab.lab.notebooks import NotebookError, declared_parameters
+from lora_lab.lab.provenance import cpu_name, find_repo_root, package_versions, provenance
+
 PROFILES = ("cpu", "gpu")
 PROFILE_CHOICES = ("auto",) + PROFILES
-OUTPUT_DIR_ENV = "LORA_LAB_OUTPUT_DIR"
-NOTEBOOK_ENV = "LORA_LAB_NOTEBOOK"  # set by the runner: the stem of the notebook it executes
-VERSIONED_PACKAGES = ("torch", "triton", "transformers", "peft")
+RUN_CONTEXT_ENV = "LORA_LAB_RUN"  # set by the runner for the notebook's kernel: JSON, see RunContext
+SCRATCH_DIR = Path("build") / "scratch"
 
 STATUS_RUNNING = "running"
 STATUS_COMPLETED = "completed"
 STATUS_FAILED = "failed"
+STATUS_INTERRUPTED = "interrupted"
+STATUSES = (STATUS_RUNNING, STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED)
 
 
 # --------------------------------------------------------------------------------------------
@@ -74,96 +82,40 @@ def resolve_profile(profile: str = "auto") -> str:
     return name
 
 
-def find_repo_root(start: Path | None = None) -> Path | None:
-    """The nearest directory at or above ``start`` (default: cwd) holding pyproject.toml and lora_lab/."""
-    here = Path(start or Path.cwd()).resolve()
-    for candidate in (here, *here.parents):
-        if (candidate / "pyproject.toml").is_file() and (candidate / "lora_lab").is_dir():
-            return candidate
-    return None
-
-
-def default_output_dir(profile: str) -> Path:
-    """``$LORA_LAB_OUTPUT_DIR`` if set, else ``<repo>/outputs/<profile>`` (fallback ``cwd/outputs/<profile>``)."""
-    from_env = os.environ.get(OUTPUT_DIR_ENV)
-    if from_env:
-        return Path(from_env).expanduser().resolve()
-    root = find_repo_root() or Path.cwd().resolve()
-    return root / "outputs" / profile
+def scratch_dir(profile: str) -> Path:
+    """Where a run outside the runner writes: ``<repo>/build/scratch/<profile>`` (or a temporary folder)."""
+    root = find_repo_root()
+    base = root / SCRATCH_DIR if root is not None else Path(tempfile.gettempdir()) / "lora_lab_scratch"
+    return base / profile
 
 
 def metrics_path(output_directory: Path | str, notebook: str) -> Path:
     return Path(output_directory) / f"{notebook}.metrics.json"
 
 
-# --------------------------------------------------------------------------------------------
-# Provenance
-# --------------------------------------------------------------------------------------------
+def run_context() -> dict[str, Any] | None:
+    """The runner's context for this process (``$LORA_LAB_RUN``), or None outside the runner."""
+    text = os.environ.get(RUN_CONTEXT_ENV)
+    if not text:
+        return None
+    try:
+        context = json.loads(text)
+    except ValueError:
+        raise RuntimeError(f"${RUN_CONTEXT_ENV} is not JSON: {text[:200]!r}") from None
+    missing = {"notebook", "profile", "output_dir", "parameters"} - set(context)
+    if missing:
+        raise RuntimeError(f"${RUN_CONTEXT_ENV} lacks {sorted(missing)}")
+    return context
 
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def package_versions() -> dict[str, str | None]:
-    """Installed versions of python and the packages results depend on (None if absent)."""
-    versions: dict[str, str | None] = {"python": platform.python_version()}
-    for name in VERSIONED_PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def cpu_name() -> str:
-    """The CPU model as the OS names it, with the number of cores torch/numpy may use."""
-    model = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.lower().startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    model = model or platform.processor() or platform.machine() or "unknown CPU"
-    return f"{model} ({os.cpu_count()} cores)"
-
-
-def device_name(profile: str) -> str:
-    if profile == "gpu":
-        import torch
-
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(torch.cuda.current_device())
-        return "no CUDA device"
-    return cpu_name()
-
-
-def _git(args: list[str], cwd: Path) -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=20, check=False
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def git_state(start: Path | None = None) -> dict[str, Any]:
-    """``{"git_commit": sha or None, "git_dirty": bool or None}`` of the repo around ``start`` (default:
-    cwd), else of the repo holding this package (the code that produced the results)."""
-    root = find_repo_root(start) or find_repo_root(Path(__file__).parent) or Path(start or Path.cwd())
-    commit = _git(["rev-parse", "HEAD"], root)
-    if commit is None:
-        return {"git_commit": None, "git_dirty": None}
-    porcelain = _git(["status", "--porcelain", "--untracked-files=no"], root)
-    return {"git_commit": commit, "git_dirty": bool(porcelain) if porcelain is not None else None}
-
-
 def environment_report() -> dict[str, Any]:
     """Print and return python/torch/triton/transformers/peft versions and the device."""
+    import platform
+
     import torch
 
     report: dict[str, Any] = dict(package_versions())
@@ -252,13 +204,14 @@ def _check_key(key: Any) -> str:
 
 
 def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
-    """Write ``payload`` to ``path`` so that readers see the old or the new file, never half of one."""
+    """Write ``payload`` to ``path`` (mode 0644) so that readers see the old or the new file, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
             json.dump(payload, handle, indent=2, allow_nan=False)
             handle.write("\n")
+        os.chmod(temporary, 0o644)
         os.replace(temporary, path)
     except BaseException:
         try:
@@ -271,7 +224,8 @@ def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
 class Run:
     """One notebook run being recorded: what ``start_run`` returns."""
 
-    def __init__(self, notebook: str, profile: str, parameters: dict[str, Any], directory: Path):
+    def __init__(self, notebook: str, profile: str, parameters: dict[str, Any], directory: Path,
+                 overrides: dict[str, Any] | None = None, runner: bool = False, notebook_path: Path | None = None):
         self.notebook = notebook
         self.profile = profile
         self.directory = directory
@@ -282,13 +236,18 @@ class Run:
         }
         self.metrics: dict[str, Any] = {}
         self.provenance: dict[str, Any] = {
-            "device": device_name(profile),
-            "versions": package_versions(),
-            **git_state(),
+            **provenance(profile, notebook_path),
+            "parameter_overrides": {k: to_json_value(v, f"override {k}") for k, v in (overrides or {}).items()},
+            "runner": runner,
             "started": _now(),
             "finished": None,
             "status": STATUS_RUNNING,
         }
+
+    @property
+    def device(self) -> str:
+        """The torch device this profile computes on: ``"cuda"`` or ``"cpu"``."""
+        return "cuda" if self.profile == "gpu" else "cpu"
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -309,27 +268,75 @@ class Run:
 
 
 _current: Run | None = None
+_last_finished: Run | None = None
 
 
-def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, Any] | None = None) -> Run:
-    """Begin recording for ``notebook_stem`` (e.g. ``"05_fused_lora_kernels"``); writes the file at once.
-
-    Starting again replaces the previous run of this process (re-running a notebook top to bottom).
-    """
-    global _current
+def _check_stem(notebook_stem: Any) -> str:
     if not isinstance(notebook_stem, str) or not notebook_stem or any(sep in notebook_stem for sep in "/\\"):
         raise ValueError(f"notebook_stem must be a file stem like '05_fused_lora_kernels'; got {notebook_stem!r}")
     if notebook_stem.endswith(".ipynb"):
         raise ValueError(f"notebook_stem is the name without '.ipynb'; got {notebook_stem!r}")
-    expected = os.environ.get(NOTEBOOK_ENV)
-    if expected and expected != notebook_stem:
-        raise ValueError(
-            f"start_run({notebook_stem!r}) inside notebook {expected!r}: the stem must match the "
-            "notebook's file name, or its metrics cannot be found"
-        )
-    parameters = dict(parameters or {})
-    resolved = resolve_profile(profile)
-    run = Run(notebook_stem, resolved, parameters, default_output_dir(resolved))
+    return notebook_stem
+
+
+def _parameters_from_notebook(notebook_path: Path | None, namespace: dict[str, Any] | None):
+    """(values, overrides) of the notebook's declared parameters, read from ``namespace``."""
+    if notebook_path is None or not notebook_path.is_file() or namespace is None:
+        return {}, {}
+    try:
+        declared = declared_parameters(notebook_path)
+    except NotebookError:
+        return {}, {}
+    values, overrides = {}, {}
+    for name, default in declared.items():
+        if name in namespace:
+            values[name] = namespace[name]
+            if name != "PROFILE" and namespace[name] != default:
+                overrides[name] = namespace[name]
+    return values, overrides
+
+
+def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, Any] | None = None, *,
+              namespace: dict[str, Any] | None = None, output_directory: Path | str | None = None) -> Run:
+    """Begin recording for ``notebook_stem`` (e.g. ``"05_fused_lora_kernels"``); writes the file at once.
+
+    Under ``lora-lab run`` the profile, output folder and parameters come from the runner (and ``profile`` must
+    agree with it). Otherwise ``profile`` is resolved here, results go to :func:`scratch_dir` (or
+    ``output_directory``), and the parameters are the names of the notebook's parameters cell with their
+    values in ``namespace`` (default: the caller's globals, i.e. the notebook's). ``parameters`` gives them
+    explicitly instead (scripts, tests). Starting again replaces the previous run of this process.
+    """
+    global _current
+    _check_stem(notebook_stem)
+    context = run_context()
+    root = find_repo_root()
+    notebook_path = root / "notebooks" / f"{notebook_stem}.ipynb" if root is not None else None
+    overrides: dict[str, Any] = {}
+    if context is not None:
+        if context["notebook"] != notebook_stem:
+            raise ValueError(
+                f"start_run({notebook_stem!r}) inside notebook {context['notebook']!r}: the stem must match the "
+                "notebook's file name, or its metrics cannot be found"
+            )
+        asked = resolve_profile(profile) if profile != "auto" else context["profile"]
+        if asked != context["profile"]:
+            raise ValueError(f"start_run(profile={profile!r}) but the runner runs profile {context['profile']!r}")
+        resolved, directory = context["profile"], Path(context["output_dir"])
+        values = dict(context["parameters"])
+        overrides = dict(context.get("overrides") or {})
+        if context.get("notebook_path"):
+            notebook_path = Path(context["notebook_path"])
+    else:
+        resolved = resolve_profile(profile)
+        directory = Path(output_directory) if output_directory is not None else scratch_dir(resolved)
+        if parameters is not None:
+            values = dict(parameters)
+        else:
+            if namespace is None:
+                namespace = sys._getframe(1).f_globals  # the notebook's namespace when called from a cell
+            values, overrides = _parameters_from_notebook(notebook_path, namespace)
+    run = Run(notebook_stem, resolved, values, directory.resolve(), overrides=overrides, runner=context is not None,
+              notebook_path=notebook_path)
     run.save()
     _current = run
     return run
@@ -337,17 +344,18 @@ def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, A
 
 def current_run() -> Run:
     if _current is None:
-        raise RuntimeError("no run in progress: call lora_lab.start_run(notebook_stem, profile=...) first")
+        raise RuntimeError("no run in progress: call lora_lab.start_run(notebook_stem, PROFILE) first")
     return _current
 
 
 _NO_VALUE = object()
 
 
-def record(key: str | dict[str, Any], value: Any = _NO_VALUE) -> None:
+def record(key: str | dict[str, Any], value: Any = _NO_VALUE, *, overwrite: bool = False) -> None:
     """Store one metric (``record("loss", 0.1)``) or several (``record({"a": 1, "b": 2})``).
 
-    The metrics file is rewritten at once. Recording a key again replaces its value.
+    The metrics file is rewritten at once. Recording a key twice is an error (two cells measuring the same
+    thing) unless ``overwrite=True``.
     """
     run = current_run()
     if isinstance(key, dict):
@@ -360,6 +368,10 @@ def record(key: str | dict[str, Any], value: Any = _NO_VALUE) -> None:
         items = [(key, value)]
     notes: dict[str, str] = {}
     converted = {_check_key(name): to_json_value(item, name, notes) for name, item in items}
+    again = sorted(name for name in converted if name in run.metrics)
+    if again and not overwrite:
+        raise RecordingError(f"metric(s) {', '.join(map(repr, again))} already recorded in this run; "
+                             "pass overwrite=True to replace")
     for name in converted:
         run.notes.pop(name, None)
     run.metrics.update(converted)
@@ -369,26 +381,34 @@ def record(key: str | dict[str, Any], value: Any = _NO_VALUE) -> None:
 
 def finish_run(status: str = STATUS_COMPLETED) -> Path:
     """Close the current run (status ``completed`` unless told otherwise) and return the metrics path."""
-    global _current
+    global _current, _last_finished
     if status not in (STATUS_COMPLETED, STATUS_FAILED):
         raise ValueError(f"status must be {STATUS_COMPLETED!r} or {STATUS_FAILED!r}; got {status!r}")
     run = current_run()
     run.provenance["finished"] = _now()
     run.provenance["status"] = status
     path = run.save()
-    _current = None
+    _current, _last_finished = None, run
     return path
+
+
+def last_run() -> Run:
+    """The run in progress, else the one finished last in this process."""
+    run = _current or _last_finished
+    if run is None:
+        raise RuntimeError("no run in this process: call lora_lab.start_run(...) first")
+    return run
 
 
 def output_dir(profile: str | None = None) -> Path:
     """Where the current run saves plots and tables (created if missing).
 
-    Without a run in progress: the directory a run on ``profile`` (default ``auto``) would use.
+    Without a run in progress: the scratch folder a run on ``profile`` (default ``auto``) would use.
     """
     if _current is not None and profile in (None, _current.profile):
         directory = _current.directory
     else:
-        directory = default_output_dir(resolve_profile(profile or "auto"))
+        directory = scratch_dir(resolve_profile(profile or "auto"))
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 
@@ -398,19 +418,22 @@ def read_metrics(path: Path | str) -> dict[str, Any]:
         return json.load(handle)
 
 
-def mark_run_failed(path: Path | str, error: dict[str, Any]) -> bool:
-    """Mark a metrics file written by a notebook that later failed; keep what it recorded.
+def mark_run_ended(path: Path | str, status: str, error: dict[str, Any] | None = None) -> bool:
+    """Mark a metrics file whose notebook failed or was interrupted; keep what it recorded.
 
-    Returns False if there is no such file (the notebook failed before ``start_run``).
+    Returns False if there is no such file (the notebook stopped before ``start_run``).
     """
+    if status not in (STATUS_FAILED, STATUS_INTERRUPTED):
+        raise ValueError(f"status must be {STATUS_FAILED!r} or {STATUS_INTERRUPTED!r}; got {status!r}")
     path = Path(path)
     if not path.is_file():
         return False
     payload = read_metrics(path)
-    provenance = payload.setdefault("provenance", {})
-    provenance["status"] = STATUS_FAILED
-    provenance["finished"] = provenance.get("finished") or _now()
-    provenance["error"] = error
+    prov = payload.setdefault("provenance", {})
+    prov["status"] = status
+    prov["finished"] = prov.get("finished") or _now()
+    if error is not None:
+        prov["error"] = error
     write_json_atomically(path, payload)
     return True
 
@@ -422,10 +445,13 @@ __all__ = [
     "current_run",
     "environment_report",
     "finish_run",
-    "mark_run_failed",
+    "last_run",
+    "mark_run_ended",
     "output_dir",
     "read_metrics",
     "record",
     "resolve_profile",
+    "run_context",
+    "scratch_dir",
     "start_run",
 ]

@@ -2,21 +2,22 @@
 
 For each selected ``notebooks/NN_name.ipynb`` the runner
 
-- validates every ``-p NAME VALUE`` against the notebook's ``parameters`` cell *before anything
-  runs* (unknown name, or a value whose type does not fit the default -> error);
-- passes ``PROFILE=<resolved profile>`` plus the parameters that notebook declares;
-- sets ``LORA_LAB_OUTPUT_DIR=<outputs>/<profile>`` and ``LORA_LAB_NOTEBOOK=<stem>`` for the
-  kernel, so the metrics land in ``<outputs>/<profile>/<stem>.metrics.json``; on the ``cpu``
-  profile it also sets ``TRITON_INTERPRET=1`` unless already set (Triton kernels run in its
-  interpreter there); ``MPLBACKEND=Agg`` is not passed on, so figures stay in the notebook;
-- removes the notebook's previous metrics file (stale results must not be graded), executes it
-  into ``<outputs>/<profile>/<stem>.ipynb`` with kernel ``python3``;
-- on failure reports the notebook, the failing cell (index in the source notebook, counting
-  from 0) and the exception, marks its metrics file ``failed`` if it had started recording,
-  and goes on with the next notebook.
+- validates every ``-p NAME VALUE`` against the notebook's ``parameters`` cell *before anything runs*
+  (unknown name, or a value whose type does not fit the default -> error);
+- hands the notebook's kernel **one context** (the environment variable ``LORA_LAB_RUN``, JSON): the
+  notebook's stem, the resolved profile, the output folder and the effective parameters, with the ones
+  that differ from the parameters cell marked as overrides; papermill injects only those overrides;
+- on the ``cpu`` profile starts the kernel with ``TRITON_INTERPRET=1`` (Triton's CPU interpreter must be on
+  before Triton is imported); ``MPLBACKEND=Agg`` is not passed on, so figures stay in the notebook;
+- removes the notebook's previous metrics file (stale results must not be graded), executes it into
+  ``<outputs>/<profile>/<stem>.ipynb``;
+- on failure reports the notebook, the failing cell (index in the source notebook, counting from 0) and
+  the exception, marks its metrics ``failed``, and goes on with the next notebook; on Ctrl-C marks the one
+  running ``interrupted``, says so in one line and stops.
 
-``<outputs>/<profile>/run_summary.json`` keeps one entry per notebook (entries of notebooks not
-run this time are kept). The exit code is non-zero if any notebook failed.
+The default output root is ``build/runs`` (scratch, ignored by git): ``lora-lab publish`` is the only way
+results reach the committed ``outputs/`` and ``notebooks/``. ``<outputs>/<profile>/run_summary.json``
+keeps one entry per notebook (entries of notebooks not run this time are kept).
 """
 
 from __future__ import annotations
@@ -25,29 +26,44 @@ import ast
 import datetime as _dt
 import json
 import os
-import re
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from lora_lab.lab.notebooks import NOTEBOOK_NAME, NotebookError, discover_notebooks
+from lora_lab.lab.notebooks import declared_parameters as _declared_parameters
 from lora_lab.lab.recording import (
-    NOTEBOOK_ENV,
-    OUTPUT_DIR_ENV,
-    mark_run_failed,
+    RUN_CONTEXT_ENV,
+    STATUS_FAILED,
+    STATUS_INTERRUPTED,
+    mark_run_ended,
     metrics_path,
     read_metrics,
     resolve_profile,
     write_json_atomically,
 )
 
-NOTEBOOK_NAME = re.compile(r"^(\d\d)_[A-Za-z0-9_\-]+\.ipynb$")
+__all__ = [
+    "DEFAULT_RUNS_DIR",
+    "NOTEBOOK_NAME",
+    "RunnerError",
+    "declared_parameters",
+    "discover_notebooks",
+    "parse_only",
+    "parse_value",
+    "plan_parameters",
+    "run",
+    "select_notebooks",
+]
+
+DEFAULT_RUNS_DIR = Path("build") / "runs"
 KERNEL_NAME = "python3"
 RUN_SUMMARY_NAME = "run_summary.json"
 INJECTED_TAG = "injected-parameters"
 PAPERMILL_ERROR_TAG = "papermill-error-cell-tag"
+EXIT_INTERRUPTED = 130
 
 
 class RunnerError(ValueError):
@@ -55,22 +71,24 @@ class RunnerError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Finding notebooks and their parameters
+# Selecting notebooks and planning their parameters
 # --------------------------------------------------------------------------------------------
 
 
-def discover_notebooks(notebooks_dir: Path | str) -> list[Path]:
-    """``NN_*.ipynb`` files of ``notebooks_dir``, sorted by name."""
-    directory = Path(notebooks_dir)
-    if not directory.is_dir():
-        raise RunnerError(f"notebooks directory {directory} does not exist")
-    return sorted(path for path in directory.iterdir() if NOTEBOOK_NAME.match(path.name))
+def declared_parameters(path: Path) -> dict[str, Any]:
+    """``{name: literal default}`` of the notebook's parameters cell (a RunnerError if it breaks the contract)."""
+    try:
+        return _declared_parameters(path)
+    except NotebookError as error:
+        raise RunnerError(str(error)) from None
 
 
 def select_notebooks(notebooks: list[Path], only: list[str] | None) -> list[Path]:
-    """Keep the notebooks named in ``only`` by number prefix (``03``, ``3``) or stem."""
-    if not only:
+    """Keep the notebooks named in ``only`` by number prefix (``03``, ``3``) or stem; None keeps all."""
+    if only is None:
         return list(notebooks)
+    if not only:
+        raise RunnerError("--only names no notebook (give numbers or stems, e.g. --only 01,03)")
     selected: list[Path] = []
     for wanted in only:
         wanted = wanted.strip()
@@ -89,50 +107,13 @@ def select_notebooks(notebooks: list[Path], only: list[str] | None) -> list[Path
 
 
 def parse_only(text: str | None) -> list[str] | None:
-    if not text:
+    """``"01,03"`` -> ``["01", "03"]``; None -> None (all); an empty selection is an error."""
+    if text is None:
         return None
-    return [item for item in (part.strip() for part in text.split(",")) if item]
-
-
-def read_notebook(path: Path) -> Any:
-    import nbformat
-
-    return nbformat.read(str(path), as_version=4)
-
-
-def parameters_cell_index(notebook: Any) -> int | None:
-    for index, cell in enumerate(notebook.cells):
-        if "parameters" in (cell.get("metadata", {}).get("tags") or []):
-            return index
-    return None
-
-
-def declared_parameters(path: Path) -> dict[str, Any]:
-    """``{name: default}`` of the cell tagged ``parameters`` (literal defaults; others: None)."""
-    notebook = read_notebook(path)
-    index = parameters_cell_index(notebook)
-    if index is None:
-        raise RunnerError(f"{path.name}: no cell is tagged 'parameters' (the notebook contract requires one, with PROFILE)")
-    source = notebook.cells[index].source
-    try:
-        tree = ast.parse(source)
-    except SyntaxError as error:
-        raise RunnerError(f"{path.name}: the parameters cell is not valid Python: {error}") from None
-    declared: dict[str, Any] = {}
-    for statement in tree.body:
-        targets: list[ast.expr] = []
-        value_node = None
-        if isinstance(statement, ast.Assign):
-            targets, value_node = statement.targets, statement.value
-        elif isinstance(statement, ast.AnnAssign) and statement.value is not None:
-            targets, value_node = [statement.target], statement.value
-        for target in targets:
-            if isinstance(target, ast.Name):
-                try:
-                    declared[target.id] = ast.literal_eval(value_node)
-                except ValueError:
-                    declared[target.id] = None
-    return declared
+    items = [item for item in (part.strip() for part in text.split(",")) if item]
+    if not items:
+        raise RunnerError(f"--only {text!r} names no notebook (give numbers or stems, e.g. --only 01,03)")
+    return items
 
 
 def parse_value(text: str) -> Any:
@@ -157,10 +138,15 @@ def fits_default(value: Any, default: Any) -> bool:
     return isinstance(value, type(default))
 
 
-def plan_parameters(
-    notebooks: list[Path], overrides: dict[str, Any], profile: str
-) -> dict[Path, dict[str, Any]]:
-    """Parameters for each notebook; raises RunnerError (all problems at once) before anything runs.
+@dataclass
+class NotebookPlan:
+    path: Path
+    parameters: dict[str, Any]  # every declared parameter with its effective value (PROFILE: the profile)
+    overrides: dict[str, Any]  # the ones given with -p that differ from the parameters cell
+
+
+def plan_parameters(notebooks: list[Path], overrides: dict[str, Any], profile: str) -> dict[Path, NotebookPlan]:
+    """Each notebook's parameters; raises RunnerError (all problems at once) before anything runs.
 
     A name must be declared by at least one selected notebook; it is passed to those that declare it.
     """
@@ -194,10 +180,13 @@ def plan_parameters(
                 )
     if problems:
         raise RunnerError("; ".join(problems) if len(problems) == 1 else "\n  - " + "\n  - ".join(problems))
-    return {
-        path: {"PROFILE": profile, **{name: value for name, value in overrides.items() if name in names}}
-        for path, names in declared.items()
-    }
+    plans = {}
+    for path, names in declared.items():
+        given = {name: value for name, value in overrides.items() if name in names}
+        effective = {**names, **given, "PROFILE": profile}
+        changed = {name: value for name, value in given.items() if value != names[name]}
+        plans[path] = NotebookPlan(path, effective, changed)
+    return plans
 
 
 # --------------------------------------------------------------------------------------------
@@ -208,11 +197,12 @@ def plan_parameters(
 @dataclass
 class NotebookResult:
     notebook: str
-    status: str  # "ok" | "failed"
+    status: str  # "ok" | "failed" | "interrupted"
     seconds: float
     started: str
     finished: str
     parameters: dict[str, Any]
+    overrides: dict[str, Any]
     executed_notebook: str
     metrics_file: str | None
     error: dict[str, Any] | None = None
@@ -232,23 +222,24 @@ class NotebookResult:
         return f"{where}: {self.error.get('ename')}: {evalue[0] if evalue else ''}".rstrip(": ")
 
 
-@contextmanager
-def kernel_environment(values: dict[str, str], defaults: dict[str, str], unset: tuple[str, ...] = ()) -> Iterator[None]:
-    """Set (or unset) environment variables the kernel inherits; restore them afterwards."""
-    saved = {name: os.environ.get(name) for name in (*values, *defaults, *unset)}
-    for name in unset:
-        os.environ.pop(name, None)
-    os.environ.update(values)
-    for name, value in defaults.items():
-        os.environ.setdefault(name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), log_path: Path | None = None):
+    """A jupyter kernel manager class whose kernels start with ``extra_env`` on top of this process's
+    environment (``unset`` removed) — the runner's context reaches the notebook without touching os.environ. The
+    kernel process's own stderr (its log lines, its tracebacks at shutdown) goes to ``log_path`` when given."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class ContextKernelManager(AsyncKernelManager):
+        async def _async_pre_start_kernel(self, **kw):
+            env = dict(kw.get("env") or os.environ)
+            for name in unset:
+                env.pop(name, None)
+            env.update(extra_env)
+            kw["env"] = env
+            if log_path is not None:
+                kw["stderr"] = open(log_path, "w", encoding="utf-8")  # the kernel process owns it from here
+            return await super()._async_pre_start_kernel(**kw)
+
+    return ContextKernelManager
 
 
 def failing_cell_index(cells: list) -> int | None:
@@ -267,6 +258,12 @@ def failing_cell_index(cells: list) -> int | None:
     return started[-1] if started else None
 
 
+def read_notebook(path: Path) -> Any:
+    import nbformat
+
+    return nbformat.read(str(path), as_version=4)
+
+
 def failure_details(error: BaseException, executed_path: Path) -> dict[str, Any]:
     """Failing cell (index in the *source* notebook), exec count, exception name and message."""
     details: dict[str, Any] = {
@@ -277,13 +274,13 @@ def failure_details(error: BaseException, executed_path: Path) -> dict[str, Any]
         "cell_source_first_line": None,
     }
     executed_index = getattr(error, "cell_index", None)
-    executed = None
     try:
         executed = read_notebook(executed_path)
-    except Exception:  # noqa: BLE001 - the output may be missing or half written
+    except Exception:  # noqa: BLE001 - the output may be missing or half written: report without it
         executed = None
     if executed is not None:
-        cells = [cell for cell in executed.cells if PAPERMILL_ERROR_TAG not in (cell.get("metadata", {}).get("tags") or [])]
+        tags = [cell.get("metadata", {}).get("tags") or [] for cell in executed.cells]
+        cells = [cell for cell, cell_tags in zip(executed.cells, tags) if PAPERMILL_ERROR_TAG not in cell_tags]
         if executed_index is None:
             executed_index = failing_cell_index(cells)
         if executed_index is not None and executed_index < len(cells):
@@ -308,9 +305,12 @@ def progress_disabled(explicit: bool | None = None) -> bool:
     return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
 def run_notebook(
-    path: Path,
-    parameters: dict[str, Any],
+    plan: NotebookPlan,
     profile: str,
     output_dir: Path,
     cell_timeout: float | None = None,
@@ -318,58 +318,66 @@ def run_notebook(
 ) -> NotebookResult:
     import papermill
 
+    path = plan.path
     stem = path.stem
     executed_path = output_dir / f"{stem}.ipynb"
     metrics_file = metrics_path(output_dir, stem)
     metrics_file.unlink(missing_ok=True)
     started_clock = time.monotonic()
     started = _now()
-    error_details = None
-    environment = {OUTPUT_DIR_ENV: str(output_dir), NOTEBOOK_ENV: stem}
-    defaults = {"TRITON_INTERPRET": "1"} if profile == "cpu" else {}
+    context = {"notebook": stem, "profile": profile, "output_dir": str(output_dir), "notebook_path": str(path),
+               "parameters": plan.parameters, "overrides": plan.overrides}
+    env = {RUN_CONTEXT_ENV: json.dumps(context)}
+    if profile == "cpu":
+        env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET") or "1"
     # MPLBACKEND=Agg (set for headless CI) would keep every figure out of the executed notebook;
     # without it ipykernel uses the inline backend.
     unset = ("MPLBACKEND",) if os.environ.get("MPLBACKEND", "").lower() == "agg" else ()
-    with kernel_environment(environment, defaults, unset):
-        try:
-            papermill.execute_notebook(
-                str(path),
-                str(executed_path),
-                parameters=parameters,
-                kernel_name=KERNEL_NAME,
-                progress_bar={"leave": False, "position": 1, "desc": stem} if show_cell_progress else False,
-                log_output=False,
-                cwd=str(path.parent),
-                execution_timeout=cell_timeout,
-            )
-        except Exception as error:  # noqa: BLE001 - any failure is reported, the batch goes on
-            error_details = failure_details(error, executed_path)
+    status, error_details = "ok", None
+    try:
+        papermill.execute_notebook(
+            str(path),
+            str(executed_path),
+            parameters=plan.overrides,
+            kernel_name=KERNEL_NAME,
+            progress_bar={"leave": False, "position": 1, "desc": stem} if show_cell_progress else False,
+            log_output=False,
+            cwd=str(path.parent),
+            execution_timeout=cell_timeout,
+            kernel_manager_class=kernel_manager_with(env, unset, output_dir / f".{stem}.kernel.log"),
+        )
+    except KeyboardInterrupt:
+        status = "interrupted"
+        error_details = {"ename": "KeyboardInterrupt", "evalue": "interrupted (Ctrl-C) while running",
+                         "cell_index": None, "exec_count": None, "cell_source_first_line": None}
+    except Exception as error:  # noqa: BLE001 - any failure of one notebook is reported; the batch goes on
+        error_details = failure_details(error, executed_path)
+        # Ctrl-C reaches the kernel too: the cell running then ends in KeyboardInterrupt
+        status = "interrupted" if error_details["ename"] == "KeyboardInterrupt" else "failed"
     finished = _now()
     warnings: list[str] = []
-    if error_details is not None:
-        mark_run_failed(metrics_file, error_details)
+    if status != "ok":
+        mark_run_ended(metrics_file, STATUS_INTERRUPTED if status == "interrupted" else STATUS_FAILED, error_details)
     elif not metrics_file.is_file():
         warnings.append(f"no {metrics_file.name}: the notebook never called lora_lab.start_run({stem!r}, ...)")
     else:
-        status = read_metrics(metrics_file).get("provenance", {}).get("status")
-        if status != "completed":
-            warnings.append(f"{metrics_file.name} has status {status!r}: the notebook did not call lora_lab.finish_run()")
+        recorded = read_metrics(metrics_file).get("provenance", {}).get("status")
+        if recorded != "completed":
+            warnings.append(f"{metrics_file.name} has status {recorded!r}: "
+                            "the notebook did not call lora_lab.finish_run()")
     return NotebookResult(
         notebook=stem,
-        status="failed" if error_details else "ok",
+        status=status,
         seconds=round(time.monotonic() - started_clock, 2),
         started=started,
         finished=finished,
-        parameters=parameters,
+        parameters=plan.parameters,
+        overrides=plan.overrides,
         executed_notebook=str(executed_path),
         metrics_file=str(metrics_file) if metrics_file.is_file() else None,
         error=error_details,
         warnings=warnings or None,
     )
-
-
-def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def update_run_summary(output_dir: Path, profile: str, results: list[NotebookResult]) -> Path:
@@ -394,24 +402,29 @@ def run(
     only: list[str] | None = None,
     overrides: dict[str, Any] | None = None,
     notebooks_dir: Path | str = "notebooks",
-    outputs_root: Path | str = "outputs",
+    outputs_root: Path | str = DEFAULT_RUNS_DIR,
     cell_timeout: float | None = None,
     disable_progress: bool | None = None,
     stream=None,
 ) -> int:
-    """Run the selected notebooks; print a report; return 0 if all succeeded, 1 otherwise.
+    """Run the selected notebooks; print a report; return 0 if all succeeded, 1 if one failed, 130 on Ctrl-C.
 
     Selection and parameter problems raise RunnerError before anything runs.
     """
     from tqdm.auto import tqdm
 
     stream = stream or sys.stdout
+    if cell_timeout is not None and not cell_timeout > 0:
+        raise RunnerError(f"--cell-timeout must be a positive number of seconds; got {cell_timeout}")
     resolved = resolve_profile(profile)
-    notebooks = select_notebooks(discover_notebooks(notebooks_dir), only)
+    try:
+        notebooks = select_notebooks(discover_notebooks(notebooks_dir), only)
+    except NotebookError as error:
+        raise RunnerError(str(error)) from None
     if not notebooks:
         print(f"no NN_*.ipynb notebooks in {notebooks_dir}: nothing to run", file=stream)
         return 0
-    plan = plan_parameters(notebooks, dict(overrides or {}), resolved)
+    plans = plan_parameters(notebooks, dict(overrides or {}), resolved)
     output_dir = Path(outputs_root).resolve() / resolved
     output_dir.mkdir(parents=True, exist_ok=True)
     disabled = progress_disabled(disable_progress)
@@ -420,11 +433,16 @@ def run(
     bar = tqdm(notebooks, desc="notebooks", unit="nb", disable=disabled, file=sys.stderr)
     for path in bar:
         bar.set_postfix_str(path.stem)
-        result = run_notebook(path.resolve(), plan[path], resolved, output_dir, cell_timeout, show_cell_progress=not disabled)
+        result = run_notebook(plans[path], resolved, output_dir, cell_timeout, show_cell_progress=not disabled)
         results.append(result)
         update_run_summary(output_dir, resolved, results)
         if result.status == "failed":
             tqdm.write(f"FAILED {path.name}: {result.error_text()}", file=stream)
+        if result.status == "interrupted":
+            bar.close()
+            print(f"interrupted: {path.name} stopped after {result.seconds:.0f} s and is recorded as interrupted; "
+                  f"the notebooks after it did not run", file=stream)
+            return EXIT_INTERRUPTED
     bar.close()
     summary_path = update_run_summary(output_dir, resolved, results)
 
@@ -434,12 +452,15 @@ def run(
         line = f"  {result.notebook:<{width}}  {result.status.upper():<6}  {result.seconds:8.1f} s"
         if result.error:
             line += f"  {result.error_text()}"
+        if result.overrides:
+            line += "  (parameters overridden: " + ", ".join(f"{k}={v!r}" for k, v in result.overrides.items()) + ")"
         print(line, file=stream)
         for warning in result.warnings or []:
             print(f"  {'':<{width}}  warning: {warning}", file=stream)
     failed = [result for result in results if result.status == "failed"]
     print(
-        f"{len(results) - len(failed)} ok, {len(failed)} failed; executed notebooks, metrics and {summary_path.name} in {output_dir}",
+        f"{len(results) - len(failed)} ok, {len(failed)} failed; "
+        f"executed notebooks, metrics and {summary_path.name} in {output_dir}",
         file=stream,
     )
     return 1 if failed else 0

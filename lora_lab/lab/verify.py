@@ -1,6 +1,6 @@
 """Check from git history that the pre-registration was honest.
 
-Two invariants:
+Three invariants:
 
 1. **Append-only.** For every commit C that touched ``predictions/predictions.yaml`` and every
    parent P of C: each id in the file at P is in the file at C, unchanged (compared as parsed
@@ -10,6 +10,10 @@ Two invariants:
    the profile and is not superseded) and whose metric appears in a committed
    ``outputs/<profile>/<notebook>.metrics.json``: the commit that first added the prediction must
    be a strict ancestor of the first commit whose metrics file holds that metric.
+
+3. **Results tie to code.** Every committed ``outputs/<profile>/*.metrics.json`` that names the commit it ran
+   (``git_commit``) and carries a ``code_hash`` must have been run by exactly the package committed there:
+   the hash recomputed from that commit's ``lora_lab/`` equals the recorded one.
 
 A prediction's registration date and commit (shown on the scoreboard) are the first commit,
 in topological order, whose predictions file holds its id. The predictions file is followed
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH, PredictionError, parse_predictions_yaml
+from lora_lab.lab.provenance import code_hash_at
 
 DEFAULT_OUTPUTS = Path("outputs")
 
@@ -72,7 +77,8 @@ def commits_touching(repo: Path, relative_path: str) -> list[Commit]:
     """Commits of HEAD's history that changed ``relative_path``, oldest first (topological)."""
     if not has_commits(repo):
         return []
-    done = git(repo, "log", "--full-history", "--topo-order", "--reverse", "--format=%H %cI", "HEAD", "--", relative_path)
+    done = git(repo, "log", "--full-history", "--topo-order", "--reverse", "--format=%H %cI", "HEAD", "--",
+               relative_path)
     commits = []
     for line in done.stdout.splitlines():
         sha, _, date = line.partition(" ")
@@ -150,6 +156,7 @@ class VerifyReport:
     notes: list[str] = field(default_factory=list)
     checked_ids: int = 0
     checked_grades: int = 0
+    checked_runs: int = 0
 
     @property
     def ok(self) -> bool:
@@ -158,10 +165,12 @@ class VerifyReport:
     def text(self) -> str:
         lines = [f"note: {note}" for note in self.notes]
         lines += [f"VIOLATION: {violation}" for violation in self.violations]
-        verdict = "OK" if self.ok else f"FAILED ({len(self.violations)} violation{'s' if len(self.violations) != 1 else ''})"
+        plural = "s" if len(self.violations) != 1 else ""
+        verdict = "OK" if self.ok else f"FAILED ({len(self.violations)} violation{plural})"
         lines.append(
             f"verify {verdict}: {self.checked_ids} registered prediction(s) checked append-only, "
-            f"{self.checked_grades} graded metric(s) checked predicted-before-measured"
+            f"{self.checked_grades} graded metric(s) checked predicted-before-measured, "
+            f"{self.checked_runs} published run(s) tied to their commit's code"
         )
         return "\n".join(lines)
 
@@ -233,7 +242,8 @@ def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -
                 report.violations.append(f"prediction {entry_id!r} is removed in the working tree (uncommitted)")
             elif working[entry_id] != entry:
                 report.violations.append(
-                    f"prediction {entry_id!r} is edited in the working tree (uncommitted): {describe_edit(entry, working[entry_id])}"
+                    f"prediction {entry_id!r} is edited in the working tree (uncommitted): "
+                    f"{describe_edit(entry, working[entry_id])}"
                 )
 
 
@@ -268,7 +278,8 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
         old = entry.get("supersedes")
         superseded.update([old] if isinstance(old, str) else old if isinstance(old, list) else [])
     registered = registrations(repo, predictions_path)
-    listing = git(repo, "ls-tree", "-d", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() if has_commits(repo) else []
+    listing = git(repo, "ls-tree", "-d", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
+        if has_commits(repo) else []
     profiles = sorted(Path(item).name for item in listing)
     cache: dict = {}
     for profile in profiles:
@@ -299,6 +310,33 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
                 )
 
 
+def check_results_tie_to_code(repo: Path, outputs: str, report: VerifyReport) -> None:
+    listing = git(repo, "ls-tree", "-r", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
+        if has_commits(repo) else []
+    hashes: dict[str, str | None] = {}
+    for path in sorted(item for item in listing if item.endswith(".metrics.json")):
+        try:
+            provenance = json.loads(file_at(repo, "HEAD", path) or "{}").get("provenance") or {}
+        except ValueError:
+            report.violations.append(f"{path}: not valid JSON")
+            continue
+        commit, recorded = provenance.get("git_commit"), provenance.get("code_hash")
+        if not commit or not recorded:
+            report.notes.append(f"{path}: no {'code hash' if commit else 'commit'} recorded; not tied to code")
+            continue
+        if commit not in hashes:
+            hashes[commit] = code_hash_at(repo, commit)
+        if hashes[commit] is None:
+            report.violations.append(f"{path}: names commit {commit[:10]}, which this repository does not have")
+        elif hashes[commit] != recorded:
+            report.violations.append(
+                f"{path}: run by code that differs from commit {commit[:10]} (code hash {recorded[:12]}, the commit's "
+                f"{hashes[commit][:12]}): publish runs of committed code only"
+            )
+        else:
+            report.checked_runs += 1
+
+
 def verify(
     repo: Path | str = ".",
     predictions_path: str = str(DEFAULT_PREDICTIONS_PATH),
@@ -307,10 +345,12 @@ def verify(
     """Run both checks on the repository containing ``repo``; paths are relative to its root."""
     root = repository_root(repo)
     if is_shallow(root):
-        raise GitError("this is a shallow clone: verify needs the full history (git fetch --unshallow, or fetch-depth: 0 in CI)")
+        raise GitError("this is a shallow clone: verify needs the full history "
+                       "(git fetch --unshallow, or fetch-depth: 0 in CI)")
     report = VerifyReport()
     if not has_commits(root):
         report.notes.append("the repository has no commits yet: nothing is registered")
     check_append_only(root, predictions_path, report)
     check_predicted_before_measured(root, predictions_path, outputs.rstrip("/"), report)
+    check_results_tie_to_code(root, outputs.rstrip("/"), report)
     return report

@@ -1,4 +1,4 @@
-"""lora_lab.grading: hit / miss / void / superseded, hit rate, Brier score, the scoreboard files."""
+"""lora_lab.lab.grading: hit / miss / inconclusive / void / superseded, hit rate, Brier score, blind vs informed."""
 import json
 from pathlib import Path
 
@@ -40,8 +40,8 @@ EXPECTED_CPU_BRIER = (
 @pytest.fixture
 def profile_dir(tmp_path, monkeypatch):
     directory = tmp_path / "outputs" / "cpu"
-    monkeypatch.setenv(recording.OUTPUT_DIR_ENV, str(directory))
-    monkeypatch.delenv(recording.NOTEBOOK_ENV, raising=False)
+    monkeypatch.setattr(recording, "scratch_dir", lambda profile: directory)
+    monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
     monkeypatch.setattr(recording, "_current", None)
     return directory
 
@@ -51,10 +51,10 @@ def record_like_the_fixtures(directory: Path) -> None:
     recording.start_run("01_records_metrics", profile="cpu", parameters={"SCALE": 2, "LABEL": "base"})
     recording.record({"answer": 42, "ratio": 0.5, "exact": True, "label": "base", "pair": [1.5, 2.5]})
     recording.finish_run()
-    recording.start_run("02_fails_at_known_cell", profile="cpu")
+    recording.start_run("02_fails_at_known_cell", profile="cpu", parameters={})
     recording.record("before_failure", 1.0)
-    recording.mark_run_failed(
-        directory / "02_fails_at_known_cell.metrics.json",
+    recording.mark_run_ended(
+        directory / "02_fails_at_known_cell.metrics.json", "failed",
         {"cell_index": 4, "ename": "ValueError", "evalue": "deliberate failure in cell 4"},
     )
     recording._current = None
@@ -108,10 +108,10 @@ def test_nothing_run_means_every_prediction_is_void_not_run(tmp_path):
 
 
 def test_void_reasons(profile_dir):
-    recording.start_run("01_records_metrics", profile="cpu")
+    recording.start_run("01_records_metrics", profile="cpu", parameters={})
     recording.record({"answer": float("nan")})  # stored as null with a note
     recording.finish_run()
-    recording.start_run("03_records_after_failure", profile="cpu")
+    recording.start_run("03_records_after_failure", profile="cpu", parameters={})
     recording.record("total", 6)  # finish_run never called
     recording._current = None
     summary = {"notebooks": {"02_fails_at_known_cell": {"status": "failed", "error": {
@@ -119,7 +119,8 @@ def test_void_reasons(profile_dir):
     (profile_dir / "run_summary.json").write_text(json.dumps(summary))
     rows = {row.id: row for row in grade_predictions(fixture_predictions(), "cpu", profile_dir).rows}
     assert rows["p01-answer-lt"].outcome == "void"
-    assert rows["p01-answer-lt"].why.startswith("metric 'answer' is null (non-finite value(s) stored as null: answer=nan")
+    assert rows["p01-answer-lt"].why.startswith(
+        "metric 'answer' is null (non-finite value(s) stored as null: answer=nan")
     assert rows["p03-total-in-range"].why == "run unfinished: finish_run() was not called, or the kernel died"
     assert rows["p02-before-failure"].why == (
         "notebook failed before recording: ModuleNotFoundError: No module named 'x' (cell 2)"
@@ -137,16 +138,18 @@ def test_metrics_of_another_profile_are_not_graded(profile_dir):
 
 def test_grade_writes_scoreboard_and_prints_the_table(profile_dir, capsys):
     record_like_the_fixtures(profile_dir)
-    board = grade("cpu", predictions_path=EVERY_COMPARATOR, outputs_root=profile_dir.parent, notebooks_dir=FIXTURE_NOTEBOOKS)
+    board = grade("cpu", predictions_path=EVERY_COMPARATOR, outputs_root=profile_dir.parent,
+                  notebooks_dir=FIXTURE_NOTEBOOKS)
     printed = capsys.readouterr().out
-    assert "profile cpu: 7 hit, 3 miss, 3 void, 1 superseded; hit rate 70.0% (7/10)" in printed
+    assert "profile cpu: 7 hit, 3 miss, 0 inconclusive, 3 void; hit rate 70.0% (7/10)" in printed
+    assert "; 1 superseded" in printed and "blind: 7 hit, 3 miss" in printed
     assert f"Brier score {EXPECTED_CPU_BRIER:.4f}" in printed
     assert "p03-total-gt-miss" in printed and "MISS" in printed
     markdown = (profile_dir / "scoreboard.md").read_text()
     for row in board.rows:
         assert f"| `{row.id}` |" in markdown
     assert "p01-gpu-only" not in markdown
-    assert "| **superseded** | superseded by p01-new |" in markdown
+    assert "| **superseded** | superseded by p01-new | blind |" in markdown
     png = (profile_dir / "scoreboard.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
@@ -156,7 +159,8 @@ def test_grade_command_exits_zero_with_misses_and_two_on_bad_predictions(profile
     common = ["--profile", "cpu", "--outputs-dir", str(profile_dir.parent), "--notebooks-dir", str(FIXTURE_NOTEBOOKS)]
     assert main(["grade", "--predictions", str(EVERY_COMPARATOR), *common]) == 0
     bad = tmp_path / "bad.yaml"
-    bad.write_text(EVERY_COMPARATOR.read_text().replace("notebook: 03_records_after_failure", "notebook: 07_missing", 1))
+    bad.write_text(EVERY_COMPARATOR.read_text().replace("notebook: 03_records_after_failure",
+                                                        "notebook: 07_missing", 1))
     assert main(["grade", "--predictions", str(bad), *common]) == 2
     assert "unknown notebook '07_missing'" in capsys.readouterr().err
 
@@ -170,3 +174,101 @@ def test_grade_command_grades_the_gpu_profile_without_a_gpu(tmp_path, monkeypatc
     common = ["--outputs-dir", str(tmp_path), "--notebooks-dir", str(FIXTURE_NOTEBOOKS), "--no-write"]
     assert main(["grade", "--profile", "gpu", "--predictions", str(EVERY_COMPARATOR), *common]) == 0
     assert "profile gpu:" in capsys.readouterr().out
+
+
+def _write_metrics(directory: Path, notebook: str, metrics: dict, **provenance) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = {"notebook": notebook, "profile": "cpu", "parameters": {}, "metrics": metrics, "notes": {},
+               "provenance": {"status": "completed", **provenance}}
+    (directory / f"{notebook}.metrics.json").write_text(json.dumps(payload))
+
+
+def _prediction(comparator, threshold, informed_by=""):
+    from lora_lab.lab.predictions import Prediction
+
+    return Prediction(id="p", notebook="01_records_metrics", claim="c", metric="answer", comparator=comparator,
+                      threshold=threshold, profiles=("cpu",), confidence=0.5, rationale="r", informed_by=informed_by)
+
+
+@pytest.mark.parametrize("comparator, threshold, interval, outcome", [
+    (">=", 1.3, (1.31, 1.40), "hit"),
+    (">=", 1.3, (1.25, 1.35), "inconclusive"),  # the interval straddles the threshold: the runs cannot tell
+    (">=", 1.3, (1.10, 1.29), "miss"),
+    ("<=", 1.15, (1.12, 1.16), "inconclusive"),
+    ("<", 2.0, (2.0, 2.1), "miss"),
+    ("in_range", (1.4, 1.9), (1.5, 1.6), "hit"),
+    ("in_range", (1.4, 1.9), (1.8, 2.0), "inconclusive"),
+    ("in_range", (1.4, 1.9), (2.3, 2.5), "miss"),
+    ("==", 1.0, (1.0, 1.0), "hit"),
+])
+def test_repeated_measurements_grade_by_their_interval(tmp_path, comparator, threshold, interval, outcome):
+    from lora_lab.lab.grading import grade_row
+
+    low, high = interval
+    value = {"median": (low + high) / 2, "ci95": [low, high], "n": 5, "samples": [low, high, low, high, low]}
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": value})
+    row = grade_row(_prediction(comparator, threshold), "cpu", tmp_path / "01_records_metrics.metrics.json", {})
+    assert row.outcome == outcome
+    assert row.interval == (low, high) and row.repetitions == 5 and row.value == value["median"]
+
+
+def test_too_few_repetitions_are_void_and_summarize_builds_the_form(tmp_path):
+    from lora_lab.lab.grading import grade_row
+    from lora_lab.lab.measure import summarize
+
+    value = summarize([1.0, 1.1, 0.9])
+    assert value["n"] == 3 and value["median"] == 1.0 and value["ci95"][0] <= 1.0 <= value["ci95"][1]
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": value})
+    row = grade_row(_prediction(">=", 0.5), "cpu", tmp_path / "01_records_metrics.metrics.json", {})
+    assert row.outcome == "void" and "3 repetition(s)" in row.why
+
+
+def test_overridden_parameters_and_interrupted_runs_are_void(tmp_path):
+    from lora_lab.lab.grading import grade_row
+
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 42}, parameter_overrides={"SCALE": 5})
+    row = grade_row(_prediction("<", 50), "cpu", tmp_path / "01_records_metrics.metrics.json", {})
+    assert row.outcome == "void" and row.why == "run with parameters other than the registered ones (SCALE=5)"
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 42})
+    payload = json.loads((tmp_path / "01_records_metrics.metrics.json").read_text())
+    payload["provenance"]["status"] = "interrupted"
+    (tmp_path / "01_records_metrics.metrics.json").write_text(json.dumps(payload))
+    row = grade_row(_prediction("<", 50), "cpu", tmp_path / "01_records_metrics.metrics.json", {})
+    assert row.outcome == "void" and row.why == "run interrupted before the end"
+
+
+def test_blind_and_informed_are_scored_apart(tmp_path):
+    from lora_lab.lab.grading import Scoreboard, grade_row
+
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 42})
+    path = tmp_path / "01_records_metrics.metrics.json"
+    board = Scoreboard("cpu", [grade_row(_prediction("<", 50), "cpu", path, {}),
+                               grade_row(_prediction(">", 50, informed_by="a dev run showed 42"), "cpu", path, {})])
+    blind, informed = board.split_lines()
+    assert blind.startswith("blind: 1 hit, 0 miss, 0 inconclusive") and "100.0% (1/1)" in blind
+    assert informed.startswith("informed: 0 hit, 1 miss") and "0.0% (0/1)" in informed
+    assert "| a dev run showed 42 |" in board.markdown() and "| blind |" in board.markdown()
+
+
+def test_grade_refuses_an_uncommitted_predictions_file(tmp_path):
+    import subprocess
+
+    from lora_lab.lab.predictions import PredictionError
+
+    repo = tmp_path / "repo"
+    (repo / "predictions").mkdir(parents=True)
+    (repo / "predictions" / "predictions.yaml").write_text(EVERY_COMPARATOR.read_text())
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    with pytest.raises(PredictionError, match="not committed yet: commit the predictions before grading"):
+        grade("cpu", predictions_path=repo / "predictions" / "predictions.yaml", outputs_root=tmp_path / "o",
+              notebooks_dir=FIXTURE_NOTEBOOKS, write=False, echo=False)
+    subprocess.run(["git", "add", "."], cwd=repo, check=True)
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "register"], cwd=repo,
+                   check=True)
+    grade("cpu", predictions_path=repo / "predictions" / "predictions.yaml", outputs_root=tmp_path / "o",
+          notebooks_dir=FIXTURE_NOTEBOOKS, write=False, echo=False)
+    with open(repo / "predictions" / "predictions.yaml", "a") as handle:
+        handle.write("\n# an edit\n")
+    with pytest.raises(PredictionError, match="changed since the last commit"):
+        grade("cpu", predictions_path=repo / "predictions" / "predictions.yaml", outputs_root=tmp_path / "o",
+              notebooks_dir=FIXTURE_NOTEBOOKS, write=False, echo=False)

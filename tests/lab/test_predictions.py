@@ -98,32 +98,48 @@ def test_exponent_without_a_dot_is_a_number():
 @pytest.mark.parametrize(
     "text, expected",
     [
-        (second_entry(id="p01-a"), "entry #2 id 'p01-a' (line 10): field 'id': duplicate id 'p01-a': already used by entry #1"),
-        (second_entry(notebook="09_nowhere"), "entry #2 id 'p01-b' (line 10): field 'notebook': unknown notebook '09_nowhere' (known: 01_records_metrics"),
-        (second_entry(comparator='"=>"'), "entry #2 id 'p01-b' (line 10): field 'comparator': str '=>' is not one of < <= > >= == in_range"),
+        (second_entry(id="p01-a"),
+         "entry #2 id 'p01-a' (line 10): field 'id': duplicate id 'p01-a': already used by entry #1"),
+        (second_entry(notebook="09_nowhere"),
+         "entry #2 id 'p01-b' (line 10): field 'notebook': unknown notebook '09_nowhere' (known: 01_records_metrics"),
+        (second_entry(comparator='"=>"'),
+         "entry #2 id 'p01-b' (line 10): field 'comparator': str '=>' is not one of < <= > >= == in_range"),
         (second_entry(comparator=">"), "field 'comparator': str '' is not one of < <= > >= == in_range (quote it"),
-        (second_entry(comparator=">="), 'not valid YAML: line 14, column 16: while scanning a block scalar; expected chomping'),
-        (second_entry(threshold="[1, 2]"), "field 'threshold': comparator '>=' needs one finite number; got list [1, 2] (a [lo, hi] pair goes with comparator in_range)"),
-        (second_entry(threshold='"0.5"'), "field 'threshold': comparator '>=' needs one finite number; got str '0.5' (write numbers without quotes)"),
+        (second_entry(comparator=">="),
+         'not valid YAML: line 14, column 16: while scanning a block scalar; expected chomping'),
+        (second_entry(threshold="[1, 2]"),
+         "field 'threshold': comparator '>=' needs one finite number; got list [1, 2] (a [lo, hi] pair goes with "
+         "comparator in_range)"),
+        (second_entry(threshold='"0.5"'),
+         "field 'threshold': comparator '>=' needs one finite number; got str '0.5' (write numbers without quotes)"),
         (second_entry(threshold="true"), "field 'threshold': comparator '>=' needs one finite number; got bool True"),
         (second_entry(threshold=".nan"), "field 'threshold': comparator '>=' needs one finite number; got float nan"),
-        (second_entry(comparator="in_range", threshold="0.5"), "field 'threshold': in_range needs [lo, hi] with two finite numbers; got float 0.5"),
-        (second_entry(comparator="in_range", threshold="[1, 2, 3]"), "field 'threshold': in_range needs [lo, hi] with two finite numbers; got list [1, 2, 3]"),
-        (second_entry(comparator="in_range", threshold="[2, 1]"), "field 'threshold': in_range needs lo <= hi; got [2, 1]"),
-        (second_entry(supersedes="p01-zz"), "entry #2 id 'p01-b' (line 10): field 'supersedes': supersedes unknown id 'p01-zz' (it must be an entry earlier in the file)"),
+        (second_entry(comparator="in_range", threshold="0.5"),
+         "field 'threshold': in_range needs [lo, hi] with two finite numbers; got float 0.5"),
+        (second_entry(comparator="in_range", threshold="[1, 2, 3]"),
+         "field 'threshold': in_range needs [lo, hi] with two finite numbers; got list [1, 2, 3]"),
+        (second_entry(comparator="in_range", threshold="[2, 1]"),
+         "field 'threshold': in_range needs lo <= hi; got [2, 1]"),
+        (second_entry(supersedes="p01-zz"),
+         "entry #2 id 'p01-b' (line 10): field 'supersedes': supersedes unknown id 'p01-zz' (it must be an entry "
+         "earlier in the file)"),
         (second_entry(supersedes="p01-b"), "field 'supersedes': an entry cannot supersede itself ('p01-b')"),
         (second_entry(supersedes="[p01-a, 3]"), "field 'supersedes': must be an id or a list of ids"),
         (second_entry(profiles="[cpu, tpu]"), "field 'profiles': unknown profile(s) ['tpu'] (allowed: cpu, gpu)"),
-        (second_entry(profiles="gpu"), "field 'profiles': must be a non-empty list, a subset of [cpu, gpu]; got str 'gpu'"),
+        (second_entry(profiles="gpu"),
+         "field 'profiles': must be a non-empty list, a subset of [cpu, gpu]; got str 'gpu'"),
         (second_entry(profiles="[]"), "field 'profiles': must be a non-empty list"),
         (second_entry(confidence="1.5"), "field 'confidence': must be a probability between 0 and 1; got float 1.5"),
-        (second_entry(confidence='"high"'), "field 'confidence': must be a probability between 0 and 1; got str 'high'"),
+        (second_entry(confidence='"high"'),
+         "field 'confidence': must be a probability between 0 and 1; got str 'high'"),
         (second_entry(rationale=None), "entry #2 id 'p01-b' (line 10): field 'rationale': missing"),
         (second_entry(claim='"  "'), "field 'claim': must be non-empty text"),
         (second_entry(treshold="1"), "field 'treshold': unknown field"),
-        (second_entry(date="2025-01-01"), "field 'date': registration date and commit are derived from git; do not type them"),
+        (second_entry(date="2025-01-01"),
+         "field 'date': registration date and commit are derived from git; do not type them"),
         (second_entry(id="'has space'"), "field 'id': must be a word of letters"),
-        (GOOD_ENTRY + "  threshold: 60\n", "not valid YAML: line 10, column 3: key 'threshold' appears twice in one entry (first on line 6)"),
+        (GOOD_ENTRY + "  threshold: 60\n",
+         "not valid YAML: line 10, column 3: key 'threshold' appears twice in one entry (first on line 6)"),
         (GOOD_ENTRY + "- just text\n", "entry #2 (line 10): must be a mapping of fields, not str 'just text'"),
         ("id: p01-a\n", "the file must be a YAML list of entries (or []), not a dict"),
         ("[unclosed\n", "not valid YAML"),
@@ -146,7 +162,8 @@ def test_superseding_an_id_twice_or_a_later_entry_is_rejected():
     text = second_entry(supersedes="p01-a") + "\n".join(third.splitlines()[9:]) + "\n"
     with pytest.raises(PredictionError, match="'p01-a' is already superseded by 'p01-b'"):
         validate(text)
-    forward = GOOD_ENTRY.replace("  rationale", "  supersedes: p01-b\n  rationale") + "\n".join(second_entry().splitlines()[9:]) + "\n"
+    forward = (GOOD_ENTRY.replace("  rationale", "  supersedes: p01-b\n  rationale")
+               + "\n".join(second_entry().splitlines()[9:]) + "\n")
     with pytest.raises(PredictionError, match="supersedes unknown id 'p01-b' \\(it must be an entry earlier"):
         validate(forward)
 

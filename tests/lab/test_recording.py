@@ -1,4 +1,4 @@
-"""lora_lab.recording: profiles, the metrics file, value conversion, provenance."""
+"""lora_lab.lab.recording: profiles, where runs go, the metrics file, value conversion, provenance."""
 import json
 import math
 
@@ -13,10 +13,10 @@ from lora_lab.lab.recording import RecordingError
 
 @pytest.fixture
 def out_dir(tmp_path, monkeypatch):
-    """A fresh output directory via $LORA_LAB_OUTPUT_DIR and no run left over from another test."""
+    """A fresh scratch directory, no runner context and no run left over from another test."""
     directory = tmp_path / "out"
-    monkeypatch.setenv(recording.OUTPUT_DIR_ENV, str(directory))
-    monkeypatch.delenv(recording.NOTEBOOK_ENV, raising=False)
+    monkeypatch.setattr(recording, "scratch_dir", lambda profile: directory)
+    monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
     monkeypatch.setattr(recording, "_current", None)
     return directory
 
@@ -63,8 +63,11 @@ def test_run_writes_metrics_at_every_record_and_finishes(out_dir):
     lora_lab.record("loss", 0.25)
     assert read(out_dir)["metrics"] == {"loss": 0.25}  # partial results survive a later crash
     lora_lab.record({"steps": 3, "ok": True})
-    lora_lab.record("loss", 0.125)  # recording again replaces
+    with pytest.raises(RecordingError, match="'loss' already recorded"):
+        lora_lab.record("loss", 0.5)  # two cells measuring the same thing is a mistake...
+    lora_lab.record("loss", 0.125, overwrite=True)  # ...unless said so
     path = lora_lab.finish_run()
+    assert (path.stat().st_mode & 0o777) == 0o644  # readable by others, not 0600 like a temp file
     payload = read(out_dir)
     assert payload["metrics"] == {"loss": 0.125, "steps": 3, "ok": True}
     assert payload["provenance"]["status"] == "completed" and payload["provenance"]["finished"]
@@ -108,7 +111,7 @@ def test_nan_and_inf_are_stored_as_null_with_a_note(out_dir):
     assert payload["metrics"] == {"loss": None, "curve": [1.0, None, None]}
     assert "nan" in payload["notes"]["loss"]
     assert "curve[1]=inf" in payload["notes"]["curve"]
-    lora_lab.record("loss", 1.0)  # a finite value clears the note
+    lora_lab.record("loss", 1.0, overwrite=True)  # a finite value clears the note
     assert "loss" not in read(out_dir)["notes"]
 
 
@@ -142,43 +145,68 @@ def test_start_run_checks_the_stem(out_dir, monkeypatch):
         lora_lab.start_run("01_demo.ipynb", profile="cpu")
     with pytest.raises(ValueError, match="file stem"):
         lora_lab.start_run("notebooks/01_demo", profile="cpu")
-    monkeypatch.setenv(recording.NOTEBOOK_ENV, "02_other")
+    context = {"notebook": "02_other", "profile": "cpu", "output_dir": str(out_dir), "parameters": {}}
+    monkeypatch.setenv(recording.RUN_CONTEXT_ENV, json.dumps(context))
     with pytest.raises(ValueError, match="inside notebook '02_other'"):
         lora_lab.start_run("01_demo", profile="cpu")
+    run = lora_lab.start_run("02_other")  # the runner's profile, folder and parameters
+    assert (run.profile, run.directory, run.provenance["runner"]) == ("cpu", out_dir.resolve(), True)
 
 
-def test_output_dir_follows_env_then_repo_then_cwd(tmp_path, monkeypatch):
+def test_parameters_come_from_the_parameters_cell_and_overrides_are_marked(tmp_path, monkeypatch):
+    import nbformat
+
     monkeypatch.setattr(recording, "_current", None)
-    monkeypatch.setenv(recording.OUTPUT_DIR_ENV, str(tmp_path / "env"))
-    assert lora_lab.output_dir("cpu") == (tmp_path / "env").resolve()
+    monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
+    repo = tmp_path / "repo"
+    (repo / "lora_lab").mkdir(parents=True)
+    (repo / "pyproject.toml").write_text("")
+    (repo / "notebooks").mkdir()
+    cell = nbformat.v4.new_code_cell('PROFILE = "auto"\nR = 8  # rank\nNAME = "x"')
+    cell.metadata["tags"] = ["parameters"]
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), str(repo / "notebooks" / "01_demo.ipynb"))
+    monkeypatch.chdir(repo / "notebooks")
+    run = lora_lab.start_run("01_demo", "cpu", namespace={"PROFILE": "auto", "R": 8, "NAME": "x", "other": 1})
+    assert run.parameters == {"PROFILE": "auto", "R": 8, "NAME": "x"} and run.provenance["parameter_overrides"] == {}
+    assert run.directory == repo.resolve() / "build" / "scratch" / "cpu"  # never the committed outputs/
+    run = lora_lab.start_run("01_demo", "cpu", namespace={"PROFILE": "auto", "R": 4, "NAME": "x"})
+    assert run.provenance["parameter_overrides"] == {"R": 4}
+    assert len(run.provenance["notebook_hash"]) == 64
+    lora_lab.finish_run()
 
-    monkeypatch.delenv(recording.OUTPUT_DIR_ENV)
+
+def test_output_dir_is_scratch_outside_the_runner(tmp_path, monkeypatch):
+    monkeypatch.setattr(recording, "_current", None)
+    monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
     repo = tmp_path / "repo"
     (repo / "lora_lab").mkdir(parents=True)
     (repo / "pyproject.toml").write_text("")
     (repo / "notebooks").mkdir()
     monkeypatch.chdir(repo / "notebooks")
-    assert lora_lab.output_dir("cpu") == repo.resolve() / "outputs" / "cpu"
-    run = lora_lab.start_run("01_demo", profile="cpu")
-    assert run.path == repo.resolve() / "outputs" / "cpu" / "01_demo.metrics.json"
+    assert lora_lab.output_dir("cpu") == repo.resolve() / "build" / "scratch" / "cpu"
+    run = lora_lab.start_run("01_demo", profile="cpu", parameters={})
+    assert run.path == repo.resolve() / "build" / "scratch" / "cpu" / "01_demo.metrics.json"
     assert lora_lab.output_dir() == run.directory
     lora_lab.finish_run()
+    assert not (repo / "outputs").exists()
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    assert lora_lab.output_dir("cpu") == elsewhere.resolve() / "outputs" / "cpu"
+    assert not str(lora_lab.output_dir("cpu")).startswith(str(elsewhere))  # a temporary folder, not cwd
 
 
-def test_mark_run_failed_keeps_what_was_recorded(out_dir):
+def test_mark_run_ended_keeps_what_was_recorded(out_dir):
     lora_lab.start_run("01_demo", profile="cpu")
     lora_lab.record("before", 1.0)
     error = {"cell_index": 4, "ename": "ValueError", "evalue": "boom"}
-    assert recording.mark_run_failed(out_dir / "01_demo.metrics.json", error)
+    assert recording.mark_run_ended(out_dir / "01_demo.metrics.json", "failed", error)
     payload = read(out_dir)
     assert payload["metrics"] == {"before": 1.0}
     assert payload["provenance"]["status"] == "failed" and payload["provenance"]["error"] == error
-    assert not recording.mark_run_failed(out_dir / "missing.metrics.json", error)
+    assert recording.mark_run_ended(out_dir / "01_demo.metrics.json", "interrupted")
+    assert read(out_dir)["provenance"]["status"] == "interrupted"
+    assert not recording.mark_run_ended(out_dir / "missing.metrics.json", "failed", error)
 
 
 def test_environment_report_prints_versions_and_device(capsys):

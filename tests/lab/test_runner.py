@@ -1,4 +1,4 @@
-"""lora_lab.runner (papermill on the fixture notebooks), publishing, and the run/publish commands."""
+"""lora_lab.lab.runner (papermill on the fixture notebooks), publishing, and the run/publish commands."""
 import io
 import json
 import shutil
@@ -7,6 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 import torch
+from test_grading import EXPECTED_CPU_OUTCOMES
 
 from lora_lab.lab.cli import main
 from lora_lab.lab.grading import grade_predictions
@@ -17,13 +18,13 @@ from lora_lab.lab.runner import (
     declared_parameters,
     discover_notebooks,
     failing_cell_index,
+    parse_only,
     parse_value,
     plan_parameters,
     progress_disabled,
     run,
     select_notebooks,
 )
-from test_grading import EXPECTED_CPU_OUTCOMES
 
 FIXTURES = Path(__file__).parent / "fixtures"
 FIXTURE_NOTEBOOKS = FIXTURES / "notebooks"
@@ -41,7 +42,8 @@ def batch(tmp_path_factory):
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MPLBACKEND", "Agg")  # as in CI: the runner must still keep figures in the notebooks
-        code = run(profile="cpu", notebooks_dir=FIXTURE_NOTEBOOKS, outputs_root=outputs, disable_progress=True, stream=printed)
+        code = run(profile="cpu", notebooks_dir=FIXTURE_NOTEBOOKS, outputs_root=outputs, disable_progress=True,
+                   stream=printed)
     return code, outputs / "cpu", printed.getvalue()
 
 
@@ -71,10 +73,14 @@ def test_a_failing_notebook_is_reported_and_the_others_survive(batch):
     assert third["metrics"] == {"steps": 3, "total": 6}
     assert failed["provenance"]["status"] == "failed" and failed["provenance"]["error"]["cell_index"] == 4
     assert failed["metrics"] == {"before_failure": 1.0}  # the stale after_failure is gone
-    assert first["parameters"] == {"SCALE": 2, "LABEL": "base"} and first["provenance"]["versions"]["python"]
+    assert first["parameters"] == {"PROFILE": "cpu", "SCALE": 2, "LABEL": "base"}
+    provenance = first["provenance"]
+    assert provenance["versions"]["python"] and provenance["runner"] is True
+    assert provenance["parameter_overrides"] == {} and len(provenance["code_hash"]) == 64
+    assert len(provenance["notebook_hash"]) == 64 and "git_commit" in provenance
     for stem in sorted(entries):
         assert (cpu / f"{stem}.ipynb").is_file()
-    assert (cpu / "01_records_metrics.txt").read_text() == "profile=cpu\n"  # lora_lab.output_dir() is outputs/cpu
+    assert (cpu / "01_records_metrics.txt").read_text() == "profile=cpu\n"  # lora_lab.output_dir() is the run folder
     assert (cpu / "01_line.png").is_file()
 
 
@@ -103,8 +109,15 @@ def test_parameters_and_only_rerun_one_notebook_and_keep_the_rest(batch, tmp_pat
     assert code == 0, printed.getvalue()
     assert metrics(tmp_path / "cpu", "01_records_metrics")["metrics"]["answer"] == 105
     assert metrics(tmp_path / "cpu", "01_records_metrics")["parameters"]["SCALE"] == 5
+    assert metrics(tmp_path / "cpu", "01_records_metrics")["provenance"]["parameter_overrides"] == {"SCALE": 5}
     summary = json.loads((tmp_path / "cpu" / "run_summary.json").read_text())["notebooks"]
-    assert summary["01_records_metrics"]["parameters"] == {"PROFILE": "cpu", "SCALE": 5}
+    assert summary["01_records_metrics"]["parameters"] == {"PROFILE": "cpu", "SCALE": 5, "LABEL": "base"}
+    assert summary["01_records_metrics"]["overrides"] == {"SCALE": 5}
+    # a run with other parameters than the registered ones is not graded against them
+    board = grade_predictions(load_predictions(EVERY_COMPARATOR, notebooks_dir=FIXTURE_NOTEBOOKS), "cpu",
+                              tmp_path / "cpu")
+    [row] = [row for row in board.rows if row.id == "p01-answer-lt"]
+    assert row.outcome == "void" and "SCALE=5" in row.why
     assert summary["02_fails_at_known_cell"]["status"] == "failed"  # kept from the earlier batch
     assert metrics(tmp_path / "cpu", "03_records_after_failure")["metrics"] == {"steps": 3, "total": 6}
 
@@ -125,9 +138,11 @@ def test_command_line_values_are_python_literals_else_text(text, value):
 def test_parameter_problems_are_caught_before_anything_runs(tmp_path):
     notebooks = discover_notebooks(FIXTURE_NOTEBOOKS)
     plan = plan_parameters(notebooks, {"SCALE": 3, "STEPS": 4}, "cpu")
-    assert plan[notebooks[0]] == {"PROFILE": "cpu", "SCALE": 3}
-    assert plan[notebooks[1]] == {"PROFILE": "cpu"}
-    assert plan[notebooks[2]] == {"PROFILE": "cpu", "STEPS": 4}
+    assert plan[notebooks[0]].parameters == {"PROFILE": "cpu", "SCALE": 3, "LABEL": "base"}
+    assert plan[notebooks[0]].overrides == {"SCALE": 3}
+    assert plan[notebooks[1]].parameters == {"PROFILE": "cpu"} and plan[notebooks[1]].overrides == {}
+    assert plan[notebooks[2]].overrides == {"STEPS": 4}
+    assert plan[notebooks[2]].parameters == {"PROFILE": "cpu", "STEPS": 4}
     with pytest.raises(RunnerError, match=r"unknown parameter 'SCAEL'.*01_records_metrics: LABEL, PROFILE, SCALE"):
         plan_parameters(notebooks, {"SCAEL": 3}, "cpu")
     with pytest.raises(RunnerError, match=r"01_records_metrics: parameter 'SCALE' defaults to int 2; got str 'big'"):
@@ -137,6 +152,13 @@ def test_parameter_problems_are_caught_before_anything_runs(tmp_path):
     with pytest.raises(RunnerError, match=r"--only '09' matches no notebook \(available: 01_records_metrics"):
         select_notebooks(notebooks, ["09"])
     assert select_notebooks(notebooks, ["03_records_after_failure", "01"]) == [notebooks[0], notebooks[2]]
+    with pytest.raises(RunnerError, match="names no notebook"):
+        parse_only("")
+    with pytest.raises(RunnerError, match="names no notebook"):
+        parse_only(" , ")
+    assert parse_only(None) is None
+    with pytest.raises(RunnerError, match="cell-timeout must be a positive"):
+        run(profile="cpu", notebooks_dir=FIXTURE_NOTEBOOKS, outputs_root=tmp_path / "out", cell_timeout=-1)
 
     bare = tmp_path / "nb"
     bare.mkdir()
@@ -162,7 +184,8 @@ def test_gpu_profile_without_cuda_runs_nothing(tmp_path, capsys):
 
 
 def test_no_notebooks_is_not_an_error(tmp_path, capsys):
-    assert main(["run", "--profile", "cpu", "--notebooks-dir", str(tmp_path), "--outputs-dir", str(tmp_path / "o")]) == 0
+    assert main(["run", "--profile", "cpu", "--notebooks-dir", str(tmp_path),
+                 "--outputs-dir", str(tmp_path / "o")]) == 0
     assert "nothing to run" in capsys.readouterr().out
 
 
@@ -187,26 +210,105 @@ def test_progress_bar_follows_tqdm_disable(monkeypatch):
     assert progress_disabled(False) is False
 
 
-def test_publish_strips_papermill_and_keeps_outputs(batch, tmp_path):
+def test_publish_checks_the_run_then_strips_papermill_and_keeps_outputs(batch, tmp_path):
     _, cpu, _ = batch
     notebooks = tmp_path / "notebooks"
     shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
-    [done] = publish("cpu", outputs_root=cpu.parent, notebooks_dir=notebooks, only=["01"])
-    published = nbformat.read(str(done.destination), as_version=4)
+    outputs = tmp_path / "outputs"
+    [done] = publish("cpu", runs_root=cpu.parent, outputs_root=outputs, notebooks_dir=notebooks, only=["01"],
+                     to_notebooks=True)
+    published = nbformat.read(str(done.notebook_destination), as_version=4)
     original = nbformat.read(str(FIXTURE_NOTEBOOKS / "01_records_metrics.ipynb"), as_version=4)
     assert [cell.source for cell in published.cells] == [cell.source for cell in original.cells]
     assert "papermill" not in published.metadata
     assert all("papermill" not in cell.metadata and "execution" not in cell.metadata for cell in published.cells)
     code_cells = [cell for cell in published.cells if cell.cell_type == "code"]
-    assert [cell.execution_count for cell in code_cells] == [1, 3, 4, 5, 6]  # In [2] was papermill's injected cell
+    assert [cell.execution_count for cell in code_cells] == [1, 2, 3, 4, 5]  # no injected cell: no overrides
     assert published.metadata.kernelspec.name == "python3"
+    assert sorted(p.name for p in (outputs / "cpu").iterdir()) == [
+        "01_line.png", "01_records_metrics.ipynb", "01_records_metrics.metrics.json", "01_records_metrics.txt",
+        "run_summary.json"]
 
-    with pytest.raises(PublishError, match="02_fails_at_known_cell.ipynb: the run failed"):
-        publish("cpu", outputs_root=cpu.parent, notebooks_dir=notebooks, only=["02"])
+    def refused(only, match):
+        with pytest.raises(PublishError, match=match):
+            publish("cpu", runs_root=cpu.parent, outputs_root=outputs, notebooks_dir=notebooks, only=only)
+
+    refused(["02"], "02_fails_at_known_cell: not a complete run.*\n.*its metrics say .failed.")
     changed = nbformat.read(str(notebooks / "03_records_after_failure.ipynb"), as_version=4)
     changed.cells[-1].source += "\nprint('edited after the run')"
     nbformat.write(changed, str(notebooks / "03_records_after_failure.ipynb"))
-    with pytest.raises(PublishError, match="03_records_after_failure.ipynb changed since the cpu run"):
-        publish("cpu", outputs_root=cpu.parent, notebooks_dir=notebooks, only=["03"])
-    assert main(["publish", "--profile", "cpu", "--outputs-dir", str(cpu.parent), "--notebooks-dir", str(notebooks),
-                 "--only", "03", "--force"]) == 0
+    refused(["03"], "03_records_after_failure.ipynb changed since the run")
+
+
+def test_publish_refuses_stale_code_overrides_and_half_runs(batch, tmp_path):
+    _, cpu, _ = batch
+    runs = tmp_path / "runs"
+    shutil.copytree(cpu, runs / "cpu")
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
+    path = runs / "cpu" / "01_records_metrics.metrics.json"
+    payload = json.loads(path.read_text())
+
+    def attempt():
+        return main(["publish", "--profile", "cpu", "--from", str(runs), "--outputs-dir", str(tmp_path / "out"),
+                     "--notebooks-dir", str(notebooks), "--only", "01"])
+
+    payload["provenance"]["code_hash"] = "0" * 64  # written by other code
+    path.write_text(json.dumps(payload))
+    assert attempt() == 2
+    payload["provenance"]["code_hash"] = json.loads((cpu / path.name).read_text())["provenance"]["code_hash"]
+    payload["provenance"]["parameter_overrides"] = {"SCALE": 5}
+    path.write_text(json.dumps(payload))
+    assert attempt() == 2
+    payload["provenance"]["parameter_overrides"] = {}
+    path.write_text(json.dumps(payload))
+    executed = nbformat.read(str(runs / "cpu" / "01_records_metrics.ipynb"), as_version=4)
+    executed.cells[-1].execution_count = None  # an interrupted re-run: the last cells never ran
+    executed.cells[-1].outputs = []
+    nbformat.write(executed, str(runs / "cpu" / "01_records_metrics.ipynb"))
+    assert attempt() == 2
+    assert not (tmp_path / "out").exists()  # nothing published by any refused attempt
+
+
+def test_scratch_runs_stay_out_of_outputs(tmp_path, monkeypatch):
+    """Run outside the runner (Jupyter, papermill, nbval): results go to build/scratch/<profile>."""
+    from lora_lab.lab import recording
+
+    monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
+    monkeypatch.setattr(recording, "_current", None)
+    run_ = recording.start_run("01_demo", "cpu", parameters={})
+    assert run_.directory.parts[-3:] == ("build", "scratch", "cpu")
+    assert run_.provenance["runner"] is False
+    recording.finish_run()
+
+
+def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    params = nbformat.v4.new_code_cell('PROFILE = "auto"')
+    params.metadata["tags"] = ["parameters"]
+    cells = [params, nbformat.v4.new_code_cell("import lora_lab, time\nrun = lora_lab.start_run('01_sleeps', PROFILE)\n"
+                                               "lora_lab.record('before', 1)"),
+             nbformat.v4.new_code_cell("time.sleep(120)"), nbformat.v4.new_code_cell("lora_lab.finish_run()")]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), str(notebooks / "01_sleeps.ipynb"))
+    command = [sys.executable, "-m", "lora_lab", "run", "--profile", "cpu", "--notebooks-dir", str(notebooks),
+               "--outputs-dir", str(tmp_path / "runs")]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    metrics_file = tmp_path / "runs" / "cpu" / "01_sleeps.metrics.json"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "before" not in (metrics_file.read_text() if metrics_file.exists() else ""):
+        time.sleep(0.5)
+    os.killpg(child.pid, signal.SIGINT)  # Ctrl-C reaches the runner and the kernel alike
+    out, _ = child.communicate(timeout=120)
+    assert child.returncode == 130
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1].startswith("interrupted: 01_sleeps.ipynb stopped after") and "Traceback" not in out
+    assert metrics(tmp_path / "runs" / "cpu", "01_sleeps")["provenance"]["status"] == "interrupted"
+    assert metrics(tmp_path / "runs" / "cpu", "01_sleeps")["metrics"] == {"before": 1}  # kept

@@ -8,6 +8,7 @@ import pytest
 
 from lora_lab.lab.cli import main
 from lora_lab.lab.grading import registered_labels
+from lora_lab.lab.provenance import code_hash, code_hash_at
 from lora_lab.lab.verify import GitError, registrations, verify
 
 ENTRY = """\
@@ -35,7 +36,8 @@ class Repo:
         self.git("init", "-q", "-b", "main")
 
     def git(self, *args: str) -> str:
-        done = subprocess.run(["git", *args], cwd=self.root, capture_output=True, text=True, env={**os.environ, **GIT_ENV})
+        done = subprocess.run(["git", *args], cwd=self.root, capture_output=True, text=True,
+                              env={**os.environ, **GIT_ENV})
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
@@ -47,9 +49,10 @@ class Repo:
     def predictions(self, *entries: dict) -> None:
         self.write("predictions/predictions.yaml", "".join(ENTRY.format(**entry) for entry in entries) or "[]\n")
 
-    def metrics(self, **values) -> None:
-        payload = {"notebook": "01_demo", "profile": "cpu", "metrics": values, "provenance": {"status": "completed"}}
-        self.write("outputs/cpu/01_demo.metrics.json", json.dumps(payload))
+    def metrics(self, notebook: str = "01_demo", provenance: dict | None = None, **values) -> None:
+        payload = {"notebook": notebook, "profile": "cpu", "metrics": values,
+                   "provenance": {"status": "completed", **(provenance or {})}}
+        self.write(f"outputs/cpu/{notebook}.metrics.json", json.dumps(payload))
 
     def commit(self, message: str) -> str:
         self.git("add", "-A")
@@ -75,7 +78,8 @@ def test_honest_history_passes(repo):
     repo.commit("register p01-b")
     repo.metrics(loss=0.3, error=0.2)
     repo.commit("results")
-    repo.write("predictions/predictions.yaml", "# comments and quoting may change\n" + ENTRY.format(**A).replace("0.8", "8.0e-1") + ENTRY.format(**B))
+    repo.write("predictions/predictions.yaml",
+               "# comments and quoting may change\n" + ENTRY.format(**A).replace("0.8", "8.0e-1") + ENTRY.format(**B))
     repo.commit("reformat")
     report = verify(repo.root)
     assert report.ok, report.text()
@@ -181,6 +185,46 @@ def test_a_metric_added_to_an_existing_file_later_is_dated_by_its_own_commit(rep
     report = verify(repo.root)
     assert report.ok, report.text()
     assert report.checked_grades == 2
+
+
+def test_published_runs_must_match_their_commits_code(repo):
+    repo.write("pyproject.toml", '[project]\nname = "demo"\n')
+    repo.write("lora_lab/__init__.py", "from lora_lab.core import answer\n")
+    repo.write("lora_lab/core.py", "def answer():\n    return 42\n")
+    repo.predictions(A)
+    ran = repo.commit("code, and the prediction its run grades")
+    committed_code = code_hash_at(repo.root, ran)
+    assert committed_code is not None and committed_code == code_hash(repo.root / "lora_lab")
+
+    repo.metrics(loss=0.3, provenance={"git_commit": ran, "code_hash": committed_code})
+    repo.commit("results of the committed code")
+    report = verify(repo.root)
+    assert report.ok, report.text()
+    assert report.checked_runs == 1 and report.checked_grades == 1
+    assert "1 published run(s) tied to their commit's code" in report.text()
+
+    # run with an uncommitted edit of the package, but recorded as the commit it started from
+    repo.write("lora_lab/core.py", "def answer():\n    return 43\n")
+    edited_code = code_hash(repo.root / "lora_lab")
+    assert edited_code != committed_code
+    repo.metrics("02_edited", provenance={"git_commit": ran, "code_hash": edited_code})
+    # a commit this repository does not have (e.g. run from an unpushed branch)
+    repo.metrics("03_elsewhere", provenance={"git_commit": "f" * 40, "code_hash": committed_code})
+    # no commit recorded: nothing to tie it to, which is a note only
+    repo.metrics("04_no_commit", provenance={"code_hash": committed_code})
+    repo.commit("the edited code, and more results")
+    report = verify(repo.root)
+    assert not report.ok
+    assert report.checked_runs == 1
+    edited, elsewhere = report.violations
+    assert edited.startswith("outputs/cpu/02_edited.metrics.json: run by code that differs from commit")
+    assert (f"differs from commit {ran[:10]} (code hash {edited_code[:12]}, "
+            f"the commit's {committed_code[:12]})") in edited
+    assert elsewhere == (
+        f"outputs/cpu/03_elsewhere.metrics.json: names commit {'f' * 10}, which this repository does not have"
+    )
+    assert "outputs/cpu/04_no_commit.metrics.json: no commit recorded; not tied to code" in report.notes
+    assert not any("04_no_commit" in violation for violation in report.violations)
 
 
 def test_repository_without_commits_and_outside_git(repo, tmp_path):

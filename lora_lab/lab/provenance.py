@@ -1,0 +1,169 @@
+"""What produced a result: the code (a content hash), the notebook (a hash of its cells), git, versions, device.
+
+Every notebook run and every benchmark CSV records :func:`provenance`. The **code hash** is a SHA-256 over the
+package's source files (path and bytes, in path order), so it is the same on any machine holding the same code
+— also where there is no git (the GPU machine receives a copy of the working tree). ``lora-lab verify``
+recomputes it from git history for the commit a run names, and ``lora-lab publish`` refuses a run whose hashes
+differ from the working tree's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CODE_DIR",
+    "code_hash",
+    "code_hash_at",
+    "notebook_hash",
+    "git_state",
+    "find_repo_root",
+    "package_versions",
+    "device_name",
+    "provenance",
+]
+
+CODE_DIR = "lora_lab"
+CODE_SUFFIXES = (".py", ".json")
+VERSIONED_PACKAGES = ("torch", "triton", "transformers", "peft")
+# paths whose uncommitted changes make a run "dirty" (outputs written by runs do not)
+CODE_PATHS = ("lora_lab", "notebooks", "benchmarks", "predictions", "pyproject.toml")
+DECLARED_COMMIT_ENV = "LORA_LAB_SOURCE_COMMIT"
+
+
+def find_repo_root(start: Path | None = None) -> Path | None:
+    """The nearest directory at or above ``start`` (default: cwd) holding pyproject.toml and lora_lab/."""
+    here = Path(start or Path.cwd()).resolve()
+    for candidate in (here, *here.parents):
+        if (candidate / "pyproject.toml").is_file() and (candidate / CODE_DIR).is_dir():
+            return candidate
+    return None
+
+
+def _package_dir() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def _hash_files(items) -> str:
+    digest = hashlib.sha256()
+    for relative, data in sorted(items):
+        digest.update(relative.encode())
+        digest.update(b"\0")
+        digest.update(hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
+def code_hash(package_dir: Path | None = None) -> str:
+    """SHA-256 over every ``*.py`` / ``*.json`` file under the package (default: the imported lora_lab)."""
+    root = Path(package_dir) if package_dir is not None else _package_dir()
+    items = []
+    for path in root.rglob("*"):
+        if path.is_file() and path.suffix in CODE_SUFFIXES and "__pycache__" not in path.parts:
+            items.append((f"{CODE_DIR}/{path.relative_to(root).as_posix()}", path.read_bytes()))
+    return _hash_files(items)
+
+
+def _git(repo: Path, *args: str, binary: bool = False):
+    try:
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout if binary else done.stdout.decode().strip()
+
+
+def code_hash_at(repo: Path | str, commit: str) -> str | None:
+    """:func:`code_hash` of the package as committed in ``commit`` (None if git cannot tell)."""
+    repo = Path(repo)
+    listing = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", CODE_DIR)
+    if listing is None:
+        return None
+    items = []
+    for relative in listing.splitlines():
+        if Path(relative).suffix in CODE_SUFFIXES:
+            data = _git(repo, "show", f"{commit}:{relative}", binary=True)
+            if data is None:
+                return None
+            items.append((relative, data))
+    return _hash_files(items)
+
+
+def notebook_hash(path: Path | str) -> str:
+    """SHA-256 of a notebook's cell types and sources (outputs, counts and metadata excluded)."""
+    cells = json.loads(Path(path).read_text(encoding="utf-8")).get("cells", [])
+    sources = []
+    for cell in cells:
+        if "injected-parameters" in (cell.get("metadata", {}).get("tags") or []):
+            continue  # papermill's cell: parameters are recorded on their own
+        source = cell.get("source", "")
+        sources.append([cell.get("cell_type"), "".join(source) if isinstance(source, list) else source])
+    return hashlib.sha256(json.dumps(sources, ensure_ascii=False).encode()).hexdigest()
+
+
+def git_state(root: Path | None = None) -> dict[str, Any]:
+    """``{"git_commit", "git_dirty", "git_source"}``: from git when the code sits in a repository; else the commit
+    declared by ``$LORA_LAB_SOURCE_COMMIT`` (a copy of a committed tree sent to another machine), dirty unknown."""
+    root = root or find_repo_root(_package_dir())
+    commit = _git(root, "rev-parse", "HEAD") if root is not None else None
+    if commit:
+        porcelain = _git(root, "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
+        return {"git_commit": commit, "git_dirty": bool(porcelain) if porcelain is not None else None,
+                "git_source": "repository"}
+    declared = os.environ.get(DECLARED_COMMIT_ENV, "").strip() or None
+    return {"git_commit": declared, "git_dirty": None, "git_source": "declared" if declared else None}
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of python and the packages results depend on (None if absent)."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def cpu_name() -> str:
+    """The CPU model as the OS names it, with the number of cores."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.lower().startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine() or "unknown CPU"
+    return f"{model} ({os.cpu_count()} cores)"
+
+
+def device_name(profile: str) -> str:
+    if profile != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(torch.cuda.current_device())
+        return "no CUDA device"
+    return cpu_name()
+
+
+def provenance(profile: str, notebook_path: Path | str | None = None) -> dict[str, Any]:
+    """Everything that ties a result to the code and machine that produced it."""
+    record: dict[str, Any] = {
+        "device": device_name(profile),
+        "versions": package_versions(),
+        "code_hash": code_hash(),
+        **git_state(),
+    }
+    if notebook_path is not None and Path(notebook_path).is_file():
+        record["notebook_hash"] = notebook_hash(notebook_path)
+    return record

@@ -8,9 +8,10 @@ The three layers of the package, a folder each:
 * :mod:`lora_lab.lab` — predictions, the notebook runner, recording, grading, verification, publishing, the CLI;
 * :mod:`lora_lab.experiments` — code that one notebook uses, a module named after its notebook.
 """
-from lora_lab.adapters import AdapterError, load_adapter, save_adapter
+from lora_lab.adapters import AdapterError, copy_adapters_to_peft, load_adapter, peft_lora_model, save_adapter
 from lora_lab.determinism import deterministic, seed_everything
 from lora_lab.lab.recording import environment_report, finish_run, output_dir, record, resolve_profile, start_run
+from lora_lab.lab.verdicts import show_verdicts
 from lora_lab.layer import (
     LoRALinear,
     ParameterCount,
@@ -25,20 +26,31 @@ from lora_lab.layer import (
 )
 from lora_lab.loss import causal_lm_loss, chunked_cross_entropy
 from lora_lab.models import (
+    SAMPLE_SENTENCES,
     ByteTokenizer,
     ModelNotFoundError,
     load_model,
     load_tokenizer,
     model_config,
+    model_logits,
     random_model_names,
+    text_batch,
 )
 from lora_lab.numerics import cosine, error_stats, max_abs_diff, rel_l2
+from lora_lab.training import train_steps
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "train_steps",
+    "text_batch",
+    "show_verdicts",
+    "peft_lora_model",
+    "model_logits",
+    "copy_adapters_to_peft",
     "AdapterError",
     "ByteTokenizer",
+    "SAMPLE_SENTENCES",
     "LoRALinear",
     "ModelNotFoundError",
     "ParameterCount",

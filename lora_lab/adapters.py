@@ -16,7 +16,8 @@ from torch import nn
 
 from lora_lab.layer import LoRALinear, _matches, add_lora, lora_layers
 
-__all__ = ["save_adapter", "load_adapter", "AdapterError"]
+__all__ = ["save_adapter", "load_adapter", "AdapterError", "peft_lora_model", "peft_lora_pairs",
+           "copy_adapters_to_peft"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -173,7 +174,8 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         found.setdefault(name, {})[which] = t
     missing = [n for n in planned if set(found.get(n, {})) != {"A", "B"}]
     if missing:
-        raise AdapterError(f"adapter has no lora_A/lora_B for {missing[0]}" + (f" and {len(missing)-1} more" if len(missing) > 1 else ""))
+        more = f" and {len(missing)-1} more" if len(missing) > 1 else ""
+        raise AdapterError(f"adapter has no lora_A/lora_B for {missing[0]}" + more)
 
     if not existing:
         add_lora(model, r=r, alpha=alpha, targets=targets, dropout=dropout)
@@ -183,3 +185,56 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         layer.lora_A.copy_(ab["A"].to(layer.lora_A.dtype))
         layer.lora_B.copy_(ab["B"].to(layer.lora_B.dtype))
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# The same adapters in a PEFT model in memory (parity checks, PEFT's merge)
+# ---------------------------------------------------------------------------------------------
+
+
+def peft_lora_model(base: nn.Module, r: int = 8, alpha: float = 16, targets=("q_proj", "v_proj"),
+                    dropout: float = 0.0, autocast_adapter_dtype: bool = True):
+    """``peft.get_peft_model`` with ``LoraConfig(r, lora_alpha=alpha, lora_dropout, target_modules)``.
+
+    Modifies ``base`` in place (PEFT's behaviour): pass a model of its own.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets))
+    return get_peft_model(base, config, autocast_adapter_dtype=autocast_adapter_dtype)
+
+
+def peft_lora_pairs(peft_model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module name as in the plain model: (lora_A weight, lora_B weight)} of a PEFT LoRA model."""
+    from peft.tuners.lora import LoraLayer
+
+    pairs = {}
+    for name, module in peft_model.named_modules():
+        if isinstance(module, LoraLayer):
+            adapter = module.active_adapters[0]
+            short = name[len(PREFIX):] if name.startswith(PREFIX) else name
+            pairs[short] = (module.lora_A[adapter].weight, module.lora_B[adapter].weight)
+    if not pairs:
+        raise ValueError(f"{type(peft_model).__name__} has no PEFT LoRA layer")
+    return pairs
+
+
+@torch.no_grad()
+def copy_adapters_to_peft(ours: nn.Module, peft_model) -> int:
+    """Copy every A and B of ``ours`` into the PEFT model (cast to PEFT's adapter dtype). Returns the
+    number of layers copied. Raises if the two models carry LoRA at different modules, ranks or shapes."""
+    mine = dict(lora_layers(ours))
+    theirs = peft_lora_pairs(peft_model)
+    if set(mine) != set(theirs):
+        only = sorted(set(mine) ^ set(theirs))
+        raise ValueError(f"LoRA targets differ between the models, e.g. {only[0]}")
+    for name, layer in mine.items():
+        A, B = theirs[name]
+        if A.shape != layer.lora_A.shape or B.shape != layer.lora_B.shape:
+            raise ValueError(
+                f"{name}: our A {tuple(layer.lora_A.shape)}, B {tuple(layer.lora_B.shape)} vs PEFT's "
+                f"A {tuple(A.shape)}, B {tuple(B.shape)} (different r or projection size)"
+            )
+        A.copy_(layer.lora_A.to(A.dtype))
+        B.copy_(layer.lora_B.to(B.dtype))
+    return len(mine)

@@ -11,7 +11,8 @@ zero, so a fresh layer computes exactly what the base layer computes. The produc
 from __future__ import annotations
 
 import math
-from typing import Iterable, NamedTuple, Sequence
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F

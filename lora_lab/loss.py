@@ -41,7 +41,8 @@ DEFAULT_CHUNK_SIZE = 1024
 
 def _check_inputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int,
                   reduction: str) -> None:
-    if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor) or not isinstance(labels, torch.Tensor):
+    if (not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor)
+            or not isinstance(labels, torch.Tensor)):
         raise TypeError("hidden, weight and labels must be torch.Tensors")
     if weight.dim() != 2:
         raise ValueError(f"weight must be [vocab, hidden], got shape {tuple(weight.shape)}")
@@ -88,7 +89,8 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         bad = valid & ((labels < 0) | (labels >= vocab))
         if bool(bad.any()):
             first = int(labels[bad][0])
-            raise IndexError(f"label {first} is outside the vocabulary [0, {vocab}) and is not ignore_index={ignore_index}")
+            raise IndexError(f"label {first} is outside the vocabulary [0, {vocab}) "
+                             f"and is not ignore_index={ignore_index}")
         safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
         acc = _softmax_dtype(hidden.dtype)
         lse = torch.empty(n_rows, dtype=acc, device=hidden.device)

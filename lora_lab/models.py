@@ -11,9 +11,9 @@ import json
 import os
 import socket
 import warnings
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ __all__ = [
     "load_model",
     "load_tokenizer",
     "ByteTokenizer",
+    "SAMPLE_SENTENCES",
+    "text_batch",
+    "model_logits",
 ]
 
 RANDOM_PREFIX = "random:"
@@ -207,3 +210,27 @@ def load_tokenizer(spec: str):
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
+# Two English and two Korean sentences, as in the original comparison of a LoRA layer with PEFT's.
+SAMPLE_SENTENCES: tuple[str, ...] = (
+    "The cat sat on the warm windowsill and watched the rain.",
+    "Low-rank adapters train a small update next to frozen weights.",
+    "오늘 아침에 공원에서 오래 산책을 했다.",
+    "작은 모델도 충분히 많은 것을 배울 수 있다.",
+)
+
+
+def text_batch(tokenizer, texts: Sequence[str] = SAMPLE_SENTENCES, device="cpu") -> dict[str, torch.Tensor]:
+    """Right-padded batch of ``texts`` with ``labels`` (padding -> -100) for a causal-LM loss."""
+    enc = tokenizer(list(texts), padding=True, return_tensors="pt")
+    ids, mask = enc["input_ids"], enc["attention_mask"]
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+
+
+@torch.no_grad()
+def model_logits(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """fp32 logits (batch x seq x vocab) of ``model`` on ``batch`` (no labels passed, no loss computed)."""
+    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
+    return out.logits.float()

@@ -1,7 +1,7 @@
 """environment.yml must install what pyproject.toml declares, no more and no less."""
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,12 +5,11 @@
 * :func:`saved_bytes_per_linear` — bytes autograd keeps for backward: PEFT default vs fused
 * :func:`patched_training_losses` — losses of a PEFT model trained unpatched and patched from the same start
 * :func:`dora_is_refused`     — patch_model refuses DoRA and changes nothing
-* :func:`benchmark_ratios`    — the ratios the GPU benchmarks wrote to CSV (benchmarks/bench_*.py)
+* :func:`benchmark_metrics`   — the speed and memory ratios of the GPU benchmarks' CSVs (benchmarks/bench_*.py)
 """
 from __future__ import annotations
 
 import copy
-import csv
 from pathlib import Path
 
 import torch
@@ -27,18 +26,19 @@ from lora_lab.kernels import (
     patched_layers,
     shared_input_lora_reference,
 )
+from lora_lab.lab import measure
 from lora_lab.layer import SingleChild
 from lora_lab.memory import saved_bytes_excluding
 from lora_lab.numerics import cosine, rel_l2
+from lora_lab.training import train_steps
 
 __all__ = [
     "linear_numerics",
     "shared_input_numerics",
     "saved_bytes_per_linear",
     "patched_training_losses",
-    "train_losses",
     "dora_is_refused",
-    "benchmark_ratios",
+    "benchmark_metrics",
 ]
 
 
@@ -124,27 +124,15 @@ def saved_bytes_per_linear(M, K, N, r, dtype, device) -> dict:
             "adapter_dtype": str(model.base_model.model.proj.lora_A["default"].weight.dtype)}
 
 
-def train_losses(model, ids, steps, lr=1e-3) -> list[float]:
-    """``steps`` AdamW steps of a causal LM on one batch (``ids`` as inputs and labels); the loss of each step."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
 def patched_training_losses(model, ids, steps, lr=1e-3) -> tuple[list[float], list[float]]:
     """Train a copy unpatched and a copy patched from the same weights (train mode); returns both loss lists."""
     fused = copy.deepcopy(model)
     patch_model(fused, config=triton_everywhere())  # the Triton kernels, not the small-shape cuBLAS dispatch
     model.train()
     fused.train()
-    ref_losses = train_losses(model, ids, steps, lr)
-    fused_losses = train_losses(fused, ids, steps, lr)
+    batch = {"input_ids": ids, "labels": ids}
+    ref_losses = train_steps(model, batch, steps, lr)
+    fused_losses = train_steps(fused, batch, steps, lr)
     return ref_losses, fused_losses
 
 
@@ -158,49 +146,77 @@ def dora_is_refused(model_factory) -> bool:
     return False
 
 
-def _read_csv(path: Path) -> list[dict]:
-    with open(path) as f:
-        return list(csv.DictReader(f))
+LINEAR_CSV, GDN_CSV, TRAIN_CSV = "05_lora_linear.csv", "05_gated_deltanet.csv", "05_train_step.csv"
+TARGET_CELL = "32k_4096x4096_r16"  # M = 32768 tokens, K = N = 4096, r = 16: the issue's target cell
+TRAIN_MODELS = {"qwen3-4096": "qwen3_4096", "qwen2.5-0.5b": "qwen2_5_0_5b"}
 
 
-def benchmark_ratios(directory) -> dict:
-    """Ratios from the benchmark CSVs in ``directory`` (those present); keys are notebook 05's metric names."""
+def _rows(path: Path, allow_smoke: bool) -> list[dict]:
+    rows = measure.read_csv(path)  # refuses rows written by other code (StaleResultError)
+    if not allow_smoke and any(row.get("smoke") for row in rows):
+        raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
+    return rows
+
+
+def _ratio(rows, value, numerator: dict, denominator: dict) -> dict:
+    return measure.summarize(measure.repetition_ratios(rows, value, numerator, denominator))
+
+
+def _memory_ratio(rows, column, numerator: dict, denominator: dict):
+    """``column`` of the numerator's rows over the denominator's (measured once per cell, on every rep's row);
+    None where it was not measured (CPU smoke runs)."""
+    def value(match):
+        return next(r[column] for r in rows if all(r.get(k) == v for k, v in match.items()))
+
+    top, bottom = value(numerator), value(denominator)
+    return None if top is None or bottom is None else top / bottom
+
+
+def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
+    """Notebook 05's speed and memory metrics from the benchmark CSVs in ``directory`` (those present).
+
+    Every time or throughput ratio is a ``measure.summarize`` dict over the repetitions — each repetition's ratio
+    pairs two variants timed in the same side-by-side loop; memory ratios are floats (None where not measured).
+    The target-cell metrics need the run to include that cell. CSVs written by other code are refused
+    (``measure.StaleResultError``), and so are ``--smoke`` runs unless ``allow_smoke``.
+    """
     d = Path(directory)
-    out = {}
-    p = d / "05_lora_linear.csv"
-    if p.exists():
-        rows = _read_csv(p)
+    out: dict = {}
+    if (d / LINEAR_CSV).exists():
+        rows = _rows(d / LINEAR_CSV, allow_smoke)
+        t = TARGET_CELL
 
-        def cell(M, K, N, r, variant):
-            for row in rows:
-                if (int(row["M"]), int(row["K"]), int(row["N"]), int(row["r"]), row["variant"]) == (M, K, N, r, variant):
-                    return row
-            return None
+        def at(variant, cell=t):
+            return {"cell": cell, "variant": variant}
 
-        fused, peft, base = (cell(32768, 4096, 4096, 16, v) for v in ("fused", "peft", "base"))
-        if fused and peft and base:
-            out["lora_linear_time_vs_base_32k_4096x4096_r16"] = float(fused["time_vs_base"])
-            out["lora_linear_peak_vs_base_32k_4096x4096_r16"] = float(fused["peak_vs_base"])
-            out["lora_linear_speedup_vs_peft_32k_4096x4096_r16"] = float(peft["fwd_bwd_ms"]) / float(fused["fwd_bwd_ms"])
-            out["peft_time_vs_base_32k_4096x4096_r16"] = float(peft["time_vs_base"])
-        fused_rows = [r for r in rows if r["variant"] == "fused"]
-        if fused_rows:
-            out["lora_linear_worst_time_vs_base"] = max(float(r["time_vs_base"]) for r in fused_rows)
-            out["lora_linear_cells"] = len(fused_rows)
-    p = d / "05_gated_deltanet.csv"
-    if p.exists():
-        rows = {r["variant"]: r for r in _read_csv(p)}
-        if {"fused", "base", "peft"} <= rows.keys():
-            out["gdn_time_vs_base"] = float(rows["fused"]["time_vs_base"])
-            out["gdn_speedup_vs_peft"] = float(rows["fused"]["speedup_vs_peft"])
-            out["gdn_saved_gib_less_than_peft"] = float(rows["fused"]["saved_bytes_less_than_peft"]) / 2**30
-            out["gdn_peft_time_vs_base"] = float(rows["peft"]["time_vs_base"])
-    p = d / "05_train_step.csv"
-    if p.exists():
-        rows = _read_csv(p)
-        for model, key in (("qwen3-4096", "qwen3_4096"), ("qwen2.5-0.5b", "qwen2_5_0_5b")):
-            f = [r for r in rows if r["model"] == model and r["variant"] == "fused"]
-            if f:
-                out[f"train_speedup_vs_peft_{key}"] = float(f[0]["tokens_per_s_vs_peft"])
-                out[f"train_peak_vs_peft_{key}"] = float(f[0]["peak_vs_peft"])
+        if any(r["cell"] == t for r in rows):
+            out[f"lora_linear_time_vs_base_{t}"] = _ratio(rows, "fwd_bwd_ms", at("fused"), at("base"))
+            out[f"peft_time_vs_base_{t}"] = _ratio(rows, "fwd_bwd_ms", at("peft"), at("base"))
+            out[f"lora_linear_speedup_vs_peft_{t}"] = _ratio(rows, "fwd_bwd_ms", at("peft"), at("fused"))
+            out[f"lora_linear_peak_vs_base_{t}"] = _memory_ratio(rows, "peak_bytes", at("fused"), at("base"))
+            target = next(r for r in rows if r["cell"] == t)
+            flops = 4.0 * target["M"] * target["K"] * target["N"]  # the frozen layer's forward and dX GEMMs
+            for variant in ("base", "fused", "peft"):
+                times = measure.by_repetition(rows, "fwd_bwd_ms", **at(variant))
+                out[f"lora_linear_{variant}_tflops_{t}"] = measure.summarize(
+                    flops / (ms * 1e-3) / 1e12 for _, ms in sorted(times.items()))
+        cells = list(dict.fromkeys(r["cell"] for r in rows))
+        per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", at("fused", c), at("base", c)) for c in cells]
+        out["lora_linear_worst_time_vs_base"] = measure.summarize(max(reps) for reps in zip(*per_cell))
+        out["lora_linear_cells"] = len(cells)
+    if (d / GDN_CSV).exists():
+        rows = _rows(d / GDN_CSV, allow_smoke)
+        out["gdn_time_vs_base"] = _ratio(rows, "fwd_bwd_ms", {"variant": "fused"}, {"variant": "base"})
+        out["gdn_speedup_vs_peft"] = _ratio(rows, "fwd_bwd_ms", {"variant": "peft"}, {"variant": "fused"})
+        out["gdn_peft_time_vs_base"] = _ratio(rows, "fwd_bwd_ms", {"variant": "peft"}, {"variant": "base"})
+        saved = {v: next(r["saved_activation_bytes"] for r in rows if r["variant"] == v) for v in ("peft", "fused")}
+        out["gdn_saved_gib_less_than_peft"] = (saved["peft"] - saved["fused"]) / 2**30
+    if (d / TRAIN_CSV).exists():
+        rows = _rows(d / TRAIN_CSV, allow_smoke)
+        for model, key in TRAIN_MODELS.items():
+            if not any(r["model"] == model for r in rows):
+                continue
+            fused, peft = {"model": model, "variant": "fused"}, {"model": model, "variant": "peft"}
+            out[f"train_speedup_vs_peft_{key}"] = _ratio(rows, "tokens_per_s", fused, peft)
+            out[f"train_peak_vs_peft_{key}"] = _memory_ratio(rows, "peak_bytes", fused, peft)
     return out

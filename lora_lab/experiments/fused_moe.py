@@ -1,4 +1,6 @@
-"""Correctness checks of the fused MoE experts, shared by notebook 06 and the tests.
+"""Notebook 06's code: correctness checks of the fused MoE experts, the layer shapes it benchmarks, and the metrics.
+
+Checks (shared with the tests):
 
 * ``make_moe_problem``: a random MoE experts problem (X, routing, weights, optional LoRA factors);
 * ``fused_vs_reference``: output and every gradient of ``fused_moe_experts`` vs ``moe_experts_reference``;
@@ -6,18 +8,49 @@
 * ``patched_model_check``: a tiny Qwen3-MoE, eager vs patched, full fine-tuning and PEFT expert LoRA;
 * ``peft_roundtrip_check``: train one step through the fused path, PEFT ``save_pretrained`` /
   ``from_pretrained``, logits of the reloaded model (PEFT's forward and the fused one).
+
+Real layer shapes (shared with ``benchmarks/bench_moe.py``, which times them):
+
+* ``LAYER_SHAPES`` / ``MoeLayerShape``: the Qwen3-30B-A3B-like and Qwen1.5-MoE-like experts layers, built as
+  transformers' own experts modules; ``random_routing``, ``add_expert_lora``, ``set_implementation``
+  (transformers eager / grouped_mm, or ours);
+* ``layer_numerics``: bf16 output and gradients of each implementation against an fp32 reference;
+* ``saved_bytes_by_implementation``: bytes autograd keeps for backward, per implementation;
+* ``benchmark_metrics``: the speed and memory ratios notebook 06 records, from the benchmark's CSVs.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import gc
 import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
+from torch import nn
 
-from lora_lab.kernels import ExpertLoRA, KernelConfig, fused_moe_experts, moe_experts_reference, patch_moe_experts
-from lora_lab.layer import fill_lora_B
+from lora_lab.kernels import (
+    ExpertLoRA,
+    KernelConfig,
+    fused_moe_experts,
+    moe_experts_reference,
+    patch_moe_experts,
+    unpatch_moe_experts,
+)
+from lora_lab.lab import measure
+from lora_lab.layer import SingleChild, fill_lora_B
+from lora_lab.memory import saved_bytes_excluding
 from lora_lab.numerics import error_stats
+
+__all__ = [
+    "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
+    "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
+    "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "MoeLayerShape", "LAYER_SHAPES", "random_routing",
+    "layer_holder", "set_implementation", "expert_gemm_flops", "layer_numerics", "saved_bytes_by_implementation",
+    "benchmark_metrics", "layer_table", "GRADED_CELLS",
+]
 
 TENSOR_NAMES = ["out", "d_x", "d_weights", "d_gate_up_proj", "d_down_proj",
                 "d_gate_up_A", "d_gate_up_B", "d_down_A", "d_down_B"]
@@ -119,12 +152,16 @@ def tiny_qwen3_moe(seed: int = 0, hidden: int = 32, experts: int = 6, top_k: int
     return Qwen3MoeForCausalLM(config)
 
 
-def add_expert_lora(model, rank=4, alpha=8, seed=0, b_std=0.1):
-    """PEFT LoRA on experts.gate_up_proj / down_proj with B ~ N(0, b_std) (B = 0 would test nothing)."""
-    from peft import LoraConfig, get_peft_model
+def add_expert_lora(model, rank=4, alpha=8, seed=0, b_std=0.1, inject=False):
+    """PEFT LoRA on experts.gate_up_proj / down_proj with B ~ N(0, b_std) (B = 0 would test nothing).
 
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=[],
-                                             target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
+    Returns the PeftModel, or with ``inject`` the same ``model`` with the adapters injected in place (a bare
+    experts layer in a ``SingleChild`` holder keeps its call signature)."""
+    from peft import LoraConfig, get_peft_model, inject_adapter_in_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=[],
+                        target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    model = inject_adapter_in_model(config, model) if inject else get_peft_model(model, config)
     fill_lora_B(model, b_std, generator=torch.Generator().manual_seed(seed))
     return model
 
@@ -184,7 +221,281 @@ def peft_roundtrip_check(device="cpu", seed=0) -> dict:
     )
 
 
-__all__ = [
-    "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
-    "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
+
+# ----------------------------------------------------------------------------------------------
+# The real layer shapes: numerics here, timing in benchmarks/bench_moe.py.
+# ----------------------------------------------------------------------------------------------
+H200_DENSE_BF16_TFLOPS = 989.5  # NVIDIA H200 SXM: 1,979 TFLOP/s bf16 with 2:4 sparsity, half of it dense
+IMPLEMENTATIONS = ("eager", "grouped_mm", "ours")
+
+
+@dataclass(frozen=True)
+class MoeLayerShape:
+    name: str
+    hidden: int
+    num_experts: int
+    top_k: int
+    intermediate: int
+    norm_topk_prob: bool
+    family: str  # transformers model family whose experts class is used
+
+    def build_experts(self, device, dtype, seed: int = 0) -> nn.Module:
+        """The transformers experts module of this shape, weights ~ N(0, 0.02), drawn on ``device`` (the
+        30B-like layer holds 600M values: a host draw and copy would take seconds)."""
+        if self.family == "qwen3_moe":
+            from transformers import Qwen3MoeConfig as config_class
+            from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts as experts_class
+        elif self.family == "qwen2_moe":
+            from transformers import Qwen2MoeConfig as config_class
+            from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts as experts_class
+        else:
+            raise ValueError(f"unknown family {self.family}")
+        config = config_class(hidden_size=self.hidden, moe_intermediate_size=self.intermediate,
+                              num_experts=self.num_experts, num_experts_per_tok=self.top_k)
+        config._experts_implementation = "eager"
+        device = torch.device(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        with torch.device(device):
+            experts = experts_class(config)
+        with torch.no_grad():
+            for p in (experts.gate_up_proj, experts.down_proj):
+                p.copy_(torch.randn(p.shape, generator=gen, device=device) * 0.02)
+        return experts.to(device=device, dtype=dtype)
+
+    def scaled(self, hidden: int, num_experts: int, top_k: int, intermediate: int) -> MoeLayerShape:
+        """The same layer (name, family, routing rule) at other sizes: the tiny stand-ins of smoke runs."""
+        return replace(self, hidden=hidden, num_experts=num_experts, top_k=top_k, intermediate=intermediate)
+
+
+LAYER_SHAPES = {
+    "qwen3_30b_a3b": MoeLayerShape("qwen3_30b_a3b", 2048, 128, 8, 768, True, "qwen3_moe"),
+    "qwen1_5_moe_a2_7b": MoeLayerShape("qwen1_5_moe_a2_7b", 2048, 60, 4, 1408, False, "qwen2_moe"),
+}
+
+
+def random_routing(num_tokens: int, shape: MoeLayerShape, device, dtype, seed: int = 0):
+    """Softmax router over random logits → (top_k_index, top_k_weights leaf with grad)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+    logits = torch.randn(num_tokens, shape.num_experts, generator=gen).to(device)
+    probs = logits.float().softmax(-1)
+    weights, index = torch.topk(probs, shape.top_k, dim=-1)
+    if shape.norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return index, weights.to(dtype).requires_grad_(True)
+
+
+def layer_holder(shape: MoeLayerShape, mode: str, device, dtype, seed: int = 0, rank: int = 16):
+    """(holder, experts, trainable parameters): the experts layer in a ``SingleChild`` named ``experts`` (PEFT's
+    ``target_parameters`` name); ``mode`` 'full' trains both expert weights, 'lora' freezes them and adds PEFT
+    LoRA (r = ``rank``, alpha 2r, B ~ N(0, 0.01)) on both."""
+    experts = shape.build_experts(device, dtype, seed)
+    holder = SingleChild(experts, "experts")
+    if mode == "full":
+        return holder, experts, [experts.gate_up_proj, experts.down_proj]
+    if mode != "lora":
+        raise ValueError(f"mode must be 'full' or 'lora', got {mode!r}")
+    experts.requires_grad_(False)
+    add_expert_lora(holder, rank=rank, alpha=2 * rank, seed=seed, b_std=0.01, inject=True)
+    return holder, experts, [p for p in holder.parameters() if p.requires_grad]
+
+
+def set_implementation(holder: nn.Module, experts: nn.Module, impl: str, config: KernelConfig | None = None) -> None:
+    """eager / grouped_mm through transformers' switch; ours through ``patch_moe_experts(config=config)``."""
+    unpatch_moe_experts(holder)
+    if impl == "ours":
+        experts.config._experts_implementation = "eager"
+        if patch_moe_experts(holder, config=config) != 1:
+            raise RuntimeError("expected exactly one patched experts module")
+    elif impl in ("eager", "grouped_mm"):
+        experts.config._experts_implementation = impl
+    else:
+        raise ValueError(f"unknown implementation {impl!r}")
+
+
+def expert_gemm_flops(num_tokens: int, shape: MoeLayerShape, mode: str) -> float:
+    """Dense expert-GEMM FLOPs of forward + backward, S = T·K assignments (LoRA rank terms not counted): forward
+    6·S·H·I (gate_up 2·S·H·2I, down 2·S·I·H), backward 12·S·H·I (dX and dW) or 6·S·H·I (LoRA: no dW)."""
+    s, h, i = num_tokens * shape.top_k, shape.hidden, shape.intermediate
+    forward = 6.0 * s * h * i
+    return forward + (2 * forward if mode == "full" else forward)
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def saved_bytes_by_implementation(shape: MoeLayerShape, num_tokens: int, mode: str, *, device: str = "cuda",
+                                  dtype=torch.bfloat16, seed: int = 0, config: KernelConfig | None = None) -> dict:
+    """Bytes autograd saves for backward in one forward (deduplicated by storage, inputs and parameters
+    excluded), for eager / grouped_mm / ours on one shared layer."""
+    holder, experts, _ = layer_holder(shape, mode, torch.device(device), dtype, seed)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 3)
+    x = torch.randn(num_tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_(True)
+    index, weights = random_routing(num_tokens, shape, torch.device(device), dtype, seed)
+    exclude = (x, index, weights, *holder.parameters())
+    result = {}
+    for impl in IMPLEMENTATIONS:
+        set_implementation(holder, experts, impl, config)
+        result[impl] = saved_bytes_excluding(functools.partial(holder, x, index, weights), exclude)
+    unpatch_moe_experts(holder)
+    del experts, holder, exclude
+    _free_memory()
+    return result
+
+
+def _bare_experts(holder: nn.Module) -> nn.Module:
+    module = holder.experts
+    while hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int = 0, device: str = "cuda",
+                   dtype: torch.dtype = torch.bfloat16, config: KernelConfig | None = None) -> list[dict]:
+    """Low-precision forward + every gradient of eager / grouped_mm / ours against an fp32 eager reference.
+
+    The reference runs on the *same* rounded weights and inputs, upcast to fp32 (TF32 off), so the errors
+    measure the arithmetic of each implementation, not the rounding of the weights.
+    """
+    device = torch.device(device)
+    holder, _, _ = layer_holder(shape, mode, device, dtype, seed)
+    if mode == "lora":
+        for p in holder.parameters():  # PEFT may keep adapters in fp32: round them like the weights
+            if p.requires_grad:
+                p.data = p.data.to(dtype).to(p.dtype)
+    gen = torch.Generator(device="cpu").manual_seed(seed + 3)
+    x = torch.randn(num_tokens, shape.hidden, generator=gen).to(device, dtype)
+    index, weights = random_routing(num_tokens, shape, device, dtype, seed)
+    grad_out = torch.randn(num_tokens, shape.hidden, generator=gen).to(device, dtype)
+    reference_holder = copy.deepcopy(holder).float()
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    try:
+        for impl in ("reference", *IMPLEMENTATIONS):
+            is_ref = impl == "reference"
+            h = reference_holder if is_ref else holder
+            cast = (lambda t: t.float()) if is_ref else (lambda t: t)
+            xi = cast(x).detach().requires_grad_(True)
+            wi = cast(weights).detach().requires_grad_(True)
+            params = [p for p in h.parameters() if p.requires_grad]
+            set_implementation(h, _bare_experts(h), "eager" if is_ref else impl, config)
+            out = h(xi, index, wi)
+            grads = torch.autograd.grad(out, [xi, wi, *params], cast(grad_out))
+            results[impl] = [t.detach().float() for t in (out, *grads)]
+            unpatch_moe_experts(h)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+    if mode == "full":
+        names = ["out", "d_x", "d_weights"] + [f"d_{n.split('.')[-1]}" for n, p in holder.named_parameters()
+                                               if p.requires_grad]
+    else:  # PEFT's names: experts.base_layer.lora_A.default.weight (gate_up), experts.lora_A... (down)
+        renames = ((".default.weight", ""), ("experts.base_layer.", "gate_up."), ("experts.", "down."))
+        names = ["out", "d_x", "d_weights"]
+        for n, p in holder.named_parameters():
+            if p.requires_grad:
+                for old, new in renames:
+                    n = n.replace(old, new)
+                names.append("d_" + n)
+    rows = []
+    for impl in IMPLEMENTATIONS:
+        for name, got, ref in zip(names, results[impl], results["reference"]):
+            rows.append(dict(shape=shape.name, tokens=num_tokens, mode=mode, impl=impl, tensor=name,
+                             **error_stats(got, ref)))
+    del holder, reference_holder
+    _free_memory()
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The metrics of the GPU benchmark (benchmarks/bench_moe.py), from its per-repetition CSVs.
+# ----------------------------------------------------------------------------------------------
+LAYER_CSV = "06_moe_layer.csv"
+E2E_CSV = "06_moe_e2e.csv"
+# (metric cell, implementation it is compared with): time ratios, per repetition
+GRADED_SPEEDUPS = [
+    ("qwen3_30b_a3b_t8192_full", "grouped_mm"),
+    ("qwen3_30b_a3b_t8192_lora", "grouped_mm"),
+    ("qwen3_30b_a3b_t8192_full", "eager"),
+    ("qwen1_5_moe_a2_7b_t8192_full", "grouped_mm"),
+    ("qwen3_30b_a3b_t32768_full", "grouped_mm"),
 ]
+GRADED_PEAKS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t8192_lora"]
+GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm")]
+GRADED_CELLS = list(dict.fromkeys([cell for cell, _ in GRADED_SPEEDUPS] + GRADED_PEAKS))
+
+
+def _refuse_smoke(rows, path, allow_smoke):
+    if not allow_smoke and any(row.get("smoke") for row in rows):
+        raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
+
+
+def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
+    """Notebook 06's speed and memory metrics from ``06_moe_layer.csv`` and ``06_moe_e2e.csv`` in ``directory``.
+
+    Time ratios are ``measure.summarize`` dicts over the repetitions (each repetition's ratio pairs two
+    implementations timed in the same side-by-side loop); memory ratios (peak above resident, measured once)
+    are floats, None where not measured (CPU smoke runs). A metric whose cell was not run (or ran out of memory)
+    is left out. CSVs written by other code are refused (``measure.StaleResultError``), and so are smoke runs
+    unless ``allow_smoke``.
+    """
+    directory = Path(directory)
+    out: dict = {}
+    layer = measure.read_csv(directory / LAYER_CSV)
+    _refuse_smoke(layer, directory / LAYER_CSV, allow_smoke)
+
+    def timed(rows, **match):  # measured at all (the cell was run and did not run out of memory)
+        return any(all(r.get(k) == v for k, v in match.items()) and r.get("ms", r.get("samples_per_s")) is not None
+                   for r in rows)
+
+    for cell, base in GRADED_SPEEDUPS:
+        if timed(layer, cell=cell, impl=base) and timed(layer, cell=cell, impl="ours"):
+            out[f"{cell}_speedup_vs_{base}"] = measure.summarize(measure.repetition_ratios(
+                layer, "ms", {"cell": cell, "impl": base}, {"cell": cell, "impl": "ours"}))
+    cell = "qwen3_30b_a3b_t8192_full"
+    ours = [r for r in layer if r["cell"] == cell and r["impl"] == "ours" and r["ms"] is not None]
+    if ours:
+        tflops = [r["gemm_flops"] / (r["ms"] * 1e-3) / 1e12 for r in ours]
+        out[f"{cell}_ours_tflops"] = measure.summarize(tflops)
+        out[f"{cell}_ours_fraction_of_peak"] = measure.summarize(t / H200_DENSE_BF16_TFLOPS for t in tflops)
+    for cell in GRADED_PEAKS:
+        extra = {}
+        for impl in ("ours", "grouped_mm"):
+            row = next((r for r in layer if r["cell"] == cell and r["impl"] == impl), {})
+            peak, resident = row.get("peak_bytes"), row.get("resident_bytes")
+            extra[impl] = None if peak is None or resident is None else peak - resident
+        if any(r["cell"] == cell for r in layer):
+            ratio = None if None in extra.values() else extra["ours"] / extra["grouped_mm"]
+            out[f"{cell}_peak_ratio_vs_grouped_mm"] = ratio
+    path = directory / E2E_CSV
+    if path.exists():
+        e2e = measure.read_csv(path)
+        _refuse_smoke(e2e, path, allow_smoke)
+        for mode, base in GRADED_E2E:
+            if timed(e2e, mode=mode, impl=base) and timed(e2e, mode=mode, impl="ours"):
+                out[f"e2e_{mode}_speedup_vs_{base}"] = measure.summarize(measure.repetition_ratios(
+                    e2e, "samples_per_s", {"mode": mode, "impl": "ours"}, {"mode": mode, "impl": base}))
+    return out
+
+
+def layer_table(rows: list[dict]) -> list[dict]:
+    """One row per (cell, implementation) of the layer benchmark's rows (``measure.read_csv`` of
+    ``06_moe_layer.csv``): median ms over the repetitions and its 95% interval, TFLOP/s of the median, peak GiB
+    above resident — what the notebook prints. ``tokens`` is the T that ran, ``label_tokens`` the T of the cell's
+    name (they differ only in smoke runs' tiny stand-ins)."""
+    table = []
+    for cell, impl in dict.fromkeys((r["cell"], r["impl"]) for r in rows):
+        mine = [r for r in rows if r["cell"] == cell and r["impl"] == impl]
+        times = [r["ms"] for r in mine if r["ms"] is not None]
+        first = mine[0]
+        entry = {k: first[k] for k in ("cell", "shape", "tokens", "label_tokens", "mode", "impl", "status")}
+        if times:
+            summary = measure.summarize(times)
+            entry.update(ms=summary["median"], ms_ci95=summary["ci95"], n=summary["n"],
+                         tflops=first["gemm_flops"] / (summary["median"] * 1e-3) / 1e12)
+        if first.get("peak_bytes") is not None:
+            entry["peak_extra_gib"] = (first["peak_bytes"] - first["resident_bytes"]) / 2**30
+        table.append(entry)
+    return table

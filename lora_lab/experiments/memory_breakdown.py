@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import gc
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
 from lora_lab.layer import add_lora, remove_lora
 from lora_lab.memory import GIB, AnalyticMemory, ModelShape, TrainingSetup, analytic_memory, dtype_of, peak_memory
+
 
 @dataclass(frozen=True)
 class MemoryConfig:
@@ -27,7 +28,8 @@ class MemoryConfig:
 
     @property
     def mode(self) -> str:
-        parts = [self.method] + (["ckpt"] if self.checkpointing else []) + (["chunked"] if self.loss == "chunked" else [])
+        parts = ([self.method] + (["ckpt"] if self.checkpointing else [])
+                 + (["chunked"] if self.loss == "chunked" else []))
         return "_".join(parts)
 
     @property
@@ -35,7 +37,8 @@ class MemoryConfig:
         suffix = f"_c{self.chunk_size}" if self.loss == "chunked" and self.chunk_size != 1024 else ""
         return f"{self.dtype}_b{self.batch}_l{self.seq_len}_{self.mode}{suffix}"
 
-    def setup(self, attention: str, lora_r: int = 8, lora_targets: Sequence[str] = ("q_proj", "v_proj")) -> TrainingSetup:
+    def setup(self, attention: str, lora_r: int = 8,
+              lora_targets: Sequence[str] = ("q_proj", "v_proj")) -> TrainingSetup:
         return TrainingSetup(batch=self.batch, seq_len=self.seq_len, dtype=self.dtype, method=self.method,
                              lora_r=lora_r, lora_targets=tuple(lora_targets), attention=attention,
                              checkpointing=self.checkpointing, loss=self.loss, chunk_size=self.chunk_size)
@@ -186,7 +189,8 @@ def config_for(dtype: str, batch: int, seq_len: int, mode: str, chunk_size: int 
 
 def sweep_configs(dtypes: Sequence[str], batch: int, lengths: Sequence[int], modes: Sequence[str],
                   extra: Sequence[Sequence] = (), chunk_size: int = 1024,
-                  extra_chunk_sizes: Sequence[int] = (), extra_chunk_point: Sequence = ("bf16", 4, 4096)) -> list[MemoryConfig]:
+                  extra_chunk_sizes: Sequence[int] = (),
+                  extra_chunk_point: Sequence = ("bf16", 4, 4096)) -> list[MemoryConfig]:
     """The sweep grid, grouped by dtype (one model build per dtype): every (batch, length) point,
     then ``extra`` (dtype, batch, length) points, times ``modes``; plus ``lora_ckpt_chunked`` at
     ``extra_chunk_point`` with each of ``extra_chunk_sizes``."""

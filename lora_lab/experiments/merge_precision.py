@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lora_lab.layer import LoRALinear, lora_layers, replace_module
+from lora_lab.models import model_logits
 
 __all__ = [
     "RECIPES",
@@ -231,12 +232,6 @@ def random_token_batch(vocab_size: int, batch: int, length: int, seed: int = 0, 
 
 
 @torch.no_grad()
-def model_logits(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """fp32 logits (batch x seq x vocab) of ``model`` on ``batch`` (no labels passed, no loss computed)."""
-    out = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"))
-    return out.logits.float()
-
-
 def per_position_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of position t predicting labels[t+1] (batch x seq; NaN where there is no target).
 
@@ -537,7 +532,8 @@ def run_drift_experiments(
             base_ref = model_logits(model, batch)
         with projections_swapped(low_host, model, "base_only", low_dtype):
             base_low = model_logits(low_host, batch)
-        results[FLOOR] = DriftResult(FLOOR, compare_logits(base_low, base_ref), per_position_loss(base_low, labels).cpu())
+        results[FLOOR] = DriftResult(FLOOR, compare_logits(base_low, base_ref),
+                                     per_position_loss(base_low, labels).cpu())
         del base_ref, base_low
     del low_host
     model.train(was_training)

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 __all__ = ["KernelConfig", "ENV_VARIABLES", "resolve_config"]
 

@@ -19,7 +19,7 @@ differs from the weights, autocast.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -235,7 +235,8 @@ class _SharedInputGroup:
 # ----------------------------------------------------------------------------------------------
 def _why_unsupported_base(base, where) -> str | None:
     if type(base) is not nn.Linear:
-        return f"{where}: base layer is {type(base).__name__}, not a plain nn.Linear (quantized bases are not supported)"
+        return (f"{where}: base layer is {type(base).__name__}, "
+                "not a plain nn.Linear (quantized bases are not supported)")
     if base.weight.dtype not in SUPPORTED_DTYPES:
         return f"{where}: base weight dtype {base.weight.dtype} is not bf16/fp16/fp32 (quantized?)"
     if base.weight.device.type != "cuda" and not running_in_interpreter():
@@ -319,7 +320,7 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
         warnings.warn(f"patch_model: leaving {len(bad)} unsupported LoRA layer(s) unfused", RuntimeWarning,
                       stacklevel=2)
     patched = 0
-    for name, m, kind, why in found:
+    for _, m, kind, why in found:
         if why is None and not hasattr(m, _STATE_ATTR):
             _install(m, kind, config)
             patched += 1

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
 
 import torch
 from torch import nn

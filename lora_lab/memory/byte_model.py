@@ -8,8 +8,8 @@ loss (standard vs chunked), and the peak of each phase of the step.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .accounting import GIB, dtype_of
 
@@ -34,7 +34,7 @@ class ModelShape:
     attention_bias: bool = True  # bias on q/k/v (Qwen2); o_proj and the MLP have none
 
     @classmethod
-    def from_config(cls, config) -> "ModelShape":
+    def from_config(cls, config) -> ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         bias = getattr(config, "attention_bias", None)
         if bias is None:
@@ -167,7 +167,8 @@ def _norm_terms(prefix, n_tok, d, s, input_grad, weight_grad) -> dict[str, int]:
     return terms
 
 
-def _layer_terms(shape: ModelShape, st: TrainingSetup, input_grad: bool, first_rotary: bool) -> tuple[dict[str, int], bool]:
+def _layer_terms(shape: ModelShape, st: TrainingSetup, input_grad: bool,
+                 first_rotary: bool) -> tuple[dict[str, int], bool]:
     """Tensors one decoder layer saves for backward (bytes), and whether its output requires grad.
 
     ``first_rotary``: no earlier layer has saved the rotary cos/sin tables (one storage shared by all layers).

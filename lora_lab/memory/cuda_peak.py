@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -137,7 +138,8 @@ def _require_cuda(model: nn.Module) -> torch.device:
         )
     devices = {p.device for p in model.parameters()}
     if len(devices) != 1 or next(iter(devices)).type != "cuda":
-        raise ValueError(f"peak_memory needs the whole model on one CUDA device, found parameters on {sorted(map(str, devices))}")
+        raise ValueError("peak_memory needs the whole model on one CUDA device, "
+                         f"found parameters on {sorted(map(str, devices))}")
     return next(iter(devices))
 
 

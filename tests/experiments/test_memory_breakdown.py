@@ -36,7 +36,8 @@ def test_prepare_model_switches_between_setups(tiny_fp32):
     mb.prepare_model(model, mb.config_for("fp32", 1, 8, "lora_ckpt"), lora_r=4, lora_alpha=8)
     assert len(lora_lab.lora_layers(model)) == 2 * model.config.num_hidden_layers
     assert model.model.layers[0].gradient_checkpointing and model.training
-    assert lora_lab.count_parameters(model).trainable == mem.ModelShape.from_config(model.config).lora_parameter_count(4, ("q_proj", "v_proj"))
+    shape = mem.ModelShape.from_config(model.config)
+    assert lora_lab.count_parameters(model).trainable == shape.lora_parameter_count(4, ("q_proj", "v_proj"))
     mb.prepare_model(model, mb.config_for("fp32", 1, 8, "full"))
     assert not lora_lab.lora_layers(model)
     assert not model.model.layers[0].gradient_checkpointing

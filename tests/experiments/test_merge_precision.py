@@ -10,7 +10,6 @@ from torch import nn
 
 import lora_lab
 from lora_lab.experiments import merge_precision as mn
-from lora_lab.experiments import peft_parity as pp
 from lora_lab.layer import LoRALinear
 
 SPEC = "random:tiny-qwen2"
@@ -53,7 +52,8 @@ def test_every_recipe_matches_its_formula():
         "bf16_adapter": (F.linear(x16, W16, b16) + lora(x16, A.to(bf16), B.to(bf16))).float(),
         "bf16_fp32_lora": (F.linear(x16, W16, b16).float() + lora(x16.float(), A, B)).to(bf16).float(),
         "bf16_merged": F.linear(x16, (W16.float() + D).to(bf16), b16).float(),
-        "bf16_single_round": (F.linear(x16.float(), W16.float(), b16.float()) + lora(x16.float(), A, B)).to(bf16).float(),
+        "bf16_single_round": (F.linear(x16.float(), W16.float(), b16.float())
+                              + lora(x16.float(), A, B)).to(bf16).float(),
         "bf16_exact_qv": (F.linear(x16.float(), W, b) + lora(x16.float(), A, B)).to(bf16).float(),
     }
     assert set(want) == set(mn.RECIPES)
@@ -115,9 +115,9 @@ def test_vanishing_entries_counts_exactly():
 def test_model_vanishing_share_tiny():
     lora_lab.deterministic(0)
     model = lora_lab.add_lora(lora_lab.load_model(SPEC))
-    pp.fill_lora_B_normal(model, std=1e-3)
+    lora_lab.fill_lora_B(model, 1e-3, torch.Generator().manual_seed(1))
     small = mn.model_vanishing_share(model)
-    pp.fill_lora_B_normal(model, std=1e-1)
+    lora_lab.fill_lora_B(model, 1e-1, torch.Generator().manual_seed(1))
     large = mn.model_vanishing_share(model)
     assert small["nonzero"] == large["nonzero"] == small["total"]
     assert 0 < large["share"] < small["share"] < 1  # smaller updates vanish more often
@@ -126,9 +126,9 @@ def test_model_vanishing_share_tiny():
 def test_safe_merge_double_rounds_and_default_merge_is_ours():
     lora_lab.deterministic(0)
     ours = lora_lab.add_lora(lora_lab.load_model(SPEC))
-    pp.fill_lora_B_normal(ours, std=0.02)
-    peft_model = pp.peft_lora_model(lora_lab.load_model(SPEC, dtype=bf16))
-    pp.copy_adapters_to_peft(ours, peft_model)
+    lora_lab.fill_lora_B(ours, 0.02, torch.Generator().manual_seed(1))
+    peft_model = lora_lab.peft_lora_model(lora_lab.load_model(SPEC, dtype=bf16))
+    lora_lab.copy_adapters_to_peft(ours, peft_model)
     default = mn.peft_merged_weights(peft_model, safe_merge=False)
     safe = mn.peft_merged_weights(peft_model, safe_merge=True)
     layers = dict(lora_lab.lora_layers(ours))
@@ -144,7 +144,7 @@ def test_safe_merge_double_rounds_and_default_merge_is_ours():
     ours_merged = mn.low_precision_merged_weights(ours)
     assert all(torch.equal(ours_merged[n], default[n]) for n in layers)
     assert lora_lab.lora_layers(ours)  # untouched
-    assert all(p.dtype == torch.float32 for p, _ in pp.peft_lora_pairs(peft_model).values())
+    assert all(p.dtype == torch.float32 for p, _ in lora_lab.adapters.peft_lora_pairs(peft_model).values())
 
 
 def test_position_statistics():
@@ -168,7 +168,7 @@ def test_position_statistics():
 def test_per_position_loss_matches_transformers():
     lora_lab.deterministic(0)
     model = lora_lab.load_model(SPEC)
-    batch = pp.text_batch(lora_lab.load_tokenizer(SPEC))
+    batch = lora_lab.text_batch(lora_lab.load_tokenizer(SPEC))
     with torch.no_grad():
         out = model(**batch)
     loss = mn.per_position_loss(out.logits, batch["labels"])
@@ -206,7 +206,7 @@ def test_drift_harness_on_tiny_model():
     lora_lab.deterministic(0)
     model = lora_lab.add_lora(lora_lab.load_model(SPEC))
     batch = mn.random_token_batch(model.config.vocab_size, batch=2, length=24, seed=3)
-    pp.train_lora_steps(model, batch, steps=3)
+    lora_lab.train_steps(model, batch, steps=3)
     params_before = [p.detach().clone() for p in model.parameters()]
     res = mn.run_drift_experiments(model, batch, keep_logits=("reference", "full_bf16_adapter"))
     assert set(res) == set(mn.DRIFT_VARIANTS) | {mn.FLOOR, "reference"}
@@ -216,7 +216,7 @@ def test_drift_harness_on_tiny_model():
             assert res[name].summary()["mean"] > 0, name
     # the full bf16 adapter variant is the bf16 copy of the model with our LoRALinear
     bf16_model = copy.deepcopy(model).to(bf16)
-    assert torch.equal(res["full_bf16_adapter"].logits, mn.model_logits(bf16_model, batch))
+    assert torch.equal(res["full_bf16_adapter"].logits, lora_lab.model_logits(bf16_model, batch))
     # every single injection drifts less than the whole bf16 model
     full = res["full_bf16_adapter"].summary()["mean"]
     assert all(res[n].summary()["mean"] < full for n in mn.DRIFT_VARIANTS if n.startswith("inj_"))

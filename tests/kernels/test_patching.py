@@ -9,9 +9,8 @@ import torch
 
 import lora_lab
 from lora_lab.kernels import UnsupportedLoRAError, patch_model, patched_layers, unpatch_model
-from lora_lab.experiments.fused_lora_kernels import train_losses
-from lora_lab.numerics import rel_l2
 from lora_lab.layer import SingleChild
+from lora_lab.numerics import rel_l2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -61,7 +60,8 @@ def test_peft_model_forward_backward_and_training_match():
         assert rel_l2(gf[n], gr[n]) < 1e-4, n
     ref.zero_grad(set_to_none=True)
     fused.zero_grad(set_to_none=True)
-    lr_, lf = train_losses(ref, ids, 5), train_losses(fused, ids, 5)
+    lr_, lf = (lora_lab.train_steps(ref, {'input_ids': ids, 'labels': ids}, 5),
+               lora_lab.train_steps(fused, {'input_ids': ids, 'labels': ids}, 5))
     assert lf[-1] < lf[0]
     assert max(abs(a - b) for a, b in zip(lr_, lf)) < 1e-4
 
@@ -148,7 +148,8 @@ def test_lora_lab_layers_are_patched():
     ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     model.train()
     ref.train()
-    lr_, lf = train_losses(ref, ids, 3), train_losses(model, ids, 3)
+    lr_, lf = (lora_lab.train_steps(ref, {'input_ids': ids, 'labels': ids}, 3),
+               lora_lab.train_steps(model, {'input_ids': ids, 'labels': ids}, 3))
     assert max(abs(a - b) for a, b in zip(lr_, lf)) < 1e-4
 
 
@@ -203,7 +204,8 @@ def test_gpu_bf16_training_tracks_unpatched():
     ids = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0)).cuda()
     ref.train()
     fused.train()
-    lr_, lf = train_losses(ref, ids, 10), train_losses(fused, ids, 10)
+    lr_, lf = (lora_lab.train_steps(ref, {'input_ids': ids, 'labels': ids}, 10),
+               lora_lab.train_steps(fused, {'input_ids': ids, 'labels': ids}, 10))
     assert lf[-1] < lf[0] - 0.05
     assert max(abs(a - b) / abs(a) for a, b in zip(lr_, lf)) < 0.02
 
@@ -237,7 +239,8 @@ def test_gpu_bf16_gated_deltanet_hidden_1024():
     gt, gf = lora_grads(truth), lora_grads(fused)
     gr = lora_grads(ref)
     for n in gt:  # some factors are tiny (in_proj_b/a: a few hundred entries), so their errors fluctuate more
-        assert rel_l2(gf[n], gt[n]) <= 1.5 * rel_l2(gr[n], gt[n]) + 2e-3, (n, rel_l2(gf[n], gt[n]), rel_l2(gr[n], gt[n]))
+        assert rel_l2(gf[n], gt[n]) <= 1.5 * rel_l2(gr[n], gt[n]) + 2e-3, \
+            (n, rel_l2(gf[n], gt[n]), rel_l2(gr[n], gt[n]))
 
 
 def test_moe_expert_wrappers_are_left_to_the_moe_patcher():

@@ -1,6 +1,6 @@
 """lora_lab.memory: fixed memory from tensors, saved-activation accounting, the byte model, the sweep."""
-import copy
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -241,7 +241,8 @@ def test_accounting_matches_byte_model_on_cuda(dtype):
     # the CUDA kernels' saved tensors (flash / efficient / math, whichever runs) as the byte model has them
     model = lora_lab.load_model("random:tiny-qwen2", dtype=dtype, device="cuda", attn_implementation="sdpa").train()
     ids = torch.randint(0, model.config.vocab_size, (2, 64), device="cuda")
-    kernel = mb.byte_model_kernel(mem.sdpa_kernels_used(lambda: model(input_ids=ids, labels=ids).loss.backward())["kernels"])
+    kernel = mb.byte_model_kernel(
+        mem.sdpa_kernels_used(lambda: model(input_ids=ids, labels=ids).loss.backward())["kernels"])
     with mem.SavedTensorAccounting(model) as acc:
         out = causal_lm_loss(model, ids, chunked=False)
     predicted = mem.analytic_memory(mem.ModelShape.from_config(model.config),

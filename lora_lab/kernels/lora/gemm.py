@@ -135,11 +135,14 @@ def _lora_gemm_kernel(
     # main loop(s): acc = Σ_seg In_seg Mat_seg
     acc = _accumulate_segment(acc, in0_ptr, s_i0m, s_i0k, D0, mat0_ptr, s_w0k, s_w0n, rows, cols, BLOCK_K, PRECISION)
     if NUM_SEG > 1:
-        acc = _accumulate_segment(acc, in1_ptr, s_i1m, s_i1k, D1, mat1_ptr, s_w1k, s_w1n, rows, cols, BLOCK_K, PRECISION)
+        acc = _accumulate_segment(acc, in1_ptr, s_i1m, s_i1k, D1, mat1_ptr, s_w1k, s_w1n, rows, cols,
+                                  BLOCK_K, PRECISION)
     if NUM_SEG > 2:
-        acc = _accumulate_segment(acc, in2_ptr, s_i2m, s_i2k, D2, mat2_ptr, s_w2k, s_w2n, rows, cols, BLOCK_K, PRECISION)
+        acc = _accumulate_segment(acc, in2_ptr, s_i2m, s_i2k, D2, mat2_ptr, s_w2k, s_w2n, rows, cols,
+                                  BLOCK_K, PRECISION)
     if NUM_SEG > 3:
-        acc = _accumulate_segment(acc, in3_ptr, s_i3m, s_i3k, D3, mat3_ptr, s_w3k, s_w3n, rows, cols, BLOCK_K, PRECISION)
+        acc = _accumulate_segment(acc, in3_ptr, s_i3m, s_i3k, D3, mat3_ptr, s_w3k, s_w3n, rows, cols,
+                                  BLOCK_K, PRECISION)
 
     _finish_tile(acc, rows, cols, rows_true, cols_true, M, N, out_ptr, stride_om, stride_on,
                  l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R, rank_lo_ptr, rank_hi_ptr, bias_ptr,

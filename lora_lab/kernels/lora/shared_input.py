@@ -26,7 +26,7 @@ own mask); :func:`lora_lab.kernels.patch_model` keeps projections with dropout o
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -174,7 +174,8 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             for j, i in enumerate(lora_segments):
                 if dys[i] is not None and ctx.needs_input_grad[_FIRST_LORA + 2 * j + 1]:
                     # dB_i = dY_iᵀ P_i
-                    lora_grads[2 * j + 1] = rank_reduction(p[:, r_off[i]:r_off[i + 1]], dys[i], tune=config.autotune).t().to(
+                    p_i = p[:, r_off[i]:r_off[i + 1]]
+                    lora_grads[2 * j + 1] = rank_reduction(p_i, dys[i], tune=config.autotune).t().to(
                         lora_params[2 * j + 1].dtype)
             if any(ctx.needs_input_grad[_FIRST_LORA + 2 * j] for j in range(len(lora_segments))):
                 # dA = Qᵀ X: one pass over X for all adapters
@@ -186,7 +187,8 @@ class SharedInputLoRAFunction(torch.autograd.Function):
         # the memory-bound reductions may run on a side stream next to the dX GEMM (config.overlap; by default
         # when the dX GEMM is cuBLAS's, the pairing the benchmarks favoured)
         base = base_gemm_engine(config, default="cublas")
-        side = side_stream(x2.device, config, default=base == "cublas") if (lora_work and need_x and need_lora) else None
+        side = (side_stream(x2.device, config, default=base == "cublas")
+                if (lora_work and need_x and need_lora) else None)
         if side is not None:
             main = torch.cuda.current_stream(x2.device)
             side.wait_stream(main)

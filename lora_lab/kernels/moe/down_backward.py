@@ -25,9 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.triton_helpers import dot_precision
+from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import (
     launch_row_tiles,
@@ -37,6 +36,7 @@ from lora_lab.kernels.moe.tiles import (
     rows_times_expert_matrix,
     with_even_k,
 )
+from lora_lab.kernels.triton_helpers import dot_precision
 
 
 @triton.jit

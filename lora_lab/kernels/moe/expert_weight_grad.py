@@ -88,7 +88,8 @@ def _expert_weight_grad_kernel(
         acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
 
     acc = acc * scale
-    out_ptrs = out_ptr + expert.to(tl.int64) * stride_out_e + offs_m[:, None] * stride_out_m + offs_n[None, :] * stride_out_n
+    out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_m[:, None] * stride_out_m
+                + offs_n[None, :] * stride_out_n)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import torch
 
+from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.down_backward import down_backward_silu
 from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad
 from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
-from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.launch import row_block_size
 from lora_lab.kernels.moe.lora import ExpertLoRA, moe_experts_reference
 from lora_lab.kernels.moe.routing import ExpertRouting, route_experts
@@ -150,7 +150,8 @@ def _validate(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
     if top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0]:
         raise ValueError(f"top_k_index must be ({x.shape[0]}, K), got {tuple(top_k_index.shape)}")
     if top_k_weights.shape != top_k_index.shape:
-        raise ValueError(f"top_k_weights {tuple(top_k_weights.shape)} must match top_k_index {tuple(top_k_index.shape)}")
+        raise ValueError(f"top_k_weights {tuple(top_k_weights.shape)} "
+                         f"must match top_k_index {tuple(top_k_index.shape)}")
     if top_k_index.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"top_k_index must be int32/int64, got {top_k_index.dtype}")
     if not top_k_weights.is_floating_point():

@@ -21,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.triton_helpers import dot_precision
+from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import (
     launch_row_tiles,
@@ -34,6 +33,7 @@ from lora_lab.kernels.moe.tiles import (
     rows_of_tile,
     with_even_k,
 )
+from lora_lab.kernels.triton_helpers import dot_precision
 
 
 @triton.jit
@@ -116,7 +116,8 @@ def gate_up_silu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(GU, h) for X (T, H) and W1 (E, 2I, H); ``lora = (P1 (S, R), B1 (E, 2I, R), scale)``."""
     if x.dim() != 2 or gate_up_proj.dim() != 3:
-        raise ValueError(f"need X (T, H) and gate_up_proj (E, 2I, H); got {tuple(x.shape)}, {tuple(gate_up_proj.shape)}")
+        raise ValueError("need X (T, H) and gate_up_proj (E, 2I, H); "
+                         f"got {tuple(x.shape)}, {tuple(gate_up_proj.shape)}")
     num_experts, two_i, hidden = gate_up_proj.shape
     if two_i % 2:
         raise ValueError(f"gate_up_proj dim 1 must be 2·intermediate (even), got {two_i}")

@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.triton_helpers import dot_precision
+from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import (
     launch_row_tiles,
@@ -41,6 +40,7 @@ from lora_lab.kernels.moe.tiles import (
     rows_times_expert_matrix,
     with_even_k,
 )
+from lora_lab.kernels.triton_helpers import dot_precision
 
 
 @triton.jit
@@ -166,7 +166,8 @@ def grouped_rows_gemm(
         lora_p, lora_l, lora_scale = lora
         rank = lora_p.shape[1]
         if lora_l.shape != (num_experts, rank, n_dim) or lora_p.shape[0] != num_rows:
-            raise ValueError(f"LoRA operands P {tuple(lora_p.shape)} / L {tuple(lora_l.shape)} do not fit B {tuple(b.shape)}")
+            raise ValueError(f"LoRA operands P {tuple(lora_p.shape)} / L {tuple(lora_l.shape)} "
+                             f"do not fit B {tuple(b.shape)}")
         block_r = rank_block_size(rank)
     else:
         lora_p, lora_l, lora_scale, rank, block_r = a, b, 0.0, 0, 16
@@ -190,7 +191,8 @@ def grouped_rows_gemm(
     # Narrow outputs (LoRA factors, N = rank) get one tile across N and no tuning.
     launch_row_tiles(
         _rows_kernel_tuned, _rows_kernel, _rows_kernel_unspecialized, args, flags,
-        kind="rows", num_cols=n_dim, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config), one_tile_if_narrow=True,
+        kind="rows", num_cols=n_dim, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config),
+        one_tile_if_narrow=True,
     )
     return out
 

@@ -42,7 +42,7 @@ class ExpertLoRA:
     down_B: torch.Tensor | None = None  # (E, H, r)
     down_scale: float = 0.0
 
-    def cast(self, dtype: torch.dtype) -> "ExpertLoRA":
+    def cast(self, dtype: torch.dtype) -> ExpertLoRA:
         """Differentiable cast of every factor (PEFT keeps fp32 adapters on a bf16 base by default)."""
         def conv(t):
             return None if t is None else t.to(dtype)

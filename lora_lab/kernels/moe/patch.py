@@ -89,7 +89,8 @@ def unsupported_reason(experts: nn.Module) -> str | None:
         return "expected 3-D gate_up_proj and down_proj"
     num_experts, two_i, hidden = gate_up.shape
     if two_i % 2 or tuple(down.shape) != (num_experts, hidden, two_i // 2):
-        return f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} do not fit (E, 2I, H) / (E, H, I)"
+        return (f"gate_up_proj {tuple(gate_up.shape)} and down_proj {tuple(down.shape)} "
+                "do not fit (E, 2I, H) / (E, H, I)")
     if gate_up.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"weights of dtype {gate_up.dtype} (quantized?) are not supported"
     return None

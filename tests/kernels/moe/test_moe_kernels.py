@@ -10,15 +10,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lora_lab.experiments.fused_moe import make_moe_problem as make_problem
 from lora_lab.kernels.moe.down_backward import down_backward_silu, down_backward_silu_reference
 from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad, expert_weight_grad_reference
 from lora_lab.kernels.moe.experts import ExpertLoRA, fused_moe_experts, moe_experts_reference
 from lora_lab.kernels.moe.gate_up_silu import gate_up_silu, gate_up_silu_reference
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm, grouped_rows_gemm_reference
-from lora_lab.kernels.triton_helpers import running_in_interpreter as triton_interpreting
 from lora_lab.kernels.moe.lora import peft_delta_weight, peft_expert_factors
-from lora_lab.experiments.fused_moe import make_moe_problem as make_problem
 from lora_lab.kernels.moe.routing import route_experts, route_experts_reference
+from lora_lab.kernels.triton_helpers import running_in_interpreter as triton_interpreting
 from lora_lab.numerics import cosine as _cos
 from lora_lab.numerics import rel_l2 as _rel_l2
 
@@ -232,10 +232,10 @@ def test_reference_gradcheck_fp64():
 
 def test_peft_layout_matches_peft_delta_weight():
     """Our views of PEFT's flat lora_A / lora_B give PEFT's own ΔW for a 3-D expert parameter."""
+    from peft import LoraConfig, inject_adapter_in_model
+    from torch import nn
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-    from torch import nn
-    from peft import LoraConfig, inject_adapter_in_model
 
     config = Qwen3MoeConfig(hidden_size=12, moe_intermediate_size=6, num_experts=3, num_experts_per_tok=2)
     holder = nn.Module()
@@ -297,7 +297,8 @@ def test_unspecialized_twins_cover_every_size_and_stride():
         (moe_gate_up_silu._gate_up_silu_kernel, moe_gate_up_silu._gate_up_kernel_unspecialized.fn),
         (moe_grouped_gemm._grouped_rows_gemm_kernel, moe_grouped_gemm._rows_kernel_unspecialized.fn),
         (moe_down_backward._down_backward_silu_kernel, moe_down_backward._down_backward_kernel_unspecialized.fn),
-        (moe_expert_weight_grad._expert_weight_grad_kernel, moe_expert_weight_grad._expert_weight_grad_kernel_unspecialized),
+        (moe_expert_weight_grad._expert_weight_grad_kernel,
+         moe_expert_weight_grad._expert_weight_grad_kernel_unspecialized),
     ]
     for original, twin in twins:
         assert twin.fn is original.fn

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from lora_lab.kernels.triton_helpers import running_in_interpreter as triton_interpreting
 from lora_lab.kernels.moe.patch import is_moe_patched, patch_moe_experts, unpatch_moe_experts
+from lora_lab.kernels.triton_helpers import running_in_interpreter as triton_interpreting
 from lora_lab.layer import fill_lora_B
 
 interpreter = pytest.mark.skipif(not triton_interpreting(), reason="CPU tests run the kernels in TRITON_INTERPRET=1")
@@ -191,7 +191,7 @@ def test_patched_peft_model_bf16_gpu_close_to_fp32_eager():
     fused = build(torch.bfloat16)
     # bf16-round the fp32 model's weights the same way: compare arithmetic, not weight rounding
     with torch.no_grad():
-        for (n, p), (_, q) in zip(ref.named_parameters(), fused.named_parameters()):
+        for (_, p), (_, q) in zip(ref.named_parameters(), fused.named_parameters()):
             p.copy_(q.float())
     ref_logits = ref(input_ids=x).logits
     ref_logits.float().square().mean().backward()

@@ -1,294 +1,341 @@
-"""Benchmark: one LoRA projection, forward + backward, bf16, on the GPU.
+"""Benchmark: one LoRA projection, forward + backward, bf16 — the frozen layer, PEFT and the fused kernels.
 
-Variants, side by side in one process on the same X and dY:
+What a LoRA layer costs over the frozen one it adapts, on the issue's grid: tokens M ∈ {8192, 32768},
+(K, N) ∈ {4096×4096, 4096×12288, 12288×4096}, rank r ∈ {16, 64}. One step = forward, then
+``torch.autograd.grad`` of a fixed dY for X and the trainable parameters (nothing accumulates between calls).
+
+Variants, on the same X, dY and frozen weight (default: base, peft, fused; ``--variants all`` for every one):
   base          frozen nn.Linear (Y = X Wᵀ, dX = dY W: two GEMMs)
-  peft          PEFT lora.Linear, default settings (fp32 adapters → X cast bf16→fp32→bf16)
-  peft_nocast   PEFT lora.Linear with bf16 adapters (no input-dtype cast)
+  peft          PEFT lora.Linear, default settings (fp32 adapters: X cast bf16 → fp32 for the adapter)
+  peft_nocast   PEFT lora.Linear with bf16 adapters (no input cast)
   chained       chained-cuBLAS autograd Function (lora_lab.kernels.chained_lora_linear)
-  fused         lora_lab.kernels.fused_lora_linear as shipped (Triton, rank-r term folded into the GEMMs; the
-                same formulas as cuBLAS calls below a GEMM-size threshold, see lora_linear.engine_for)
-  fused_triton  the same with the Triton kernels at every shape (LORA_LAB_DISPATCH=triton)
-  fused_overlap, fused_qdb, fused_qdb_overlap   the same kernels with experimental switches: dA/dB on a
-                side CUDA stream during the dX GEMM; Q and dB in one pass over dY (atomic adds)
-  fused_cublas_base, fused_cublas_base_overlap  the big GEMMs by cuBLAS onto a Triton-written rank-r term
-                (LORA_LAB_BASE_GEMM=cublas: Y = P Bᵀ, then Y += X Wᵀ with β = 1; the same for dX)
+  fused         lora_lab.kernels.fused_lora_linear with the shipped KernelConfig (Triton, rank-r term folded
+                into the GEMMs; the same formulas as cuBLAS calls below a GEMM volume, see kernels/lora/dispatch)
+  fused_*       the same op with one KernelConfig field changed (FUSED_CONFIGS below): Triton at every shape,
+                dA/dB on a side stream, Q and dB in one pass, the big GEMM by cuBLAS onto a Triton rank-r term
 
-Writes <out>/05_lora_linear.csv (one row per cell and variant), <out>/05_lora_linear_components.csv (where
-the fused kernel's time goes, next to cuBLAS for the same GEMMs) and two plots.
+Repetitions: ``--repetitions N`` (default measure.MIN_REPETITIONS) complete side-by-side loops per cell; each
+times every variant once (``measure.cuda_ms``), the order rotating from one repetition to the next. Peak memory
+(``measure.peak_bytes`` of one step, everything the step needs already allocated) is measured once per cell and
+variant. Notebook 05 reads the per-repetition rows through ``fused_lora_kernels.benchmark_metrics``.
 
-    python benchmarks/bench_lora_linear.py --out outputs/gpu            # the issue's grid
-    python benchmarks/bench_lora_linear.py --out DIR --quick            # M = 32768, 4096×4096 only
+Writes into --out: 05_lora_linear.csv (one row per cell, variant and repetition), 05_lora_linear_summary.csv
+(medians and 95% intervals), 05_lora_linear_components.csv (with --components: where the fused step's time goes,
+next to cuBLAS for the same GEMMs), 05_lora_linear_ratio.png and 05_lora_linear_time_vs_tokens.png.
+
+    python benchmarks/bench_lora_linear.py --out DIR                      # the 12-cell grid, base/peft/fused
+    python benchmarks/bench_lora_linear.py --out DIR --variants all --components target
+    TRITON_INTERPRET=1 python benchmarks/bench_lora_linear.py --out DIR --smoke    # CPU: the grid at tiny size
 """
 from __future__ import annotations
 
 import argparse
-import sys
+import time
 from pathlib import Path
 
 import torch
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, repetition_dots
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
-from bench_timing import environment_line, median_ms, out_dir, peak_bytes, set_kernel_switches, write_csv  # noqa: E402
-from lora_lab.layer import SingleChild, fill_lora_B  # noqa: E402
+from lora_lab.lab import measure
+from lora_lab.layer import SingleChild, fill_lora_B
 
-
-# environment switches of lora_lab.kernels.lora_linear per fused variant (the rest as shipped)
-VARIANT_ENV = {
-    "fused": {},  # what fused_lora_linear ships: Triton, or cuBLAS calls for small GEMMs (engine_for)
-    "fused_triton": {"DISPATCH": "triton"},  # the Triton kernels at every shape
-    "fused_overlap": {"OVERLAP": "1"},  # dA/dB on a side stream
-    "fused_qdb": {"FUSE_QDB": "1"},  # Q and dB in one pass over dY
-    "fused_qdb_overlap": {"OVERLAP": "1", "FUSE_QDB": "1"},
-    "fused_cublas_base": {"BASE_GEMM": "cublas"},  # cuBLAS GEMM, rank-r term in its epilogue
-    "fused_cublas_base_overlap": {"BASE_GEMM": "cublas", "OVERLAP": "1"},
+CSV, SUMMARY_CSV, COMPONENTS_CSV = "05_lora_linear.csv", "05_lora_linear_summary.csv", "05_lora_linear_components.csv"
+TARGET = (32768, 4096, 4096, 16)  # the issue's target cell (M, K, N, r)
+DEFAULT_VARIANTS = ["base", "peft", "fused"]  # what notebook 05's metrics need
+# the fused op with one KernelConfig field changed from the shipped settings
+FUSED_CONFIGS = {
+    "fused": {},
+    "fused_triton": {"dispatch": "triton"},
+    "fused_overlap": {"overlap": "on"},
+    "fused_qdb": {"fuse_q_db": True},
+    "fused_qdb_overlap": {"fuse_q_db": True, "overlap": "on"},
+    "fused_cublas_base": {"base_gemm": "cublas"},
+    "fused_cublas_base_overlap": {"base_gemm": "cublas", "overlap": "on"},
 }
+ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS]
+GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}
+# --smoke: two cells of the grid with every dimension divided (M / 512, K and N / 128, r / 4): the Triton
+# interpreter runs the whole code path in seconds
+SMOKE_GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096"], "ranks": [16]}
+SMOKE_DIVISORS = {"M": 512, "KN": 128, "r": 4}
 
 
-def set_variant_env(name):
-    set_kernel_switches(**VARIANT_ENV.get(name, {}))
+def cell_label(M: int, K: int, N: int, r: int) -> str:
+    return f"{M // 1024}k_{K}x{N}_r{r}"
 
 
-def peft_projection(lin: nn.Linear, r: int, alpha: float, fp32_adapters: bool):
+def peft_projection(weight: torch.Tensor, r: int, fp32_adapters: bool):
+    """(model, trainable parameters): PEFT LoRA (alpha 2r, B ~ N(0, 0.02)) around a frozen linear sharing
+    ``weight``; ``fp32_adapters=False``: adapters in the weight's dtype and PEFT's input cast off."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=["proj"], lora_dropout=0.0)
-    model = get_peft_model(SingleChild(lin, "proj"), cfg, autocast_adapter_dtype=fp32_adapters)
+    N, K = weight.shape
+    lin = nn.Linear(K, N, bias=False, device=weight.device, dtype=weight.dtype)
+    lin.weight.data = weight
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=["proj"], lora_dropout=0.0)
+    model = get_peft_model(SingleChild(lin, "proj"), config, autocast_adapter_dtype=fp32_adapters)
     fill_lora_B(model, 0.02)
-    return model, model.base_model.model.proj
+    if not fp32_adapters:
+        layer = model.base_model.model.proj
+        layer.lora_A.to(weight.dtype)
+        layer.lora_B.to(weight.dtype)
+        layer.cast_input_dtype_enabled = False
+    return model, [p for p in model.parameters() if p.requires_grad]
 
 
-def make_variants(M, K, N, r, dtype=torch.bfloat16, device="cuda"):
+def build_variants(names, K, N, r, dtype, device, shipped):
+    """{name: (forward fn, trainable parameters, config text)} over one shared frozen weight and factors."""
     from lora_lab.kernels import chained_lora_linear, fused_lora_linear
 
     torch.manual_seed(0)
-    alpha = 2.0 * r
-    s = alpha / r
-    lin = nn.Linear(K, N, bias=False, device=device, dtype=dtype)
-    lin.weight.requires_grad_(False)
+    lin = nn.Linear(K, N, bias=False, device=device, dtype=dtype).requires_grad_(False)
     A = nn.Parameter(torch.randn(r, K, device=device, dtype=dtype) / K**0.5)
     B = nn.Parameter(torch.randn(N, r, device=device, dtype=dtype) * 0.02)
-    peft_model, peft_layer = peft_projection(nn.Linear(K, N, bias=False, device=device, dtype=dtype), r, alpha, True)
-    peft_layer.base_layer.weight.data = lin.weight.data
-    nocast_model, nocast_layer = peft_projection(nn.Linear(K, N, bias=False, device=device, dtype=dtype), r, alpha,
-                                                 False)
-    nocast_layer.base_layer.weight.data = lin.weight.data
-    nocast_layer.lora_A.to(dtype)  # adapters in the input's dtype: PEFT then casts nothing
-    nocast_layer.lora_B.to(dtype)
-    nocast_layer.cast_input_dtype_enabled = False
-    variants = {
-        "base": (lambda x: lin(x), []),
-        "peft": (lambda x: peft_model(x), [p for p in peft_model.parameters() if p.requires_grad]),
-        "peft_nocast": (lambda x: nocast_model(x), [p for p in nocast_model.parameters() if p.requires_grad]),
-        "chained": (lambda x: chained_lora_linear(x, lin.weight, None, A, B, s), [A, B]),
-        "fused": (lambda x: fused_lora_linear(x, lin.weight, None, A, B, s), [A, B]),
+    variants = {}
+    for name in names:
+        if name == "base":
+            variants[name] = (lin, [], "")
+        elif name in ("peft", "peft_nocast"):
+            model, params = peft_projection(lin.weight, r, fp32_adapters=name == "peft")
+            variants[name] = (model, params, f"adapters {params[0].dtype}")
+        elif name == "chained":
+            variants[name] = (lambda x: chained_lora_linear(x, lin.weight, None, A, B, 2.0), [A, B], "")
+        else:
+            cfg = shipped.replace(**FUSED_CONFIGS[name])
+            variants[name] = (lambda x, cfg=cfg: fused_lora_linear(x, lin.weight, None, A, B, 2.0, config=cfg),
+                              [A, B], repr(cfg))
+    return variants, (lin.weight, A, B)
+
+
+def components(x, dy, weight, A, B, shipped):
+    """{name: fn}: the fused step's parts (rank-r passes, Triton GEMMs by operand loads) and cuBLAS for the
+    same GEMMs — where the fused step's time goes."""
+    from lora_lab.kernels.lora.gemm import lora_gemm
+    from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
+
+    a, b, tune = A.detach(), B.detach(), shipped.autotune
+    p = rank_projection(x, a.t(), 2.0, tune=tune)
+    q = rank_projection(dy, b, 2.0, tune=tune)
+    y = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
+    dx = torch.empty_like(x)
+    tma, pointer = shipped.replace(gemm_loads="tma"), shipped.replace(gemm_loads="pointer")
+    return {
+        "cublas_fwd_gemm": lambda: torch.mm(x, weight.t()),
+        "cublas_dx_gemm": lambda: torch.mm(dy, weight),
+        "cublas_fwd_plus_addmm": lambda: torch.mm(x, weight.t()).addmm_(p, b.t()),
+        "cublas_dx_plus_addmm": lambda: torch.mm(dy, weight).addmm_(q, a),
+        "lowrank_fill_fwd": lambda: lora_gemm(y, [(p, b.t())], config=shipped),
+        "cublas_beta1_fwd_gemm": lambda: y.addmm_(x, weight.t()),
+        "lowrank_fill_dx": lambda: lora_gemm(dx, [(q, a)], config=shipped),
+        "cublas_beta1_dx_gemm": lambda: dx.addmm_(dy, weight),
+        "triton_fwd_gemm": lambda: lora_gemm(y, [(x, weight.t())], low=p, rt=b.t(), config=shipped),
+        "triton_fwd_gemm_tma": lambda: lora_gemm(y, [(x, weight.t())], low=p, rt=b.t(), config=tma),
+        "triton_fwd_gemm_pointer": lambda: lora_gemm(y, [(x, weight.t())], low=p, rt=b.t(), config=pointer),
+        "triton_fwd_gemm_nolowrank": lambda: lora_gemm(y, [(x, weight.t())], config=shipped),
+        "triton_dx_gemm": lambda: lora_gemm(dx, [(dy, weight)], low=q, rt=a, config=shipped),
+        "triton_dx_gemm_tma": lambda: lora_gemm(dx, [(dy, weight)], low=q, rt=a, config=tma),
+        "triton_dx_gemm_pointer": lambda: lora_gemm(dx, [(dy, weight)], low=q, rt=a, config=pointer),
+        "p_pass": lambda: rank_projection(x, a.t(), 2.0, tune=tune),
+        "q_pass": lambda: rank_projection(dy, b, 2.0, tune=tune),
+        "db_pass": lambda: rank_reduction(p, dy, tune=tune),
+        "q_db_one_pass": lambda: q_and_db(dy, b, p, 2.0, tune=tune),
+        "da_pass": lambda: rank_reduction(q, x, tune=tune),
+        "cublas_p_mm": lambda: torch.mm(x, a.t()),
+        "cublas_q_mm": lambda: torch.mm(dy, b),
+        "cublas_db_mm": lambda: torch.mm(dy.t(), p),
+        "cublas_da_mm": lambda: torch.mm(q.t(), x),
     }
-    # the same kernels with the experimental switches (see VARIANT_ENV)
-    for name in VARIANT_ENV:
-        if name != "fused":
-            variants[name] = variants["fused"]
-    info = {"peft_adapter_dtype": str(peft_layer.lora_A["default"].weight.dtype),
-            "peft_nocast_adapter_dtype": str(nocast_layer.lora_A["default"].weight.dtype)}
-    return variants, info, (lin, A, B, s)
 
 
-def measure_cell(M, K, N, r, rep, warmup, only=None, components=True):
-    dtype = torch.bfloat16
-    x = torch.randn(M, K, device="cuda", dtype=dtype, requires_grad=True)
-    dy = torch.randn(M, N, device="cuda", dtype=dtype)
-    variants, info, parts = make_variants(M, K, N, r)
-    if only:  # a subset (the ratios need base and peft)
-        keep = {"base", "peft", *only}
-        variants = {k: v for k, v in variants.items() if k in keep}
+def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
+    """Rows of one cell: every variant timed once per repetition; peak memory once per variant."""
+    label, (M, K, N, r) = cell, dims
+    cuda = device.type == "cuda"
+    x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(M, N, device=device, dtype=dtype)
+    variants, (weight, A, B) = build_variants(args.variants, K, N, r, dtype, device, shipped)
+    steps, forwards, peaks = {}, {}, {}
+    for name, (fn, params, _) in variants.items():
+        steps[name] = lambda fn=fn, params=params: torch.autograd.grad(fn(x), [x, *params], dy)
+        forwards[name] = torch.no_grad()(lambda fn=fn: fn(x))  # the forward alone (--forward)
+        steps[name]()  # compile / autotune outside the timed loops
+        peaks[name] = measure.peak_bytes(steps[name]) if cuda else (None, None)  # CUDA only: None in smoke
+    base = {"cell": label, "M": M, "K": K, "N": N, "r": r, "dtype": str(dtype).removeprefix("torch."),
+            "smoke": smoke}
     rows = []
-    for name, (f, params) in variants.items():
-        set_variant_env(name)
-
-        def step():
-            f(x).backward(dy)
-
-        def fwd():
-            with torch.no_grad():
-                f(x)
-
-        step()  # compile / autotune outside the timed region
-        t_step = median_ms(step, grad_to_none=[x] + params, warmup=warmup, rep=rep)
-        t_fwd = median_ms(fwd, warmup=warmup, rep=rep)
-        x.grad = None
-        for p in params:
-            p.grad = None
-        peak, before = peak_bytes(step)
-        x.grad = None
-        for p in params:
-            p.grad = None
-        rows.append({"M": M, "K": K, "N": N, "r": r, "variant": name, "fwd_ms": round(t_fwd, 4),
-                     "fwd_bwd_ms": round(t_step, 4), "peak_bytes": peak, "resident_bytes": before, **info})
-        set_variant_env("fused")
-        print(f"M={M} K={K} N={N} r={r} {name:12s} fwd {t_fwd:7.3f} ms  fwd+bwd {t_step:7.3f} ms  "
-              f"peak {peak / 2**20:8.1f} MiB", flush=True)
-    base = next(r_ for r_ in rows if r_["variant"] == "base")
-    peft = next(r_ for r_ in rows if r_["variant"] == "peft")
-    for row in rows:
-        row["time_vs_base"] = round(row["fwd_bwd_ms"] / base["fwd_bwd_ms"], 4)
-        row["time_vs_peft"] = round(row["fwd_bwd_ms"] / peft["fwd_bwd_ms"], 4)
-        row["peak_vs_base"] = round(row["peak_bytes"] / base["peak_bytes"], 4)
-    comps = measure_components(x.detach(), dy, *parts, rep=rep, warmup=warmup) if components else {}
-    comps.update({"M": M, "K": K, "N": N, "r": r})
-    del x, dy, variants
-    torch.cuda.empty_cache()
-    return rows, comps
+    for rep in range(args.repetitions):
+        for name in measure.rotation(variants, rep):
+            row = {**base, "variant": name, "rep": rep,
+                   "fwd_bwd_ms": measure.cuda_ms(steps[name], args.warmup_ms, args.rep_ms)}
+            if args.forward:
+                row["fwd_ms"] = measure.cuda_ms(forwards[name], args.warmup_ms, args.rep_ms)
+            row.update(peak_bytes=peaks[name][0], resident_bytes=peaks[name][1], config=variants[name][2])
+            rows.append(row)
+    comp_rows = []
+    if args.components == "all" or (args.components == "target" and dims == scaled(TARGET, smoke)):
+        parts = components(x.detach(), dy, weight, A, B, shipped)
+        working = {}
+        for name, fn in parts.items():
+            try:
+                fn()  # compile / autotune; a form this build cannot run (TMA) is left out, not faked
+                working[name] = fn
+            except Exception as err:  # one failing component must not lose the others
+                print(f"   component {name} skipped: {type(err).__name__}: {str(err)[:160]}", flush=True)
+        for rep in range(args.repetitions):
+            for name in measure.rotation(working, rep):
+                comp_rows.append({**base, "component": name, "rep": rep,
+                                  "ms": measure.cuda_ms(working[name], args.warmup_ms, args.rep_ms)})
+    return rows, comp_rows
 
 
-def measure_components(x, dy, lin, A, B, s, rep, warmup):
-    """Where the fused step's time goes, and cuBLAS for the same two big GEMMs."""
-    from lora_lab.kernels.lora_linear import lora_gemm, q_and_db, rank_projection, rank_reduction
-
-    M, K = x.shape
-    N = lin.weight.shape[0]
-    W = lin.weight
-    a, b = A.detach(), B.detach()
-    p = rank_projection(x, a.t(), s)
-    q = rank_projection(dy, b, s)
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    dx = torch.empty(M, K, device=x.device, dtype=x.dtype)
-    def bench(fn):
-        try:
-            return median_ms(fn, warmup=warmup, rep=rep)
-        except Exception as err:  # one failing variant must not lose the others
-            print("   component failed:", type(err).__name__, str(err)[:200], flush=True)
-            return float("nan")
-
-    c = {
-        "cublas_fwd_gemm_ms": bench(lambda: torch.mm(x, W.t())),
-        "cublas_dx_gemm_ms": bench(lambda: torch.mm(dy, W)),
-        # cuBLAS base GEMM, then the rank-r term added in place (one more read+write of Y)
-        "cublas_fwd_plus_addmm_ms": bench(lambda: torch.mm(x, W.t()).addmm_(p, b.t())),
-        "cublas_dx_plus_addmm_ms": bench(lambda: torch.mm(dy, W).addmm_(q, a)),
-        # LORA_LAB_BASE_GEMM=cublas: the rank-r term written by Triton, then cuBLAS adds the GEMM (beta = 1)
-        "lowrank_fill_fwd_ms": bench(lambda: lora_gemm(y, [(p, b.t())])),
-        "cublas_beta1_fwd_gemm_ms": bench(lambda: y.addmm_(x, W.t())),
-        "lowrank_fill_dx_ms": bench(lambda: lora_gemm(dx, [(q, a)])),
-        "cublas_beta1_dx_gemm_ms": bench(lambda: dx.addmm_(dy, W)),
-        "triton_fwd_gemm_ms": bench(lambda: lora_gemm(y, [(x, W.t())], low=p, rt=b.t())),
-        "triton_fwd_gemm_tma_ms": bench(lambda: lora_gemm(y, [(x, W.t())], low=p, rt=b.t(), impl="tma")),
-        "triton_fwd_gemm_pointer_ms": bench(lambda: lora_gemm(y, [(x, W.t())], low=p, rt=b.t(), impl="pointer")),
-        "triton_fwd_gemm_nolowrank_ms": bench(lambda: lora_gemm(y, [(x, W.t())])),
-        "triton_dx_gemm_ms": bench(lambda: lora_gemm(dx, [(dy, W)], low=q, rt=a)),
-        "triton_dx_gemm_tma_ms": bench(lambda: lora_gemm(dx, [(dy, W)], low=q, rt=a, impl="tma")),
-        "triton_dx_gemm_pointer_ms": bench(lambda: lora_gemm(dx, [(dy, W)], low=q, rt=a, impl="pointer")),
-        "p_pass_ms": bench(lambda: rank_projection(x, a.t(), s)),
-        "q_pass_ms": bench(lambda: rank_projection(dy, b, s)),
-        "db_pass_ms": bench(lambda: rank_reduction(p, dy)),
-        "q_db_one_pass_ms": bench(lambda: q_and_db(dy, b, p, s)),
-        "da_pass_ms": bench(lambda: rank_reduction(q, x)),
-        "cublas_p_mm_ms": bench(lambda: torch.mm(x, a.t())),
-        "cublas_q_mm_ms": bench(lambda: torch.mm(dy, b)),
-        "cublas_db_mm_ms": bench(lambda: torch.mm(dy.t(), p)),
-        "cublas_da_mm_ms": bench(lambda: torch.mm(q.t(), x)),
-    }
-    c = {k: round(v, 4) for k, v in c.items()}
-    flops = 2.0 * M * N * K
-    c["cublas_fwd_tflops"] = round(flops / c["cublas_fwd_gemm_ms"] / 1e9, 1)
-    c["triton_fwd_tflops"] = round(flops / c["triton_fwd_gemm_ms"] / 1e9, 1)
-    from lora_lab.kernels import lora_linear as ll
-
-    c["tma_disabled_reason"] = ll._TMA_STATE.get(torch.bfloat16) or ""
-
-    def best(kernel):
-        cfg = getattr(kernel, "best_config", None)
-        return "" if cfg is None else f"{cfg.kwargs} w{cfg.num_warps} s{cfg.num_stages}"
-
-    # the tile each kernel's autotuner picked for its last launch (the dX GEMM measured just above)
-    c["best_tma_gemm"] = best(ll._lora_gemm_tma_kernel)
-    c["best_pointer_gemm"] = best(ll._lora_gemm_kernel)
-    c["best_rank_projection"] = best(ll._rank_projection_kernel)
-    c["best_rank_reduction"] = best(ll._rank_reduction_kernel)
-    print("   components:", c, flush=True)
-    return c
+def scaled(dims, smoke: bool):
+    M, K, N, r = dims
+    if not smoke:
+        return dims
+    d = SMOKE_DIVISORS
+    return M // d["M"], K // d["KN"], N // d["KN"], max(1, r // d["r"])
 
 
-def plot(rows, out: Path):
+def summary_rows(rows):
+    """One row per (cell, variant): medians and 95% intervals over the repetitions, ratios per repetition."""
+    out = []
+    for cell, variant in dict.fromkeys((r["cell"], r["variant"]) for r in rows):
+        mine = [r for r in rows if r["cell"] == cell and r["variant"] == variant]
+        first = mine[0]
+        ms = measure.summarize(r["fwd_bwd_ms"] for r in mine)
+        row = {k: first[k] for k in ("cell", "M", "K", "N", "r", "variant")}
+        row.update(fwd_bwd_ms=ms["median"], ms_ci95_low=ms["ci95"][0], ms_ci95_high=ms["ci95"][1], n=ms["n"],
+                   tflops=4.0 * first["M"] * first["K"] * first["N"] / (ms["median"] * 1e-3) / 1e12)
+        for ref, key in (("base", "time_vs_base"), ("peft", "time_vs_peft")):
+            ratio = measure.summarize(measure.repetition_ratios(
+                rows, "fwd_bwd_ms", {"cell": cell, "variant": variant}, {"cell": cell, "variant": ref}))
+            row.update({key: ratio["median"], f"{key}_ci95_low": ratio["ci95"][0],
+                        f"{key}_ci95_high": ratio["ci95"][1]})
+        base_peak = next(r["peak_bytes"] for r in rows if r["cell"] == cell and r["variant"] == "base")
+        row["peak_bytes"] = first["peak_bytes"]
+        row["peak_vs_base"] = None if base_peak is None else first["peak_bytes"] / base_peak
+        out.append(row)
+    return out
+
+
+def plot(summary, rows, out: Path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    present = {r["variant"] for r in rows}
-    variants = [v for v in ["peft", "peft_nocast", "chained"] + list(VARIANT_ENV) if v in present]
-    cells = sorted({(r["M"], r["K"], r["N"], r["r"]) for r in rows})
+    variants = [v for v in ALL_VARIANTS if v != "base" and any(s["variant"] == v for s in summary)]
+    cells = list(dict.fromkeys(s["cell"] for s in summary))
     fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.9), 4.5))
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
-        vals = [next(r["time_vs_base"] for r in rows if (r["M"], r["K"], r["N"], r["r"]) == c and r["variant"] == v)
-                for c in cells]
-        ax.bar([j + i * width for j in range(len(cells))], vals, width, label=v)
+        xs = [j + i * width for j in range(len(cells))]
+        med = [next(s["time_vs_base"] for s in summary if s["cell"] == c and s["variant"] == v) for c in cells]
+        ax.bar(xs, med, width, label=v, alpha=0.8)
+        for x, c in zip(xs, cells):  # every repetition's ratio as a point: the spread the median hides
+            repetition_dots(ax, x, measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": v},
+                                                             {"cell": c, "variant": "base"}))
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.05, color="r", lw=0.8, ls="--", label="target 1.05× base")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))])
-    ax.set_xticklabels([f"M={c[0] // 1024}k\n{c[1]}×{c[2]}\nr={c[3]}" for c in cells], fontsize=7)
+    ax.set_xticklabels([c.replace("_", "\n") for c in cells], fontsize=7)
     ax.set_ylabel("fwd+bwd time / frozen base")
-    ax.set_title("One LoRA projection, bf16: time relative to the frozen nn.Linear")
+    ax.set_title("One LoRA projection: time relative to the frozen nn.Linear\n(bars: median, dots: repetitions)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "05_lora_linear_ratio.png", dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    shapes = sorted({(r["K"], r["N"]) for r in rows})
-    for ax, (K, N) in zip(axes, shapes):
-        for v in ["base"] + variants:
-            pts = sorted((r["M"], r["fwd_bwd_ms"]) for r in rows
-                         if r["K"] == K and r["N"] == N and r["variant"] == v and r["r"] == 16)
+    shapes = list(dict.fromkeys((s["K"], s["N"]) for s in summary))
+    rank = min(s["r"] for s in summary)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(4.4 * len(shapes), 4), squeeze=False)
+    for ax, (K, N) in zip(axes[0], shapes):
+        for v in ["base", *variants]:
+            pts = sorted((s["M"], s["fwd_bwd_ms"], s["ms_ci95_low"], s["ms_ci95_high"]) for s in summary
+                         if (s["K"], s["N"], s["r"], s["variant"]) == (K, N, rank, v))
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=v)
-        ax.set_title(f"K×N = {K}×{N}, r=16")
+                ms = [p[1] for p in pts]
+                err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+                ax.errorbar([p[0] for p in pts], ms, yerr=err, marker="o", capsize=3, label=v)
+        ax.set_title(f"K×N = {K}×{N}, r={rank}")
         ax.set_xlabel("tokens M")
-        ax.set_ylabel("fwd+bwd ms")
+        ax.set_ylabel("fwd+bwd ms (median, 95% interval)")
         ax.set_xscale("log", base=2)
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "05_lora_linear_time_vs_tokens.png", dpi=120)
     plt.close(fig)
 
 
-def main(argv=None):
+def print_table(summary):
+    variants = list(dict.fromkeys(s["variant"] for s in summary))
+    print(f"{'cell':>20} | " + " ".join(f"{v:>13}" for v in variants) + " | fused/base fused/peft peak/base")
+    for cell in dict.fromkeys(s["cell"] for s in summary):
+        by = {s["variant"]: s for s in summary if s["cell"] == cell}
+        f = by.get("fused", {})
+        peak = f.get("peak_vs_base")
+        print(f"{cell:>20} | " + " ".join(f"{by[v]['fwd_bwd_ms']:10.3f} ms" for v in variants)
+              + f" | {f.get('time_vs_base', float('nan')):10.3f} {f.get('time_vs_peft', float('nan')):9.3f} "
+              + (f"{peak:9.3f}" if peak is not None else "        -"))
+    print("(medians over the repetitions; ratios: median of the per-repetition ratios)")
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None, help="output directory (default outputs/gpu)")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768], help="values of M")
-    ap.add_argument("--shapes", nargs="+", default=["4096x4096", "4096x12288", "12288x4096"], help="K x N")
-    ap.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms)")
-    ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up (ms)")
-    ap.add_argument("--quick", action="store_true", help="M=32768, 4096x4096, r=16 only")
-    ap.add_argument("--variants", nargs="+", default=None,
-                    help="measure only these variants (base and peft always; default: all)")
-    ap.add_argument("--components", choices=["all", "target", "none"], default="all",
-                    help="per-kernel breakdown for every cell, only the target cell (M=32768, 4096x4096, r=16), "
-                         "or none")
+    add_common_arguments(ap, ALL_VARIANTS, DEFAULT_VARIANTS,
+                         "the whole code path on tiny stand-ins of the cells (default: two of them), fp32")
+    ap.add_argument("--tokens", type=int, nargs="+", help=f"values of M (default {GRID['tokens']})")
+    ap.add_argument("--shapes", nargs="+", help=f"K x N (default {GRID['shapes']})")
+    ap.add_argument("--ranks", type=int, nargs="+", help=f"LoRA ranks (default {GRID['ranks']})")
+    ap.add_argument("--rep-ms", type=float, default=50.0, help="measure.cuda_ms: milliseconds of timed calls")
+    ap.add_argument("--warmup-ms", type=float, default=10.0, help="measure.cuda_ms: milliseconds of warm-up")
+    ap.add_argument("--forward", action="store_true", help="also time the forward alone")
+    ap.add_argument("--components", choices=["none", "target", "all"], default="none",
+                    help="per-kernel breakdown of the target cell (M=32768, 4096x4096, r=16), of every cell, or none")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_lora_linear needs a CUDA GPU")
-    if args.quick:
-        args.tokens, args.shapes, args.ranks = [32768], ["4096x4096"], [16]
-    out = out_dir(args.out)
-    print(environment_line(), flush=True)
-    rows, comps = [], []
+    args.variants = chosen_variants(ap, args, ALL_VARIANTS, DEFAULT_VARIANTS)
+    for key, value in (SMOKE_GRID if args.smoke else GRID).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    args = parse_args(argv)
+    device = check_device(args.smoke)
+    from lora_lab.kernels import KernelConfig
+
+    shipped = KernelConfig.from_env()
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(device_line(device, dtype, args.repetitions, f"variants {' '.join(args.variants)}, shipped {shipped}"),
+          flush=True)
+    rows, comp_rows = [], []
     for M in args.tokens:
         for shape in args.shapes:
             K, N = (int(v) for v in shape.lower().split("x"))
             for r in args.ranks:
-                cr, cc = measure_cell(M, K, N, r, args.rep, args.warmup, args.variants,
-                                      args.components == "all" or (args.components == "target" and
-                                                                   (M, K, N, r) == (32768, 4096, 4096, 16)))
-                rows += cr
-                if len(cc) > 4:  # more than the cell's M, K, N, r
-                    comps.append(cc)
-                write_csv(rows, out / "05_lora_linear.csv")
-                if comps:
-                    write_csv(comps, out / "05_lora_linear_components.csv")
-    plot(rows, out)
-    print("wrote", out / "05_lora_linear.csv")
+                t0 = time.perf_counter()
+                label = cell_label(M, K, N, r)
+                dims = scaled((M, K, N, r), args.smoke)
+                cell_rows, cell_comps = measure_cell(label, dims, args, shipped, dtype, device, args.smoke)
+                rows += cell_rows
+                comp_rows += cell_comps
+                medians = {s["variant"]: s["fwd_bwd_ms"] for s in summary_rows(cell_rows)}
+                print(f"{label}{' (smoke ' + 'x'.join(map(str, dims)) + ')' if args.smoke else ''}: "
+                      + "  ".join(f"{v} {ms:.3f} ms" for v, ms in medians.items())
+                      + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
+    summary = summary_rows(rows)
+    measure.write_csv(summary, out / SUMMARY_CSV)
+    if comp_rows:
+        measure.write_csv(comp_rows, out / COMPONENTS_CSV)
+    plot(summary, rows, out)
+    print_table(summary)
+    print(f"wrote {out / CSV} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

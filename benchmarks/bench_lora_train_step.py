@@ -1,158 +1,181 @@
-"""Benchmark: a full LoRA training step (forward, loss, backward, AdamW) with PEFT vs the fused kernels.
+"""Benchmark: a full LoRA training step (forward, loss, backward, AdamW) with PEFT and with the fused kernels.
 
-Models (random init, bf16, sdpa attention), LoRA r=16 alpha=32 on every attention and MLP projection:
-  qwen3-4096   Qwen3-shaped, hidden 4096, intermediate 12288, 32 heads / 8 KV heads of 128, vocab 151936,
-               --layers layers (default 4)
-  qwen2.5-0.5b the exact Qwen2.5-0.5B shape (lora_lab's random:qwen2.5-0.5b)
+Whether the per-projection gains survive in a whole step, where the LM head, the loss, attention and the
+optimizer take their share. Models (random init, bf16, sdpa attention), LoRA r=16 alpha=32 on every attention and
+MLP projection, batch 4 × 2048 tokens:
+  qwen3-4096    Qwen3-shaped, hidden 4096, intermediate 12288, 32 heads / 8 KV heads of 128, vocab 151936,
+                --layers layers (default 4)
+  qwen2.5-0.5b  the Qwen2.5-0.5B shape (lora_lab's random:qwen2.5-0.5b)
 
-Variants, each starting from the same adapter weights with a fresh AdamW:
-  peft              PEFT default (fp32 adapters, input cast)
-  fused             the same model after lora_lab.kernels.patch_model (kernel switches as shipped)
-  fused_overlap     patched, dA/dB reductions on a side CUDA stream everywhere (LORA_LAB_OVERLAP=1)
-  fused_triton_base patched, every big GEMM in Triton, no side stream (LORA_LAB_BASE_GEMM=triton, OVERLAP=0)
-  peft_nocast       PEFT with bf16 adapters
-  fused_bf16        bf16 adapters, patched
+Variants (default: peft, fused; ``--variants all``), each from the same adapter weights with a fresh AdamW:
+  peft               PEFT default (fp32 adapters, input cast)
+  fused              the same model after lora_lab.kernels.patch_model, shipped KernelConfig
+  fused_overlap      patched, KernelConfig(overlap="on"): dA/dB on a side CUDA stream everywhere
+  fused_triton_base  patched, KernelConfig(base_gemm="triton", overlap="off")
+  peft_nocast        PEFT with bf16 adapters;  fused_bf16: bf16 adapters, patched
 
-Writes <out>/05_train_step.csv (tokens/s, peak memory, the first losses of each variant) and a plot.
+Repetitions: ``--repetitions N`` side-by-side loops per model. In each, every variant (order rotating) gets its
+adapters reset, a fresh optimizer, one untimed warm-up step, then ``--steps`` steps timed by CUDA events
+(``measure.event_ms``); its tokens/s is the median step's. Peak memory (``measure.peak_bytes`` of one more
+untimed step) is measured in the first repetition.
 
-    python benchmarks/bench_lora_train_step.py --out outputs/gpu [--models qwen3-4096 qwen2.5-0.5b]
+Writes into --out: 05_train_step.csv (one row per model, variant and repetition), 05_train_step_summary.csv and
+05_train_step.png.
+
+    python benchmarks/bench_lora_train_step.py --out DIR [--models qwen3-4096 qwen2.5-0.5b] [--variants all]
+    TRITON_INTERPRET=1 python benchmarks/bench_lora_train_step.py --out DIR --smoke
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import statistics
-import sys
+import time
 from pathlib import Path
 
 import torch
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, repetition_dots
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # lora_lab without installing
-from bench_timing import environment_line, out_dir, set_kernel_switches, write_csv  # noqa: E402
+from lora_lab.lab import measure
 
+CSV, SUMMARY_CSV = "05_train_step.csv", "05_train_step_summary.csv"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-# kernel switches per patched variant (names without LORA_LAB_; the rest as shipped)
-SWITCHES = {"fused_overlap": {"OVERLAP": "1"}, "fused_triton_base": {"BASE_GEMM": "triton", "OVERLAP": "0"}}
+MODELS = ["qwen3-4096", "qwen2.5-0.5b"]
+# name: (adapters in bf16?, KernelConfig fields changed from the shipped settings, or None: not patched)
+VARIANTS = {
+    "peft": (False, None),
+    "fused": (False, {}),
+    "fused_overlap": (False, {"overlap": "on"}),
+    "fused_triton_base": (False, {"base_gemm": "triton", "overlap": "off"}),
+    "peft_nocast": (True, None),
+    "fused_bf16": (True, {}),
+}
+DEFAULT_VARIANTS = ["peft", "fused"]
 
 
-def build_model(name: str, layers: int):
-    from transformers import AutoModelForCausalLM
+def build_model(name: str, layers: int, device, dtype, smoke: bool):
+    """The model behind ``name``; with ``smoke`` a tiny stand-in of the same family (the label stays)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
 
-    if name == "qwen3-4096":
-        from transformers import Qwen3Config
+    import lora_lab
 
-        cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
-                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                          max_position_embeddings=32768, tie_word_embeddings=False, use_cache=False)
-        cfg._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-        return model
     if name == "qwen2.5-0.5b":
-        import lora_lab
+        spec = "random:tiny-qwen2" if smoke else "random:qwen2.5-0.5b"
+        return lora_lab.load_model(spec, dtype=dtype, device=device, attn_implementation="sdpa")
+    if name != "qwen3-4096":
+        raise SystemExit(f"unknown model {name!r} (known: {' '.join(MODELS)})")
+    sizes = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    if smoke:
+        sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=16, vocab_size=128)
+    cfg = Qwen3Config(**sizes, max_position_embeddings=32768, tie_word_embeddings=False, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
 
-        return lora_lab.load_model("random:qwen2.5-0.5b", dtype=torch.bfloat16, device="cuda",
-                                   attn_implementation="sdpa")
-    raise SystemExit(f"unknown model {name!r}")
 
+def run_variant(model, ids, steps: int, measure_peak: bool):
+    """(step milliseconds, losses, peak bytes or None): a fresh AdamW, one untimed warm-up step (optimizer state;
+    compile / autotune the first time), with ``measure_peak`` one more untimed step for peak memory, then
+    ``steps`` steps timed by CUDA events."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    losses = []
 
-def run_variant(model, ids, steps, warmup):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    model.train()
-    times, losses = [], []
-    peak = 0
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def step():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        end.record()
-        torch.cuda.synchronize()
         losses.append(loss.item())
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-            peak = max(peak, torch.cuda.max_memory_allocated())
-    del opt
-    return statistics.median(times), peak, losses
+
+    step()
+    peak = measure.peak_bytes(step)[0] if measure_peak else None
+    return measure.event_ms(step, calls=steps), losses, peak
 
 
-def bench_model(name, layers, batch, seq, steps, warmup, variants=None):
+def bench_model(name, args, shipped, device, dtype):
+    """Rows of one model: every variant once per repetition, order rotating."""
     from peft import LoraConfig, get_peft_model
 
     from lora_lab.kernels import patch_model, unpatch_model
     from lora_lab.layer import fill_lora_B
 
-    base = build_model(name, layers)
     torch.manual_seed(1)
-    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
+    model = get_peft_model(build_model(name, args.layers, device, dtype, args.smoke),
+                           LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
     fill_lora_B(model, 0.02)
+    model.train()
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda", generator=g)
-    rows = []
-
-    def reset(dtype):
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in init:
-                    p.data = init[n].to(dtype).clone()
-
-    all_variants = [("peft", torch.float32, False), ("fused", torch.float32, True),
-                    ("fused_overlap", torch.float32, True), ("fused_triton_base", torch.float32, True),
-                    ("peft_nocast", torch.bfloat16, False), ("fused_bf16", torch.bfloat16, True)]
-    keep = {"peft", "peft_nocast", *(variants or [v for v, _, _ in all_variants])}  # ratios need both PEFTs
-    for variant, dtype, patched in [v for v in all_variants if v[0] in keep]:
-        reset(dtype)
-        set_kernel_switches(**SWITCHES.get(variant, {}))
-        if patched:
-            patch_model(model)
-        gc.collect()
-        torch.cuda.empty_cache()
-        ms, peak, losses = run_variant(model, ids, steps, warmup)
-        if patched:
-            unpatch_model(model)
-        set_kernel_switches()
-        tokens = batch * seq
-        rows.append({"model": name, "layers": model.config.num_hidden_layers, "variant": variant, "batch": batch,
-                     "seq": seq, "step_ms": round(ms, 3), "tokens_per_s": round(tokens / ms * 1e3, 1),
-                     "peak_bytes": peak, "adapter_dtype": str(dtype),
-                     "losses": " ".join(f"{v:.5f}" for v in losses[:5])})
-        print(f"{name} {variant:12s} step {ms:8.2f} ms  {tokens / ms * 1e3:10.0f} tok/s  "
-              f"peak {peak / 2**30:6.2f} GiB  losses {rows[-1]['losses']}", flush=True)
-    peft = rows[0]
-    nocast = next(r for r in rows if r["variant"] == "peft_nocast")
-    for r in rows:
-        ref = nocast if r["adapter_dtype"] == "torch.bfloat16" else peft
-        r["tokens_per_s_vs_peft"] = round(r["tokens_per_s"] / peft["tokens_per_s"], 4)
-        r["peak_vs_peft"] = round(r["peak_bytes"] / peft["peak_bytes"], 4)
-        lr = [float(v) for v in ref["losses"].split()]
-        lf = [float(v) for v in r["losses"].split()]
-        r["max_loss_rel_diff_vs_same_dtype_peft"] = round(max(abs(a - b) / abs(a) for a, b in zip(lr, lf)), 6)
-    del model, base
-    gc.collect()
-    torch.cuda.empty_cache()
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g).to(device)
+    tokens = args.batch * args.seq
+    peaks, rows = {}, []
+    for rep in range(args.repetitions):
+        for variant in measure.rotation(args.variants, rep):
+            bf16_adapters, changes = VARIANTS[variant]
+            adapter_dtype = dtype if bf16_adapters else torch.float32
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in init:
+                        p.data = init[n].to(adapter_dtype).clone()
+            cfg = None if changes is None else shipped.replace(**changes)
+            if cfg is not None:
+                patch_model(model, config=cfg)
+            # peak memory once per variant, CUDA only (None in CPU smoke runs)
+            times, losses, peak = run_variant(model, ids, args.steps, device.type == "cuda" and variant not in peaks)
+            peaks.setdefault(variant, peak)
+            if cfg is not None:
+                unpatch_model(model)
+            ms = statistics.median(times)
+            rows.append({"model": name, "layers": model.config.num_hidden_layers, "variant": variant, "rep": rep,
+                         "batch": args.batch, "seq": args.seq, "smoke": args.smoke, "step_ms": ms,
+                         "step_ms_each": " ".join(f"{t:.3f}" for t in times), "tokens_per_s": tokens / ms * 1e3,
+                         "peak_bytes": peaks[variant], "adapter_dtype": str(adapter_dtype).removeprefix("torch."),
+                         "losses": " ".join(f"{v:.5f}" for v in losses), "config": "" if cfg is None else repr(cfg)})
     return rows
 
 
-def plot(rows, out):
+def summary_rows(rows):
+    """One row per (model, variant): median tokens/s, the per-repetition ratio to PEFT, peak and loss agreement
+    with the PEFT variant of the same adapter dtype (first repetition)."""
+    out = []
+    for model, variant in dict.fromkeys((r["model"], r["variant"]) for r in rows):
+        mine = [r for r in rows if r["model"] == model and r["variant"] == variant]
+        first = mine[0]
+        tps = measure.summarize(r["tokens_per_s"] for r in mine)
+        vs = measure.summarize(measure.repetition_ratios(rows, "tokens_per_s", {"model": model, "variant": variant},
+                                                         {"model": model, "variant": "peft"}))
+        peft = next(r for r in rows if r["model"] == model and r["variant"] == "peft")
+        same = next((r for r in rows if r["model"] == model and r["variant"] in ("peft", "peft_nocast")
+                     and r["adapter_dtype"] == first["adapter_dtype"]), None)
+        loss_diff = None
+        if same is not None:
+            pairs = zip(str(same["losses"]).split(), str(first["losses"]).split())
+            loss_diff = max(abs(float(a) - float(b)) / abs(float(a)) for a, b in pairs)
+        out.append({"model": model, "variant": variant, "tokens_per_s": tps["median"],
+                    "tokens_per_s_ci95_low": tps["ci95"][0], "tokens_per_s_ci95_high": tps["ci95"][1], "n": tps["n"],
+                    "tokens_per_s_vs_peft": vs["median"], "peak_bytes": first["peak_bytes"],
+                    "peak_vs_peft": None if first["peak_bytes"] is None else first["peak_bytes"] / peft["peak_bytes"],
+                    "adapter_dtype": first["adapter_dtype"], "max_loss_rel_diff_vs_same_dtype_peft": loss_diff})
+    return out
+
+
+def plot(summary, rows, out: Path):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r["model"] for r in rows})
+    models = list(dict.fromkeys(s["model"] for s in summary))
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.8), squeeze=False)
     for ax, m in zip(axes[0], models):
-        rs = [r for r in rows if r["model"] == m]
-        ax.bar([r["variant"] for r in rs], [r["tokens_per_s"] / 1e3 for r in rs])
-        ax.set_ylabel("k tokens / s")
+        mine = [s for s in summary if s["model"] == m]
+        ax.bar([s["variant"] for s in mine], [s["tokens_per_s"] / 1e3 for s in mine], alpha=0.8)
+        for i, s in enumerate(mine):
+            repetition_dots(ax, i, [r["tokens_per_s"] / 1e3 for r in rows
+                                    if r["model"] == m and r["variant"] == s["variant"]])
+        ax.set_ylabel("k tokens / s (bars: median, dots: repetitions)")
         ax.set_title(f"{m}: LoRA training step")
         ax.tick_params(axis="x", labelrotation=20)
     fig.tight_layout()
@@ -161,27 +184,48 @@ def plot(rows, out):
 
 
 def main(argv=None):
+    start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--models", nargs="+", default=["qwen3-4096", "qwen2.5-0.5b"])
+    add_common_arguments(ap, list(VARIANTS), DEFAULT_VARIANTS,
+                         "the whole code path on tiny stand-ins of the models, fp32, batch 2 x 16, one timed step")
+    ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     ap.add_argument("--layers", type=int, default=4, help="layers of the qwen3-4096 model")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--variants", nargs="+", default=None,
-                    help="measure only these variants (peft and peft_nocast always; default: all)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per variant and repetition (after one warm-up)")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_lora_train_step needs a CUDA GPU")
-    out = out_dir(args.out)
-    print(environment_line(), flush=True)
+    args.variants = chosen_variants(ap, args, list(VARIANTS), DEFAULT_VARIANTS)
+    device = check_device(args.smoke)
+    if args.smoke:
+        args.batch, args.seq, args.steps = 2, 16, 1
+    from lora_lab.kernels import KernelConfig
+
+    shipped = KernelConfig.from_env()
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(device_line(device, dtype, args.repetitions, f"batch {args.batch} x {args.seq}, {args.steps} timed steps, "
+                      f"variants {' '.join(args.variants)}, shipped {shipped}"), flush=True)
     rows = []
-    for m in args.models:
-        rows += bench_model(m, args.layers, args.batch, args.seq, args.steps, args.warmup, args.variants)
-        write_csv(rows, out / "05_train_step.csv")
-    plot(rows, out)
-    print("wrote", out / "05_train_step.csv")
+    for name in args.models:
+        t0 = time.perf_counter()
+        rows += bench_model(name, args, shipped, device, dtype)
+        gc.collect()  # the model goes before the next one is built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        measure.write_csv(rows, out / CSV)
+        print(f"{name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
+    summary = summary_rows(rows)
+    measure.write_csv(summary, out / SUMMARY_CSV)
+    plot(summary, rows, out)
+    print(f"{'model':>13} {'variant':>18} {'tokens/s':>10} {'/ peft':>7} {'peak/peft':>9} {'loss diff':>9}")
+    for s in summary:
+        peak = f"{s['peak_vs_peft']:9.3f}" if s["peak_vs_peft"] is not None else "        -"
+        loss = f"{s['max_loss_rel_diff_vs_same_dtype_peft']:9.2e}" \
+            if s["max_loss_rel_diff_vs_same_dtype_peft"] is not None else "        -"
+        print(f"{s['model']:>13} {s['variant']:>18} {s['tokens_per_s']:10.0f} {s['tokens_per_s_vs_peft']:7.3f} "
+              f"{peak} {loss}")
+    print(f"wrote {out / CSV} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

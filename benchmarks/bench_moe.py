@@ -1,61 +1,324 @@
-"""MoE experts benchmark (GPU): transformers eager vs grouped_mm vs lora_lab's fused Triton kernels.
+"""Benchmark: MoE experts — transformers eager, transformers grouped_mm and lora_lab's fused kernels, side by side.
 
-    python benchmarks/bench_moe.py --out outputs/gpu/moe_bench            # everything (~1.5-2 min on an H200)
-    python benchmarks/bench_moe.py --out /tmp/moe --tokens 8192 --no-e2e  # one token count, layer only
+Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``: Qwen3-30B-A3B-like and
+Qwen1.5-MoE-like), forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
+softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
+expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
+the baselines run PEFT's wrapper, ours patches that wrapper). The eager per-expert loop, tens of times slower,
+runs only at the T in ``--eager-tokens``, one timed call per repetition. TFLOP/s count the dense expert GEMMs
+(``fused_moe.expert_gemm_flops``).
 
-Writes into --out: moe_numerics.csv, moe_layer_bench.csv, moe_e2e_bench.csv, moe_layer_speed.png,
-moe_layer_memory.png and moe_summary.json (the ratios the notebook records).
+End to end: a Qwen3-MoE-shaped causal LM with the 30B-A3B layer shape and 4 layers (vocabulary 151,936, random
+init, bf16, sdpa), batch 4 × 2048: forward, backward, AdamW step, zero_grad; ``full`` trains everything, ``lora``
+is PEFT LoRA on q_proj/v_proj plus the expert parameters. Eager runs end to end only in ``--e2e-eager-modes``.
+
+Repetitions: ``--repetitions N`` side-by-side loops per cell (per mode end to end), each timing every
+implementation once, order rotating: ``measure.cuda_ms`` for layer calls, ``measure.event_ms`` (CUDA events,
+``--e2e-steps`` steps) for eager calls and training steps. Peak memory (``measure.peak_bytes``: peak and resident
+bytes of one untimed call) is measured once per cell and implementation. Notebook 06 reads the per-repetition
+rows through ``fused_moe.benchmark_metrics``.
+
+Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
+06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
+
+    python benchmarks/bench_moe.py --out DIR                          # what notebook 06 records
+    python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
+    python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
+    TRITON_INTERPRET=1 python benchmarks/bench_moe.py --out DIR --smoke
 """
-
 from __future__ import annotations
 
 import argparse
-import os
-import json
-import sys
+import gc
+import statistics
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("MPLBACKEND", "Agg")
+import torch
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line
 
-from lora_lab.kernels.moe_benchmark import LAYER_SHAPES, run_moe_benchmarks  # noqa: E402
+from lora_lab.experiments.fused_moe import (
+    E2E_CSV,
+    GRADED_CELLS,
+    H200_DENSE_BF16_TFLOPS,
+    IMPLEMENTATIONS,
+    LAYER_CSV,
+    LAYER_SHAPES,
+    expert_gemm_flops,
+    layer_holder,
+    layer_table,
+    random_routing,
+    set_implementation,
+)
+from lora_lab.lab import measure
+
+SUMMARY_CSV = "06_moe_layer_summary.csv"
+# --smoke: tiny stand-ins of the two layer shapes (same names, routing rule and family), T / 1024
+SMOKE_SHAPES = {"qwen3_30b_a3b": dict(hidden=32, num_experts=4, top_k=2, intermediate=16),
+                "qwen1_5_moe_a2_7b": dict(hidden=32, num_experts=4, top_k=2, intermediate=24)}
+SMOKE_TOKEN_DIVISOR = 1024
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="output directory for CSV / PNG / JSON")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 32768], help="token counts T")
-    parser.add_argument("--shapes", nargs="+", default=list(LAYER_SHAPES), choices=list(LAYER_SHAPES))
-    parser.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
-    parser.add_argument("--eager-tokens", type=int, nargs="*", default=[8192],
-                        help="token counts at which the slow eager loop is also timed (empty: every T)")
-    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training-step benchmark")
-    parser.add_argument("--e2e-steps", type=int, default=3, help="timed end-to-end steps per implementation")
-    args = parser.parse_args()
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
-    import torch
 
-    t0 = time.perf_counter()
-    print(f"[moe-bench] {torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
-    result = run_moe_benchmarks(
-        args.out, tokens=tuple(args.tokens), shapes=tuple(args.shapes), modes=tuple(args.modes),
-        e2e=not args.no_e2e, e2e_steps=args.e2e_steps, eager_tokens=tuple(args.eager_tokens) or None,
-        log=lambda msg: print(msg, flush=True),
-    )
-    worst = {}
-    for row in result["numerics"]:
-        key = (row["impl"], row["mode"])
-        worst[key] = min(worst.get(key, 1.0), row["cosine"])
-    for (impl, mode), cos in sorted(worst.items()):
-        print(f"[moe-bench] numerics {impl:10s} {mode}: worst cosine vs fp32 reference {cos:.6f}")
-    summary = result["summary"]
-    with open(Path(args.out) / "moe_summary.json", "w") as f:
-        json.dump(summary, f, indent=1, sort_keys=True)
-    for key in sorted(summary):
-        if "speedup" in key or "peak_ratio" in key or "fraction_of_peak" in key:
-            print(f"[moe-bench] {key} = {summary[key]:.3f}")
-    print(f"[moe-bench] done in {time.perf_counter() - t0:.0f}s", flush=True)
+def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, device, dtype):
+    """Rows of one (shape, T, mode) cell: each implementation timed once per repetition (the caller frees the
+    cell's memory after it returns)."""
+    holder, experts, params = layer_holder(shape, mode, device, dtype, seed=0)
+    gen = torch.Generator(device=device).manual_seed(3)  # drawn on the device (T=32768: 67M values)
+    x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype).requires_grad_(True)
+    index, weights = random_routing(num_tokens, shape, device, dtype, seed=0)
+    grad_out = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype)
+    inputs = [x, weights, *params]
+
+    def step():
+        return torch.autograd.grad(holder(x, index, weights), inputs, grad_out)
+
+    cell = f"{shape.name}_t{label_tokens}_{mode}"
+    flops = expert_gemm_flops(num_tokens, shape, mode)
+    base = dict(cell=cell, shape=shape.name, tokens=num_tokens, label_tokens=label_tokens, hidden=shape.hidden,
+                experts=shape.num_experts, top_k=shape.top_k, intermediate=shape.intermediate, mode=mode,
+                smoke=args.smoke, gemm_flops=flops)
+    once = {}
+    for impl in impls:  # warm-up (compile / autotune) and peak memory, outside the timed loops
+        set_implementation(holder, experts, impl, cfg)
+        try:
+            step()
+            peak, resident = measure.peak_bytes(step) if device.type == "cuda" else (None, None)  # CUDA only
+            once[impl] = dict(status="ok", peak_bytes=peak, resident_bytes=resident)
+        except torch.OutOfMemoryError:
+            once[impl] = dict(status="oom", peak_bytes=None, resident_bytes=None)
+        free_memory()
+    rows = []
+    ok = [i for i in impls if once[i]["status"] == "ok"]
+    for rep in range(args.repetitions):
+        for impl in measure.rotation(ok, rep):
+            set_implementation(holder, experts, impl, cfg)
+            if impl == "eager":  # a Python loop over experts: a few long calls, not do_bench's estimate loop
+                ms = statistics.median(measure.event_ms(step, calls=args.eager_calls))
+            else:
+                ms = measure.cuda_ms(step, args.warmup_ms, args.rep_ms)
+            rows.append(dict(base, impl=impl, rep=rep, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
+                             fraction_of_peak=flops / (ms * 1e-3) / (H200_DENSE_BF16_TFLOPS * 1e12),
+                             **once[impl], config=repr(cfg) if impl == "ours" else ""))
+        rows += [dict(base, impl=i, rep=rep, ms=None, **once[i]) for i in impls if i not in ok]
+    set_implementation(holder, experts, "eager")  # unpatch
+    return rows
+
+
+def e2e_config(smoke: bool, num_layers: int):
+    """Qwen3-30B-A3B layer shape (hidden 2048, 128 experts, top-8, expert I 768), few layers; tiny with smoke."""
+    from transformers import Qwen3MoeConfig
+
+    if smoke:
+        sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4,
+                     num_experts_per_tok=2)
+    else:
+        sizes = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=num_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8)
+    return Qwen3MoeConfig(**sizes, norm_topk_prob=True, max_position_embeddings=4096, tie_word_embeddings=False,
+                          output_router_logits=False)
+
+
+def bench_e2e(args, cfg, device, dtype):
+    """Rows of the end-to-end training steps: one model, ``full`` first, then wrapped by PEFT for ``lora``."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeForCausalLM
+
+    config = e2e_config(args.smoke, args.e2e_layers)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the device: ~3B parameters, slow on the host
+        model = Qwen3MoeForCausalLM(config)
+    model = model.to(device=device, dtype=dtype).train()
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    ids = torch.randint(0, config.vocab_size, (args.e2e_batch, args.e2e_seq), generator=gen).to(device)
+    rows = []
+    for mode in [m for m in ("full", "lora") if m in args.modes]:
+        root = model
+        if mode == "lora":
+            root = get_peft_model(model, LoraConfig(
+                r=16, lora_alpha=32, target_modules=["q_proj", "v_proj"],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        rows += bench_e2e_mode(model, root, ids, mode, args, cfg, device)
+        free_memory()
+    return rows
+
+
+def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
+    """One mode end to end: each implementation's training steps timed once per repetition, order rotating."""
+    from lora_lab.kernels import patch_moe_experts, unpatch_moe_experts
+
+    opt = torch.optim.AdamW([p for p in root.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+    last_loss = []
+
+    def step():
+        loss = root(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        last_loss[:] = [loss.detach()]
+
+    def use(impl):
+        unpatch_moe_experts(root)
+        model.set_experts_implementation("eager" if impl == "ours" else impl)
+        if impl == "ours":
+            patch_moe_experts(root, config=cfg)
+
+    impls = [i for i in args.impls if i != "eager" or mode in args.e2e_eager_modes]
+    once = {}
+    for impl in impls:  # warm-up (optimizer state, compile / autotune) and peak memory, untimed
+        use(impl)
+        try:
+            step()
+            peak = measure.peak_bytes(step)[0] if device.type == "cuda" else None  # CUDA only
+            once[impl] = dict(status="ok", peak_bytes=peak)
+        except torch.OutOfMemoryError:
+            once[impl] = dict(status="oom", peak_bytes=None)
+            opt.zero_grad(set_to_none=True)
+        free_memory()
+    ok = [i for i in impls if once[i]["status"] == "ok"]
+    rows = []
+    batch, seq = ids.shape
+    for rep in range(args.repetitions):
+        for impl in measure.rotation(ok, rep):
+            use(impl)
+            times = measure.event_ms(step, calls=args.e2e_steps)
+            ms = statistics.median(times)
+            rows.append(dict(mode=mode, impl=impl, rep=rep, batch=batch, seq_len=seq,
+                             layers=model.config.num_hidden_layers, smoke=args.smoke, step_ms=ms,
+                             step_ms_each=" ".join(f"{t:.2f}" for t in times),
+                             samples_per_s=batch / ms * 1e3, tokens_per_s=batch * seq / ms * 1e3,
+                             final_loss=last_loss[0].item(), **once[impl]))
+        rows += [dict(mode=mode, impl=i, rep=rep, samples_per_s=None, **once[i]) for i in impls if i not in ok]
+    use("eager")
+    print(f"e2e {mode}: " + "  ".join(
+        f"{i} {statistics.median(r['samples_per_s'] for r in rows if r['impl'] == i):.3f}" for i in ok)
+        + " samples/s (medians)", flush=True)
+    return rows
+
+
+def plot_layer(table, out: Path):
+    """Time vs T per (shape, mode) with the repetitions' 95% intervals; peak memory above resident per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(t["shape"] for t in table))
+    modes = list(dict.fromkeys(t["mode"] for t in table))
+    fig, axes = plt.subplots(len(shapes), len(modes), figsize=(5.5 * len(modes), 4 * len(shapes)), squeeze=False)
+    for i, shape in enumerate(shapes):
+        for j, mode in enumerate(modes):
+            ax = axes[i][j]
+            for impl in IMPLEMENTATIONS:
+                pts = sorted((t["label_tokens"], t["ms"], *t["ms_ci95"]) for t in table
+                             if (t["shape"], t["mode"], t["impl"]) == (shape, mode, impl) and "ms" in t)
+                if pts:
+                    err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+                    ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=err, marker="o", capsize=3, label=impl)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("tokens T")
+            ax.set_ylabel("forward+backward ms (median, 95% interval)")
+            ax.set_title(f"{shape} — {'full fine-tuning' if mode == 'full' else 'LoRA on experts (PEFT)'}")
+            ax.grid(True, which="both", alpha=0.3)
+            if ax.lines:
+                ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "06_moe_layer_speed.png", dpi=120)
+    plt.close(fig)
+
+    cells = list(dict.fromkeys(t["cell"] for t in table))
+    labels = {t["cell"]: f"{t['shape'].split('_')[0]}\nT={t['label_tokens']}\n{t['mode']}" for t in table}
+    fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.9), 4.5))
+    for k, impl in enumerate(IMPLEMENTATIONS):
+        vals = [next((t.get("peak_extra_gib") for t in table if t["cell"] == c and t["impl"] == impl), None)
+                for c in cells]
+        ax.bar([x + (k - 1) * 0.27 for x in range(len(cells))], [float("nan") if v is None else v for v in vals],
+               0.27, label=impl)  # eager runs only at --eager-tokens; no bar where not measured
+    ax.set_xticks(range(len(cells)))
+    ax.set_xticklabels([labels[c] for c in cells], fontsize=7)
+    ax.set_ylabel("peak GiB above resident (fwd+bwd, measured once)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "06_moe_layer_memory.png", dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(ap, list(IMPLEMENTATIONS), ["grouped_mm", "ours"],
+                         "the whole code path on tiny stand-ins of the layers (T / 1024) and of the model, fp32")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768], help="token counts T of the layer cells")
+    ap.add_argument("--shapes", nargs="+", default=list(LAYER_SHAPES), choices=list(LAYER_SHAPES))
+    ap.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
+    ap.add_argument("--eager-tokens", type=int, nargs="*", default=[8192],
+                    help="T at which the eager loop is also timed (empty: every T)")
+    ap.add_argument("--eager-calls", type=int, default=1, help="timed eager calls per repetition")
+    ap.add_argument("--rep-ms", type=float, default=50.0, help="measure.cuda_ms: milliseconds of timed calls")
+    ap.add_argument("--warmup-ms", type=float, default=10.0, help="measure.cuda_ms: milliseconds of warm-up")
+    ap.add_argument("--graded-only", action="store_true",
+                    help="only the layer cells notebook 06's metrics read (" + ", ".join(GRADED_CELLS) + ")")
+    ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training steps")
+    ap.add_argument("--e2e-steps", type=int, default=2, help="timed training steps per implementation and repetition")
+    ap.add_argument("--e2e-layers", type=int, default=4)
+    ap.add_argument("--e2e-batch", type=int, default=4)
+    ap.add_argument("--e2e-seq", type=int, default=2048)
+    ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
+                    help="modes whose end-to-end comparison includes the eager loop")
+    ap.set_defaults(variants=list(IMPLEMENTATIONS))  # every implementation: eager is limited by --eager-tokens
+    args = ap.parse_args(argv)
+    impls = args.impls = chosen_variants(ap, args, list(IMPLEMENTATIONS), ["grouped_mm", "ours"])
+    device = check_device(args.smoke)
+    from lora_lab.kernels import KernelConfig
+
+    cfg = KernelConfig.from_env()
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.smoke:
+        args.e2e_batch, args.e2e_seq, args.e2e_steps = 2, 8, 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(device_line(device, dtype, args.repetitions, f"implementations {' '.join(impls)}, {cfg}"), flush=True)
+    rows = []
+    for name in args.shapes:
+        shape = LAYER_SHAPES[name].scaled(**SMOKE_SHAPES[name]) if args.smoke else LAYER_SHAPES[name]
+        for label_tokens in args.tokens:
+            num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
+            with_eager = not args.eager_tokens or label_tokens in args.eager_tokens
+            cell_impls = [i for i in impls if i != "eager" or with_eager]
+            for mode in args.modes:
+                if args.graded_only and f"{name}_t{label_tokens}_{mode}" not in GRADED_CELLS:
+                    continue
+                t0 = time.perf_counter()
+                cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device,
+                                             dtype)
+                free_memory()
+                rows += cell_rows
+                measure.write_csv(rows, out / LAYER_CSV)  # after every cell: a run cut short keeps its cells
+                medians = {i: statistics.median(r["ms"] for r in cell_rows if r["impl"] == i)
+                           for i in cell_impls if any(r["impl"] == i and r["ms"] is not None for r in cell_rows)}
+                print(f"{cell_rows[0]['cell']}{f' (smoke T={num_tokens})' if args.smoke else ''}: "
+                      + "  ".join(f"{i} {ms:.3f} ms" for i, ms in medians.items())
+                      + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    table = layer_table(rows)
+    measure.write_csv(table, out / SUMMARY_CSV)
+    plot_layer(table, out)
+    if not args.no_e2e:
+        measure.write_csv(bench_e2e(args, cfg, device, dtype), out / E2E_CSV)
+    print(f"{'cell':>34} {'impl':>10} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9}")
+    for t in table:
+        peak = f"{t['peak_extra_gib']:9.2f}" if t.get("peak_extra_gib") is not None else "        -"
+        print(f"{t['cell']:>34} {t['impl']:>10} {t.get('ms', float('nan')):10.3f} {t.get('tflops', float('nan')):8.1f} "
+              f"{peak}")
+    print(f"wrote {out / LAYER_CSV} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

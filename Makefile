@@ -1,51 +1,95 @@
-# Two entry points, each bootstraps its own environment:
-#   make run   [PROFILE=cpu|gpu|auto]  -> every notebook on PROFILE, graded, scoreboard printed
-#   make test                          -> the whole test suite (what CI runs)
+# Entry points; each bootstraps its own environment first:
+#   make run     [PROFILE=cpu|gpu] [ONLY=01,03]  every notebook on PROFILE into build/runs/<profile>/, graded
+#   make publish [PROFILE=cpu|gpu] [ONLY=01,03]  a checked run -> outputs/<profile>/ (gpu: and notebooks/), graded
+#   make test    [PROFILE=cpu|gpu] [NBVAL=0]     lint, prose check, unit tests (GPU ones when CUDA is there),
+#                                                the cpu notebook batch, grading, verify, nbval
+#   make lint                                    ruff only
+#
+# PROFILE=cpu uses .venv with the CPU build of torch pinned (requirements-cpu.txt): seconds to install, no CUDA
+# download. Any other profile uses a virtual environment chained to $(PYTHON)'s own environment, so the CUDA
+# torch and triton already installed there (a venv, a conda env, the system) are used as they are and never
+# installed again; only what is missing goes into the chained environment. WHEELS=<folder> installs from local
+# wheels instead of the package index (machines without one).
 PYTHON ?= python3
 PROFILE ?= cpu
-# The cpu route pins the CPU build of torch (seconds to install, no CUDA download). The gpu route
-# uses its own venv that sees the machine's own (CUDA) torch/triton through --system-site-packages,
-# and installs only what is missing, within pyproject.toml's ranges.
-ifeq ($(PROFILE),gpu)
-VENV   ?= .venv-gpu
-VENV_FLAGS := --system-site-packages
-PINS   :=
+ONLY ?=
+NBVAL ?= 1
+WHEELS ?=
+
+ifeq ($(PROFILE),cpu)
+VENV  ?= .venv
+PINS  := -c requirements-cpu.txt
+CHAIN := 0
 else
-VENV   ?= .venv
-VENV_FLAGS :=
-PINS   := -c requirements-cpu.txt
+VENV  ?= .venv-$(PROFILE)
+PINS  :=
+CHAIN := 1
 endif
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+INDEX   := $(if $(WHEELS),--no-index --find-links $(abspath $(WHEELS)),)
+RUNS    := build/runs
+ONLYARG := $(if $(ONLY),--only $(ONLY),)
 
-.PHONY: run test install
+.PHONY: run publish test lint install
 
-$(STAMP): pyproject.toml requirements-cpu.txt
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(if $(PINS),$(PY) -m pip install -q $(PINS) torch triton)
-	$(PY) -m pip install -q $(PINS) -e '.[kernels,notebooks,test]'
+# The chained environment: a plain venv plus a .pth line that adds $(PYTHON)'s site-packages after its own,
+# so pip sees (and keeps) the torch installed there. `venv --system-site-packages` would not do: from inside a
+# venv or conda env it exposes the *base* interpreter's packages, and pip would then install a second torch.
+$(PY):
+ifeq ($(CHAIN),1)
+	$(PYTHON) -m venv $(VENV) 2>/dev/null || $(PYTHON) -m venv --without-pip $(VENV)
+else
+	$(PYTHON) -m venv $(VENV)
+endif
+
+# pip of the environment, or (a venv made without pip) $(PYTHON)'s pip pointed at it
+PIP = $(if $(wildcard $(VENV)/bin/pip),$(PY) -m pip,$(PYTHON) -m pip --python $(PY))
+
+$(STAMP): pyproject.toml requirements-cpu.txt | $(PY)
+ifeq ($(CHAIN),1)
+	@parent=$$($(PYTHON) -c 'import sysconfig as s; p = s.get_paths(); print(p["purelib"]); print(p["platlib"])' | sort -u); \
+	target=$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	for dir in $$parent; do echo "import site; site.addsitedir('$$dir')"; done > $$target/_parent_environment.pth; \
+	echo "$(VENV) chained to $$parent"
+	@$(PY) -c 'import torch; print("torch", torch.__version__, "from", torch.__file__, "| CUDA:", torch.cuda.is_available())'
+endif
+	$(if $(filter 0,$(CHAIN)),$(PIP) install -q --upgrade pip)
+	$(if $(PINS),$(PIP) install -q $(PINS) torch triton)
+	$(PIP) install -q $(INDEX) $(PINS) -e '.[kernels,notebooks,test]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 
 install: $(STAMP)
 
-TEST_OUT := $(CURDIR)/build/test-outputs
-
-# make run: execute every notebook on PROFILE into outputs/<profile>/, then grade (grading happens
-# even when a notebook failed; the exit code still reports the failure).
+# make run: execute the notebooks on PROFILE into build/runs/<profile>/ (scratch: git status stays clean), then
+# grade them (grading happens even when a notebook failed; the exit code still reports the failure).
 run: $(STAMP)
-	TQDM_DISABLE=$${TQDM_DISABLE:-0} $(VENV)/bin/lora-lab run --profile $(PROFILE); run_status=$$?; \
-	$(VENV)/bin/lora-lab grade --profile $(PROFILE) && exit $$run_status
+	@start=$$(date +%s); TQDM_DISABLE=$${TQDM_DISABLE:-0} $(VENV)/bin/lora-lab run --profile $(PROFILE) $(ONLYARG); \
+	run_status=$$?; echo "make run: $$(( $$(date +%s) - start )) s of notebooks"; \
+	$(VENV)/bin/lora-lab grade --profile $(PROFILE) --outputs-dir $(RUNS) && exit $$run_status
 
-# make test: unit tests, the papermill cpu run of every notebook (into build/, leaving the committed
-# outputs alone), grading, the pre-registration history check, and nbval over notebooks/.
+# make publish: copy the run of PROFILE into outputs/<profile>/ (and notebooks/ for gpu) after checking that it
+# is complete and that its code and notebook hashes are the working tree's; then grade the published outputs.
+publish: $(STAMP)
+	$(VENV)/bin/lora-lab publish --profile $(PROFILE) $(ONLYARG)
+	$(VENV)/bin/lora-lab grade --profile $(PROFILE)
+
+lint: $(STAMP)
+	$(PY) -m ruff check lora_lab tests benchmarks
+
+TEST_RUNS := $(CURDIR)/build/test-runs
+
 test: $(STAMP)
+	$(PY) -m ruff check lora_lab tests benchmarks
+	$(VENV)/bin/lora-lab check-prose
 	$(PY) -m pytest -q
-	TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_OUT); run_status=$$?; \
-	$(VENV)/bin/lora-lab grade --profile cpu --outputs-dir $(TEST_OUT) && exit $$run_status
+	TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_RUNS); run_status=$$?; \
+	$(VENV)/bin/lora-lab grade --profile cpu --outputs-dir $(TEST_RUNS) && exit $$run_status
 	$(VENV)/bin/lora-lab verify
+ifeq ($(NBVAL),1)
 	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
-	  LORA_LAB_OUTPUT_DIR=$(CURDIR)/build/nbval-outputs TRITON_INTERPRET=1 TQDM_DISABLE=1 \
+	  $(if $(filter cpu,$(PROFILE)),TRITON_INTERPRET=1,) TQDM_DISABLE=1 \
 	  $(PY) -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/; \
 	else echo "nbval: no notebooks yet"; fi
+endif

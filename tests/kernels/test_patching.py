@@ -252,7 +252,8 @@ def test_moe_expert_wrappers_are_left_to_the_moe_patcher():
                             num_key_value_heads=2, head_dim=8, intermediate_size=64, moe_intermediate_size=24,
                             num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
     torch.manual_seed(0)
-    model = get_peft_model(Qwen3MoeForCausalLM(config), LoraConfig(
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU weights are refused outside the interpreter
+    model = get_peft_model(Qwen3MoeForCausalLM(config).to(device), LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
         target_parameters=["experts.gate_up_proj", "experts.down_proj"]))
     summary = patch_model(model)  # strict by default

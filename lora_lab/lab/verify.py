@@ -6,10 +6,12 @@ Three invariants:
    parent P of C: each id in the file at P is in the file at C, unchanged (compared as parsed
    YAML, so comments and formatting may change). The working tree is checked against HEAD the
    same way, so an edit is caught before it is committed.
-2. **Predicted before measured.** For every prediction that grading would grade (it applies to
+2. **Predicted before measured.** For every blind prediction that grading would grade (it applies to
    the profile and is not superseded) and whose metric appears in a committed
    ``outputs/<profile>/<notebook>.metrics.json``: the commit that first added the prediction must
-   be a strict ancestor of the first commit whose metrics file holds that metric.
+   be a strict ancestor of the first commit whose metrics file holds that metric. An *informed* prediction
+   (``informed_by``) may postdate its metric — it says what it saw, and the scoreboard scores it apart — and
+   is listed as a note.
 
 3. **Results tie to code.** Every committed ``outputs/<profile>/*.metrics.json`` that names the commit it ran
    (``git_commit``) and carries a ``code_hash`` must have been run by exactly the package committed there:
@@ -302,6 +304,12 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
                     f"({metrics_path}, commit {measured.short}, {measured.date})"
                 )
             elif registration.commit == measured.sha or not is_ancestor(repo, registration.commit, measured.sha):
+                if entry.get("informed_by"):  # registered after a related result, and says so: scored apart
+                    report.notes.append(
+                        f"prediction {entry_id!r} is informed ({entry['informed_by']}): registered in "
+                        f"{registration.short}, after its metric {metric!r} was first committed ({measured.short})"
+                    )
+                    continue
                 report.violations.append(
                     f"prediction {entry_id!r} (registered in commit {registration.short}, {registration.date}) "
                     f"did not land before its metric {metric!r} ({metrics_path}, first committed in "

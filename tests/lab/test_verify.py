@@ -173,6 +173,20 @@ def test_superseding_after_the_results_is_caught_but_the_superseded_entry_is_not
     assert "prediction 'p01-c'" in violation and "did not land before its metric 'loss'" in violation
 
 
+def test_an_informed_prediction_may_postdate_its_metric_and_is_listed(repo):
+    repo.predictions(A)
+    repo.commit("register")
+    repo.metrics(loss=0.3)
+    repo.commit("results")
+    late = repo.root / "predictions/predictions.yaml"
+    late.write_text(late.read_text() + ENTRY.format(id="p01-c", metric="loss", threshold=0.4)
+                    + "  supersedes: p01-a\n  informed_by: \"the first run showed 0.3\"\n")
+    repo.commit("relabel as informed")
+    report = verify(repo.root)
+    assert report.ok, report.violations
+    assert any("'p01-c' is informed (the first run showed 0.3)" in note for note in report.notes)
+
+
 def test_a_metric_added_to_an_existing_file_later_is_dated_by_its_own_commit(repo):
     repo.predictions(A)
     repo.commit("register a")

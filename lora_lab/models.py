@@ -44,15 +44,18 @@ def random_model_names() -> list[str]:
 
 
 def model_config(name: str):
-    """The transformers config of a bundled architecture (``name`` with or without ``random:``)."""
+    """The transformers config of a model: a bundled architecture (``random:<name>``, or the bare name), or the
+    ``config.json`` of a local checkpoint directory."""
     from transformers import AutoConfig
 
+    if not name.startswith(RANDOM_PREFIX) and (Path(name).expanduser() / "config.json").is_file():
+        return AutoConfig.from_pretrained(str(Path(name).expanduser()))
     name = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
     known = random_model_names()
     if name not in known:
         raise ModelNotFoundError(
-            f"unknown bundled model {RANDOM_PREFIX}{name}; known: "
-            + ", ".join(RANDOM_PREFIX + k for k in known)
+            f"unknown bundled model {RANDOM_PREFIX}{name} (and no local checkpoint {name!r} with a config.json); "
+            "known: " + ", ".join(RANDOM_PREFIX + k for k in known)
         )
     data = json.loads(resources.files("lora_lab").joinpath("configs", f"{name}.json").read_text())
     data = {k: v for k, v in data.items() if not k.startswith("_")}

@@ -225,7 +225,10 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence], floatfmt: str 
 
     text = [[cell(v) for v in r] for r in rows]
     widths = [max(len(str(h)), *(len(r[i]) for r in text)) if text else len(str(h)) for i, h in enumerate(header)]
-    line = lambda items: "  ".join(str(x).rjust(w) for x, w in zip(items, widths))  # noqa: E731
+
+    def line(items):
+        return "  ".join(str(x).rjust(w) for x, w in zip(items, widths))
+
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in text])
 
 

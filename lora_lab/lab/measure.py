@@ -163,13 +163,15 @@ def rotation(names: Sequence, rep: int) -> list:
 
 
 def write_csv(rows: list[dict], path: Path | str, code_hash: str | None = None) -> Path:
-    """Write ``rows`` with two provenance columns, ``code_hash`` and ``git_commit``, in every row."""
+    """Write ``rows`` with provenance columns ``code_hash``, ``git_commit`` and ``git_dirty`` in every row."""
     from lora_lab.lab.provenance import code_hash as current_code_hash
     from lora_lab.lab.provenance import git_state
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"code_hash": code_hash or current_code_hash(), "git_commit": git_state()["git_commit"] or ""}
+    git = git_state()
+    stamp = {"code_hash": code_hash or current_code_hash(), "git_commit": git["git_commit"] or "",
+             "git_dirty": "" if git["git_dirty"] is None else git["git_dirty"]}
     keys: list[str] = []
     for row in rows:
         keys.extend(k for k in row if k not in keys)

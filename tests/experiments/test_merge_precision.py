@@ -35,7 +35,9 @@ def test_every_recipe_matches_its_formula():
     x = torch.randn(3, 5, 40)
     W, b, A, B, s = layer.base.weight, layer.base.bias, layer.lora_A, layer.lora_B, layer.scaling
     D = (B @ A) * s
-    lora = lambda x, A, B: F.linear(F.linear(x, A), B) * s  # noqa: E731
+    def lora(x, A, B):
+        return F.linear(F.linear(x, A), B) * s
+
     x16 = x.to(bf16)
     W16, b16 = W.to(bf16), b.to(bf16)
     want = {

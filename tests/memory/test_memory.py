@@ -182,7 +182,9 @@ def test_math_kernel_saves_quadratic_memory_flash_linear():
 
 def test_sdpa_probe_names_the_kernel(tiny_fp32):
     ids = _ids(tiny_fp32, 1, 16)
-    run = lambda: tiny_fp32(input_ids=ids, labels=ids).loss.backward()  # noqa: E731
+    def run():
+        return tiny_fp32(input_ids=ids, labels=ids).loss.backward()
+
     assert mem.sdpa_kernels_used(run)["kernels"] == ["cpu_flash"]
     with sdpa_kernel(SDPBackend.MATH):
         assert mem.sdpa_kernels_used(run)["kernels"] == ["math"]

@@ -329,7 +329,9 @@ def test_fused_bf16_gpu_against_fp32_reference(T, H, I, E, K, rank):
     problem = make_problem(T, H, I, E, K, rank=rank, device="cuda", dtype=torch.bfloat16)
     x, index, weights, w1, w2, lora = problem
     got, _ = run_both(*problem)
-    up = lambda t: None if t is None else t.float()  # noqa: E731
+    def up(t):
+        return None if t is None else t.float()
+
     lora32 = None if lora is None else ExpertLoRA(
         up(lora.gate_up_A), up(lora.gate_up_B), lora.gate_up_scale, up(lora.down_A), up(lora.down_B), lora.down_scale
     )

@@ -1,4 +1,5 @@
-"""Shared test set-up: Triton's interpreter on CPU-only machines, and GPU tests skipped there."""
+"""Shared test set-up: Triton's interpreter on CPU-only machines, GPU tests skipped there, and the tiny model
+and token ids that the memory tests share."""
 import os
 
 import pytest
@@ -18,3 +19,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32():
+    """A random-init tiny Qwen2 in fp32 with SDPA attention, in train mode (one per test module)."""
+    import lora_lab
+
+    return lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa").train()
+
+
+@pytest.fixture
+def random_ids():
+    """``random_ids(model, batch=2, seq=24, seed=0)``: seeded token ids over the model's vocabulary."""
+
+    def make(model, batch=2, seq=24, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
+
+    return make

@@ -10,21 +10,11 @@ from lora_lab.experiments import memory_breakdown as mb
 from lora_lab.loss import causal_lm_loss
 
 
-@pytest.fixture(scope="module")
-def tiny_fp32():
-    return lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa").train()
-
-
-def _ids(model, batch=2, seq=24, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
-
-
-def test_accounting_under_checkpointing_sees_only_the_loss(tiny_fp32):
+def test_accounting_under_checkpointing_sees_only_the_loss(tiny_fp32, random_ids):
     model = copy.deepcopy(tiny_fp32)
     mb.prepare_model(model, mb.config_for("fp32", 2, 24, "lora_ckpt"), lora_r=4, lora_alpha=8)
     with mem.SavedTensorAccounting(model) as acc:
-        loss = causal_lm_loss(model, _ids(model), chunked=True, chunk_size=8)
+        loss = causal_lm_loss(model, random_ids(model), chunked=True, chunk_size=8)
     assert acc.report.layers == 0 and acc.report.by_label["loss"] > 0
     loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -153,15 +153,22 @@ def test_start_run_checks_the_stem(out_dir, monkeypatch):
     assert (run.profile, run.directory, run.provenance["runner"]) == ("cpu", out_dir.resolve(), True)
 
 
-def test_parameters_come_from_the_parameters_cell_and_overrides_are_marked(tmp_path, monkeypatch):
-    import nbformat
-
+@pytest.fixture
+def bare_repo(tmp_path, monkeypatch):
+    """An empty checkout (pyproject.toml, lora_lab/, notebooks/), no runner context, no run left over."""
     monkeypatch.setattr(recording, "_current", None)
     monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
     repo = tmp_path / "repo"
     (repo / "lora_lab").mkdir(parents=True)
     (repo / "pyproject.toml").write_text("")
     (repo / "notebooks").mkdir()
+    return repo
+
+
+def test_parameters_come_from_the_parameters_cell_and_overrides_are_marked(bare_repo, monkeypatch):
+    import nbformat
+
+    repo = bare_repo
     cell = nbformat.v4.new_code_cell('PROFILE = "auto"\nR = 8  # rank\nNAME = "x"')
     cell.metadata["tags"] = ["parameters"]
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), str(repo / "notebooks" / "01_demo.ipynb"))
@@ -175,13 +182,8 @@ def test_parameters_come_from_the_parameters_cell_and_overrides_are_marked(tmp_p
     lora_lab.finish_run()
 
 
-def test_output_dir_is_scratch_outside_the_runner(tmp_path, monkeypatch):
-    monkeypatch.setattr(recording, "_current", None)
-    monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
-    repo = tmp_path / "repo"
-    (repo / "lora_lab").mkdir(parents=True)
-    (repo / "pyproject.toml").write_text("")
-    (repo / "notebooks").mkdir()
+def test_output_dir_is_scratch_outside_the_runner(bare_repo, tmp_path, monkeypatch):
+    repo = bare_repo
     monkeypatch.chdir(repo / "notebooks")
     assert lora_lab.output_dir("cpu") == repo.resolve() / "build" / "scratch" / "cpu"
     run = lora_lab.start_run("01_demo", profile="cpu", parameters={})

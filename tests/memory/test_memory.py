@@ -12,21 +12,10 @@ from lora_lab import memory as mem
 from lora_lab.experiments import memory_breakdown as mb
 from lora_lab.loss import causal_lm_loss
 
-
-@pytest.fixture(scope="module")
-def tiny_fp32():
-    return lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa").train()
-
-
-def _ids(model, batch=2, seq=24, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
-
-
 # ----------------------------------------------------------------------------- fixed memory
 
 
-def test_fixed_memory_from_tensors(tiny_fp32):
+def test_fixed_memory_from_tensors(tiny_fp32, random_ids):
     model = copy.deepcopy(tiny_fp32)
     lora_lab.add_lora(model, r=4, alpha=8)
     counts = lora_lab.count_parameters(model)
@@ -34,7 +23,7 @@ def test_fixed_memory_from_tensors(tiny_fp32):
     before = mem.fixed_memory_by_category(model, opt)
     assert before.weights == counts.total * 4  # tied embedding counted once
     assert before.gradients == 0 and before.optimizer_states == 0
-    causal_lm_loss(model, _ids(model), chunked=False).backward()
+    causal_lm_loss(model, random_ids(model), chunked=False).backward()
     opt.step()
     after = mem.fixed_memory_by_category(model, opt)
     n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
@@ -55,11 +44,11 @@ def test_byte_model_parameter_counts():
         shape.lora_parameter_count(8, ("qproj",))
 
 
-def test_byte_model_fixed_part_matches_tensors(tiny_fp32):
+def test_byte_model_fixed_part_matches_tensors(tiny_fp32, random_ids):
     model = copy.deepcopy(tiny_fp32)
     lora_lab.add_lora(model, r=8, alpha=16)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    causal_lm_loss(model, _ids(model), chunked=False).backward()
+    causal_lm_loss(model, random_ids(model), chunked=False).backward()
     opt.step()
     measured = mem.fixed_memory_by_category(model, opt)
     predicted = mem.analytic_memory(mem.ModelShape.from_config(model.config),
@@ -88,9 +77,9 @@ def test_accounting_dedups_storages_and_skips_parameters():
     w.sum().backward()
 
 
-def test_gradients_unchanged_by_accounting(tiny_fp32):
+def test_gradients_unchanged_by_accounting(tiny_fp32, random_ids):
     model = copy.deepcopy(tiny_fp32)
-    ids = _ids(model)
+    ids = random_ids(model)
     causal_lm_loss(model, ids, chunked=False).backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -139,12 +128,12 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype, method, attn, backend, kernel, targets, loss", CASES)
-def test_accounting_matches_byte_model_exactly(dtype, method, attn, backend, kernel, targets, loss):
+def test_accounting_matches_byte_model_exactly(dtype, method, attn, backend, kernel, targets, loss, random_ids):
     model = lora_lab.load_model("random:tiny-qwen2", dtype=dtype, attn_implementation=attn).train()
     if method == "lora":
         lora_lab.add_lora(model, r=4, alpha=8, targets=targets)
     batch, seq = 2, 40
-    ids = _ids(model, batch, seq)
+    ids = random_ids(model, batch, seq)
     with (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()):
         with mem.SavedTensorAccounting(model) as acc:
             out = causal_lm_loss(model, ids, chunked=(loss == "chunked"), chunk_size=16)
@@ -160,12 +149,12 @@ def test_accounting_matches_byte_model_exactly(dtype, method, attn, backend, ker
     out.backward()
 
 
-def test_math_kernel_saves_quadratic_memory_flash_linear():
+def test_math_kernel_saves_quadratic_memory_flash_linear(random_ids):
     model = lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa").train()
 
     def layer_bytes(seq, backend):
         with sdpa_kernel(backend), mem.SavedTensorAccounting(model) as acc:
-            out = model.model(input_ids=_ids(model, 1, seq)).last_hidden_state  # keep the graph alive
+            out = model.model(input_ids=random_ids(model, 1, seq)).last_hidden_state  # keep the graph alive
         del out
         return acc.report.per_layer[1]
 
@@ -180,8 +169,8 @@ def test_math_kernel_saves_quadratic_memory_flash_linear():
 # ----------------------------------------------------------------------------- SDPA probe
 
 
-def test_sdpa_probe_names_the_kernel(tiny_fp32):
-    ids = _ids(tiny_fp32, 1, 16)
+def test_sdpa_probe_names_the_kernel(tiny_fp32, random_ids):
+    ids = random_ids(tiny_fp32, 1, 16)
     def run():
         return tiny_fp32(input_ids=ids, labels=ids).loss.backward()
 
@@ -230,11 +219,11 @@ def test_byte_model_rejects_bad_setup(kwargs, match):
 # ----------------------------------------------------------------------------- peaks and the sweep
 
 
-def test_peak_memory_needs_cuda(tiny_fp32):
+def test_peak_memory_needs_cuda(tiny_fp32, random_ids):
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
     with pytest.raises(RuntimeError, match="needs a CUDA device"):
-        mem.peak_memory(tiny_fp32, _ids(tiny_fp32))
+        mem.peak_memory(tiny_fp32, random_ids(tiny_fp32))
 
 
 @pytest.mark.gpu

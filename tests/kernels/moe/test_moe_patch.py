@@ -39,18 +39,24 @@ def ids(seed=1, shape=(2, 7)):
     return torch.randint(0, 64, shape, generator=torch.Generator().manual_seed(seed))
 
 
-@interpreter
-def test_full_finetuning_model_matches_eager():
-    model = tiny_qwen3_moe()
-    x = ids()
+def patch_and_compare(model, x):
+    """Patch ``model``'s two MoE layers and check loss and every gradient against its unpatched self;
+    returns the patched run's gradients."""
     loss_ref, grads_ref = loss_and_grads(model, x)
     assert patch_moe_experts(model) == 2
-    assert all(is_moe_patched(layer.mlp.experts) for layer in model.model.layers)
     loss, grads = loss_and_grads(model, x)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
     assert grads.keys() == grads_ref.keys()
     for name in grads_ref:
         torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    return grads
+
+
+@interpreter
+def test_full_finetuning_model_matches_eager():
+    model = tiny_qwen3_moe()
+    patch_and_compare(model, ids())
+    assert all(is_moe_patched(layer.mlp.experts) for layer in model.model.layers)
     assert unpatch_moe_experts(model) == 2
     assert "forward" not in model.model.layers[0].mlp.experts.__dict__
 
@@ -99,14 +105,8 @@ def test_peft_expert_lora_matches_peft_and_saves_like_peft(tmp_path):
                                                            target_parameters=EXPERT_TARGETS))
     fill_lora_B(model, 0.1)
     x = ids()
-    loss_ref, grads_ref = loss_and_grads(model, x)
-    assert patch_moe_experts(model) == 2
-    loss, grads = loss_and_grads(model, x)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == grads_ref.keys()  # LoRA factors only: the frozen experts get no gradient
+    grads = patch_and_compare(model, x)  # LoRA factors only: the frozen experts get no gradient
     assert not any("gate_up_proj" in n or "down_proj" in n for n in grads if "lora" not in n)
-    for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
 
     # one optimizer step through the fused path updates PEFT's own parameters; PEFT saves / loads them
     torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5).step()
@@ -138,13 +138,7 @@ def test_peft_lora_on_one_expert_parameter_only():
     model = get_peft_model(tiny_qwen3_moe(), LoraConfig(r=2, lora_alpha=2, target_modules=["q_proj"],
                                                         target_parameters=["experts.down_proj"]))
     fill_lora_B(model, 0.1)
-    x = ids()
-    loss_ref, grads_ref = loss_and_grads(model, x)
-    assert patch_moe_experts(model) == 2
-    loss, grads = loss_and_grads(model, x)
-    torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-6)
-    for name in grads_ref:
-        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-4, atol=1e-6, msg=name)
+    patch_and_compare(model, ids())
 
 
 def test_dense_model_patches_nothing():

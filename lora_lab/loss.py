@@ -218,29 +218,37 @@ def causal_lm_loss(
     chunked: bool = True,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     ignore_index: int = -100,
+    fused: bool = False,
 ) -> torch.Tensor:
     """Next-token loss of a transformers causal LM (mean over labelled positions).
 
     ``chunked=False`` is the standard path, ``model(input_ids, labels=labels).loss`` (all logits).
     ``chunked=True`` runs the decoder body for the final hidden states and applies
     :func:`chunked_cross_entropy` with the lm_head weight; labels are shifted the same way
-    transformers shifts them. ``labels=None`` uses ``input_ids``. The lm_head must be a plain
-    linear layer without bias (as in Qwen2 / Llama); a LoRA-wrapped head is rejected.
+    transformers shifts them. ``fused=True`` (whatever ``chunked`` says) applies the Triton op
+    :func:`lora_lab.kernels.loss.linear_cross_entropy` to those hidden states instead: no logits at all.
+    ``labels=None`` uses ``input_ids``. The lm_head must be a plain linear layer without bias (as in
+    Qwen2 / Llama); a LoRA-wrapped head is rejected.
     """
     if labels is None:
         labels = input_ids
     if labels.shape != input_ids.shape:
         raise ValueError(f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(input_ids.shape)}")
-    if not chunked:
+    if not (chunked or fused):
         return model(input_ids=input_ids, attention_mask=attention_mask, labels=labels, use_cache=False).loss
+    which = "fused" if fused else "chunked"
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         raise TypeError(
-            f"the chunked loss needs the lm_head to be a plain nn.Linear, got {type(head).__name__}"
+            f"the {which} loss needs the lm_head to be a plain nn.Linear, got {type(head).__name__}"
         )
     if head.bias is not None:
-        raise ValueError("the chunked loss supports an lm_head without bias only")
+        raise ValueError(f"the {which} loss supports an lm_head without bias only")
     body = _decoder_of(model)
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return chunked_cross_entropy(hidden, head.weight, shift_labels(labels, ignore_index), chunk_size=chunk_size,
-                                 ignore_index=ignore_index)
+    targets = shift_labels(labels, ignore_index)
+    if fused:
+        from lora_lab.kernels.loss import linear_cross_entropy  # imports Triton: only when asked for
+
+        return linear_cross_entropy(hidden, head.weight, targets, ignore_index=ignore_index)
+    return chunked_cross_entropy(hidden, head.weight, targets, chunk_size=chunk_size, ignore_index=ignore_index)

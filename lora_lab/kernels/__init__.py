@@ -3,6 +3,7 @@
 * :mod:`.lora`      — one LoRA linear (:func:`fused_lora_linear`), several projections of one input
                       (:func:`fused_shared_input_lora`), and the chained-cuBLAS baseline
 * :mod:`.moe`       — MoE experts with optional LoRA on them (:func:`fused_moe_experts`)
+* :mod:`.loss`      — cross-entropy from hidden states without logits (:func:`linear_cross_entropy`)
 * :mod:`.patching`  — :func:`patch_model` / :func:`unpatch_model` for PEFT and lora_lab models
 * :mod:`.config`    — :class:`KernelConfig`, every setting of the kernels as one argument
 
@@ -23,6 +24,13 @@ from lora_lab.kernels.lora.shared_input import (
     fused_shared_input_lora,
     shared_input_lora_reference,
 )
+from lora_lab.kernels.loss import (
+    LossKernelConfig,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+    patch_causal_lm_loss,
+    unpatch_causal_lm_loss,
+)
 from lora_lab.kernels.moe.experts import ExpertLoRA, fused_moe_experts, moe_experts_reference
 from lora_lab.kernels.moe.patch import patch_moe_experts, unpatch_moe_experts
 from lora_lab.kernels.patching import UnsupportedLoRAError, patch_model, patched_layers, unpatch_model
@@ -32,6 +40,7 @@ __all__ = [
     "ExpertLoRA",
     "FusedLoRALinearFunction",
     "KernelConfig",
+    "LossKernelConfig",
     "SharedInputLoRAFunction",
     "UnsupportedLoRAError",
     "chained_lora_linear",
@@ -39,13 +48,17 @@ __all__ = [
     "fused_lora_linear",
     "fused_moe_experts",
     "fused_shared_input_lora",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
     "lora_linear_reference",
     "lora_linear_unfused",
     "moe_experts_reference",
     "patch_model",
+    "patch_causal_lm_loss",
     "patch_moe_experts",
     "patched_layers",
     "shared_input_lora_reference",
+    "unpatch_causal_lm_loss",
     "unpatch_model",
     "unpatch_moe_experts",
 ]

@@ -27,6 +27,7 @@ from torch import nn
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
 from lora_lab.kernels.lora.shared_input import MAX_SEGMENTS, fused_shared_input_lora
+from lora_lab.kernels.loss.patch import patch_causal_lm_loss, unpatch_causal_lm_loss
 from lora_lab.kernels.moe import patch as moe_patch
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
@@ -299,23 +300,30 @@ def _install(module, kind, config: KernelConfig):
 
 
 def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True,
-                config: KernelConfig | None = None) -> dict:
+                config: KernelConfig | None = None, fused_loss: bool = False) -> dict:
     """Route every supported LoRA linear of ``model`` through the fused Triton kernels (idempotent).
 
     ``config`` sets how the kernels run (:class:`~lora_lab.kernels.KernelConfig`; None: the defaults, seeded
     from the environment when this is called); the patched layers keep it.
 
+    ``fused_loss=True`` also routes ``model(..., labels=...)`` through the fused linear cross-entropy
+    (:func:`~lora_lab.kernels.loss.patch_causal_lm_loss`: no logits are built when labels are given).
+
     Returns a summary: ``{"lora_layers": n, "shared_input_groups": g, "frozen_members": f, "moe_experts": e,
-    "skipped": [reasons]}``. Raises :class:`UnsupportedLoRAError` (and patches nothing) when ``strict`` and any
-    LoRA layer is unsupported; with ``strict=False`` those layers keep their own forward.
+    "fused_loss": bool, "skipped": [reasons]}``. Raises :class:`UnsupportedLoRAError` (and patches nothing) when
+    ``strict`` and any LoRA layer is unsupported; with ``strict=False`` those layers keep their own forward.
     """
     config = resolve_config(config)
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be True or False; got {fused_loss!r}")
     found = _lora_modules(model)
     bad = [(n, why) for n, _, _, why in found if why is not None]
     if bad and strict:
         lines = "\n  ".join(why for _, why in bad)
         raise UnsupportedLoRAError(f"patch_model: {len(bad)} LoRA layer(s) cannot use the fused kernels:\n  {lines}\n"
                                    "(pass strict=False to fuse the others and leave these as they are)")
+    if fused_loss:
+        patch_causal_lm_loss(model)  # checks the head first: a refusal leaves the model untouched
     if bad:
         warnings.warn(f"patch_model: leaving {len(bad)} unsupported LoRA layer(s) unfused", RuntimeWarning,
                       stacklevel=2)
@@ -363,7 +371,7 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
 
     moe = moe_patch.patch_moe_experts(model, config=config)
     return {"lora_layers": patched, "shared_input_groups": groups, "frozen_members": frozen, "moe_experts": moe,
-            "skipped": [why for _, why in bad]}
+            "fused_loss": fused_loss, "skipped": [why for _, why in bad]}
 
 
 def _has_dropout(module) -> bool:
@@ -395,4 +403,5 @@ def unpatch_model(model: nn.Module) -> int:
             m.__dict__.pop("forward", None)
         delattr(m, _STATE_ATTR)
         count += 1
+    unpatch_causal_lm_loss(model)
     return count + moe_patch.unpatch_moe_experts(model)

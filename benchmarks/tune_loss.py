@@ -1,0 +1,111 @@
+"""Tile sizes of the fused linear cross-entropy: time each kernel with several configurations, on the GPU.
+
+The forward kernel (log-sum-exp) and the gradient kernel are timed separately, at the issue's shapes, so that
+the defaults of :class:`lora_lab.kernels.loss.LossKernelConfig` rest on a measurement. Every row also carries
+cuBLAS's time for one [tokens x vocab x hidden] GEMM on the same operands, the yardstick: the forward kernel does
+one such GEMM's work, the gradient kernel three (frozen head: two).
+
+Writes 07_loss_tuning.csv (one row per shape, head, kernel, configuration and repetition) into --out.
+
+    python benchmarks/tune_loss.py --out DIR [--tokens 16384] [--repetitions 3]
+    TRITON_INTERPRET=1 python benchmarks/tune_loss.py --out DIR --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+from bench_common import check_device
+
+from lora_lab.lab import measure
+
+SHAPES = {"qwen2.5-0.5b": (896, 151_936), "llama3-8b": (4096, 128_256)}
+FORWARD = [  # (block_m, block_v, block_k, warps, stages)
+    (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 256, 64, 8, 3), (64, 256, 64, 4, 3),
+    (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (128, 64, 64, 4, 4),
+]
+BACKWARD = [  # (block_m, block_v, block_k, block_d, warps, stages, accumulate)
+    (128, 128, 64, 64, 8, 3, "atomic"), (128, 128, 64, 64, 8, 3, "lock"), (128, 128, 64, 128, 8, 3, "atomic"),
+    (128, 128, 64, 32, 8, 3, "atomic"), (128, 256, 64, 64, 8, 3, "atomic"), (256, 128, 64, 64, 8, 3, "atomic"),
+    (64, 128, 64, 64, 4, 3, "atomic"), (128, 128, 64, 64, 4, 3, "atomic"), (128, 256, 64, 128, 8, 3, "lock"),
+]
+# (chunk_rows, slab_vocab, trainable_plan); None: the automatic sizes (N/32 rows, V/32 entries)
+MEMORY_PLANS = [(None, None, "one_pass"), (None, None, "two_pass"), (2048, 16384, "one_pass"),
+                (4096, 32768, "one_pass")]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    device = check_device(args.smoke)
+
+    from lora_lab.kernels.loss import linear_ce as lce
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
+    shapes = {"smoke": (32, 300)} if args.smoke else SHAPES
+    tokens = 64 if args.smoke else args.tokens
+    forward = [(16, 32, 16, 1, 1)] if args.smoke else FORWARD
+    backward = [(16, 32, 16, 16, 1, 1, "atomic"), (16, 32, 16, 16, 1, 1, "lock")] if args.smoke else BACKWARD
+    plans = [(48, 96, "one_pass"), (48, 96, "two_pass")] if args.smoke else MEMORY_PLANS
+    base = lce._config(None)
+
+    def timed(fn):
+        if device.type == "cuda":
+            return measure.cuda_ms(fn, warmup_ms=10, rep_ms=60)
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+
+    rows = []
+    for shape, (d, vocab) in shapes.items():
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(tokens, d, generator=gen).to(device, dtype)
+        w = (0.02 * torch.randn(vocab, d, generator=gen)).to(device, dtype)
+        y = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+        gemm_ms = timed(lambda h=h, w=w: h @ w.T) if device.type == "cuda" else float("nan")
+        lse = lce._lse_and_target(h, w, y, None, False, base)[0]
+        a = torch.full((tokens,), 1.0 / tokens, device=device)
+        for rep in range(args.repetitions):
+            for cfg_tuple in forward:
+                bm, bv, bk, warps, stages = cfg_tuple
+                cfg = base.replace(fwd_block_m=bm, fwd_block_v=bv, fwd_block_k=bk, fwd_warps=warps,
+                                   fwd_stages=stages)
+                ms = timed(lambda cfg=cfg, h=h, w=w, y=y: lce._lse_and_target(h, w, y, None, False, cfg))
+                rows.append({"shape": shape, "tokens": tokens, "head": "-", "kernel": "forward",
+                             "config": str(cfg_tuple), "plan": "-", "repetition": rep, "ms": ms, "gemm_ms": gemm_ms})
+                print(f"{shape} forward {cfg_tuple}: {ms:.2f} ms (cuBLAS GEMM {gemm_ms:.2f} ms)", flush=True)
+            for trainable in (False, True):
+                head = "trainable" if trainable else "frozen"
+                for cfg_tuple in backward:
+                    for plan in (plans if cfg_tuple == backward[0] and trainable else plans[:1]):
+                        bm, bv, bk, bd, warps, stages, acc = cfg_tuple
+                        cfg = base.replace(bwd_block_m=bm, bwd_block_v=bv, bwd_block_k=bk, bwd_block_d=bd,
+                                           bwd_warps=warps, bwd_stages=stages, accumulate=acc,
+                                           chunk_rows=plan[0], slab_vocab=plan[1], trainable_plan=plan[2])
+                        try:
+                            ms = timed(lambda cfg=cfg, trainable=trainable, h=h, w=w, y=y, lse=lse, a=a: lce._gradients(
+                                h, w, y, lse, a, a, None, True, trainable, None, cfg))
+                            status = "ok"
+                        except Exception as exc:  # a configuration that does not compile is a recorded result
+                            ms, status = float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
+                        rows.append({"shape": shape, "tokens": tokens, "head": head, "kernel": "backward",
+                                     "config": str(cfg_tuple), "plan": str(plan), "repetition": rep, "ms": ms,
+                                     "gemm_ms": gemm_ms, "status": status})
+                        print(f"{shape} backward {head} {cfg_tuple} plan {plan}: {ms:.2f} ms {status}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for r in rows:
+        r.setdefault("status", "ok")
+    measure.write_csv(rows, out / "07_loss_tuning.csv")
+    print("defaults:", dataclasses.asdict(base))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""The two Triton kernels of the fused linear cross-entropy: a log-sum-exp pass and a gradient pass.
+
+Both walk the logits ``Z = H Wᵀ`` one tile ``[BLOCK_M rows x BLOCK_V vocabulary entries]`` at a time: the tile is
+computed by a K-loop over the hidden size in fp32 registers, used, and dropped. No logit is ever written to
+memory.
+
+Forward (:func:`lse_partials_kernel`), program (row tile, vocabulary split): for every vocabulary tile of its split
+
+    z      = h Wᵀ                       (fp32 accumulator; ``softcap``: z = c·tanh(z / c))
+    m'     = max(m, max_v z)            online log-sum-exp: the running sum is rescaled
+    s      = s·exp(m - m') + Σ_v exp(z - m')      whenever the running maximum grows
+    t     += z[y]                       the target logit, picked out of the tile that holds it
+    zsum  += Σ_v z                      only for label smoothing
+
+and writes ``(m, s, t, zsum)`` per row and split; the host combines the splits (a few numbers per row).
+
+Backward (:func:`grad_kernel`), program (row tile, vocabulary tile): recompute the tile, then
+
+    dz = a·p - b·[v = y] - e        p = exp(z - lse); a, b, e per row (see ``linear_ce.py``); softcap: · (1 - (z/c)²)
+    dH[rows, :]  += dz   W[tile, :]          (fp32, over hidden chunks of BLOCK_D)
+    dW[tile, :]  += dzᵀ  H[rows, :]
+
+``dz`` is rounded to the input dtype before the two products, as autograd does when the standard path's
+``logits.float()`` is differentiated. The ``+=`` go into fp32 buffers shared by many programs: with
+``tl.atomic_add`` (``ACCUMULATE=0``) or, tile by tile, under a spin lock (``ACCUMULATE=1``: one atomic for the lock,
+then an ordinary read-add-write of the tile).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["lse_partials_kernel", "grad_kernel"]
+
+
+@triton.jit
+def _tanh(x):
+    # tanh without libdevice (the interpreter lacks it): 1 - 2 / (exp(2x) + 1); saturates to ±1 correctly
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logit_tile(h_ptr, stride_hm, stride_hk, w_ptr, stride_wv, stride_wk, rows, cols, D,
+                BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # z[m, v] = Σ_k H[rows[m], k] · W[cols[v], k], fp32; rows/cols already wrapped into range
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + ks[None, :] * stride_hk
+    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wv + ks[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+        k_left = D - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_hk
+        b_ptrs += BLOCK_K * stride_wk
+    return acc
+
+
+@triton.jit
+def lse_partials_kernel(
+    h_ptr, stride_hm, stride_hk, w_ptr, stride_wv, stride_wk, labels_ptr,
+    m_out, s_out, t_out, zsum_out,  # each [splits, N] fp32
+    N, V, D, tiles_per_split, softcap,
+    HAS_SOFTCAP: tl.constexpr, NEED_ZSUM: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < N
+    rows = offs_m % N
+    labels = tl.load(labels_ptr + rows)
+    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    t = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    zsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(V, BLOCK_V))
+    for tile in range(first, last):
+        offs_v = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_ok = offs_v < V
+        z = _logit_tile(h_ptr, stride_hm, stride_hk, w_ptr, stride_wv, stride_wk, rows, offs_v % V, D,
+                        BLOCK_M, BLOCK_V, BLOCK_K, PRECISION)
+        if HAS_SOFTCAP:
+            z = softcap * _tanh(z / softcap)
+        # the target logit: the one column of this tile equal to the row's label (if the tile holds it)
+        t += tl.sum(tl.where(offs_v[None, :] == labels[:, None], z, 0.0), axis=1)
+        if NEED_ZSUM:
+            zsum += tl.sum(tl.where(col_ok[None, :], z, 0.0), axis=1)
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
+        m = m_new
+    out = split * N + offs_m
+    tl.store(m_out + out, m, mask=row_ok)
+    tl.store(s_out + out, s, mask=row_ok)
+    tl.store(t_out + out, t, mask=row_ok)
+    if NEED_ZSUM:
+        tl.store(zsum_out + out, zsum, mask=row_ok)
+
+
+@triton.jit
+def _accumulate(ptrs, value, mask, lock_ptr, ACCUMULATE: tl.constexpr):
+    # ptrs[...] += value in fp32 memory shared with other programs
+    if ACCUMULATE == 0:
+        tl.atomic_add(ptrs, value, mask=mask, sem="relaxed")
+    else:
+        while tl.atomic_cas(lock_ptr, 0, 1) == 1:
+            pass
+        tl.store(ptrs, tl.load(ptrs, mask=mask, other=0.0) + value, mask=mask)
+        tl.atomic_xchg(lock_ptr, 0)
+
+
+@triton.jit
+def grad_kernel(
+    h_ptr, stride_hm, stride_hk, w_ptr, stride_wv, stride_wk, labels_ptr,
+    lse_ptr, a_ptr, b_ptr, e_ptr,  # per row, fp32: lse and dz = a·p - b·[v = y] - e
+    dh_ptr, stride_dhm, dw_ptr, stride_dwv,  # fp32 accumulators (row-major, unit stride along the hidden size)
+    dh_locks, dw_locks,  # int32 [row tiles], [vocabulary tiles] (ACCUMULATE == 1)
+    N, V_local, V_total, v_offset, D, softcap,
+    HAS_SOFTCAP: tl.constexpr, NEED_DH: tl.constexpr, NEED_DW: tl.constexpr, SMOOTHING: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # rows [0, N) of h/labels/lse/a/b/e/dh; vocabulary entries [0, V_local) of w/dw, which are entries
+    # [v_offset, v_offset + V_local) of the full head of V_total (labels are full-vocabulary indices)
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(N, BLOCK_M)
+    tiles_v = tl.cdiv(V_local, BLOCK_V)
+    # GROUP_M row tiles sweep the vocabulary together: W tiles are read once per group from memory
+    per_group = GROUP_M * tiles_v
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_v = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < N
+    rows = offs_m % N
+    a = tl.load(a_ptr + rows, mask=row_ok, other=0.0)
+    if tl.max(tl.abs(a), axis=0) == 0.0:
+        return  # every row of the tile is ignored (or has a zero incoming gradient): nothing to add
+    b = tl.load(b_ptr + rows, mask=row_ok, other=0.0)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1) - v_offset
+
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = offs_v < V_local
+    cols = offs_v % V_local
+    z = _logit_tile(h_ptr, stride_hm, stride_hk, w_ptr, stride_wv, stride_wk, rows, cols, D,
+                    BLOCK_M, BLOCK_V, BLOCK_K, PRECISION)
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    dz = a[:, None] * tl.exp(z - lse[:, None]) - tl.where(offs_v[None, :] == labels[:, None], b[:, None], 0.0)
+    if SMOOTHING:
+        e = tl.load(e_ptr + rows, mask=row_ok, other=0.0)
+        dz -= e[:, None]
+    if HAS_SOFTCAP:
+        capped = z / softcap
+        dz = dz * (1.0 - capped * capped)
+    dz = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0).to(h_ptr.dtype.element_ty)
+
+    ds = tl.arange(0, BLOCK_D)
+    if NEED_DH:
+        # dH[rows, d-chunk] += dz @ W[cols, d-chunk]
+        w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wv + ds[None, :] * stride_wk
+        dh_ptrs = dh_ptr + rows.to(tl.int64)[:, None] * stride_dhm + ds[None, :]
+        for d0 in range(0, tl.cdiv(D, BLOCK_D)):
+            d_ok = ds < D - d0 * BLOCK_D
+            w = tl.load(w_ptrs, mask=d_ok[None, :], other=0.0)
+            part = tl.dot(dz, w, input_precision=PRECISION)
+            _accumulate(dh_ptrs, part, row_ok[:, None] & d_ok[None, :], dh_locks + pid_m, ACCUMULATE)
+            w_ptrs += BLOCK_D * stride_wk
+            dh_ptrs += BLOCK_D
+    if NEED_DW:
+        # dW[cols, d-chunk] += dzᵀ @ H[rows, d-chunk]
+        dz_t = tl.trans(dz)
+        h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + ds[None, :] * stride_hk
+        dw_ptrs = dw_ptr + cols.to(tl.int64)[:, None] * stride_dwv + ds[None, :]
+        for d0 in range(0, tl.cdiv(D, BLOCK_D)):
+            d_ok = ds < D - d0 * BLOCK_D
+            h = tl.load(h_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            part = tl.dot(dz_t, h, input_precision=PRECISION)
+            _accumulate(dw_ptrs, part, col_ok[:, None] & d_ok[None, :], dw_locks + pid_v, ACCUMULATE)
+            h_ptrs += BLOCK_D * stride_hk
+            dw_ptrs += BLOCK_D

@@ -1,0 +1,390 @@
+"""Fused linear cross-entropy: ``cross_entropy(H Wᵀ, y)`` from the hidden states, never holding the logits.
+
+With N rows (tokens), hidden size d and vocabulary V, the logits ``Z = H Wᵀ`` are N·V numbers: 4.6 GiB in bf16 for
+16,384 tokens of a 152k vocabulary, before the fp32 copy the standard loss makes. This op keeps only
+O(N) numbers per row between forward and backward (``lse``) and builds the logits tile by tile in registers
+(:mod:`.kernels`), twice: once for the log-sum-exp, once more in backward for the gradient.
+
+The loss, per row ``i`` with a label (``y_i != ignore_index``), ``p_i = softmax(z_i)``, ``lse_i = log Σ_v exp z_iv``:
+
+    ℓ_i = lse_i - (1-ε)·z_{i,y_i} - (ε/V)·Σ_v z_iv + λ·lse_i²
+
+(``ε`` = ``label_smoothing``, ``λ`` = ``z_loss``; with ``softcap`` c, z is replaced by c·tanh(z/c) first), reduced
+by mean over labelled rows, sum, or none. Its gradient with respect to the logits is
+
+    ∂ℓ_i/∂z_iv = (1 + 2λ·lse_i)·p_iv - (1-ε)·[v = y_i] - ε/V      (softcap: times 1 - (z_iv/c)²)
+
+which the backward kernel forms per tile as ``a_i·p - b_i·[v = y_i] - e_i``, the per-row ``a, b, e`` holding the
+incoming gradient and the reduction's 1/|labelled rows|.
+
+Exact, nothing skipped: every tile of the gradient is computed (no filtering of small probabilities), the
+logits are accumulated and kept in fp32 (the standard path rounds them to the model dtype first, so this op is
+the closer of the two to an fp32 computation), and the gradients are accumulated in fp32 and rounded once. The
+fp32 accumulators are the only memory beyond the gradients themselves: for a frozen head (the LoRA case) a
+[chunk_rows x d] buffer reused over row chunks; for a trainable head either a [N x d] one for dH plus a
+[slab_vocab x d] one reused over vocabulary slabs for dW (``trainable_plan="one_pass"``) or only the two small
+buffers, at the price of recomputing the logits once more (``"two_pass"``). For fp32 inputs the gradients are
+their own accumulators.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from lora_lab.kernels.loss.kernels import grad_kernel, lse_partials_kernel
+from lora_lab.kernels.triton_helpers import check_kernel_device, dot_precision, running_in_interpreter
+
+__all__ = ["LossKernelConfig", "LinearCrossEntropyFunction", "linear_cross_entropy",
+           "linear_cross_entropy_reference"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_REDUCTIONS = ("mean", "sum", "none")
+_ACCUMULATE = {"atomic": 0, "lock": 1}
+_PLANS = ("one_pass", "two_pass")
+
+
+@dataclass(frozen=True)
+class LossKernelConfig:
+    """Tile sizes and memory plan of the two kernels (defaults: the H200 settings chosen by
+    ``benchmarks/bench_loss.py --sweep``; the interpreter uses smaller tiles unless given).
+
+    ``chunk_rows``: rows per pass of the dH accumulation (its fp32 buffer is ``chunk_rows x d``); None: N/32
+    (at least 256), a buffer of 1/16 of dH's own bytes;
+    ``slab_vocab``: vocabulary entries per pass of the dW accumulation (its fp32 buffer is ``slab_vocab x d``);
+    None: V/32 (at least 1024), 1/16 of dW's bytes;
+    ``trainable_plan``: a trainable head's backward in ``"one_pass"`` (dH and dW from the same recomputed tiles;
+    dH then needs a full [N x d] fp32 accumulator) or ``"two_pass"`` (dH in row chunks, then dW in vocabulary
+    slabs: the logits are recomputed once more, the buffers stay small);
+    ``accumulate``: how programs add into those buffers, ``"atomic"`` (fp32 atomics) or ``"lock"`` (a spin lock
+    per tile, then plain loads and stores).
+    """
+
+    fwd_block_m: int = 128
+    fwd_block_v: int = 128
+    fwd_block_k: int = 64
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    bwd_block_m: int = 128
+    bwd_block_v: int = 128
+    bwd_block_k: int = 64
+    bwd_block_d: int = 64
+    bwd_warps: int = 8
+    bwd_stages: int = 3
+    group_m: int = 8
+    accumulate: str = "atomic"
+    chunk_rows: int | None = None
+    slab_vocab: int | None = None
+    trainable_plan: str = "one_pass"
+    programs_per_sm: int = 2
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "accumulate":
+                if value not in _ACCUMULATE:
+                    raise ValueError(f"LossKernelConfig.accumulate must be one of {', '.join(_ACCUMULATE)}; "
+                                     f"got {value!r}")
+            elif f.name == "trainable_plan":
+                if value not in _PLANS:
+                    raise ValueError(f"LossKernelConfig.trainable_plan must be one of {', '.join(_PLANS)}; "
+                                     f"got {value!r}")
+            elif f.name in ("chunk_rows", "slab_vocab") and value is None:
+                continue
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LossKernelConfig.{f.name} must be a positive integer; got {value!r}")
+        for name in ("fwd_block_m", "fwd_block_v", "fwd_block_k", "bwd_block_m", "bwd_block_v", "bwd_block_k",
+                     "bwd_block_d"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"LossKernelConfig.{name} must be a power of two >= 16; got {value}")
+
+    def replace(self, **changes) -> LossKernelConfig:
+        return dataclasses.replace(self, **changes)
+
+    def rows_per_chunk(self, n: int) -> int:
+        if self.chunk_rows is not None:
+            return min(n, self.chunk_rows)
+        return min(n, max(256, triton.cdiv(triton.cdiv(n, 32), self.bwd_block_m) * self.bwd_block_m))
+
+    def vocab_per_slab(self, vocab: int) -> int:
+        if self.slab_vocab is not None:
+            return min(vocab, self.slab_vocab)
+        return min(vocab, max(1024, triton.cdiv(triton.cdiv(vocab, 32), self.bwd_block_v) * self.bwd_block_v))
+
+
+# The interpreter runs every program on the CPU one after the other: small tiles keep the tests quick.
+_INTERPRETER_CONFIG = LossKernelConfig(fwd_block_m=16, fwd_block_v=32, fwd_block_k=16, bwd_block_m=16,
+                                       bwd_block_v=32, bwd_block_k=16, bwd_block_d=16, group_m=2, programs_per_sm=1)
+
+
+def _config(config: LossKernelConfig | None) -> LossKernelConfig:
+    if config is None:
+        return _INTERPRETER_CONFIG if running_in_interpreter() else LossKernelConfig()
+    if not isinstance(config, LossKernelConfig):
+        raise TypeError(f"config must be a LossKernelConfig or None; got {type(config).__name__}")
+    return config
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _lse_and_target(h, w, labels, softcap, need_zsum, cfg: LossKernelConfig):
+    """Per row: lse, the target logit and (label smoothing) the sum of the logits, all fp32."""
+    n, d = h.shape
+    vocab = w.shape[0]
+    row_tiles = triton.cdiv(n, cfg.fwd_block_m)
+    vocab_tiles = triton.cdiv(vocab, cfg.fwd_block_v)
+    # split the vocabulary so that the grid fills the GPU, with no split left empty
+    wanted = max(1, math.ceil(cfg.programs_per_sm * _sm_count(h.device) / row_tiles))
+    per_split = triton.cdiv(vocab_tiles, min(wanted, vocab_tiles))
+    splits = triton.cdiv(vocab_tiles, per_split)
+    parts = torch.empty((4 if need_zsum else 3, splits, n), dtype=torch.float32, device=h.device)
+    m, s, t = parts[0], parts[1], parts[2]
+    zsum = parts[3] if need_zsum else parts[2]
+    lse_partials_kernel[(row_tiles, splits)](
+        h, h.stride(0), h.stride(1), w, w.stride(0), w.stride(1), labels, m, s, t, zsum,
+        n, vocab, d, per_split, float(softcap or 0.0),
+        HAS_SOFTCAP=softcap is not None, NEED_ZSUM=need_zsum, PRECISION=dot_precision(h.dtype),
+        BLOCK_M=cfg.fwd_block_m, BLOCK_V=cfg.fwd_block_v, BLOCK_K=cfg.fwd_block_k,
+        num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )
+    # combine the splits: lse = M + log Σ_split s·exp(m - M)
+    top = m.amax(dim=0)
+    lse = top + torch.log((s * torch.exp(m - top)).sum(dim=0))
+    return lse, t.sum(dim=0), (zsum.sum(dim=0) if need_zsum else None)
+
+
+def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap, cfg: LossKernelConfig):
+    n, d = h.shape
+    v_local = w.shape[0]
+    row_tiles = triton.cdiv(n, cfg.bwd_block_m)
+    vocab_tiles = triton.cdiv(v_local, cfg.bwd_block_v)
+    lock = cfg.accumulate == "lock"
+    dh_locks = torch.zeros(row_tiles if lock and dh is not None else 1, dtype=torch.int32, device=h.device)
+    dw_locks = torch.zeros(vocab_tiles if lock and dw is not None else 1, dtype=torch.int32, device=h.device)
+    grad_kernel[(row_tiles * vocab_tiles,)](
+        h, h.stride(0), h.stride(1), w, w.stride(0), w.stride(1), labels, lse, a, b, e if e is not None else a,
+        dh if dh is not None else lse, dh.stride(0) if dh is not None else 0,
+        dw if dw is not None else lse, dw.stride(0) if dw is not None else 0,
+        dh_locks, dw_locks, n, v_local, v_total, v_offset, d, float(softcap or 0.0),
+        HAS_SOFTCAP=softcap is not None, NEED_DH=dh is not None, NEED_DW=dw is not None, SMOOTHING=e is not None,
+        ACCUMULATE=_ACCUMULATE[cfg.accumulate], PRECISION=dot_precision(h.dtype), GROUP_M=cfg.group_m,
+        BLOCK_M=cfg.bwd_block_m, BLOCK_V=cfg.bwd_block_v, BLOCK_K=cfg.bwd_block_k, BLOCK_D=cfg.bwd_block_d,
+        num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+    )
+
+
+def _dh_by_row_chunks(h, w, labels, lse, a, b, e, softcap, cfg: LossKernelConfig):
+    """dH only: row chunks, each accumulated over the whole vocabulary in one fp32 [chunk x d] buffer."""
+    n, d = h.shape
+    vocab = w.shape[0]
+    if h.dtype == torch.float32:  # dH is its own fp32 accumulator
+        dh = torch.zeros((n, d), dtype=torch.float32, device=h.device)
+        _launch_grad(h, w, labels, lse, a, b, e, dh, None, 0, vocab, softcap, cfg)
+        return dh
+    dh = torch.empty((n, d), dtype=h.dtype, device=h.device)
+    rows = cfg.rows_per_chunk(n)
+    buffer = torch.empty((rows, d), dtype=torch.float32, device=h.device)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        acc = buffer[: r1 - r0]
+        acc.zero_()
+        _launch_grad(h[r0:r1], w, labels[r0:r1], lse[r0:r1], a[r0:r1], b[r0:r1],
+                     None if e is None else e[r0:r1], acc, None, 0, vocab, softcap, cfg)
+        dh[r0:r1].copy_(acc)
+    return dh
+
+
+def _dw_by_vocab_slabs(h, w, labels, lse, a, b, e, softcap, cfg: LossKernelConfig, dh_acc=None):
+    """dW (and, into ``dh_acc``, dH from the same tiles): vocabulary slabs, each accumulated over all rows in one
+    fp32 [slab x d] buffer."""
+    d = h.shape[1]
+    vocab = w.shape[0]
+    if w.dtype == torch.float32:  # dW is its own fp32 accumulator
+        dw = torch.zeros((vocab, d), dtype=torch.float32, device=w.device)
+        _launch_grad(h, w, labels, lse, a, b, e, dh_acc, dw, 0, vocab, softcap, cfg)
+        return dw
+    dw = torch.empty((vocab, d), dtype=w.dtype, device=w.device)
+    slab = cfg.vocab_per_slab(vocab)
+    buffer = torch.empty((slab, d), dtype=torch.float32, device=w.device)
+    for v0 in range(0, vocab, slab):
+        v1 = min(vocab, v0 + slab)
+        acc = buffer[: v1 - v0]
+        acc.zero_()
+        _launch_grad(h, w[v0:v1], labels, lse, a, b, e, dh_acc, acc, v0, vocab, softcap, cfg)
+        dw[v0:v1].copy_(acc)
+    return dw
+
+
+def _gradients(h, w, labels, lse, a, b, e, need_h, need_w, softcap, cfg: LossKernelConfig):
+    """dH and dW (None where not needed) in the inputs' dtype, accumulated in fp32."""
+    if not need_w:
+        return _dh_by_row_chunks(h, w, labels, lse, a, b, e, softcap, cfg), None
+    if not need_h:
+        return None, _dw_by_vocab_slabs(h, w, labels, lse, a, b, e, softcap, cfg)
+    if cfg.trainable_plan == "two_pass":
+        dh = _dh_by_row_chunks(h, w, labels, lse, a, b, e, softcap, cfg)
+        return dh, _dw_by_vocab_slabs(h, w, labels, lse, a, b, e, softcap, cfg)
+    # one pass: every tile adds into dW's slab buffer and into a full fp32 dH accumulator
+    dh_acc = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    dw = _dw_by_vocab_slabs(h, w, labels, lse, a, b, e, softcap, cfg, dh_acc=dh_acc)
+    return (dh_acc if h.dtype == torch.float32 else dh_acc.to(h.dtype)), dw
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper: saves H, W, the labels and lse [N] (fp32); recomputes logit tiles in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config):
+        cfg = _config(config)
+        n = hidden.shape[0]
+        vocab = weight.shape[0]
+        valid = labels != ignore_index
+        if n:
+            lse, target, zsum = _lse_and_target(hidden, weight, labels, softcap, label_smoothing > 0.0, cfg)
+        else:
+            lse = target = zsum = hidden.new_zeros(0, dtype=torch.float32)
+        per_row = lse - (1.0 - label_smoothing) * target
+        if label_smoothing > 0.0:
+            per_row = per_row - (label_smoothing / vocab) * zsum
+        if z_loss > 0.0:
+            per_row = per_row + z_loss * lse * lse
+        per_row = torch.where(valid, per_row, 0.0)
+        count = valid.sum()
+        if reduction == "none":
+            loss = per_row
+        elif reduction == "sum":
+            loss = per_row.sum()
+        else:
+            loss = per_row.sum() / count  # nan when every label is ignored, as F.cross_entropy
+        ctx.save_for_backward(hidden, weight, labels, lse, count)
+        ctx.settings = (ignore_index, reduction, label_smoothing, z_loss, softcap, cfg)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, labels, lse, count = ctx.saved_tensors
+        ignore_index, reduction, label_smoothing, z_loss, softcap, cfg = ctx.settings
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_h or need_w) or hidden.shape[0] == 0:
+            dh = torch.zeros_like(hidden) if need_h else None
+            dw = torch.zeros_like(weight) if need_w else None
+            return dh, dw, None, None, None, None, None, None, None
+        vocab = weight.shape[0]
+        valid = (labels != ignore_index).to(torch.float32)
+        grad = grad_loss.to(torch.float32)
+        if reduction == "mean":
+            grad = grad / count.to(torch.float32)
+        coef = valid * grad  # per row: the incoming gradient (and 1/count), 0 on ignored rows
+        a = (coef * (1.0 + 2.0 * z_loss * lse) if z_loss > 0.0 else coef).contiguous()
+        b = (coef * (1.0 - label_smoothing)).contiguous()
+        e = (coef * (label_smoothing / vocab)).contiguous() if label_smoothing > 0.0 else None
+        dh, dw = _gradients(hidden, weight, labels, lse, a, b, e, need_h, need_w, softcap, cfg)
+        return dh, dw, None, None, None, None, None, None, None
+
+
+def _check(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap):
+    if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, labels)):
+        raise TypeError("hidden, weight and labels must be torch.Tensors")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be [vocab, hidden], got shape {tuple(weight.shape)}")
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden's last dimension (shape {tuple(hidden.shape)}) must equal weight's second "
+                         f"dimension (shape {tuple(weight.shape)})")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels shape {tuple(labels.shape)} must equal hidden's leading dimensions "
+                         f"{tuple(hidden.shape[:-1])}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be int64 (or int32) class indices, got {labels.dtype}")
+    if hidden.dtype not in _DTYPES or weight.dtype != hidden.dtype:
+        raise TypeError(f"hidden and weight must share one dtype of fp32, fp16, bf16; got {hidden.dtype} and "
+                        f"{weight.dtype}")
+    if hidden.device != weight.device or labels.device != hidden.device:
+        raise ValueError(f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, "
+                         f"{labels.device}")
+    check_kernel_device(hidden, "hidden, weight and labels")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(_REDUCTIONS)}; got {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a number in [0, 1]; got {label_smoothing!r}")
+    if not isinstance(z_loss, (int, float)) or z_loss < 0.0 or not math.isfinite(z_loss):
+        raise ValueError(f"z_loss must be a finite number >= 0; got {z_loss!r}")
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0.0
+                                or not math.isfinite(softcap)):
+        raise ValueError(f"softcap must be None or a finite number > 0; got {softcap!r}")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    config: LossKernelConfig | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``labels`` without materialising the logits.
+
+    ``hidden`` [..., d] and ``weight`` [V, d] (an lm_head without bias) in one of fp32, fp16, bf16, on a CUDA
+    device (or the CPU under ``TRITON_INTERPRET=1``); ``labels`` [...] int, ``ignore_index`` marking rows without a
+    target (labels are used as given: shift them first for next-token prediction). Same value and gradients as
+    :func:`linear_cross_entropy_reference` (``F.cross_entropy`` of fp32 logits, plus ``z_loss``·lse² per labelled
+    row, logits soft-capped first when ``softcap`` is set). The head is trainable when ``weight.requires_grad``
+    and frozen otherwise (no dW is computed). ``reduction="none"`` returns one value per row (0 where ignored).
+    """
+    _check(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    d = hidden.shape[-1]
+    flat_labels = labels.reshape(-1).to(torch.int64).contiguous()
+    vocab = weight.shape[0]
+    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
+    if bool(bad.any()):
+        first = int(flat_labels[bad][0])
+        raise IndexError(f"label {first} is outside the vocabulary [0, {vocab}) and is not "
+                         f"ignore_index={ignore_index}")
+    loss = LinearCrossEntropyFunction.apply(hidden.reshape(-1, d), weight, flat_labels, ignore_index, reduction,
+                                            float(label_smoothing), float(z_loss),
+                                            None if softcap is None else float(softcap), config)
+    return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """The plain-torch definition: all logits at once, fp32, ``F.cross_entropy`` (+ the z-loss term)."""
+    logits = F.linear(hidden, weight).float().reshape(-1, weight.shape[0])
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    flat = labels.reshape(-1).long()
+    loss = F.cross_entropy(logits, flat, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if z_loss > 0.0:
+        valid = flat != ignore_index
+        z_term = torch.where(valid, z_loss * torch.logsumexp(logits, dim=-1) ** 2, 0.0)
+        if reduction == "none":
+            loss = loss + z_term
+        elif reduction == "sum":
+            loss = loss + z_term.sum()
+        else:
+            loss = loss + z_term.sum() / valid.sum()
+    return loss.reshape(labels.shape) if reduction == "none" else loss

@@ -28,9 +28,9 @@ FORWARD = [  # (block_m, block_v, block_k, warps, stages)
     (256, 128, 64, 8, 3), (128, 128, 128, 8, 2), (128, 64, 64, 4, 4),
 ]
 BACKWARD = [  # (block_m, block_v, block_k, block_d, warps, stages, accumulate)
-    (128, 128, 64, 64, 8, 3, "atomic"), (128, 128, 64, 64, 8, 3, "lock"), (128, 128, 64, 128, 8, 3, "atomic"),
-    (128, 128, 64, 32, 8, 3, "atomic"), (128, 256, 64, 64, 8, 3, "atomic"), (256, 128, 64, 64, 8, 3, "atomic"),
-    (64, 128, 64, 64, 4, 3, "atomic"), (128, 128, 64, 64, 4, 3, "atomic"), (128, 256, 64, 128, 8, 3, "lock"),
+    (128, 256, 64, 64, 8, 3, "tma"), (128, 256, 64, 64, 8, 3, "atomic"), (128, 256, 64, 128, 8, 3, "tma"),
+    (128, 256, 64, 32, 8, 3, "tma"), (256, 128, 64, 64, 8, 3, "tma"), (128, 128, 64, 64, 8, 3, "tma"),
+    (64, 256, 64, 64, 4, 3, "tma"), (128, 256, 64, 64, 8, 4, "tma"),
 ]
 # (chunk_rows, slab_vocab, trainable_plan); None: the automatic sizes (N/32 rows, V/32 entries)
 MEMORY_PLANS = [(None, None, "one_pass"), (None, None, "two_pass"), (2048, 16384, "one_pass"),
@@ -43,6 +43,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--skip-forward", action="store_true", help="time the gradient kernel only")
     args = ap.parse_args()
     device = check_device(args.smoke)
 
@@ -52,7 +53,9 @@ def main():
     shapes = {"smoke": (32, 300)} if args.smoke else SHAPES
     tokens = 64 if args.smoke else args.tokens
     forward = [(16, 32, 16, 1, 1)] if args.smoke else FORWARD
-    backward = [(16, 32, 16, 16, 1, 1, "atomic"), (16, 32, 16, 16, 1, 1, "lock")] if args.smoke else BACKWARD
+    backward = [(16, 32, 16, 16, 1, 1, "atomic")] if args.smoke else BACKWARD
+    if args.skip_forward:
+        forward = []
     plans = [(48, 96, "one_pass"), (48, 96, "two_pass")] if args.smoke else MEMORY_PLANS
     base = lce._config(None)
 

@@ -44,7 +44,7 @@ __all__ = ["LossKernelConfig", "LinearCrossEntropyFunction", "linear_cross_entro
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REDUCTIONS = ("mean", "sum", "none")
-_ACCUMULATE = {"atomic": 0, "lock": 1}
+_ACCUMULATE = {"atomic": 0, "tma": 1}
 _PLANS = ("one_pass", "two_pass")
 
 
@@ -60,23 +60,24 @@ class LossKernelConfig:
     ``trainable_plan``: a trainable head's backward in ``"one_pass"`` (dH and dW from the same recomputed tiles;
     dH then needs a full [N x d] fp32 accumulator) or ``"two_pass"`` (dH in row chunks, then dW in vocabulary
     slabs: the logits are recomputed once more, the buffers stay small);
-    ``accumulate``: how programs add into those buffers, ``"atomic"`` (fp32 atomics) or ``"lock"`` (a spin lock
-    per tile, then plain loads and stores).
+    ``accumulate``: how programs add into those buffers: ``"atomic"`` (fp32 atomics, element by element), ``"tma"``
+    (Hopper's bulk tensor reduction, tile by tile; CUDA with compute capability >= 9 and d a multiple of 4) or
+    ``"auto"`` (``"tma"`` where it can run, else ``"atomic"``).
     """
 
     fwd_block_m: int = 128
-    fwd_block_v: int = 128
+    fwd_block_v: int = 256
     fwd_block_k: int = 64
     fwd_warps: int = 8
     fwd_stages: int = 3
     bwd_block_m: int = 128
-    bwd_block_v: int = 128
+    bwd_block_v: int = 256
     bwd_block_k: int = 64
     bwd_block_d: int = 64
     bwd_warps: int = 8
     bwd_stages: int = 3
     group_m: int = 8
-    accumulate: str = "atomic"
+    accumulate: str = "auto"
     chunk_rows: int | None = None
     slab_vocab: int | None = None
     trainable_plan: str = "one_pass"
@@ -86,8 +87,8 @@ class LossKernelConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.name == "accumulate":
-                if value not in _ACCUMULATE:
-                    raise ValueError(f"LossKernelConfig.accumulate must be one of {', '.join(_ACCUMULATE)}; "
+                if value not in (*_ACCUMULATE, "auto"):
+                    raise ValueError(f"LossKernelConfig.accumulate must be one of auto, {', '.join(_ACCUMULATE)}; "
                                      f"got {value!r}")
             elif f.name == "trainable_plan":
                 if value not in _PLANS:
@@ -162,21 +163,46 @@ def _lse_and_target(h, w, labels, softcap, need_zsum, cfg: LossKernelConfig):
     return lse, t.sum(dim=0), (zsum.sum(dim=0) if need_zsum else None)
 
 
+def _tma_possible(t: torch.Tensor) -> bool:
+    if running_in_interpreter() or t.device.type != "cuda" or t.shape[1] % 4:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (triton >= 3.4)
+    except ImportError:
+        return False
+    return torch.cuda.get_device_capability(t.device)[0] >= 9
+
+
+def _accumulate_mode(cfg: LossKernelConfig, h: torch.Tensor) -> str:
+    if cfg.accumulate == "auto":
+        return "tma" if _tma_possible(h) else "atomic"
+    if cfg.accumulate == "tma" and not _tma_possible(h):
+        raise ValueError("LossKernelConfig(accumulate='tma') needs a CUDA device of compute capability >= 9, "
+                         f"Triton >= 3.4 and a hidden size divisible by 4 (got {h.device}, d={h.shape[1]})")
+    return cfg.accumulate
+
+
 def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap, cfg: LossKernelConfig):
     n, d = h.shape
     v_local = w.shape[0]
     row_tiles = triton.cdiv(n, cfg.bwd_block_m)
     vocab_tiles = triton.cdiv(v_local, cfg.bwd_block_v)
-    lock = cfg.accumulate == "lock"
-    dh_locks = torch.zeros(row_tiles if lock and dh is not None else 1, dtype=torch.int32, device=h.device)
-    dw_locks = torch.zeros(vocab_tiles if lock and dw is not None else 1, dtype=torch.int32, device=h.device)
+    mode = _accumulate_mode(cfg, h)
+    dh_desc = dw_desc = lse  # placeholders where unused
+    if mode == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        if dh is not None:
+            dh_desc = TensorDescriptor(dh, list(dh.shape), [dh.stride(0), 1], [cfg.bwd_block_m, cfg.bwd_block_d])
+        if dw is not None:
+            dw_desc = TensorDescriptor(dw, list(dw.shape), [dw.stride(0), 1], [cfg.bwd_block_v, cfg.bwd_block_d])
     grad_kernel[(row_tiles * vocab_tiles,)](
         h, h.stride(0), h.stride(1), w, w.stride(0), w.stride(1), labels, lse, a, b, e if e is not None else a,
         dh if dh is not None else lse, dh.stride(0) if dh is not None else 0,
         dw if dw is not None else lse, dw.stride(0) if dw is not None else 0,
-        dh_locks, dw_locks, n, v_local, v_total, v_offset, d, float(softcap or 0.0),
+        dh_desc, dw_desc, n, v_local, v_total, v_offset, d, float(softcap or 0.0),
         HAS_SOFTCAP=softcap is not None, NEED_DH=dh is not None, NEED_DW=dw is not None, SMOOTHING=e is not None,
-        ACCUMULATE=_ACCUMULATE[cfg.accumulate], PRECISION=dot_precision(h.dtype), GROUP_M=cfg.group_m,
+        ACCUMULATE=_ACCUMULATE[mode], PRECISION=dot_precision(h.dtype), GROUP_M=cfg.group_m,
         BLOCK_M=cfg.bwd_block_m, BLOCK_V=cfg.bwd_block_v, BLOCK_K=cfg.bwd_block_k, BLOCK_D=cfg.bwd_block_d,
         num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
     )

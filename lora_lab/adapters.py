@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -178,6 +179,12 @@ def _check_patterns_field(cfg_file: Path, field: str, value, required: bool):
     if value is None and not required:
         return None
     if isinstance(value, str) and value:
+        try:
+            re.compile(value)
+        except re.error as exc:
+            raise AdapterError(
+                f"invalid adapter config {cfg_file}: {field}={value!r} is not a valid regular expression ({exc})"
+            ) from None
         return value
     if isinstance(value, list) and value and all(isinstance(t, str) and t for t in value):
         return value

@@ -11,6 +11,7 @@ zero, so a fresh layer computes exactly what the base layer computes. The produc
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -126,8 +127,6 @@ def _matches(name: str, targets: Sequence[str] | str) -> bool:
     """PEFT's rule: a list matches a module whose name equals a target or ends with '.target';
     a single string is a regular expression that must match the whole name."""
     if isinstance(targets, str):
-        import re
-
         return re.fullmatch(targets, name) is not None
     return any(name == t or name.endswith("." + t) for t in targets)
 
@@ -234,6 +233,10 @@ def _as_patterns(patterns, what: str, allow_none: bool = False):
     if isinstance(patterns, str):
         if not patterns:
             raise ValueError(f"{what} is empty")
+        try:
+            re.compile(patterns)
+        except re.error as exc:
+            raise ValueError(f"{what} {patterns!r} is not a valid regular expression: {exc}") from None
         return patterns
     try:
         patterns = tuple(patterns)

@@ -229,6 +229,7 @@ def test_broken_config_file_is_named(tmp_path, text, problem):
 @pytest.mark.parametrize("field, value", [
     ("r", 0), ("r", -4), ("r", 2.5), ("r", "8"), ("r", True), ("lora_alpha", "sixteen"), ("lora_alpha", None),
     ("lora_dropout", 1.5), ("target_modules", []), ("target_modules", [3]), ("exclude_modules", 7),
+    ("target_modules", ".*(q_proj"),
 ])
 def test_invalid_config_values_are_reported_as_such(tmp_path, field, value):
     save_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2")), tmp_path)

@@ -157,3 +157,10 @@ def test_a_target_that_matches_nothing_is_named_with_the_nearest_module_names():
     assert all(p.requires_grad for p in model.parameters())
     with pytest.raises(ValueError, match=r"'self_attn\.v_prj' is nearest to self_attn\.v_proj"):
         add_lora(model, targets=("self_attn.v_prj",))
+
+
+def test_an_invalid_regex_target_is_named():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(ValueError, match=r"targets '\.\*\(q_proj' is not a valid regular expression"):
+        add_lora(model, targets=".*(q_proj")
+    assert not lora_lab.lora_layers(model)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lora_lab.layer import LoRALinear, _matches, _wrap, lora_layers
+from lora_lab.layer import LoRALinear, _lora_internals, _matches, _wrap, lora_layers
 
 __all__ = ["save_adapter", "load_adapter", "AdapterError", "AdapterNotFoundError", "AdapterExistsError",
            "peft_lora_model", "peft_lora_pairs", "copy_adapters_to_peft"]
@@ -75,7 +75,7 @@ def _peft_targets(model: nn.Module, layer_names: list[str]):
     Tried in order, each checked against the model's module names as PEFT will see them (LoRA internals
     left out): what add_lora recorded, the layers' last name components, and the full names (always exact).
     """
-    internals = {f"{n}.{sub}" for n, layer in lora_layers(model) for sub, _ in layer.named_modules() if sub}
+    internals = _lora_internals(model)
     names = [n for n, _ in model.named_modules() if n and n not in internals]
     want = set(layer_names)
     cfg = getattr(model, "_lora_lab_config", None)

@@ -8,7 +8,15 @@ The three layers of the package, a folder each:
 * :mod:`lora_lab.lab` — predictions, the notebook runner, recording, grading, verification, publishing, the CLI;
 * :mod:`lora_lab.experiments` — code that one notebook uses, a module named after its notebook.
 """
-from lora_lab.adapters import AdapterError, copy_adapters_to_peft, load_adapter, peft_lora_model, save_adapter
+from lora_lab.adapters import (
+    AdapterError,
+    AdapterExistsError,
+    AdapterNotFoundError,
+    copy_adapters_to_peft,
+    load_adapter,
+    peft_lora_model,
+    save_adapter,
+)
 from lora_lab.determinism import deterministic, seed_everything
 from lora_lab.lab.recording import environment_report, finish_run, output_dir, record, resolve_profile, start_run
 from lora_lab.lab.verdicts import show_verdicts
@@ -49,6 +57,8 @@ __all__ = [
     "model_logits",
     "copy_adapters_to_peft",
     "AdapterError",
+    "AdapterExistsError",
+    "AdapterNotFoundError",
     "ByteTokenizer",
     "SAMPLE_SENTENCES",
     "LoRALinear",

@@ -11,6 +11,7 @@ zero, so a fresh layer computes exactly what the base layer computes. The produc
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
@@ -126,8 +127,6 @@ def _matches(name: str, targets: Sequence[str] | str) -> bool:
     """PEFT's rule: a list matches a module whose name equals a target or ends with '.target';
     a single string is a regular expression that must match the whole name."""
     if isinstance(targets, str):
-        import re
-
         return re.fullmatch(targets, name) is not None
     return any(name == t or name.endswith("." + t) for t in targets)
 
@@ -194,26 +193,129 @@ def remove_lora(model: nn.Module) -> nn.Module:
     return model
 
 
+def _lora_internals(model: nn.Module) -> set[str]:
+    """Names of the modules inside LoRA layers (their ``base``): not targets in their own right."""
+    return {f"{n}.{sub}" for n, layer in lora_layers(model) for sub, _ in layer.named_modules() if sub}
+
+
+def _nearest_names(target: str, names: Iterable[str]) -> list[str]:
+    """The module names closest to ``target`` (difflib), compared at the same depth: a dotless target against
+    the last component of each name, ``self_attn.q_proj`` against the last two, and so on."""
+    import difflib
+
+    depth = target.count(".") + 1
+    tails = {".".join(n.split(".")[-depth:]) for n in names if n.count(".") + 1 >= depth}
+    return difflib.get_close_matches(target, sorted(tails), n=3, cutoff=0.6)
+
+
+def _check_patterns(model: nn.Module, names: Sequence[str], patterns, what: str) -> None:
+    """Every entry of a list of ``targets``/``exclude`` must match some module; a regex string must match one."""
+    linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+    linears = f"its linear layers are named: {', '.join(linear_names) or '(none)'}"
+    if isinstance(patterns, str):
+        if not any(_matches(n, patterns) for n in names):
+            raise ValueError(f"{what} {patterns!r} match no module of {type(model).__name__}; {linears}")
+        return
+    missing = [t for t in patterns if not any(_matches(n, (t,)) for n in names)]
+    if missing:
+        near = "; ".join(
+            f"{t!r} is nearest to {', '.join(_nearest_names(t, names)) or '(nothing close)'}" for t in missing
+        )
+        raise ValueError(
+            f"{what} {tuple(missing)!r} match no module of {type(model).__name__} ({near}); {linears}"
+        )
+
+
+def _as_patterns(patterns, what: str, allow_none: bool = False):
+    """A regex string or a tuple of names (PEFT's two forms); refuses empty ones and non-strings."""
+    if patterns is None and allow_none:
+        return None
+    if isinstance(patterns, str):
+        if not patterns:
+            raise ValueError(f"{what} is empty")
+        try:
+            re.compile(patterns)
+        except re.error as exc:
+            raise ValueError(f"{what} {patterns!r} is not a valid regular expression: {exc}") from None
+        return patterns
+    try:
+        patterns = tuple(patterns)
+    except TypeError:
+        raise TypeError(f"{what} must be a string (a regex) or a sequence of module names, got {patterns!r}") from None
+    if not patterns:
+        raise ValueError(f"{what} is empty")
+    bad = [t for t in patterns if not isinstance(t, str) or not t]
+    if bad:
+        raise TypeError(f"{what} must hold non-empty module names (strings), got {bad[0]!r}")
+    return patterns
+
+
+def _wrap(model: nn.Module, names: Sequence[str], r: int, alpha: float, dropout: float) -> None:
+    """Wrap the ``nn.Linear`` modules called ``names`` in LoRALinear and freeze every other parameter.
+
+    The A and B of LoRA layers already in the model keep their ``requires_grad``: a second ``add_lora``
+    adds an adapter, it does not freeze the first one. All layers are built before the model changes.
+    """
+    modules = dict(model.named_modules())
+    wrapped = [(n, LoRALinear(modules[n], r=r, alpha=alpha, dropout=dropout)) for n in names]
+    keep = {id(p) for _, layer in lora_layers(model) for p in (layer.lora_A, layer.lora_B)}
+    for p in model.parameters():
+        if id(p) not in keep:
+            p.requires_grad_(False)
+    for name, layer in wrapped:
+        replace_module(model, name, layer)
+
+
+def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets, exclude) -> None:
+    """What ``save_adapter`` writes as target_modules/exclude_modules. After several add_lora calls, name
+    lists are joined; anything else is left for ``save_adapter`` to derive from the wrapped layers."""
+    new = {
+        "r": r,
+        "alpha": alpha,
+        "dropout": dropout,
+        "targets": targets if isinstance(targets, str) else list(targets),
+        "exclude": exclude if exclude is None or isinstance(exclude, str) else list(exclude),
+    }
+    old = getattr(model, "_lora_lab_config", None)
+    if had_lora:
+        joinable = (
+            old is not None and isinstance(old.get("targets"), list) and old.get("exclude") is None
+            and isinstance(new["targets"], list) and new["exclude"] is None
+        )
+        new["targets"] = old["targets"] + [t for t in new["targets"] if t not in old["targets"]] if joinable else None
+        new["exclude"] = None
+    model._lora_lab_config = new
+
+
 def add_lora(
     model: nn.Module,
     r: int = 8,
     alpha: float = 16,
     targets: Sequence[str] | str = ("q_proj", "v_proj"),
     dropout: float = 0.0,
+    exclude: Sequence[str] | str | None = None,
 ) -> nn.Module:
     """Freeze ``model`` and wrap every ``nn.Linear`` whose name matches ``targets`` in a LoRALinear.
 
-    All checks run before anything changes, so a failing call leaves the model as it was.
+    ``targets`` and ``exclude`` follow PEFT's ``target_modules``/``exclude_modules``: a list matches a
+    module whose name equals an entry or ends with ``.entry``; a string is a regex matched against the
+    whole name. Each entry of a list must match some module (a typo is an error naming the nearest
+    module names). Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers
+    of the earlier calls as they are (still trainable); wrapping a module that already carries LoRA
+    is an error. All checks run before anything changes, so a failing call leaves the model as it was.
     Returns the model (modified in place).
     """
     _check_rank_alpha(r, alpha)
-    if isinstance(targets, str) and not targets:
-        raise ValueError("targets is empty")
-    if not isinstance(targets, str):
-        targets = tuple(targets)
-        if not targets:
-            raise ValueError("targets is empty")
-    matched = find_target_linears(model, targets)
+    targets = _as_patterns(targets, "targets")
+    exclude = _as_patterns(exclude, "exclude", allow_none=True)
+    names = [n for n, _ in model.named_modules() if n]
+    _check_patterns(model, names, targets, "targets")
+    if exclude is not None:
+        _check_patterns(model, names, exclude, "exclude")
+    matched = [
+        (n, m) for n, m in model.named_modules()
+        if n and _matches(n, targets) and not (exclude is not None and _matches(n, exclude))
+    ]
     already = [n for n, m in matched if isinstance(m, LoRALinear)]
     if already:
         raise ValueError(
@@ -221,27 +323,22 @@ def add_lora(
             + (f" (and {len(already) - 1} more)" if len(already) > 1 else "")
             + "; merge_lora(model) or start from a fresh model before wrapping again"
         )
+    internals = _lora_internals(model)
+    inside = [n for n, _ in matched if n in internals]
+    if inside:
+        raise ValueError(
+            f"target {inside[0]} is part of a LoRA layer ({inside[0].rsplit('.', 1)[0]}); LoRA cannot wrap "
+            "a layer that already carries LoRA"
+        )
     not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, nn.Linear)]
     if not_linear:
         n, t = not_linear[0]
         raise TypeError(f"target {n} is a {t}, not an nn.Linear; LoRALinear only wraps linear layers")
     if not matched:
-        linear_names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(
-            f"targets {targets!r} match no module of {type(model).__name__}; "
-            f"its linear layers are named: {', '.join(linear_names) or '(none)'}"
-        )
-    wrapped = [(n, LoRALinear(m, r=r, alpha=alpha, dropout=dropout)) for n, m in matched]
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for name, layer in wrapped:
-        replace_module(model, name, layer)
-    model._lora_lab_config = {
-        "r": r,
-        "alpha": alpha,
-        "dropout": dropout,
-        "targets": targets if isinstance(targets, str) else list(targets),
-    }
+        raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
+    had_lora = bool(lora_layers(model))
+    _wrap(model, [n for n, _ in matched], r, alpha, dropout)
+    _record_config(model, had_lora, r, alpha, dropout, targets, exclude)
     return model
 
 

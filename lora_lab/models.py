@@ -20,6 +20,7 @@ from torch import nn
 
 __all__ = [
     "ModelNotFoundError",
+    "SUPPORTED_DTYPES",
     "random_model_names",
     "model_config",
     "load_model",
@@ -63,27 +64,77 @@ def model_config(name: str):
     return AutoConfig.for_model(model_type, **data)
 
 
+_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def _as_dtype(dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+    """A dtype the model's layers compute in; anything else (int, bool, float8, complex, ...) is refused here,
+    before a model is built, rather than by a cast or a matmul later."""
+    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in SUPPORTED_DTYPES:
         return dtype
-    names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-    if isinstance(dtype, str) and dtype in names:
-        return names[dtype]
-    raise ValueError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(names)}")
+    raise ValueError(
+        f"unsupported dtype {dtype!r}; load_model builds models in "
+        + ", ".join(str(d) for d in SUPPORTED_DTYPES) + f" (or by name: {', '.join(_DTYPE_NAMES)})"
+    )
+
+
+def _as_device(device) -> torch.device:
+    """The device, checked to exist on this machine (torch would fail later with an assertion or a lazy-init error)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r}: {exc}") from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ValueError(
+                f"device={str(dev)!r} but no CUDA device is available here (torch {torch.__version__}, {build}); "
+                "use device='cpu'"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(dev)!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return dev
+    try:
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0].split(". ")[0]
+        raise ValueError(f"device={str(dev)!r} is not available here ({reason}); use device='cpu'") from None
+    return dev
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to the hub (or to the configured HTTPS proxy) opens within ``timeout`` seconds.
+
+    Name resolution has no timeout of its own, so the attempt runs in a daemon thread that is abandoned after
+    ``timeout``. Used to fail at once offline instead of sitting through huggingface_hub's retries.
+    """
+    import threading
+    import urllib.request
+
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    host = endpoint.split("://", 1)[-1].split("/", 1)[0]
-    host, _, port = host.partition(":")
-    try:
-        with socket.create_connection((host, int(port or 443)), timeout=timeout):
-            return True
-    except OSError:
-        return False
+    endpoint = urllib.request.getproxies().get("https") or os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    scheme, _, rest = endpoint.rpartition("://")
+    host, _, port = rest.split("/", 1)[0].rpartition("@")[-1].partition(":")
+    result: list[bool] = []
+
+    def connect():
+        try:
+            with socket.create_connection((host, int(port or (80 if scheme == "http" else 443))), timeout=timeout):
+                result.append(True)
+        except (OSError, ValueError):
+            result.append(False)
+
+    worker = threading.Thread(target=connect, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return bool(result and result[0])
 
 
 def load_model(
@@ -95,13 +146,15 @@ def load_model(
 ) -> nn.Module:
     """A causal LM from ``random:<name>``, a local directory, or a hub id.
 
-    ``device="meta"`` builds a ``random:`` model without allocating memory (for counting).
-    The model comes back in eval mode.
+    ``dtype`` is one of ``SUPPORTED_DTYPES`` (or its name); ``device`` must exist here. ``device="meta"``
+    builds a ``random:`` model without allocating memory (for counting). A hub id is looked up in the local
+    cache first without any network access; if it is not there and the hub cannot be reached within a few
+    seconds, the error comes at once. The model comes back in eval mode.
     """
     from transformers import AutoModelForCausalLM
 
     dtype = _as_dtype(dtype)
-    device = torch.device(device)
+    device = _as_device(device)
     kwargs = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     if spec.startswith(RANDOM_PREFIX):
         config = model_config(spec)
@@ -123,8 +176,11 @@ def load_model(
             raise ModelNotFoundError(f"{path} exists but holds no config.json; it is not a saved model")
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
         return model.to(device).eval()
-    try:  # the local cache first: no network, no retries
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, local_files_only=True, **kwargs)
+    # The local cache first, with no network at all: local_files_only alone still lets transformers ask the
+    # hub for an adapter_config.json (with huggingface_hub's retries, ~25 s offline); adapter_kwargs stops that.
+    offline = {"local_files_only": True, "adapter_kwargs": {"local_files_only": True}}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **offline, **kwargs)
         return model.to(device).eval()
     except OSError:
         pass

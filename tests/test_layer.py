@@ -127,3 +127,40 @@ def test_fill_lora_B_fills_only_B_and_names_a_model_without_adapter():
     assert torch.equal(model.proj.lora_B.detach(), expected)
     x = torch.randn(3, 8)
     assert torch.equal(model(x), model.proj(x))  # SingleChild passes straight through
+
+
+def test_second_add_lora_keeps_the_first_adapter_trainable_and_counted():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    add_lora(model, r=4, alpha=8, targets=("q_proj",))
+    first = count_parameters(model).trainable
+    add_lora(model, r=4, alpha=8, targets=("v_proj",))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"model.layers.{i}.self_attn.{p}.lora_{w}" for i in range(2)
+                         for p in ("q_proj", "v_proj") for w in "AB"}
+    assert count_parameters(model).trainable == first + 2 * 4 * (64 + 32)  # v_proj: 64 -> 32
+    assert first == 2 * 4 * (64 + 64)
+
+
+def test_wrapping_the_base_inside_a_lora_layer_is_refused():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    add_lora(model, targets=("q_proj",))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.q_proj\.base is part of a LoRA layer"):
+        add_lora(model, targets=r".*\.q_proj\.base")
+    assert all(type(layer.base) is nn.Linear for _, layer in lora_lab.lora_layers(model))
+
+
+def test_a_target_that_matches_nothing_is_named_with_the_nearest_module_names():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(ValueError, match=r"\('qproj_typo',\) match no module.*'qproj_typo' is nearest to q_proj"):
+        add_lora(model, targets=("q_proj", "qproj_typo"))
+    assert not lora_lab.lora_layers(model)
+    assert all(p.requires_grad for p in model.parameters())
+    with pytest.raises(ValueError, match=r"'self_attn\.v_prj' is nearest to self_attn\.v_proj"):
+        add_lora(model, targets=("self_attn.v_prj",))
+
+
+def test_an_invalid_regex_target_is_named():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(ValueError, match=r"targets '\.\*\(q_proj' is not a valid regular expression"):
+        add_lora(model, targets=".*(q_proj")
+    assert not lora_lab.lora_layers(model)

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -65,3 +67,57 @@ def test_deterministic_settings():
     s = lora_lab.deterministic(7)
     assert s["tf32_matmul"] is False and s["float32_matmul_precision"] == "highest"
     torch.use_deterministic_algorithms(False)
+
+
+def test_hub_id_fails_fast_when_the_hub_cannot_be_reached(monkeypatch):
+    import socket
+    import time
+
+    def no_network(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "no network in this test")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    start = time.monotonic()
+    with pytest.raises(ModelNotFoundError, match=r"not in the Hugging Face cache, and the hub cannot be reached"):
+        lora_lab.load_model("lora-lab-tests/no-such-model")
+    assert time.monotonic() - start < 5  # huggingface_hub's retries alone take ~23 s
+
+
+def test_cached_hub_model_loads_without_network(tmp_path):
+    """A model in the Hugging Face cache loads with the hub unreachable, and without waiting for retries."""
+    import subprocess
+    import sys
+
+    snapshot = "0" * 40
+    repo = tmp_path / "models--lora-lab-tests--cached-tiny"
+    lora_lab.load_model("random:tiny-qwen2", seed=5).save_pretrained(repo / "snapshots" / snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snapshot)
+    script = (
+        "import time, torch, lora_lab\n"
+        "start = time.monotonic()\n"
+        "model = lora_lab.load_model('lora-lab-tests/cached-tiny')\n"
+        "elapsed = time.monotonic() - start\n"
+        "ref = lora_lab.load_model('random:tiny-qwen2', seed=5)\n"
+        "ids = torch.randint(3, 500, (1, 7))\n"
+        "with torch.no_grad():\n"
+        "    print(torch.equal(model(ids).logits, ref(ids).logits), elapsed < 5)\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9"}  # port 9: refused
+    env.pop("HF_HUB_OFFLINE", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["True", "True"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8, torch.complex64, "int8", 16])
+def test_unsupported_dtype_is_refused_up_front(dtype):
+    with pytest.raises(ValueError, match=r"unsupported dtype .*torch\.float32, torch\.bfloat16, torch\.float16"):
+        lora_lab.load_model("random:tiny-qwen2", dtype=dtype)
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device='cuda' but no CUDA device is available here.*use device='cpu'"):
+        lora_lab.load_model("random:tiny-qwen2", device="cuda")

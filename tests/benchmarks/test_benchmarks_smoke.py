@@ -3,6 +3,8 @@ and what notebooks 05 and 06 read from their CSVs: the per-repetition rows, the 
 from __future__ import annotations
 
 import csv
+import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -21,13 +23,16 @@ REPETITIONS = 2  # the scripts' default is measure.MIN_REPETITIONS; two suffice 
 SCRIPTS = {  # longest first: two run at a time
     "bench_moe.py": ["--graded-only"],
     "bench_lora_train_step.py": [],
+    "bench_loss.py": [],
     "bench_lora_linear.py": ["--components", "target"],
+    "bench_loss_train_step.py": ["--variants", "all"],
     "bench_gated_deltanet.py": ["--check-seq", "32"],
 }
 CSVS = ["05_lora_linear.csv", "05_lora_linear_components.csv", "05_gated_deltanet.csv", "05_train_step.csv",
-        "06_moe_layer.csv", "06_moe_e2e.csv"]
+        "06_moe_layer.csv", "06_moe_e2e.csv", "07_loss_block.csv", "07_train_step.csv"]
 PNGS = ["05_lora_linear_ratio.png", "05_lora_linear_time_vs_tokens.png", "05_gated_deltanet.png",
-        "05_train_step.png", "06_moe_layer_speed.png", "06_moe_layer_memory.png"]
+        "05_train_step.png", "06_moe_layer_speed.png", "06_moe_layer_memory.png", "07_loss_time.png",
+        "07_loss_memory.png", "07_train_step.png"]
 TIME_05 = ["lora_linear_time_vs_base_32k_4096x4096_r16", "peft_time_vs_base_32k_4096x4096_r16",
            "lora_linear_speedup_vs_peft_32k_4096x4096_r16", "lora_linear_worst_time_vs_base", "gdn_time_vs_base",
            "gdn_speedup_vs_peft", "gdn_peft_time_vs_base", "train_speedup_vs_peft_qwen3_4096",
@@ -40,6 +45,30 @@ TIME_06 = ["qwen3_30b_a3b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t819
            "qwen1_5_moe_a2_7b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t32768_full_speedup_vs_grouped_mm",
            "e2e_lora_speedup_vs_eager", "e2e_lora_speedup_vs_grouped_mm", "e2e_full_speedup_vs_grouped_mm"]
 MEMORY_06 = ["qwen3_30b_a3b_t8192_full_peak_ratio_vs_grouped_mm", "qwen3_30b_a3b_t8192_lora_peak_ratio_vs_grouped_mm"]
+LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_two_pass", "liger", "cce", "cce_exact",
+                "gemm_floor", "gemm_floor_recompute"]
+LOSS_TORCH_METHODS = ["torch_fp32", "torch_bf16", "chunked"]  # run everywhere; the floors too, with no loss
+LOSS_BLOCK_COLUMNS = ["shape", "hidden", "vocab", "tokens", "head", "method", "rep", "status", "ms", "calls", "tflops",
+                      "peak_extra_gib", "grad_floor_gib", "peak_vs_floor", "loss", "loss_rel_err",
+                      "loss_vs_torch_fp32", "dh_rel_err", "dw_rel_err", "mode", "version", "note", "smoke"]
+LOSS_SUMMARY_COLUMNS = ["shape", "tokens", "head", "method", "status", "ms", "ms_ci95_low", "ms_ci95_high", "n",
+                        "tflops", "fastest_baseline", "time_vs_fastest_baseline", "time_vs_gemm_floor",
+                        "time_vs_gemm_floor_recompute", "peak_extra_gib", "grad_floor_gib", "peak_vs_floor",
+                        "loss_rel_err", "dh_rel_err", "dw_rel_err"]
+TRAIN_STEP_COLUMNS = ["model", "variant", "rep", "status", "batch", "seq", "tokens", "step_ms", "tokens_per_s",
+                      "peak_gib", "losses", "adapters", "loss_impl", "note", "smoke"]
+FP32_TOLERANCE = 1e-5  # smoke runs are fp32: every exact method agrees with the fp32 reference to rounding
+
+
+def _fused_loss_missing() -> str | None:
+    """Why the lora_lab rows of the loss benchmarks are recorded as skipped, or None when the op is there."""
+    if importlib.util.find_spec("lora_lab.kernels.loss") is None:
+        return "lora_lab.kernels.loss does not exist yet: its benchmark rows are recorded as skipped"
+    from lora_lab.loss import causal_lm_loss
+
+    if "fused" not in inspect.signature(causal_lm_loss).parameters:
+        return "causal_lm_loss has no fused= keyword yet"
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +155,84 @@ def test_notebook_06_metrics(smoke_dir):
         fused_moe.benchmark_metrics(smoke_dir)
     table = fused_moe.layer_table(measure.read_csv(smoke_dir / fused_moe.LAYER_CSV))
     assert {t["impl"] for t in table} == set(fused_moe.IMPLEMENTATIONS)
+
+
+def _loss_block(smoke_dir):
+    return measure.read_csv(smoke_dir / "07_loss_block.csv"), measure.read_csv(smoke_dir / "07_loss_block_summary.csv")
+
+
+@pytest.mark.slow
+def test_loss_block_rows(smoke_dir):
+    rows, summary = _loss_block(smoke_dir)
+    assert set(LOSS_BLOCK_COLUMNS) <= set(rows[0]) and set(LOSS_SUMMARY_COLUMNS) <= set(summary[0])
+    cells = {(r["shape"], r["tokens"], r["head"]) for r in rows}
+    assert {c[0] for c in cells} == {"qwen2.5-0.5b", "llama3-8b"} and {c[2] for c in cells} == {"trainable", "frozen"}
+    keys = [(r["shape"], r["tokens"], r["head"], r["method"], r["rep"]) for r in rows]
+    assert len(keys) == len(set(keys)) == len(cells) * len(LOSS_METHODS) * REPETITIONS  # every method, skipped too
+    assert {r["status"] for r in rows} <= {"ok", "skipped", "oom"}
+    for r in rows:
+        if r["method"] in LOSS_TORCH_METHODS + ["gemm_floor", "gemm_floor_recompute"]:
+            assert r["status"] == "ok" and r["ms"] > 0 and r["tflops"] > 0, r
+        if r["method"] in LOSS_TORCH_METHODS:
+            assert r["loss_rel_err"] < FP32_TOLERANCE and r["dh_rel_err"] < FP32_TOLERANCE, r
+            assert (r["dw_rel_err"] < FP32_TOLERANCE) if r["head"] == "trainable" else r["dw_rel_err"] is None, r
+        if r["status"] == "skipped":
+            assert r["note"], r  # the reason
+        # peak memory needs CUDA: None on a CPU, never a made-up number
+        assert (r["peak_extra_gib"] is None) == (not torch.cuda.is_available() or r["method"].startswith("gemm")
+                                                 or r["status"] != "ok"), r
+    assert len(summary) == len(cells) * len(LOSS_METHODS)
+    for s in summary:
+        if s["method"] in LOSS_TORCH_METHODS:
+            assert s["time_vs_gemm_floor"] > 0 and s["fastest_baseline"] in LOSS_TORCH_METHODS + ["liger", "cce",
+                                                                                                  "cce_exact"], s
+
+
+@pytest.mark.slow
+def test_loss_block_lora_lab_rows(smoke_dir):
+    rows, _ = _loss_block(smoke_dir)
+    mine = [r for r in rows if r["method"] in ("lora_lab", "lora_lab_two_pass")]
+    reason = _fused_loss_missing()
+    if reason is not None:
+        assert {r["status"] for r in mine} == {"skipped"}
+        pytest.skip(reason)
+    assert {r["status"] for r in mine if r["method"] == "lora_lab_two_pass" and r["head"] == "frozen"} == {"skipped"}
+    for r in mine:
+        if r["method"] == "lora_lab_two_pass" and r["head"] == "frozen":
+            continue
+        assert r["status"] == "ok" and r["ms"] > 0, r
+        assert r["loss_rel_err"] < FP32_TOLERANCE and r["dh_rel_err"] < FP32_TOLERANCE, r
+        assert (r["dw_rel_err"] < FP32_TOLERANCE) if r["head"] == "trainable" else r["dw_rel_err"] is None, r
+
+
+@pytest.mark.slow
+def test_loss_train_step_rows(smoke_dir):
+    rows = measure.read_csv(smoke_dir / "07_train_step.csv")
+    summary = {s["variant"]: s for s in measure.read_csv(smoke_dir / "07_train_step_summary.csv")}
+    assert set(TRAIN_STEP_COLUMNS) <= set(rows[0])
+    variants = ["standard", "chunked", "fused", "peft_liger", "peft_standard"]  # --variants all
+    assert sorted((r["variant"], r["rep"]) for r in rows) == sorted((v, k) for v in variants
+                                                                     for k in range(REPETITIONS))
+    for r in rows:
+        if r["variant"] in ("standard", "chunked", "peft_standard"):
+            assert r["status"] == "ok" and r["tokens_per_s"] > 0 and r["losses"], r
+        if r["variant"] == "peft_liger" and not torch.cuda.is_available():
+            assert r["status"] == "skipped" and "CUDA" in r["note"], r
+    for variant in ("chunked", "peft_standard"):  # the same adapters and data: the same losses, to rounding
+        assert summary[variant]["max_loss_rel_diff_vs_standard"] < FP32_TOLERANCE, summary[variant]
+        assert summary[variant]["tokens_per_s_vs_standard"] > 0
+
+
+@pytest.mark.slow
+def test_loss_train_step_fused_rows(smoke_dir):
+    rows = [r for r in measure.read_csv(smoke_dir / "07_train_step.csv") if r["variant"] == "fused"]
+    reason = _fused_loss_missing()
+    if reason is not None:
+        assert {r["status"] for r in rows} == {"skipped"}
+        pytest.skip(reason)
+    assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows), rows
+    summary = {s["variant"]: s for s in measure.read_csv(smoke_dir / "07_train_step_summary.csv")}
+    assert summary["fused"]["max_loss_rel_diff_vs_standard"] < FP32_TOLERANCE
 
 
 def test_read_csv_refuses_an_edited_code_hash(tmp_path):

@@ -117,6 +117,7 @@ def _accumulate(ptrs, desc, row0, col0, value, mask, ACCUMULATE: tl.constexpr):
 def grad_kernel(
     h_ptr, stride_hm, stride_hk, w_ptr, stride_wv, stride_wk, labels_ptr,
     lse_ptr, a_ptr, b_ptr, e_ptr,  # per row, fp32: lse and dz = a·p - b·[v = y] - e
+    scale_ptr,  # one fp32: dz is divided by it before the 16-bit rounding, the products multiplied back
     dh_ptr, stride_dhm, dw_ptr, stride_dwv,  # fp32 accumulators (row-major, unit stride along the hidden size)
     dh_desc, dw_desc,  # the same accumulators as TMA descriptors (ACCUMULATE == 1)
     N, V_local, V_total, v_offset, D, softcap,
@@ -161,7 +162,10 @@ def grad_kernel(
     if HAS_SOFTCAP:
         capped = z / softcap
         dz = dz * (1.0 - capped * capped)
-    dz = tl.where(row_ok[:, None] & col_ok[None, :], dz, 0.0).to(h_ptr.dtype.element_ty)
+    # fp16's range: a mean over many rows makes dz tiny (~1/(V·N)); dividing by the largest per-row factor brings
+    # it to O(1) before rounding, and the products are scaled back in fp32 (bf16 and fp32 pass 1)
+    scale = tl.load(scale_ptr)
+    dz = tl.where(row_ok[:, None] & col_ok[None, :], dz / scale, 0.0).to(h_ptr.dtype.element_ty)
 
     ds = tl.arange(0, BLOCK_D)
     if NEED_DH:
@@ -171,7 +175,7 @@ def grad_kernel(
         for d0 in range(0, tl.cdiv(D, BLOCK_D)):
             d_ok = ds < D - d0 * BLOCK_D
             w = tl.load(w_ptrs, mask=d_ok[None, :], other=0.0)
-            part = tl.dot(dz, w, input_precision=PRECISION)
+            part = tl.dot(dz, w, input_precision=PRECISION) * scale
             _accumulate(dh_ptrs, dh_desc, pid_m * BLOCK_M, d0 * BLOCK_D, part, row_ok[:, None] & d_ok[None, :],
                         ACCUMULATE)
             w_ptrs += BLOCK_D * stride_wk
@@ -184,7 +188,7 @@ def grad_kernel(
         for d0 in range(0, tl.cdiv(D, BLOCK_D)):
             d_ok = ds < D - d0 * BLOCK_D
             h = tl.load(h_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            part = tl.dot(dz_t, h, input_precision=PRECISION)
+            part = tl.dot(dz_t, h, input_precision=PRECISION) * scale
             _accumulate(dw_ptrs, dw_desc, pid_v * BLOCK_V, d0 * BLOCK_D, part, col_ok[:, None] & d_ok[None, :],
                         ACCUMULATE)
             h_ptrs += BLOCK_D * stride_hk

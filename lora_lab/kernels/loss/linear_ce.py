@@ -50,8 +50,9 @@ _PLANS = ("one_pass", "two_pass")
 
 @dataclass(frozen=True)
 class LossKernelConfig:
-    """Tile sizes and memory plan of the two kernels (defaults: the H200 settings chosen by
-    ``benchmarks/bench_loss.py --sweep``; the interpreter uses smaller tiles unless given).
+    """Tile sizes and memory plan of the two kernels (defaults: the fastest 16-bit settings of the H200 sweeps of
+    ``benchmarks/tune_loss.py``, logs in ``outputs/gpu/session_logs/issue13/``; fp32 and the interpreter get
+    smaller tiles unless a config is given).
 
     ``chunk_rows``: rows per pass of the dH accumulation (its fp32 buffer is ``chunk_rows x d``); None: N/32
     (at least 256), a buffer of 1/16 of dH's own bytes;
@@ -123,9 +124,16 @@ _INTERPRETER_CONFIG = LossKernelConfig(fwd_block_m=16, fwd_block_v=32, fwd_block
                                        bwd_block_v=32, bwd_block_k=16, bwd_block_d=16, group_m=2, programs_per_sm=1)
 
 
-def _config(config: LossKernelConfig | None) -> LossKernelConfig:
+# fp32 operands take twice the shared memory per tile: the 16-bit tiles would not fit (228 KiB on Hopper)
+_FP32_CONFIG = LossKernelConfig(fwd_block_v=128, fwd_block_k=32, fwd_stages=2, bwd_block_m=64, bwd_block_v=128,
+                                bwd_block_k=32, bwd_block_d=32, bwd_warps=4, bwd_stages=2)
+
+
+def _config(config: LossKernelConfig | None, dtype: torch.dtype = torch.bfloat16) -> LossKernelConfig:
     if config is None:
-        return _INTERPRETER_CONFIG if running_in_interpreter() else LossKernelConfig()
+        if running_in_interpreter():
+            return _INTERPRETER_CONFIG
+        return _FP32_CONFIG if dtype == torch.float32 else LossKernelConfig()
     if not isinstance(config, LossKernelConfig):
         raise TypeError(f"config must be a LossKernelConfig or None; got {type(config).__name__}")
     return config
@@ -182,8 +190,22 @@ def _accumulate_mode(cfg: LossKernelConfig, h: torch.Tensor) -> str:
     return cfg.accumulate
 
 
-def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap, cfg: LossKernelConfig):
+def _dz_scale(h, a, b, e):
+    """One fp32 on the device: 1 except for fp16, where it is the largest per-row factor of dz (so that dz/scale
+    is O(1) and does not underflow fp16 when rounded; the kernel multiplies the products back)."""
+    if h.dtype != torch.float16 or a.numel() == 0:
+        return torch.ones(1, dtype=torch.float32, device=h.device)
+    top = torch.maximum(a.abs().amax(), b.abs().amax())
+    if e is not None:
+        top = torch.maximum(top, e.abs().amax())
+    return torch.where(top > 0, top, 1.0).reshape(1)
+
+
+def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap, cfg: LossKernelConfig,
+                 scale=None):
     n, d = h.shape
+    if scale is None:
+        scale = _dz_scale(h, a, b, e)
     v_local = w.shape[0]
     row_tiles = triton.cdiv(n, cfg.bwd_block_m)
     vocab_tiles = triton.cdiv(v_local, cfg.bwd_block_v)
@@ -197,7 +219,7 @@ def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap,
         if dw is not None:
             dw_desc = TensorDescriptor(dw, list(dw.shape), [dw.stride(0), 1], [cfg.bwd_block_v, cfg.bwd_block_d])
     grad_kernel[(row_tiles * vocab_tiles,)](
-        h, h.stride(0), h.stride(1), w, w.stride(0), w.stride(1), labels, lse, a, b, e if e is not None else a,
+        h, h.stride(0), h.stride(1), w, w.stride(0), w.stride(1), labels, lse, a, b, e if e is not None else a, scale,
         dh if dh is not None else lse, dh.stride(0) if dh is not None else 0,
         dw if dw is not None else lse, dw.stride(0) if dw is not None else 0,
         dh_desc, dw_desc, n, v_local, v_total, v_offset, d, float(softcap or 0.0),
@@ -217,6 +239,7 @@ def _dh_by_row_chunks(h, w, labels, lse, a, b, e, softcap, cfg: LossKernelConfig
         _launch_grad(h, w, labels, lse, a, b, e, dh, None, 0, vocab, softcap, cfg)
         return dh
     dh = torch.empty((n, d), dtype=h.dtype, device=h.device)
+    scale = _dz_scale(h, a, b, e)
     rows = cfg.rows_per_chunk(n)
     buffer = torch.empty((rows, d), dtype=torch.float32, device=h.device)
     for r0 in range(0, n, rows):
@@ -224,7 +247,7 @@ def _dh_by_row_chunks(h, w, labels, lse, a, b, e, softcap, cfg: LossKernelConfig
         acc = buffer[: r1 - r0]
         acc.zero_()
         _launch_grad(h[r0:r1], w, labels[r0:r1], lse[r0:r1], a[r0:r1], b[r0:r1],
-                     None if e is None else e[r0:r1], acc, None, 0, vocab, softcap, cfg)
+                     None if e is None else e[r0:r1], acc, None, 0, vocab, softcap, cfg, scale)
         dh[r0:r1].copy_(acc)
     return dh
 
@@ -239,13 +262,14 @@ def _dw_by_vocab_slabs(h, w, labels, lse, a, b, e, softcap, cfg: LossKernelConfi
         _launch_grad(h, w, labels, lse, a, b, e, dh_acc, dw, 0, vocab, softcap, cfg)
         return dw
     dw = torch.empty((vocab, d), dtype=w.dtype, device=w.device)
+    scale = _dz_scale(h, a, b, e)
     slab = cfg.vocab_per_slab(vocab)
     buffer = torch.empty((slab, d), dtype=torch.float32, device=w.device)
     for v0 in range(0, vocab, slab):
         v1 = min(vocab, v0 + slab)
         acc = buffer[: v1 - v0]
         acc.zero_()
-        _launch_grad(h, w[v0:v1], labels, lse, a, b, e, dh_acc, acc, v0, vocab, softcap, cfg)
+        _launch_grad(h, w[v0:v1], labels, lse, a, b, e, dh_acc, acc, v0, vocab, softcap, cfg, scale)
         dw[v0:v1].copy_(acc)
     return dw
 
@@ -270,7 +294,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config):
-        cfg = _config(config)
+        cfg = _config(config, hidden.dtype)
         n = hidden.shape[0]
         vocab = weight.shape[0]
         valid = labels != ignore_index

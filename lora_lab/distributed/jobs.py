@@ -24,6 +24,7 @@ TRAIN_LORA_DEFAULTS: dict[str, Any] = {
     "texts": None,                  # the global batch; None: lora_lab.SAMPLE_SENTENCES
     "steps": 3,
     "lr": 1e-3,
+    "optimizer": "adamw",           # adamw | sgd (plain SGD shows a gradient scaled wrong; AdamW hardly does)
     "loss": "chunked",              # standard | chunked | fused
     "shard": True,                  # False: plain model on one process (the reference)
     "meta_init": False,             # build on meta, materialise shard by shard (random: models)
@@ -112,7 +113,8 @@ def train_lora(config: dict[str, Any]) -> dict[str, Any]:
     built = time.monotonic() - started
     batch = lora_lab.text_batch(lora_lab.load_tokenizer(cfg["model"]), texts=cfg["texts"] or lora_lab.SAMPLE_SENTENCES,
                                 device=device)
-    losses = sharded_train_steps(model, batch, steps=cfg["steps"], lr=cfg["lr"], loss=cfg["loss"])
+    losses = sharded_train_steps(model, batch, steps=cfg["steps"], lr=cfg["lr"], loss=cfg["loss"],
+                                 optimizer=cfg["optimizer"])
     if cfg["save_adapter"]:
         save_sharded_adapter(model, cfg["save_adapter"], overwrite=True)
     if cfg["save_logits"]:

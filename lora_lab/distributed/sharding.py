@@ -113,8 +113,11 @@ def shard_model(
 
     if is_sharded(model):
         raise ValueError(f"{type(model).__name__} is already sharded (fully_shard was applied)")
-    if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameter: add LoRA before sharding")
+    from lora_lab.distributed.adapters import adapter_key
+
+    if not any(adapter_key(n) is not None and p.requires_grad for n, p in model.named_parameters()):
+        raise ValueError(f"{type(model).__name__} has no trainable LoRA factor: add LoRA (lora_lab.add_lora or "
+                         "peft.get_peft_model) before sharding")
     grouped = [n for n, m in model.named_modules() if getattr(getattr(m, "_lora_lab_fused", None), "group", None)]
     if grouped:
         raise ValueError(

@@ -78,17 +78,25 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mappin
     return counts[0].item() / n_global
 
 
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
 def sharded_train_steps(model: nn.Module, batch: Mapping[str, torch.Tensor], steps: int = 5, lr: float = 1e-3,
-                        loss: str = "chunked") -> list[float]:
-    """``steps`` AdamW steps (torch defaults besides ``lr``) on the global ``batch``, as :func:`lora_lab.train_steps`
-    does on one process; returns the global loss before each step. Works on a sharded model (every rank calls it
-    with the same batch) and on a plain one. The model is left in eval mode."""
+                        loss: str = "chunked", optimizer: str = "adamw") -> list[float]:
+    """``steps`` optimizer steps (AdamW, or plain SGD; torch defaults besides ``lr``) on the global ``batch``, as
+    :func:`lora_lab.train_steps` does on one process; returns the global loss before each step. Works on a sharded
+    model (every rank calls it with the same batch) and on a plain one. The model is left in eval mode.
+
+    SGD is there for checks: AdamW's update hardly depends on the gradient's scale, so only SGD shows a gradient
+    that is off by a constant factor (a wrong average over the ranks, say)."""
     if steps <= 0:
         raise ValueError(f"steps must be positive, got {steps}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, got {optimizer!r}")
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameter (add LoRA first)")
-    optimizer = torch.optim.AdamW(params, lr=lr)
+    optimizer = OPTIMIZERS[optimizer](params, lr=lr)
     model.train()
     losses = [train_step(model, optimizer, batch, loss) for _ in range(steps)]
     model.eval()

@@ -133,3 +133,16 @@ def test_shard_model_refuses_what_fsdp_cannot_shard_right(one_rank_group):
 def test_shard_model_needs_a_process_group():
     with pytest.raises(RuntimeError, match="not initialised"):
         shard_model(_tiny_with_lora())
+
+
+def test_launch_command_runs_a_job_and_prints_each_ranks_metrics(tmp_path, capsys):
+    import json
+
+    from lora_lab.lab.cli import main
+
+    assert main(["launch", "lora_lab.distributed.jobs:train_lora", "--nproc", "1", "--out", str(tmp_path),
+                 "--config", '{"shard": false, "steps": 1}']) == 0
+    [rank0] = json.loads(capsys.readouterr().out)
+    assert rank0["status"] == "completed" and len(rank0["metrics"]["losses"]) == 1
+    assert main(["launch", "lora_lab.distributed.jobs:train_lora", "--config", "[1]"]) == 2
+    assert "JSON object" in capsys.readouterr().err

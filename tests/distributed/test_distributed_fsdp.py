@@ -56,9 +56,18 @@ def test_two_processes_peft_checkpointed_kept_unsharded_standard_loss(reference,
     _close(_losses(results), reference["sgd-peft"])
 
 
-def test_two_processes_with_the_fused_lora_kernels_patched_after_sharding(reference, tmp_path):
-    """The fused Function reads the weights inside its FSDP unit's forward (Triton's interpreter on CPU)."""
-    results = launch(JOB, {"patch_kernels": True, **SGD}, nproc=2, out_dir=tmp_path, timeout=300,
+def test_two_processes_with_the_fused_lora_kernels_and_fused_loss(reference, tmp_path):
+    """The fused LoRA Function reads the weights inside its FSDP unit's forward, the fused loss reads the lm_head
+    inside the root's loss method (Triton's interpreter on CPU)."""
+    results = launch(JOB, {"patch_kernels": True, "loss": "fused", **SGD}, nproc=2, out_dir=tmp_path, timeout=300,
                      env={"TRITON_INTERPRET": "1"})
     assert results[0]["metrics"]["patched"]["lora_layers"] == 4
     _close(_losses(results), reference["sgd"])
+
+
+def test_two_processes_bf16_compute_fp32_reduce(reference, tmp_path):
+    """FSDP's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) runs on gloo: close to fp32, not equal."""
+    results = launch(JOB, {"param_dtype": "bf16"}, nproc=2, out_dir=tmp_path, timeout=300)
+    losses = _losses(results)
+    assert losses != reference["adamw"]
+    assert max(abs(g - w) for g, w in zip(losses, reference["adamw"])) < 1e-2

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,20 @@ def read_rank_results(out_dir: Path | str, nproc: int) -> list[dict[str, Any]]:
     return results
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the job's process group (torchrun passes it on to the workers), SIGKILL if it lingers."""
+    for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _check_job(job: str) -> None:
     module, sep, function = job.partition(":")
     if not sep or not module or not function.isidentifier():
@@ -81,12 +96,17 @@ def launch(job: str, config: dict[str, Any] | None = None, nproc: int = 2, out_d
     child_env.update(env or {})
     log = out / "torchrun.log"
     with open(log, "w", encoding="utf-8") as handle:
+        # a session of its own: on a timeout (or Ctrl-C) torchrun and every worker are stopped together
+        proc = subprocess.Popen(torchrun_command(job, out, nproc), stdout=handle, stderr=subprocess.STDOUT,
+                                env=child_env, start_new_session=True)
         try:
-            proc = subprocess.run(torchrun_command(job, out, nproc), stdout=handle, stderr=subprocess.STDOUT,
-                                  env=child_env, timeout=timeout, check=False)
-            code = proc.returncode
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _stop(proc)
             code = None
+        except BaseException:
+            _stop(proc)
+            raise
     results = read_rank_results(out, nproc)
     failed = [(rank, r) for rank, r in enumerate(results) if r is None or r.get("status") != "completed"]
     if code != 0 or failed:

@@ -146,3 +146,10 @@ def test_launch_command_runs_a_job_and_prints_each_ranks_metrics(tmp_path, capsy
     assert rank0["status"] == "completed" and len(rank0["metrics"]["losses"]) == 1
     assert main(["launch", "lora_lab.distributed.jobs:train_lora", "--config", "[1]"]) == 2
     assert "JSON object" in capsys.readouterr().err
+
+
+def test_launch_stops_every_process_of_a_job_that_runs_too_long(tmp_path):
+    (tmp_path / "slow_job.py").write_text("import time\n\ndef run(config):\n    time.sleep(600)\n")
+    with pytest.raises(LaunchError, match="timed out"):
+        launch("slow_job:run", nproc=2, out_dir=tmp_path / "out", timeout=8,
+               env={"PYTHONPATH": f"{tmp_path}:{lora_lab.__path__[0].rsplit('/', 1)[0]}"})

@@ -94,6 +94,12 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
 
     A directory that already holds an adapter is refused unless ``overwrite=True``.
     """
+    return _save_adapter(model, path, overwrite, lambda t: t.detach().contiguous().cpu())
+
+
+def _save_adapter(model: nn.Module, path: str | Path, overwrite: bool, value_of) -> Path:
+    """:func:`save_adapter` with ``value_of(parameter)`` giving the CPU tensor to write (a sharded model passes the
+    full tensors it gathered)."""
     from safetensors.torch import save_file
 
     layers = lora_layers(model)
@@ -119,8 +125,8 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
     base_name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
     tensors = {}
     for name, layer in layers:
-        tensors[f"{PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().contiguous().cpu()
-        tensors[f"{PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach().contiguous().cpu()
+        tensors[f"{PREFIX}{name}.lora_A.weight"] = value_of(layer.lora_A)
+        tensors[f"{PREFIX}{name}.lora_B.weight"] = value_of(layer.lora_B)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     config = _peft_config(first.r, first.alpha, first.dropout_p, targets, exclude, base_name)

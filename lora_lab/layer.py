@@ -66,9 +66,11 @@ class LoRALinear(nn.Module):
         self.out_features = base.out_features
         w = base.weight
         self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.empty(base.out_features, r, device=w.device, dtype=w.dtype))
         # PEFT's default init of A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        # B = 0 through nn.init, not torch.zeros: a write that lora_lab.distributed.MetaInit can see and replay
+        nn.init.zeros_(self.lora_B)
         for p in self.base.parameters():
             p.requires_grad_(False)
 

@@ -322,6 +322,12 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
         lines = "\n  ".join(why for _, why in bad)
         raise UnsupportedLoRAError(f"patch_model: {len(bad)} LoRA layer(s) cannot use the fused kernels:\n  {lines}\n"
                                    "(pass strict=False to fuse the others and leave these as they are)")
+    if fuse_shared_inputs and _is_fsdp_sharded(model):
+        raise UnsupportedLoRAError(
+            "patch_model: the model is sharded with FSDP (DTensor parameters); a shared-input group reads its "
+            "members' weights from one concatenated buffer, which FSDP's all-gathered weights are not. Pass "
+            "fuse_shared_inputs=False (each LoRA linear gets its own fused op, inside its FSDP unit's forward)"
+        )
     if fused_loss:
         patch_causal_lm_loss(model)  # checks the head first: a refusal leaves the model untouched
     if bad:
@@ -372,6 +378,12 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
     moe = moe_patch.patch_moe_experts(model, config=config)
     return {"lora_layers": patched, "shared_input_groups": groups, "frozen_members": frozen, "moe_experts": moe,
             "fused_loss": fused_loss, "skipped": [why for _, why in bad]}
+
+
+def _is_fsdp_sharded(model: nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _has_dropout(module) -> bool:

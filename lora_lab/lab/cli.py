@@ -6,6 +6,7 @@
     lora-lab verify
     lora-lab validate
     lora-lab check-prose
+    lora-lab launch   JOB [--nproc 2] [--config JSON] [--out DIR]       torchrun; prints each rank's metrics
 
 Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify) or prose states
 a number no run recorded (check-prose); 2 bad input (unknown parameter, malformed or uncommitted predictions
@@ -86,7 +87,36 @@ def build_parser() -> argparse.ArgumentParser:
     prose = commands.add_parser("check-prose",
                                 help="fail on numbers in markdown that no run recorded and no source cites")
     prose.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
+    launch = commands.add_parser("launch", help="run a job module:function on N processes (torchrun), print each "
+                                                "rank's metrics as JSON")
+    launch.add_argument("job", help="module:function taking the config dict, e.g. lora_lab.distributed.jobs:train_lora")
+    launch.add_argument("--nproc", type=int, default=2, help="processes (one per GPU on a GPU machine; default 2)")
+    launch.add_argument("--config", default="{}", help="the job's config: JSON text, or @file holding JSON")
+    launch.add_argument("--out", type=Path, default=None,
+                        help="folder for config.json, rank<r>.json and torchrun.log (default: a new temporary one)")
+    launch.add_argument("--timeout", type=float, default=None, help="seconds before the job is stopped")
     return parser
+
+
+def command_launch(args: argparse.Namespace) -> int:
+    import json
+
+    from lora_lab.distributed.launch import LaunchError, launch
+
+    try:
+        text = Path(args.config[1:]).read_text(encoding="utf-8") if args.config.startswith("@") else args.config
+        config = json.loads(text)
+        if not isinstance(config, dict):
+            raise ValueError(f"the config must be a JSON object, got {type(config).__name__}")
+        results = launch(args.job, config, nproc=args.nproc, out_dir=args.out, timeout=args.timeout)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except LaunchError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    print(json.dumps(results, indent=2))
+    return EXIT_OK
 
 
 def command_run(args: argparse.Namespace) -> int:
@@ -202,6 +232,7 @@ COMMANDS = {
     "validate": command_validate,
     "publish": command_publish,
     "check-prose": command_check_prose,
+    "launch": command_launch,
 }
 
 

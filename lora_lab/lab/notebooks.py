@@ -19,9 +19,12 @@ __all__ = [
     "read_cells",
     "parameters_cell_index",
     "declared_parameters",
+    "METADATA_KEY",
+    "required_gpus",
 ]
 
 NOTEBOOK_NAME = re.compile(r"^(\d\d)_[A-Za-z0-9_\-]+\.ipynb$")
+METADATA_KEY = "lora_lab"  # notebook-level metadata of the lab: {"lora_lab": {"gpus": 2}}
 
 
 class NotebookError(ValueError):
@@ -93,3 +96,24 @@ def declared_parameters(path: Path | str) -> dict[str, Any]:
                     "values, so derived values belong in the next cell"
                 ) from None
     return declared
+
+
+def required_gpus(path: Path | str) -> int:
+    """How many GPUs the notebook needs: its notebook-level metadata ``{"lora_lab": {"gpus": N}}``, 0 without it.
+
+    A notebook that needs N GPUs runs only on the gpu profile of a machine with at least N; ``lora-lab run``
+    skips it elsewhere and says why.
+    """
+    path = Path(path)
+    try:
+        metadata = json.loads(path.read_text(encoding="utf-8")).get("metadata") or {}
+    except (OSError, ValueError) as error:
+        raise NotebookError(f"{path.name}: cannot read the notebook ({error})") from None
+    lab = metadata.get(METADATA_KEY) or {}
+    if not isinstance(lab, dict):
+        raise NotebookError(f"{path.name}: metadata {METADATA_KEY!r} must be an object like "
+                            f"{{\"gpus\": 2}}, got {lab!r}")
+    gpus = lab.get("gpus", 0)
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
+        raise NotebookError(f"{path.name}: metadata {METADATA_KEY}.gpus must be a non-negative integer, got {gpus!r}")
+    return gpus

@@ -9,6 +9,9 @@ For each selected ``notebooks/NN_name.ipynb`` the runner
   that differ from the parameters cell marked as overrides; papermill injects only those overrides;
 - on the ``cpu`` profile starts the kernel with ``TRITON_INTERPRET=1`` (Triton's CPU interpreter must be on
   before Triton is imported); ``MPLBACKEND=Agg`` is not passed on, so figures stay in the notebook;
+- skips a notebook whose metadata asks for more GPUs than the profile has (``{"lora_lab": {"gpus": 2}}``: the
+  two-GPU notebooks run on the gpu profile of a machine with two or more GPUs), saying so, and removes its old
+  metrics file from the output folder; a skip is not a failure;
 - removes the notebook's previous metrics file (stale results must not be graded), executes it into
   ``<outputs>/<profile>/<stem>.ipynb``;
 - on failure reports the notebook, the failing cell (index in the source notebook, counting from 0) and
@@ -32,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab.notebooks import NOTEBOOK_NAME, NotebookError, discover_notebooks
+from lora_lab.lab.notebooks import NOTEBOOK_NAME, NotebookError, discover_notebooks, required_gpus
 from lora_lab.lab.notebooks import declared_parameters as _declared_parameters
 from lora_lab.lab.recording import (
     RUN_CONTEXT_ENV,
@@ -56,6 +59,8 @@ __all__ = [
     "plan_parameters",
     "run",
     "select_notebooks",
+    "gpus_available",
+    "skip_reason",
 ]
 
 DEFAULT_RUNS_DIR = Path("build") / "runs"
@@ -194,10 +199,32 @@ def plan_parameters(notebooks: list[Path], overrides: dict[str, Any], profile: s
 # --------------------------------------------------------------------------------------------
 
 
+def gpus_available(profile: str) -> int:
+    """GPUs a notebook may use on ``profile``: every CUDA device on the gpu profile, none on the cpu profile."""
+    if profile != "gpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def skip_reason(path: Path, profile: str) -> str | None:
+    """Why the notebook cannot run here (it declares more GPUs than ``profile`` has), or None."""
+    try:
+        needed = required_gpus(path)
+    except NotebookError as error:
+        raise RunnerError(str(error)) from None
+    have = gpus_available(profile)
+    if needed <= have:
+        return None
+    return (f"needs {needed} GPUs (notebook metadata lora_lab.gpus); profile {profile} here has {have}: "
+            f"run it with --profile gpu on a machine with {needed} or more")
+
+
 @dataclass
 class NotebookResult:
     notebook: str
-    status: str  # "ok" | "failed" | "interrupted"
+    status: str  # "ok" | "failed" | "interrupted" | "skipped"
     seconds: float
     started: str
     finished: str
@@ -425,6 +452,7 @@ def run(
         print(f"no NN_*.ipynb notebooks in {notebooks_dir}: nothing to run", file=stream)
         return 0
     plans = plan_parameters(notebooks, dict(overrides or {}), resolved)
+    skipped = {path: reason for path in notebooks if (reason := skip_reason(path, resolved)) is not None}
     output_dir = Path(outputs_root).resolve() / resolved
     output_dir.mkdir(parents=True, exist_ok=True)
     disabled = progress_disabled(disable_progress)
@@ -433,6 +461,16 @@ def run(
     bar = tqdm(notebooks, desc="notebooks", unit="nb", disable=disabled, file=sys.stderr)
     for path in bar:
         bar.set_postfix_str(path.stem)
+        if path in skipped:
+            # a result from an earlier run elsewhere must not be graded as this run's
+            metrics_path(output_dir, path.stem).unlink(missing_ok=True)
+            now = _now()
+            result = NotebookResult(path.stem, "skipped", 0.0, now, now, plans[path].parameters,
+                                    plans[path].overrides, "", None, warnings=[skipped[path]])
+            results.append(result)
+            update_run_summary(output_dir, resolved, results)
+            tqdm.write(f"SKIPPED {path.name}: {skipped[path]}", file=stream)
+            continue
         result = run_notebook(plans[path], resolved, output_dir, cell_timeout, show_cell_progress=not disabled)
         results.append(result)
         update_run_summary(output_dir, resolved, results)
@@ -458,8 +496,9 @@ def run(
         for warning in result.warnings or []:
             print(f"  {'':<{width}}  warning: {warning}", file=stream)
     failed = [result for result in results if result.status == "failed"]
+    passed = sum(result.status == "ok" for result in results)
     print(
-        f"{len(results) - len(failed)} ok, {len(failed)} failed; "
+        f"{passed} ok, {len(failed)} failed" + (f", {len(skipped)} skipped" if skipped else "") + "; "
         f"executed notebooks, metrics and {summary_path.name} in {output_dir}",
         file=stream,
     )

@@ -312,3 +312,40 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     assert lines[-1].startswith("interrupted: 01_sleeps.ipynb stopped after") and "Traceback" not in out
     assert metrics(tmp_path / "runs" / "cpu", "01_sleeps")["provenance"]["status"] == "interrupted"
     assert metrics(tmp_path / "runs" / "cpu", "01_sleeps")["metrics"] == {"before": 1}  # kept
+
+
+def test_a_notebook_that_needs_two_gpus_is_skipped_elsewhere_and_says_why(tmp_path, monkeypatch, capsys):
+    from lora_lab.lab import runner
+    from lora_lab.lab.notebooks import required_gpus
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    notebook = nbformat.read(str(FIXTURE_NOTEBOOKS / "01_records_metrics.ipynb"), as_version=4)
+    notebook.metadata["lora_lab"] = {"gpus": 2}
+    nbformat.write(notebook, str(notebooks / "08_needs_two_gpus.ipynb"))
+    assert required_gpus(notebooks / "08_needs_two_gpus.ipynb") == 2
+    assert required_gpus(FIXTURE_NOTEBOOKS / "01_records_metrics.ipynb") == 0
+    outputs = tmp_path / "runs"
+    (outputs / "cpu").mkdir(parents=True)
+    stale = outputs / "cpu" / "08_needs_two_gpus.metrics.json"
+    stale.write_text(json.dumps({"notebook": "08_needs_two_gpus", "metrics": {}}))
+    code = main(["run", "--profile", "cpu", "--notebooks-dir", str(notebooks), "--outputs-dir", str(outputs),
+                 "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "SKIPPED 08_needs_two_gpus.ipynb: needs 2 GPUs (notebook metadata lora_lab.gpus); profile cpu here has 0" \
+        in printed
+    assert "0 ok, 0 failed, 1 skipped" in printed
+    assert not stale.exists() and not (outputs / "cpu" / "08_needs_two_gpus.ipynb").exists()
+    summary = json.loads((outputs / "cpu" / "run_summary.json").read_text())
+    assert summary["notebooks"]["08_needs_two_gpus"]["status"] == "skipped"
+    # on the gpu profile: skipped with one GPU, run with two
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "profile gpu here has 1" in runner.skip_reason(notebooks / "08_needs_two_gpus.ipynb", "gpu")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert runner.skip_reason(notebooks / "08_needs_two_gpus.ipynb", "gpu") is None
+    # a malformed marker is refused before anything runs
+    notebook.metadata["lora_lab"] = {"gpus": "two"}
+    nbformat.write(notebook, str(notebooks / "08_needs_two_gpus.ipynb"))
+    assert main(["run", "--profile", "cpu", "--notebooks-dir", str(notebooks), "--outputs-dir", str(outputs)]) == 2
+    assert "lora_lab.gpus must be a non-negative integer" in capsys.readouterr().err

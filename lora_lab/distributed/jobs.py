@@ -1,0 +1,126 @@
+"""Jobs for :func:`lora_lab.distributed.launch`: functions of one config dict that return each rank's metrics.
+
+:func:`train_lora` builds a model with LoRA (lora_lab's layer or PEFT's), shards it with FSDP2 (or not: the
+one-process reference), trains a few steps on the sample sentences and returns the losses; optionally it saves
+the adapter and rank 0's logits after training. Every setting is a key of :data:`TRAIN_LORA_DEFAULTS`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["TRAIN_LORA_DEFAULTS", "build_lora_model", "train_lora"]
+
+TRAIN_LORA_DEFAULTS: dict[str, Any] = {
+    "model": "random:tiny-qwen2",   # lora_lab.load_model spec
+    "seed": 0,                      # the base model's init (load_model's seed)
+    "lora_seed": 1,                 # torch.manual_seed before LoRA is added (its A factors)
+    "peft": False,                  # True: peft.get_peft_model instead of lora_lab.add_lora
+    "r": 4,
+    "alpha": 8,
+    "targets": ["q_proj", "v_proj"],
+    "texts": None,                  # the global batch; None: lora_lab.SAMPLE_SENTENCES
+    "steps": 3,
+    "lr": 1e-3,
+    "optimizer": "adamw",           # adamw | sgd (plain SGD shows a gradient scaled wrong; AdamW hardly does)
+    "loss": "chunked",              # standard | chunked | fused
+    "shard": True,                  # False: plain model on one process (the reference)
+    "meta_init": False,             # build on meta, materialise shard by shard (random: models)
+    "param_dtype": None,            # FSDP MixedPrecisionPolicy compute dtype (None: the parameters', fp32)
+    "reshard_after_forward": True,
+    "activation_checkpointing": False,
+    "patch_kernels": False,         # lora_lab.kernels.patch_model on the sharded model (fuse_shared_inputs off)
+    "save_adapter": None,           # directory to save the trained adapter into (rank 0 writes)
+    "save_logits": None,            # file for rank 0's fp32 logits on the batch after training (torch.save)
+}
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _add_lora(model, cfg):
+    import lora_lab
+
+    torch.manual_seed(cfg["lora_seed"])
+    if cfg["peft"]:
+        return lora_lab.peft_lora_model(model, r=cfg["r"], alpha=cfg["alpha"], targets=tuple(cfg["targets"]))
+    return lora_lab.add_lora(model, r=cfg["r"], alpha=cfg["alpha"], targets=tuple(cfg["targets"]))
+
+
+def build_lora_model(cfg: dict[str, Any]):
+    """(model with LoRA, init plan or None): built normally on the CPU, or on meta with a plan to fill it."""
+    import lora_lab
+
+    if not cfg["meta_init"]:
+        return _add_lora(lora_lab.load_model(cfg["model"], seed=cfg["seed"]), cfg), None
+    from transformers import AutoModelForCausalLM
+
+    from lora_lab.distributed.meta_init import MetaInit
+    from lora_lab.models import RANDOM_PREFIX, model_config
+
+    if not cfg["model"].startswith(RANDOM_PREFIX):
+        raise ValueError(f"meta_init builds random: models only, got {cfg['model']!r}")
+    with MetaInit() as meta:
+        # the same calls as lora_lab.load_model(spec, seed=...) makes, then the LoRA init
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg["seed"])
+            model = AutoModelForCausalLM.from_config(model_config(cfg["model"]), dtype=torch.float32,
+                                                     attn_implementation="eager")
+        model = _add_lora(model.eval(), cfg)
+    return model, meta.plan(model)
+
+
+def train_lora(config: dict[str, Any]) -> dict[str, Any]:
+    """Train LoRA on the sample sentences, sharded over the job's ranks (or not); returns the metrics."""
+    import lora_lab
+    from lora_lab.distributed.adapters import save_sharded_adapter
+    from lora_lab.distributed.sharding import shard_model
+    from lora_lab.distributed.training import rank_and_world, sharded_train_steps
+
+    unknown = sorted(set(config) - set(TRAIN_LORA_DEFAULTS))
+    if unknown:
+        raise ValueError(f"train_lora: unknown config key(s) {unknown}; known: {sorted(TRAIN_LORA_DEFAULTS)}")
+    cfg = {**TRAIN_LORA_DEFAULTS, **config}
+    rank, world = rank_and_world()
+    device = _device()
+    started = time.monotonic()
+    model, plan = build_lora_model(cfg)
+    if cfg["shard"]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtype = lora_lab.models._as_dtype(cfg["param_dtype"]) if cfg["param_dtype"] else None
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        if plan is None:
+            model = model.to(device)
+        shard_model(model, mp_policy=policy, reshard_after_forward=cfg["reshard_after_forward"],
+                    activation_checkpointing=cfg["activation_checkpointing"])
+    elif world > 1:
+        raise ValueError("shard=False is the one-process reference: launch it with nproc=1")
+    if plan is not None:
+        plan.materialize(model, device)
+    elif not cfg["shard"]:
+        model = model.to(device)
+    patched = None
+    if cfg["patch_kernels"]:
+        from lora_lab.kernels import patch_model
+
+        patched = patch_model(model, fuse_shared_inputs=False)
+    built = time.monotonic() - started
+    batch = lora_lab.text_batch(lora_lab.load_tokenizer(cfg["model"]), texts=cfg["texts"] or lora_lab.SAMPLE_SENTENCES,
+                                device=device)
+    losses = sharded_train_steps(model, batch, steps=cfg["steps"], lr=cfg["lr"], loss=cfg["loss"],
+                                 optimizer=cfg["optimizer"])
+    if cfg["save_adapter"]:
+        save_sharded_adapter(model, cfg["save_adapter"], overwrite=True)
+    if cfg["save_logits"]:
+        logits = lora_lab.model_logits(model, batch)
+        if rank == 0:
+            torch.save(logits.cpu(), cfg["save_logits"])
+    return {"rank": rank, "world_size": world, "losses": losses, "build_seconds": round(built, 3),
+            "seconds": round(time.monotonic() - started, 3), "device": str(device), "patched": patched,
+            "trainable_parameters": lora_lab.count_parameters(model).trainable}

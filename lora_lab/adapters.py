@@ -2,9 +2,10 @@
 
 A directory with ``adapter_config.json`` (PEFT's LoraConfig fields) and
 ``adapter_model.safetensors`` whose keys are PEFT's:
-``base_model.model.<module name>.lora_A.weight`` (r x in) and ``...lora_B.weight`` (out x r).
-So an adapter trained here loads with ``peft.PeftModel.from_pretrained`` and a PEFT-saved LoRA
-adapter loads here.
+``base_model.model.<module name>.lora_A.weight`` (r x in) and ``...lora_B.weight`` (out x r), and for DoRA
+``...lora_magnitude_vector`` (out). So an adapter trained here loads with ``peft.PeftModel.from_pretrained`` and a
+PEFT-saved LoRA adapter loads here. rsLoRA and DoRA (``use_rslora``, ``use_dora``) and per-layer ranks and alphas
+(``rank_pattern``, ``alpha_pattern``) travel both ways.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class AdapterExistsError(AdapterError, FileExistsError):
     """``save_adapter`` into a directory that already holds an adapter, without ``overwrite=True``."""
 
 
-def _peft_config(r, alpha, dropout, targets, exclude, base_name) -> dict:
+def _peft_config(r, alpha, dropout, targets, exclude, base_name, *, use_rslora=False, use_dora=False,
+                 rank_pattern=None, alpha_pattern=None) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -51,17 +53,36 @@ def _peft_config(r, alpha, dropout, targets, exclude, base_name) -> dict:
         "exclude_modules": exclude,
         "bias": "none",
         "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
+        "use_rslora": use_rslora,
+        "use_dora": use_dora,
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": rank_pattern or {},
+        "alpha_pattern": alpha_pattern or {},
         "revision": None,
     }
+
+
+def _pattern_value(patterns: dict, name: str, default):
+    r"""PEFT's lookup of ``rank_pattern``/``alpha_pattern`` (``get_pattern_key``): the first key, in the dict's
+    order, that matches the end of the module name after a dot (regex ``(.*\.)?(key)$``); else the default."""
+    key = next((k for k in patterns if re.match(rf"(.*\.)?({k})$", name)), name)
+    return patterns.get(key, default)
+
+
+def _patterns_for(layers) -> tuple[int, float, dict, dict]:
+    """(r, lora_alpha, rank_pattern, alpha_pattern) that give each of ``layers`` its own r and alpha in PEFT:
+    the first layer's values as the defaults, and each layer that differs named in full (escaped)."""
+    first = layers[0][1]
+    rank_pattern = {re.escape(n): m.r for n, m in layers if m.r != first.r}
+    alpha_pattern = {re.escape(n): m.alpha for n, m in layers if m.alpha != first.alpha}
+    for n, m in layers:  # the lookup must give every layer back its own values
+        if (_pattern_value(rank_pattern, n, first.r), _pattern_value(alpha_pattern, n, first.alpha)) != (m.r, m.alpha):
+            raise AdapterError(f"{n}: cannot express r={m.r}, alpha={m.alpha} as a PEFT rank/alpha pattern")
+    return first.r, first.alpha, rank_pattern, alpha_pattern
 
 
 def _selected(names: list[str], targets, exclude) -> set[str]:
@@ -92,20 +113,24 @@ def _peft_targets(model: nn.Module, layer_names: list[str]):
 def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) -> Path:
     """Write the model's LoRA weights and config to ``path`` in PEFT's format. Returns the directory.
 
-    A directory that already holds an adapter is refused unless ``overwrite=True``.
+    Layers with different r or alpha are written with PEFT's ``rank_pattern``/``alpha_pattern``; dropout,
+    ``use_rslora`` and ``use_dora`` must be the same for every layer (PEFT stores one value each). A directory
+    that already holds an adapter is refused unless ``overwrite=True``.
     """
     from safetensors.torch import save_file
 
     layers = lora_layers(model)
     if not layers:
         raise AdapterError(f"{type(model).__name__} carries no LoRA layer: nothing to save")
-    first = layers[0][1]
+    first_name, first = layers[0]
     for name, layer in layers:
-        if (layer.r, layer.alpha, layer.dropout_p) != (first.r, first.alpha, first.dropout_p):
-            raise AdapterError(
-                f"{name} has r={layer.r}, alpha={layer.alpha}; PEFT's format stores one r/alpha "
-                f"(first layer: r={first.r}, alpha={first.alpha})"
-            )
+        for field, attr in (("lora_dropout", "dropout_p"), ("use_rslora", "use_rslora"), ("use_dora", "use_dora")):
+            if getattr(layer, attr) != getattr(first, attr):
+                raise AdapterError(
+                    f"{name} has {field}={getattr(layer, attr)!r} but {first_name} has {getattr(first, attr)!r}; "
+                    f"PEFT's format stores one {field} for all layers"
+                )
+    r, alpha, rank_pattern, alpha_pattern = _patterns_for(layers)
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise AdapterExistsError(f"{out} is a file, not a directory: cannot save an adapter there")
@@ -121,9 +146,12 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
     for name, layer in layers:
         tensors[f"{PREFIX}{name}.lora_A.weight"] = layer.lora_A.detach().contiguous().cpu()
         tensors[f"{PREFIX}{name}.lora_B.weight"] = layer.lora_B.detach().contiguous().cpu()
+        if layer.magnitude is not None:
+            tensors[f"{PREFIX}{name}.lora_magnitude_vector"] = layer.magnitude.detach().contiguous().cpu()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
-    config = _peft_config(first.r, first.alpha, first.dropout_p, targets, exclude, base_name)
+    config = _peft_config(r, alpha, first.dropout_p, targets, exclude, base_name, use_rslora=first.use_rslora,
+                          use_dora=first.use_dora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -155,6 +183,7 @@ _BASE_CHANGING_INITS = {
 # Every other field must hold its "off" value (None, False, empty, bias "none"), or the adapter is refused.
 _IMPLEMENTED = {
     "peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "init_lora_weights",
+    "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
 }
 _NO_EFFECT = {
     "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version",
@@ -242,13 +271,44 @@ def _read_config(path: Path) -> dict:
             f"it on load (supported: {', '.join(map(repr, _PLAIN_INITS))})"
         )
 
+    flags = {}
+    for field in ("use_rslora", "use_dora"):
+        flags[field] = cfg.get(field, False)
+        if not isinstance(flags[field], bool):
+            raise AdapterError(f"invalid adapter config {cfg_file}: {field}={flags[field]!r}; expected true or false")
+    rank_pattern = _check_pattern_dict(cfg_file, "rank_pattern", cfg.get("rank_pattern"),
+                                       lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+                                       "positive integer ranks")
+    alpha_pattern = _check_pattern_dict(cfg_file, "alpha_pattern", cfg.get("alpha_pattern"),
+                                        lambda v: _is_number(v) and v > 0, "positive alphas")
+
     bad = [f"{k}={v!r}" for k, v in cfg.items() if k not in _IMPLEMENTED | _NO_EFFECT and not _is_off(k, v)]
     if bad:
         raise AdapterError(
             f"{cfg_file}: adapter uses {', '.join(bad)}, which lora_lab's LoRALinear does not implement"
         )
     return {"r": r, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": targets,
-            "exclude_modules": exclude, "init_lora_weights": init}
+            "exclude_modules": exclude, "init_lora_weights": init, "rank_pattern": rank_pattern,
+            "alpha_pattern": alpha_pattern, **flags}
+
+
+def _check_pattern_dict(cfg_file: Path, field: str, value, valid, what: str) -> dict:
+    """``rank_pattern``/``alpha_pattern``: {regex: value}, as PEFT reads them (None counts as empty)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise AdapterError(f"invalid adapter config {cfg_file}: {field}={value!r}; expected an object of patterns")
+    for key, v in value.items():
+        try:
+            re.compile(key)
+        except re.error as exc:
+            raise AdapterError(
+                f"invalid adapter config {cfg_file}: {field}={value!r}; key {key!r} is not a valid regular "
+                f"expression ({exc})"
+            ) from None
+        if not valid(v):
+            raise AdapterError(f"invalid adapter config {cfg_file}: {field}={value!r}; expected {what}, got {v!r}")
+    return value
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -275,15 +335,24 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     raise AdapterNotFoundError(f"{path} holds neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}")
 
 
+_TENSOR_SUFFIXES = {
+    "A": (".lora_A.weight", ".lora_A.default.weight"),
+    "B": (".lora_B.weight", ".lora_B.default.weight"),
+    "M": (".lora_magnitude_vector", ".lora_magnitude_vector.weight", ".lora_magnitude_vector.default.weight"),
+}
+
+
 def _module_name(key: str, source: Path) -> tuple[str, str]:
-    """'base_model.model.X.lora_A.weight' -> ('X', 'A'). Tolerates an adapter name ('lora_A.default.weight')."""
+    """'base_model.model.X.lora_A.weight' -> ('X', 'A'); '...X.lora_magnitude_vector' -> ('X', 'M') (DoRA).
+    Tolerates an adapter name ('lora_A.default.weight')."""
     k = key[len(PREFIX):] if key.startswith(PREFIX) else key
-    for which in ("A", "B"):
-        for suffix in (f".lora_{which}.weight", f".lora_{which}.default.weight"):
+    for which, suffixes in _TENSOR_SUFFIXES.items():
+        for suffix in suffixes:
             if k.endswith(suffix):
                 return k[: -len(suffix)], which
     raise AdapterError(
-        f"{source}: unexpected tensor {key!r} in the adapter (expected ...lora_A.weight / ...lora_B.weight)"
+        f"{source}: unexpected tensor {key!r} in the adapter (expected ...lora_A.weight / ...lora_B.weight, "
+        "and ...lora_magnitude_vector with use_dora)"
     )
 
 
@@ -292,32 +361,41 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     """Load a PEFT-format LoRA adapter into ``model``.
 
     A model without LoRA gets it at the modules PEFT would wrap (``target_modules`` minus
-    ``exclude_modules``), with the adapter's r, alpha and dropout; a model that already has LoRA must
+    ``exclude_modules``), with the adapter's r, alpha (per layer through ``rank_pattern``/``alpha_pattern``,
+    as PEFT resolves them), dropout, ``use_rslora`` and ``use_dora``; a model that already has LoRA must
     match. Whatever would make the model compute something other than PEFT's reload of the same files
-    is refused by name (DoRA, rsLoRA, PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...). A MiCA adapter
-    (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it. Every tensor's module and
-    shape is checked before anything is changed, so a failing call leaves the model as it was.
+    is refused by name (``modules_to_save``, ``lora_bias``, PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...).
+    A MiCA adapter (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it. Every tensor's
+    module and shape is checked before anything is changed, so a failing call leaves the model as it was.
     """
     path = Path(path)
     cfg = _read_config(path)
     tensors = _read_tensors(path)
     source = path / WEIGHTS_NAME if (path / WEIGHTS_NAME).is_file() else path / LEGACY_WEIGHTS_NAME
-    r, alpha, dropout = cfg["r"], cfg["lora_alpha"], cfg["lora_dropout"]
     targets, exclude = cfg["target_modules"], cfg["exclude_modules"]
+    use_rslora, use_dora = cfg["use_rslora"], cfg["use_dora"]
+
+    def rank_alpha(name):
+        return (_pattern_value(cfg["rank_pattern"], name, cfg["r"]),
+                _pattern_value(cfg["alpha_pattern"], name, cfg["lora_alpha"]))
 
     existing = dict(lora_layers(model))
     if existing:
-        planned = {n: (m.base.in_features, m.base.out_features) for n, m in existing.items()}
+        planned = {n: (m.base.in_features, m.base.out_features, m.r) for n, m in existing.items()}
         for n, m in existing.items():
+            r, alpha = rank_alpha(n)
             if (m.r, m.alpha) != (r, alpha):
                 raise AdapterError(f"{n} has r={m.r}, alpha={m.alpha} but the adapter has r={r}, lora_alpha={alpha}")
+            for field in ("use_rslora", "use_dora"):
+                if getattr(m, field) != cfg[field]:
+                    raise AdapterError(f"{n} has {field}={getattr(m, field)} but the adapter has {field}={cfg[field]}")
     else:
         modules = [(n, m) for n, m in model.named_modules()
                    if n and _matches(n, targets) and not (exclude and _matches(n, exclude))]
         bad = [(n, type(m).__name__) for n, m in modules if not isinstance(m, nn.Linear)]
         if bad:
             raise AdapterError(f"adapter targets {bad[0][0]}, a {bad[0][1]}; only nn.Linear targets are supported")
-        planned = {n: (m.in_features, m.out_features) for n, m in modules}
+        planned = {n: (m.in_features, m.out_features, rank_alpha(n)[0]) for n, m in modules}
     if not planned:
         raise AdapterError(
             f"adapter targets {targets!r}" + (f" (exclude_modules {exclude!r})" if exclude else "")
@@ -329,29 +407,42 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         name, which = _module_name(key, source)
         if name not in planned:
             raise AdapterError(f"adapter tensor {key!r} is for {name}, which the model has no LoRA target at")
-        fan_in, fan_out = planned[name]
-        want = (r, fan_in) if which == "A" else (fan_out, r)
+        if which == "M" and not use_dora:
+            raise AdapterError(f"adapter tensor {key!r} is a DoRA magnitude, but the config says use_dora=false")
+        fan_in, fan_out, r = planned[name]
+        want = {"A": (r, fan_in), "B": (fan_out, r), "M": (fan_out,)}[which]
         if tuple(t.shape) != want:
+            label = "lora_magnitude_vector" if which == "M" else f"lora_{which}"
             raise AdapterError(
-                f"{name}.lora_{which}: adapter has shape {tuple(t.shape)}, the model needs {want} "
+                f"{name}.{label}: adapter has shape {tuple(t.shape)}, the model needs {want} "
                 f"(r={r}, in={fan_in}, out={fan_out})"
             )
         if not t.is_floating_point():
             raise AdapterError(f"{source}: {key} holds {t.dtype} values, not floating point")
         found.setdefault(name, {})[which] = t
-    missing = [n for n in planned if set(found.get(n, {})) != {"A", "B"}]
+    need = {"A", "B", "M"} if use_dora else {"A", "B"}
+    missing = [n for n in planned if set(found.get(n, {})) != need]
     if missing:
         more = f" and {len(missing)-1} more" if len(missing) > 1 else ""
-        raise AdapterError(f"adapter has no lora_A/lora_B for {missing[0]}" + more)
+        what = "lora_A/lora_B/lora_magnitude_vector (use_dora)" if use_dora else "lora_A/lora_B"
+        raise AdapterError(f"adapter has no {what} for {missing[0]}" + more)
 
     if not existing:
-        _wrap(model, list(planned), r, alpha, dropout)
-        model._lora_lab_config = {"r": r, "alpha": alpha, "dropout": dropout, "targets": targets, "exclude": exclude}
+        specs = {}
+        for n in planned:
+            r, alpha = rank_alpha(n)
+            specs[n] = {"r": r, "alpha": alpha, "dropout": cfg["lora_dropout"], "use_rslora": use_rslora,
+                        "use_dora": use_dora}
+        _wrap(model, specs)
+        model._lora_lab_config = {"r": cfg["r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
+                                  "targets": targets, "exclude": exclude}
     layers = dict(lora_layers(model))
-    for name, ab in found.items():
+    for name, tensors_of in found.items():
         layer: LoRALinear = layers[name]
-        layer.lora_A.copy_(ab["A"].to(layer.lora_A.dtype))
-        layer.lora_B.copy_(ab["B"].to(layer.lora_B.dtype))
+        layer.lora_A.copy_(tensors_of["A"].to(layer.lora_A.dtype))
+        layer.lora_B.copy_(tensors_of["B"].to(layer.lora_B.dtype))
+        if use_dora:
+            layer.magnitude.copy_(tensors_of["M"].to(layer.magnitude.dtype))
         if cfg["init_lora_weights"] == "mica":
             layer.lora_B.requires_grad_(False)
     return model

@@ -46,6 +46,7 @@ from lora_lab.models import (
 )
 from lora_lab.numerics import cosine, error_stats, max_abs_diff, rel_l2
 from lora_lab.training import train_steps
+from lora_lab.variants import loraplus_optimizer, loraplus_param_groups
 
 __version__ = "0.1.0"
 
@@ -79,6 +80,8 @@ __all__ = [
     "load_adapter",
     "load_model",
     "load_tokenizer",
+    "loraplus_optimizer",
+    "loraplus_param_groups",
     "lora_layers",
     "max_abs_diff",
     "merge_lora",

@@ -1,5 +1,5 @@
-"""LoRA variants: rsLoRA, DoRA, LoRA-FA (LoRALinear / add_lora), each against a plain-torch computation of its
-formula, its gradients, its merge, and PEFT where PEFT has the same thing."""
+"""LoRA variants: rsLoRA, DoRA, LoRA-FA (LoRALinear / add_lora) and LoRA+ (lora_lab.variants), each against a
+plain-torch computation of its formula, its gradients, its merge, and PEFT where PEFT has the same thing."""
 import math
 
 import pytest
@@ -9,6 +9,7 @@ from torch import nn
 import lora_lab
 from lora_lab import LoRALinear, add_lora, merge_lora
 from lora_lab.layer import SingleChild
+from lora_lab.variants import loraplus_optimizer, loraplus_param_groups
 
 
 def _layer(dtype=torch.float64, seed=0, **variant):
@@ -185,3 +186,54 @@ def test_dora_on_a_non_linear_is_refused_by_name():
     with pytest.raises(TypeError, match=r"model\.embed_tokens is a Embedding.*DoRA \(use_dora=True\)"):
         add_lora(model, targets=("embed_tokens",), use_dora=True)
     assert not lora_lab.lora_layers(model)
+
+
+# --- LoRA+ ----------------------------------------------------------------------------------------------------------
+
+
+def test_loraplus_groups():
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8, use_dora=True)
+    groups = loraplus_param_groups(model, lr=1e-4, weight_decay=0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert [(g["lr"], g["weight_decay"]) for g in groups] == [(1e-4, 0.1), (16e-4, 0.1)]
+    assert all(names[id(p)].endswith("lora_A") for p in groups[0]["params"])
+    assert {names[id(p)].rsplit(".", 1)[-1] for p in groups[1]["params"]} == {"lora_B", "magnitude"}
+    opt = loraplus_optimizer(model, lr=2e-4, ratio=4, betas=(0.8, 0.9))
+    assert isinstance(opt, torch.optim.AdamW) and [g["lr"] for g in opt.param_groups] == [2e-4, 8e-4]
+    assert opt.param_groups[0]["betas"] == (0.8, 0.9)
+    # LoRA-FA: no trainable A, so no A group
+    fa = add_lora(lora_lab.load_model("random:tiny-qwen2"), lora_fa=True)
+    assert [g["lr"] for g in loraplus_param_groups(fa, lr=1e-3)] == [16e-3]
+
+
+def test_loraplus_groups_match_peft():
+    peft = pytest.importorskip("peft")
+    from peft.optimizers import create_loraplus_optimizer
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True)
+    pm = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), config)
+    theirs = create_loraplus_optimizer(pm, torch.optim.AdamW, lr=1e-4, loraplus_lr_ratio=16,
+                                       loraplus_weight_decay=0.1)
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8, use_dora=True)
+    mine = loraplus_optimizer(ours, lr=1e-4, ratio=16, weight_decay=0.1)
+
+    def summary(opt):
+        return sorted((g["lr"], g["weight_decay"], sorted(tuple(p.shape) for p in g["params"]))
+                      for g in opt.param_groups if g["params"])
+
+    assert summary(mine) == summary(theirs)
+
+
+@pytest.mark.parametrize("kwargs, problem", [
+    ({"ratio": 0}, "ratio=0"), ({"ratio": -2.0}, "ratio=-2.0"), ({"lr": 0}, "lr=0"), ({"ratio": math.nan}, "ratio=nan"),
+    ({"weight_decay": -1}, "weight_decay=-1"),
+])
+def test_loraplus_bad_input_is_named(kwargs, problem):
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"))
+    with pytest.raises(ValueError, match=problem):
+        loraplus_param_groups(model, **{"lr": 1e-4, **kwargs})
+
+
+def test_loraplus_without_lora_is_refused():
+    with pytest.raises(ValueError, match="no trainable LoRA B"):
+        loraplus_param_groups(lora_lab.load_model("random:tiny-qwen2").requires_grad_(False), lr=1e-4)

@@ -41,7 +41,7 @@ class AdapterExistsError(AdapterError, FileExistsError):
 
 
 def _peft_config(r, alpha, dropout, targets, exclude, base_name, *, use_rslora=False, use_dora=False,
-                 rank_pattern=None, alpha_pattern=None) -> dict:
+                 rank_pattern=None, alpha_pattern=None, init_lora_weights=True) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": None,
@@ -55,7 +55,7 @@ def _peft_config(r, alpha, dropout, targets, exclude, base_name, *, use_rslora=F
         "fan_in_fan_out": False,
         "use_rslora": use_rslora,
         "use_dora": use_dora,
-        "init_lora_weights": True,
+        "init_lora_weights": init_lora_weights,
         "inference_mode": True,
         "modules_to_save": None,
         "layers_to_transform": None,
@@ -114,8 +114,10 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
     """Write the model's LoRA weights and config to ``path`` in PEFT's format. Returns the directory.
 
     Layers with different r or alpha are written with PEFT's ``rank_pattern``/``alpha_pattern``; dropout,
-    ``use_rslora`` and ``use_dora`` must be the same for every layer (PEFT stores one value each). A directory
-    that already holds an adapter is refused unless ``overwrite=True``.
+    ``use_rslora``, ``use_dora`` and ``init_lora_weights`` must be the same for every layer (PEFT stores one value
+    each). A PiSSA adapter (``init_lora_weights="pissa"``) loads on the original base model, whose weights PEFT
+    and ``load_adapter`` turn into the same residual. A directory that already holds an adapter is refused unless
+    ``overwrite=True``.
     """
     from safetensors.torch import save_file
 
@@ -124,7 +126,8 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
         raise AdapterError(f"{type(model).__name__} carries no LoRA layer: nothing to save")
     first_name, first = layers[0]
     for name, layer in layers:
-        for field, attr in (("lora_dropout", "dropout_p"), ("use_rslora", "use_rslora"), ("use_dora", "use_dora")):
+        for field, attr in (("lora_dropout", "dropout_p"), ("use_rslora", "use_rslora"), ("use_dora", "use_dora"),
+                            ("init_lora_weights", "init_lora_weights")):
             if getattr(layer, attr) != getattr(first, attr):
                 raise AdapterError(
                     f"{name} has {field}={getattr(layer, attr)!r} but {first_name} has {getattr(first, attr)!r}; "
@@ -151,7 +154,8 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     config = _peft_config(r, alpha, first.dropout_p, targets, exclude, base_name, use_rslora=first.use_rslora,
-                          use_dora=first.use_dora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern)
+                          use_dora=first.use_dora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+                          init_lora_weights=first.init_lora_weights)
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -160,8 +164,12 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
 # decide the initial A and B, which the saved tensors replace. (MiCA also freezes B; load_adapter does too.)
 _PLAIN_INITS = (True, False, "gaussian", "orthogonal", "eva", "mica")
 
-# init_lora_weights values refused, and why. PiSSA, OLoRA and CorDA subtract scaling * B0 A0 from the base weight
-# when PEFT builds the layer, on load too (CorDA needs preprocess_corda first); LoftQ replaces it with its
+# "pissa" loads: PEFT turns the base weights into the residual W - scaling*B0 A0 of an fp32 SVD when it loads the
+# adapter, and load_adapter does the same (LoRALinear's init_lora_weights="pissa"), then copies the saved A and B.
+#
+# init_lora_weights values refused, and why. PiSSA with a randomized SVD (pissa_niter_*), OLoRA and CorDA subtract
+# scaling * B0 A0 from the base weight when PEFT builds the layer, on load too (CorDA needs preprocess_corda first),
+# from a factorisation lora_lab does not rebuild; LoftQ replaces it with its
 # quantization; LoRA-GA subtracted it at initialisation but not on load, so the saved A and B belong to a base
 # that PEFT's reload does not rebuild either.
 _CONVERT = (
@@ -169,7 +177,9 @@ _CONVERT = (
     "<the adapter saved before training>) writes one with init_lora_weights=True (and r, lora_alpha doubled)"
 )
 _BASE_CHANGING_INITS = {
-    "pissa": f"PEFT turns the base weights into the PiSSA residual W - scaling*B0 A0 when it loads it; {_CONVERT}",
+    "pissa": "PEFT turns the base weights into the PiSSA residual W - scaling*B0 A0 of a randomized SVD "
+             f"(svd_lowrank) when it loads it, which lora_lab does not rebuild (it does init_lora_weights='pissa'); "
+             f"{_CONVERT}",
     "olora": f"PEFT turns the base weights into the OLoRA residual W - scaling*B0 A0 when it loads it; {_CONVERT}",
     "corda": f"PEFT turns the base weights into the CorDA residual W - scaling*B0 A0 when it loads it; {_CONVERT}",
     "lora_ga": "its A and B were trained on base weights that LoRA-GA rewrote at initialisation (W - scaling*B0 A0), "
@@ -263,12 +273,14 @@ def _read_config(path: Path) -> dict:
     if not isinstance(init, (bool, str)):
         raise AdapterError(f"invalid adapter config {cfg_file}: init_lora_weights={init!r}; expected a bool or a name")
     family = next((f for f in _BASE_CHANGING_INITS if isinstance(init, str) and init.lower().startswith(f)), None)
+    if init == "pissa":
+        family = None
     if family is not None:
         raise AdapterError(f"{cfg_file}: init_lora_weights={init!r} is not supported: {_BASE_CHANGING_INITS[family]}")
-    if init not in _PLAIN_INITS:
+    if init not in _PLAIN_INITS + ("pissa",):
         raise AdapterError(
             f"{cfg_file}: init_lora_weights={init!r} is not supported: lora_lab does not know what PEFT does with "
-            f"it on load (supported: {', '.join(map(repr, _PLAIN_INITS))})"
+            f"it on load (supported: {', '.join(map(repr, _PLAIN_INITS + ('pissa',)))})"
         )
 
     flags = {}
@@ -364,7 +376,9 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     ``exclude_modules``), with the adapter's r, alpha (per layer through ``rank_pattern``/``alpha_pattern``,
     as PEFT resolves them), dropout, ``use_rslora`` and ``use_dora``; a model that already has LoRA must
     match. Whatever would make the model compute something other than PEFT's reload of the same files
-    is refused by name (``modules_to_save``, ``lora_bias``, PiSSA/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...).
+    is refused by name (``modules_to_save``, ``lora_bias``, pissa_niter_*/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...).
+    A PiSSA adapter turns the targeted base weights into PiSSA's residual, as PEFT's reload does, so give it
+    the original base model.
     A MiCA adapter (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it. Every tensor's
     module and shape is checked before anything is changed, so a failing call leaves the model as it was.
     """
@@ -389,6 +403,9 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
             for field in ("use_rslora", "use_dora"):
                 if getattr(m, field) != cfg[field]:
                     raise AdapterError(f"{n} has {field}={getattr(m, field)} but the adapter has {field}={cfg[field]}")
+            if (m.init_lora_weights == "pissa") != (cfg["init_lora_weights"] == "pissa"):
+                raise AdapterError(f"{n} has init_lora_weights={m.init_lora_weights!r} but the adapter has "
+                                   f"init_lora_weights={cfg['init_lora_weights']!r}: the base weights do not fit")
     else:
         modules = [(n, m) for n, m in model.named_modules()
                    if n and _matches(n, targets) and not (exclude and _matches(n, exclude))]
@@ -401,6 +418,11 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
             f"adapter targets {targets!r}" + (f" (exclude_modules {exclude!r})" if exclude else "")
             + f" match no module of {type(model).__name__}"
         )
+
+    if cfg["init_lora_weights"] == "pissa" and not existing:
+        small = [n for n, (fan_in, fan_out, r) in planned.items() if r > min(fan_in, fan_out)]
+        if small:
+            raise AdapterError(f"init_lora_weights='pissa' needs r <= min(in, out), which {small[0]} does not meet")
 
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
@@ -432,7 +454,8 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         for n in planned:
             r, alpha = rank_alpha(n)
             specs[n] = {"r": r, "alpha": alpha, "dropout": cfg["lora_dropout"], "use_rslora": use_rslora,
-                        "use_dora": use_dora}
+                        "use_dora": use_dora, "init_lora_weights": "pissa" if cfg["init_lora_weights"] == "pissa"
+                        else True}
         _wrap(model, specs)
         model._lora_lab_config = {"r": cfg["r"], "alpha": cfg["lora_alpha"], "dropout": cfg["lora_dropout"],
                                   "targets": targets, "exclude": exclude}

@@ -15,6 +15,9 @@ Variants, each in PEFT 0.21's formulation (``add_lora`` keyword arguments):
   W' = m * (W + s B A) / ||W + s B A||, the norm taken over each row (the input dimension) and
   detached from the graph (DoRA paper, section 4.3).
 * LoRA-FA (``lora_fa=True``): A stays frozen at its initialisation; only B (and m) train.
+* PiSSA (``init_lora_weights="pissa"``): with W = U S V^T (fp32 SVD) and the top r singular triplets,
+  A = sqrt(S_r / s) V_r^T and B = U_r sqrt(S_r / s), and the base weight becomes the residual W - s B A,
+  so the layer starts out computing W x + b (up to rounding) with the principal part trainable.
 """
 from __future__ import annotations
 
@@ -48,6 +51,15 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name} must be True or False, got {name}={value!r}")
 
 
+# what LoRALinear can start from: PEFT's default (A Kaiming-uniform, B zero) or PiSSA
+INITS = (True, "pissa")
+
+
+def _check_init(init) -> None:
+    if not any(init is i or (isinstance(init, str) and init == i) for i in INITS):
+        raise ValueError(f"init_lora_weights={init!r} is not supported; lora_lab implements {INITS!r}")
+
+
 def _check_rank_alpha(r, alpha) -> None:
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
@@ -61,11 +73,12 @@ class LoRALinear(nn.Module):
     ``lora_A`` and ``lora_B`` live on the base weight's device and dtype. ``dropout`` applies to the
     input of the low-rank branch only, as in PEFT. ``use_rslora=True`` takes s = alpha / sqrt(r);
     ``use_dora=True`` adds the trainable DoRA magnitude ``magnitude`` (see :meth:`forward`), else
-    ``magnitude`` is None.
+    ``magnitude`` is None. ``init_lora_weights="pissa"`` starts A and B from W's principal singular
+    vectors and replaces ``base.weight`` in place by the residual (see :meth:`_pissa_init`).
     """
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, *,
-                 use_rslora: bool = False, use_dora: bool = False):
+                 use_rslora: bool = False, use_dora: bool = False, init_lora_weights: bool | str = True):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
@@ -75,7 +88,11 @@ class LoRALinear(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
         _check_flags(use_rslora=use_rslora, use_dora=use_dora)
+        _check_init(init_lora_weights)
+        if init_lora_weights == "pissa" and r > min(base.in_features, base.out_features):
+            raise ValueError(f"PiSSA needs r <= min(in, out) = {min(base.in_features, base.out_features)}, got r={r}")
         self.base = base
+        self.init_lora_weights = init_lora_weights
         self.r = r
         self.alpha = alpha
         self.use_rslora = use_rslora
@@ -92,12 +109,29 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         for p in self.base.parameters():
             p.requires_grad_(False)
+        if init_lora_weights == "pissa":
+            self._pissa_init()
         self.magnitude = None
         if use_dora:
             # m starts as ||W + s B A|| per row (= ||W||, B being 0): a fresh DoRA layer computes W x + b.
             with torch.no_grad():
                 m = torch.linalg.norm(w + self.scaling * (self.lora_B @ self.lora_A), dim=1).to(w.dtype)
             self.magnitude = nn.Parameter(m)
+
+    @torch.no_grad()
+    def _pissa_init(self) -> None:
+        """PiSSA (Meng et al. 2024), as PEFT's ``init_lora_weights="pissa"``: in fp32, W = U S V^T (full SVD),
+        A = diag(sqrt(S_r / s)) V_r^T, B = U_r diag(sqrt(S_r / s)), so s B A = U_r S_r V_r^T, and the base
+        weight (in place, in its dtype) becomes the residual W - s B A."""
+        w = self.base.weight
+        u, sv, vh = torch.linalg.svd(w.to(torch.float32), full_matrices=False)
+        root = torch.sqrt(sv[: self.r] / self.scaling)
+        a = torch.diag(root) @ vh[: self.r]
+        b = u[:, : self.r] @ torch.diag(root)
+        self.lora_A.copy_(a)
+        self.lora_B.copy_(b)
+        # (s * B) @ A: PEFT's order of operations, so that its reload rebuilds the same residual bits
+        w.data = (w.to(torch.float32) - self.scaling * b @ a).to(w.dtype)
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """The low-rank branch without scaling: (dropout(x) @ A^T) @ B^T."""
@@ -189,6 +223,8 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora") if getattr(self, n))
+        if self.init_lora_weights == "pissa":
+            variants += ", init_lora_weights='pissa'"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
             f"alpha={self.alpha}, scaling={self.scaling:g}, dropout={self.dropout_p}{variants}"
@@ -257,7 +293,14 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 
 def remove_lora(model: nn.Module) -> nn.Module:
-    """Unwrap every LoRALinear back to its base nn.Linear, without merging: the base weights are untouched."""
+    """Unwrap every LoRALinear back to its base nn.Linear, without merging: the base weights are untouched.
+
+    Refused for a model with PiSSA layers, whose bases hold the residual W - s B A, not the pretrained W
+    (``merge_lora`` gives back a model that computes what the adapted one does)."""
+    pissa = [n for n, layer in lora_layers(model) if layer.init_lora_weights == "pissa"]
+    if pissa:
+        raise ValueError(f"{pissa[0]} is a PiSSA layer: its base weight is the residual W - s B A, not W; "
+                         "remove_lora would leave that residual in the model (merge_lora(model) instead)")
     for name, layer in lora_layers(model):
         replace_module(model, name, layer.base)
     if hasattr(model, "_lora_lab_config"):
@@ -374,13 +417,16 @@ def add_lora(
     use_rslora: bool = False,
     use_dora: bool = False,
     lora_fa: bool = False,
+    init_lora_weights: bool | str = True,
 ) -> nn.Module:
     """Freeze ``model`` and wrap every ``nn.Linear`` whose name matches ``targets`` in a LoRALinear.
 
     Variants (PEFT 0.21's formulations; see :class:`LoRALinear`): ``use_rslora`` scales by alpha / sqrt(r)
     (PEFT's ``use_rslora``); ``use_dora`` adds DoRA's trainable magnitude (PEFT's ``use_dora``); ``lora_fa``
     freezes A at its initialisation so only B (and a DoRA magnitude) train (LoRA-FA's frozen A; PEFT's
-    ``create_lorafa_optimizer`` also reshapes B's gradient, which this does not).
+    ``create_lorafa_optimizer`` also reshapes B's gradient, which this does not); ``init_lora_weights="pissa"``
+    starts each layer from its weight's principal singular vectors and turns its base weight into the residual
+    (PEFT's ``init_lora_weights="pissa"``; it changes the model's base weights in place).
 
     ``targets`` and ``exclude`` follow PEFT's ``target_modules``/``exclude_modules``: a list matches a
     module whose name equals an entry or ends with ``.entry``; a string is a regex matched against the
@@ -392,6 +438,7 @@ def add_lora(
     """
     _check_rank_alpha(r, alpha)
     _check_flags(use_rslora=use_rslora, use_dora=use_dora, lora_fa=lora_fa)
+    _check_init(init_lora_weights)
     targets = _as_patterns(targets, "targets")
     exclude = _as_patterns(exclude, "exclude", allow_none=True)
     names = [n for n, _ in model.named_modules() if n]
@@ -424,7 +471,13 @@ def add_lora(
     if not matched:
         raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
     had_lora = bool(lora_layers(model))
-    spec = {"r": r, "alpha": alpha, "dropout": dropout, "use_rslora": use_rslora, "use_dora": use_dora}
+    if init_lora_weights == "pissa":
+        small = [(n, m) for n, m in matched if r > min(m.in_features, m.out_features)]
+        if small:
+            n, m = small[0]
+            raise ValueError(f"PiSSA needs r <= min(in, out); {n} is {m.in_features} -> {m.out_features}, r={r}")
+    spec = {"r": r, "alpha": alpha, "dropout": dropout, "use_rslora": use_rslora, "use_dora": use_dora,
+            "init_lora_weights": init_lora_weights}
     _wrap(model, {n: spec for n, _ in matched}, lora_fa=lora_fa)
     _record_config(model, had_lora, r, alpha, dropout, targets, exclude)
     return model

@@ -188,6 +188,60 @@ def test_dora_on_a_non_linear_is_refused_by_name():
     assert not lora_lab.lora_layers(model)
 
 
+# --- PiSSA ---------------------------------------------------------------------------------------------------------
+
+
+def test_pissa_init_is_the_principal_part_and_the_base_the_residual():
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12)
+    W = base.weight.detach().clone()
+    x = _x(torch.float32)
+    want = base(x)
+    layer = LoRALinear(base, r=4, alpha=8, init_lora_weights="pissa")
+    assert layer.base is base and "pissa" in repr(layer)
+    U, S, Vh = torch.linalg.svd(W.double(), full_matrices=False)
+    principal = U[:, :4] @ torch.diag(S[:4]) @ Vh[:4]
+    sBA = layer.scaling * (layer.lora_B.double() @ layer.lora_A.double())
+    torch.testing.assert_close(sBA, principal, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(base.weight.double(), W.double() - principal, rtol=1e-5, atol=1e-5)
+    # A's rows are orthogonal with squared norms S_r / s; both factors train, the base does not
+    torch.testing.assert_close(layer.lora_A.double() @ layer.lora_A.double().T, torch.diag(S[:4] / layer.scaling),
+                               rtol=1e-5, atol=1e-5)
+    assert layer.lora_A.requires_grad and layer.lora_B.requires_grad and not base.weight.requires_grad
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.merge()(x), layer(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.merge().weight, W, rtol=1e-5, atol=1e-5)
+
+
+def test_pissa_model_merges_and_refuses_remove_lora():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+    add_lora(model, r=4, alpha=8, targets=("q_proj", "down_proj"), init_lora_weights="pissa", use_dora=True)
+    with torch.no_grad():
+        adapted = model(ids).logits
+    torch.testing.assert_close(adapted, before, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"q_proj is a PiSSA layer.*merge_lora"):
+        lora_lab.remove_lora(model)
+    merge_lora(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, adapted, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, error, problem", [
+    ({"init_lora_weights": "olora"}, ValueError, r"init_lora_weights='olora' is not supported"),
+    ({"init_lora_weights": False}, ValueError, r"init_lora_weights=False is not supported"),
+    ({"init_lora_weights": "pissa", "r": 40}, ValueError, r"PiSSA needs r <= min\(in, out\); .*k_proj is 64 -> 32"),
+])
+def test_bad_init_is_named(kwargs, error, problem):
+    model = lora_lab.load_model("random:tiny-qwen2")
+    weight = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    with pytest.raises(error, match=problem):
+        add_lora(model, **{"targets": ("q_proj", "k_proj"), **kwargs})
+    assert not lora_lab.lora_layers(model) and torch.equal(model.model.layers[0].self_attn.q_proj.weight, weight)
+
+
 # --- LoRA+ ----------------------------------------------------------------------------------------------------------
 
 

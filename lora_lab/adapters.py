@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lora_lab.layer import LoRALinear, _lora_internals, _matches, _wrap, lora_layers
+from lora_lab.layer import LoRALinear, _install, _lora_internals, _matches, _wrap, lora_layers
+from lora_lab.vera import VeRALinear, vera_layers, vera_projections
 
 __all__ = ["save_adapter", "load_adapter", "AdapterError", "AdapterNotFoundError", "AdapterExistsError",
            "peft_lora_model", "peft_lora_pairs", "copy_adapters_to_peft"]
@@ -90,7 +91,7 @@ def _selected(names: list[str], targets, exclude) -> set[str]:
     return {n for n in names if _matches(n, targets) and not (exclude and _matches(n, exclude))}
 
 
-def _peft_targets(model: nn.Module, layer_names: list[str]):
+def _peft_targets(model: nn.Module, layer_names: list[str], allow_exclude: bool = True):
     """(target_modules, exclude_modules) that make PEFT wrap exactly ``layer_names`` in ``model``.
 
     Tried in order, each checked against the model's module names as PEFT will see them (LoRA internals
@@ -101,13 +102,24 @@ def _peft_targets(model: nn.Module, layer_names: list[str]):
     want = set(layer_names)
     cfg = getattr(model, "_lora_lab_config", None)
     candidates = []
-    if cfg and cfg.get("targets") is not None:
+    if cfg and cfg.get("targets") is not None and (allow_exclude or cfg.get("exclude") is None):
         candidates.append((cfg["targets"], cfg.get("exclude")))
     candidates.append((sorted({n.rsplit(".", 1)[-1] for n in layer_names}), None))
     for targets, exclude in candidates:
         if _selected(names, targets, exclude) == want:
             return targets, exclude
     return sorted(want), None
+
+
+def _check_destination(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise AdapterExistsError(f"{out} is a file, not a directory: cannot save an adapter there")
+    present = [f for f in (CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME) if (out / f).exists()]
+    if present and not overwrite:
+        raise AdapterExistsError(
+            f"{out} already holds an adapter ({', '.join(present)}); pass overwrite=True to replace it, "
+            "or choose another directory"
+        )
 
 
 def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) -> Path:
@@ -117,11 +129,16 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
     ``use_rslora``, ``use_dora`` and ``init_lora_weights`` must be the same for every layer (PEFT stores one value
     each). A PiSSA adapter (``init_lora_weights="pissa"``) loads on the original base model, whose weights PEFT
     and ``load_adapter`` turn into the same residual. A directory that already holds an adapter is refused unless
-    ``overwrite=True``.
+    ``overwrite=True``. A model with VeRA layers (:func:`lora_lab.vera.add_vera`) is saved as PEFT's VeRA adapter
+    (``peft_type`` VERA, the shared projections included: ``save_projection=True``).
     """
     from safetensors.torch import save_file
 
     layers = lora_layers(model)
+    if layers and vera_layers(model):
+        raise AdapterError(f"{type(model).__name__} carries LoRA and VeRA layers; an adapter file holds one kind")
+    if not layers and vera_layers(model):
+        return _save_vera(model, Path(path), overwrite)
     if not layers:
         raise AdapterError(f"{type(model).__name__} carries no LoRA layer: nothing to save")
     first_name, first = layers[0]
@@ -135,14 +152,7 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
                 )
     r, alpha, rank_pattern, alpha_pattern = _patterns_for(layers)
     out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise AdapterExistsError(f"{out} is a file, not a directory: cannot save an adapter there")
-    present = [f for f in (CONFIG_NAME, WEIGHTS_NAME, LEGACY_WEIGHTS_NAME) if (out / f).exists()]
-    if present and not overwrite:
-        raise AdapterExistsError(
-            f"{out} already holds an adapter ({', '.join(present)}); pass overwrite=True to replace it, "
-            "or choose another directory"
-        )
+    _check_destination(out, overwrite)
     targets, exclude = _peft_targets(model, [n for n, _ in layers])
     base_name = getattr(getattr(model, "config", None), "_name_or_path", None) or None
     tensors = {}
@@ -247,8 +257,10 @@ def _read_config(path: Path) -> dict:
         raise AdapterError(f"{cfg_file} is not valid JSON: {exc}") from exc
     if not isinstance(cfg, dict):
         raise AdapterError(f"{cfg_file} holds a JSON {type(cfg).__name__}, not an object of LoraConfig fields")
+    if cfg.get("peft_type") == "VERA":
+        return _read_vera_config(cfg_file, cfg)
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA")
+        raise AdapterError(f"{cfg_file}: peft_type {cfg.get('peft_type')!r} is not LORA or VERA")
 
     r, alpha, dropout = cfg.get("r", 8), cfg.get("lora_alpha", 8), cfg.get("lora_dropout", 0.0)
     if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
@@ -299,7 +311,7 @@ def _read_config(path: Path) -> dict:
         raise AdapterError(
             f"{cfg_file}: adapter uses {', '.join(bad)}, which lora_lab's LoRALinear does not implement"
         )
-    return {"r": r, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": targets,
+    return {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": targets,
             "exclude_modules": exclude, "init_lora_weights": init, "rank_pattern": rank_pattern,
             "alpha_pattern": alpha_pattern, **flags}
 
@@ -386,6 +398,12 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     cfg = _read_config(path)
     tensors = _read_tensors(path)
     source = path / WEIGHTS_NAME if (path / WEIGHTS_NAME).is_file() else path / LEGACY_WEIGHTS_NAME
+    if cfg["peft_type"] == "VERA":
+        return _load_vera(model, cfg, tensors, source)
+    if vera_layers(model):
+        raise AdapterError(
+            f"{type(model).__name__} carries VeRA layers; a LoRA adapter loads into a model without them"
+        )
     targets, exclude = cfg["target_modules"], cfg["exclude_modules"]
     use_rslora, use_dora = cfg["use_rslora"], cfg["use_dora"]
 
@@ -468,6 +486,131 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
             layer.magnitude.copy_(tensors_of["M"].to(layer.magnitude.dtype))
         if cfg["init_lora_weights"] == "mica":
             layer.lora_B.requires_grad_(False)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# VeRA adapters (PEFT's peft_type VERA)
+# ---------------------------------------------------------------------------------------------
+
+# VeraConfig fields read here, and those that do not change the model PEFT builds; any other must be off.
+_VERA_IMPLEMENTED = {"peft_type", "r", "target_modules", "vera_dropout", "projection_prng_key", "save_projection",
+                     "d_initial", "init_weights"}
+_VERA_NO_EFFECT = {"task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping",
+                   "peft_version", "layers_pattern"}
+VERA_A_KEY, VERA_B_KEY = "base_model.vera_A", "base_model.vera_B"
+
+
+def _read_vera_config(cfg_file: Path, cfg: dict) -> dict:
+    """A VeraConfig, validated; missing fields take VeraConfig's defaults. ``d_initial`` and ``init_weights`` only
+    set the starting vectors, which the saved ones replace."""
+    r, dropout, key = cfg.get("r", 256), cfg.get("vera_dropout", 0.0), cfg.get("projection_prng_key", 0)
+    save_projection = cfg.get("save_projection", True)
+    if not isinstance(r, int) or isinstance(r, bool) or r <= 0:
+        raise AdapterError(f"invalid adapter config {cfg_file}: r={r!r}; the rank must be a positive integer")
+    if dropout is None:
+        dropout = 0.0
+    if not _is_number(dropout) or not 0.0 <= dropout < 1.0:
+        raise AdapterError(f"invalid adapter config {cfg_file}: vera_dropout={dropout!r}; expected a number in [0, 1)")
+    if not isinstance(key, int) or isinstance(key, bool):
+        raise AdapterError(f"invalid adapter config {cfg_file}: projection_prng_key={key!r}; expected an integer")
+    if not isinstance(save_projection, bool):
+        raise AdapterError(f"invalid adapter config {cfg_file}: save_projection={save_projection!r}; expected a bool")
+    targets = _check_patterns_field(cfg_file, "target_modules", cfg.get("target_modules"), required=True)
+    if isinstance(targets, str) and targets.lower() == "all-linear":
+        raise AdapterError(f"{cfg_file}: target_modules='all-linear' is PEFT's shorthand, which lora_lab does not "
+                           "expand; list the module names instead")
+    bad = [f"{k}={v!r}" for k, v in cfg.items()
+           if k not in _VERA_IMPLEMENTED | _VERA_NO_EFFECT and not _is_off(k, v)]
+    if bad:
+        raise AdapterError(f"{cfg_file}: VeRA adapter uses {', '.join(bad)}, which lora_lab's VeRALinear does not "
+                           "implement")
+    return {"peft_type": "VERA", "r": r, "vera_dropout": float(dropout), "projection_prng_key": key,
+            "save_projection": save_projection, "target_modules": targets}
+
+
+def _save_vera(model: nn.Module, out: Path, overwrite: bool) -> Path:
+    from safetensors.torch import save_file
+
+    layers = vera_layers(model)
+    first_name, first = layers[0]
+    for name, layer in layers:
+        if layer.vera_A is not first.vera_A or layer.vera_B is not first.vera_B:
+            raise AdapterError(f"{name} does not share {first_name}'s VeRA projections; PEFT's format holds one pair")
+        if layer.dropout_p != first.dropout_p:
+            raise AdapterError(f"{name} has vera_dropout={layer.dropout_p!r} but {first_name} has "
+                               f"{first.dropout_p!r}; PEFT's format stores one vera_dropout for all layers")
+    _check_destination(out, overwrite)
+    targets, _ = _peft_targets(model, [n for n, _ in layers], allow_exclude=False)
+    recorded = getattr(model, "_lora_lab_vera", {})
+    tensors = {VERA_A_KEY: first.vera_A.detach().contiguous().cpu(),
+               VERA_B_KEY: first.vera_B.detach().contiguous().cpu()}
+    for name, layer in layers:
+        tensors[f"{PREFIX}{name}.vera_lambda_b"] = layer.lambda_b.detach().contiguous().cpu()
+        tensors[f"{PREFIX}{name}.vera_lambda_d"] = layer.lambda_d.detach().contiguous().cpu()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    config = {
+        "peft_type": "VERA", "task_type": None,
+        "base_model_name_or_path": getattr(getattr(model, "config", None), "_name_or_path", None) or None,
+        "r": first.r, "target_modules": targets, "projection_prng_key": recorded.get("projection_prng_key", 0),
+        "save_projection": True, "vera_dropout": first.dropout_p, "d_initial": recorded.get("d_initial", 0.1),
+        "fan_in_fan_out": False, "bias": "none", "modules_to_save": None, "init_weights": True,
+        "layers_to_transform": None, "layers_pattern": None, "revision": None, "inference_mode": True,
+    }
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def _load_vera(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tensor], source: Path) -> nn.Module:
+    """A VeRA adapter into a model without adapters: the shared projections from the file (or, with
+    save_projection=false, drawn again from projection_prng_key, as PEFT does), one VeRALinear per target."""
+    from lora_lab.layer import adapter_layers
+
+    if adapter_layers(model):
+        raise AdapterError(f"{type(model).__name__} already carries adapter layers; a VeRA adapter loads into a "
+                           "model without them")
+    r, targets = cfg["r"], cfg["target_modules"]
+    modules = [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    bad = [(n, type(m).__name__) for n, m in modules if not isinstance(m, nn.Linear)]
+    if bad:
+        raise AdapterError(f"adapter targets {bad[0][0]}, a {bad[0][1]}; only nn.Linear targets are supported")
+    if not modules:
+        raise AdapterError(f"adapter targets {targets!r} match no module of {type(model).__name__}")
+    in_max, out_max = max(m.in_features for _, m in modules), max(m.out_features for _, m in modules)
+    want = {VERA_A_KEY: (r, in_max), VERA_B_KEY: (out_max, r)}
+    for n, m in modules:
+        want[f"{PREFIX}{n}.vera_lambda_b"] = (m.out_features,)
+        want[f"{PREFIX}{n}.vera_lambda_d"] = (r,)
+    if not cfg["save_projection"]:
+        del want[VERA_A_KEY], want[VERA_B_KEY]
+    for key, t in tensors.items():
+        if key not in want:
+            raise AdapterError(
+                f"{source}: unexpected tensor {key!r} in the VeRA adapter (expected {VERA_A_KEY}, {VERA_B_KEY} "
+                "with save_projection, and ...vera_lambda_b / ...vera_lambda_d per target)"
+            )
+        if tuple(t.shape) != want[key]:
+            raise AdapterError(f"{key}: adapter has shape {tuple(t.shape)}, the model needs {want[key]} "
+                               f"(r={r}, largest in={in_max}, out={out_max})")
+        if not t.is_floating_point():
+            raise AdapterError(f"{source}: {key} holds {t.dtype} values, not floating point")
+    missing = [k for k in want if k not in tensors]
+    if missing:
+        raise AdapterError(f"VeRA adapter has no {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
+                                                                  else ""))
+    if cfg["save_projection"]:
+        a, b = tensors[VERA_A_KEY], tensors[VERA_B_KEY]
+    else:
+        a, b = vera_projections(r, in_max, out_max, cfg["projection_prng_key"])
+    w = modules[0][1].weight
+    a, b = a.to(device=w.device, dtype=w.dtype), b.to(device=w.device, dtype=w.dtype)
+    wrapped = [(n, VeRALinear(m, a, b, dropout=cfg["vera_dropout"])) for n, m in modules]
+    for n, layer in wrapped:
+        layer.lambda_b.copy_(tensors[f"{PREFIX}{n}.vera_lambda_b"].to(layer.lambda_b.dtype))
+        layer.lambda_d.copy_(tensors[f"{PREFIX}{n}.vera_lambda_d"].to(layer.lambda_d.dtype))
+    _install(model, wrapped)
+    model._lora_lab_vera = {"projection_prng_key": cfg["projection_prng_key"], "d_initial": 0.1}
     return model
 
 

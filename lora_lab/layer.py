@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "AdapterLinear",
     "LoRALinear",
     "ParameterCount",
+    "adapter_layers",
     "add_lora",
     "remove_lora",
     "merge_lora",
@@ -67,7 +69,18 @@ def _check_rank_alpha(r, alpha) -> None:
         raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}")
 
 
-class LoRALinear(nn.Module):
+class AdapterLinear(nn.Module):
+    """What the adapter layers (:class:`LoRALinear`, :class:`lora_lab.vera.VeRALinear`) share: a frozen
+    ``nn.Linear`` called ``base`` and ``merge()`` back to one ``nn.Linear``; ``kind`` names the method."""
+
+    kind = "adapter"
+    base: nn.Linear
+
+    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class LoRALinear(AdapterLinear):
     """``h = base(x) + s * (x @ A^T) @ B^T`` around a frozen ``nn.Linear``, s = alpha / r.
 
     ``lora_A`` and ``lora_B`` live on the base weight's device and dtype. ``dropout`` applies to the
@@ -76,6 +89,8 @@ class LoRALinear(nn.Module):
     ``magnitude`` is None. ``init_lora_weights="pissa"`` starts A and B from W's principal singular
     vectors and replaces ``base.weight`` in place by the residual (see :meth:`_pissa_init`).
     """
+
+    kind = "LoRA"
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, *,
                  use_rslora: bool = False, use_dora: bool = False, init_lora_weights: bool | str = True):
@@ -292,8 +307,14 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
+def adapter_layers(model: nn.Module) -> list[tuple[str, AdapterLinear]]:
+    """All adapter layers of a model (LoRA, its variants and VeRA), with their module names."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, AdapterLinear)]
+
+
 def remove_lora(model: nn.Module) -> nn.Module:
-    """Unwrap every LoRALinear back to its base nn.Linear, without merging: the base weights are untouched.
+    """Unwrap every adapter layer (LoRALinear, VeRALinear) back to its base nn.Linear, without merging: the base
+    weights are untouched.
 
     Refused for a model with PiSSA layers, whose bases hold the residual W - s B A, not the pretrained W
     (``merge_lora`` gives back a model that computes what the adapted one does)."""
@@ -301,7 +322,7 @@ def remove_lora(model: nn.Module) -> nn.Module:
     if pissa:
         raise ValueError(f"{pissa[0]} is a PiSSA layer: its base weight is the residual W - s B A, not W; "
                          "remove_lora would leave that residual in the model (merge_lora(model) instead)")
-    for name, layer in lora_layers(model):
+    for name, layer in adapter_layers(model):
         replace_module(model, name, layer.base)
     if hasattr(model, "_lora_lab_config"):
         del model._lora_lab_config
@@ -309,8 +330,8 @@ def remove_lora(model: nn.Module) -> nn.Module:
 
 
 def _lora_internals(model: nn.Module) -> set[str]:
-    """Names of the modules inside LoRA layers (their ``base``): not targets in their own right."""
-    return {f"{n}.{sub}" for n, layer in lora_layers(model) for sub, _ in layer.named_modules() if sub}
+    """Names of the modules inside adapter layers (their ``base``): not targets in their own right."""
+    return {f"{n}.{sub}" for n, layer in adapter_layers(model) for sub, _ in layer.named_modules() if sub}
 
 
 def _nearest_names(target: str, names: Iterable[str]) -> list[str]:
@@ -374,15 +395,59 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     """
     modules = dict(model.named_modules())
     wrapped = [(n, LoRALinear(modules[n], **spec)) for n, spec in specs.items()]
-    keep = {id(p) for _, layer in lora_layers(model) for p in (layer.lora_A, layer.lora_B, layer.magnitude)
-            if p is not None}
+    _install(model, wrapped)
+    if lora_fa:
+        for _, layer in wrapped:
+            layer.lora_A.requires_grad_(False)
+
+
+def _install(model: nn.Module, wrapped: list[tuple[str, AdapterLinear]]) -> None:
+    """Freeze every parameter of ``model`` except those of its adapter layers (not their bases), then put the
+    ``wrapped`` layers in place."""
+    keep = {id(p) for _, layer in adapter_layers(model) for p in layer.parameters()}
+    keep -= {id(p) for _, layer in adapter_layers(model) for p in layer.base.parameters()}
     for p in model.parameters():
         if id(p) not in keep:
             p.requires_grad_(False)
     for name, layer in wrapped:
-        if lora_fa:
-            layer.lora_A.requires_grad_(False)
         replace_module(model, name, layer)
+
+
+def _matched_linears(model: nn.Module, targets, exclude, what: str):
+    """(targets, exclude, [(name, nn.Linear)]) for PEFT-style ``targets``/``exclude``, after every check: each
+    entry matches some module, no target already carries an adapter or lies inside one, every target is an
+    ``nn.Linear`` (else a TypeError saying ``what`` only wraps linear layers), something is left to wrap."""
+    targets = _as_patterns(targets, "targets")
+    exclude = _as_patterns(exclude, "exclude", allow_none=True)
+    names = [n for n, _ in model.named_modules() if n]
+    _check_patterns(model, names, targets, "targets")
+    if exclude is not None:
+        _check_patterns(model, names, exclude, "exclude")
+    matched = [
+        (n, m) for n, m in model.named_modules()
+        if n and _matches(n, targets) and not (exclude is not None and _matches(n, exclude))
+    ]
+    already = [(n, m.kind) for n, m in matched if isinstance(m, AdapterLinear)]
+    if already:
+        raise ValueError(
+            f"{already[0][1]} is already applied to {already[0][0]}"
+            + (f" (and {len(already) - 1} more)" if len(already) > 1 else "")
+            + "; merge_lora(model) or start from a fresh model before wrapping again"
+        )
+    internals = _lora_internals(model)
+    inside = [n for n, _ in matched if n in internals]
+    if inside:
+        raise ValueError(
+            f"target {inside[0]} is part of a LoRA layer ({inside[0].rsplit('.', 1)[0]}); LoRA cannot wrap "
+            "a layer that already carries LoRA"
+        )
+    not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, nn.Linear)]
+    if not_linear:
+        n, t = not_linear[0]
+        raise TypeError(f"target {n} is a {t}, not an nn.Linear; {what} only wraps linear layers")
+    if not matched:
+        raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
+    return targets, exclude, matched
 
 
 def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets, exclude) -> None:
@@ -439,37 +504,8 @@ def add_lora(
     _check_rank_alpha(r, alpha)
     _check_flags(use_rslora=use_rslora, use_dora=use_dora, lora_fa=lora_fa)
     _check_init(init_lora_weights)
-    targets = _as_patterns(targets, "targets")
-    exclude = _as_patterns(exclude, "exclude", allow_none=True)
-    names = [n for n, _ in model.named_modules() if n]
-    _check_patterns(model, names, targets, "targets")
-    if exclude is not None:
-        _check_patterns(model, names, exclude, "exclude")
-    matched = [
-        (n, m) for n, m in model.named_modules()
-        if n and _matches(n, targets) and not (exclude is not None and _matches(n, exclude))
-    ]
-    already = [n for n, m in matched if isinstance(m, LoRALinear)]
-    if already:
-        raise ValueError(
-            f"LoRA is already applied to {already[0]}"
-            + (f" (and {len(already) - 1} more)" if len(already) > 1 else "")
-            + "; merge_lora(model) or start from a fresh model before wrapping again"
-        )
-    internals = _lora_internals(model)
-    inside = [n for n, _ in matched if n in internals]
-    if inside:
-        raise ValueError(
-            f"target {inside[0]} is part of a LoRA layer ({inside[0].rsplit('.', 1)[0]}); LoRA cannot wrap "
-            "a layer that already carries LoRA"
-        )
-    not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, nn.Linear)]
-    if not_linear:
-        n, t = not_linear[0]
-        what = "lora_lab's DoRA (use_dora=True)" if use_dora else "LoRALinear"
-        raise TypeError(f"target {n} is a {t}, not an nn.Linear; {what} only wraps linear layers")
-    if not matched:
-        raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
+    what = "lora_lab's DoRA (use_dora=True)" if use_dora else "LoRALinear"
+    targets, exclude, matched = _matched_linears(model, targets, exclude, what)
     had_lora = bool(lora_layers(model))
     if init_lora_weights == "pissa":
         small = [(n, m) for n, m in matched if r > min(m.in_features, m.out_features)]
@@ -484,9 +520,9 @@ def add_lora(
 
 
 def merge_lora(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Replace every LoRALinear with its merged nn.Linear (``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``).
-    In place; returns model."""
-    layers = lora_layers(model)
+    """Replace every LoRALinear with its merged nn.Linear (``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``),
+    and every VeRALinear with its own merge. In place; returns model."""
+    layers = adapter_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} carries no LoRA layer: nothing to merge")
     merged = [(name, layer.merge(compute_dtype)) for name, layer in layers]  # all computed before any swap

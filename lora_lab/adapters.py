@@ -391,8 +391,10 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     is refused by name (``modules_to_save``, ``lora_bias``, pissa_niter_*/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...).
     A PiSSA adapter turns the targeted base weights into PiSSA's residual, as PEFT's reload does, so give it
     the original base model.
-    A MiCA adapter (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it. Every tensor's
-    module and shape is checked before anything is changed, so a failing call leaves the model as it was.
+    A MiCA adapter (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it. A VeRA adapter
+    (``peft_type`` VERA) loads into a model without adapters as :class:`~lora_lab.vera.VeRALinear` layers.
+    Every tensor's module and shape is checked before anything is changed, so a failing call leaves the
+    model as it was.
     """
     path = Path(path)
     cfg = _read_config(path)
@@ -648,13 +650,18 @@ def peft_lora_pairs(peft_model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
 
 @torch.no_grad()
 def copy_adapters_to_peft(ours: nn.Module, peft_model) -> int:
-    """Copy every A and B of ``ours`` into the PEFT model (cast to PEFT's adapter dtype). Returns the
-    number of layers copied. Raises if the two models carry LoRA at different modules, ranks or shapes."""
+    """Copy every A and B (and DoRA magnitude) of ``ours`` into the PEFT model (cast to PEFT's adapter dtype).
+    Returns the number of layers copied. Raises if the two models carry LoRA at different modules, ranks or
+    shapes, with different scales (rsLoRA or not) or with DoRA on one side only."""
+    from peft.tuners.lora import LoraLayer
+
     mine = dict(lora_layers(ours))
     theirs = peft_lora_pairs(peft_model)
     if set(mine) != set(theirs):
         only = sorted(set(mine) ^ set(theirs))
         raise ValueError(f"LoRA targets differ between the models, e.g. {only[0]}")
+    modules = {n[len(PREFIX):] if n.startswith(PREFIX) else n: m for n, m in peft_model.named_modules()
+               if isinstance(m, LoraLayer)}
     for name, layer in mine.items():
         A, B = theirs[name]
         if A.shape != layer.lora_A.shape or B.shape != layer.lora_B.shape:
@@ -662,6 +669,20 @@ def copy_adapters_to_peft(ours: nn.Module, peft_model) -> int:
                 f"{name}: our A {tuple(layer.lora_A.shape)}, B {tuple(layer.lora_B.shape)} vs PEFT's "
                 f"A {tuple(A.shape)}, B {tuple(B.shape)} (different r or projection size)"
             )
+        module = modules[name]
+        adapter = module.active_adapters[0]
+        if module.scaling[adapter] != layer.scaling:
+            raise ValueError(f"{name}: our scale {layer.scaling} vs PEFT's {module.scaling[adapter]} "
+                             "(different alpha, or use_rslora on one side only)")
+        peft_dora = adapter in getattr(module, "lora_magnitude_vector", {})
+        if peft_dora != (layer.magnitude is not None):
+            raise ValueError(f"{name}: use_dora={layer.magnitude is not None} here but {peft_dora} in the PEFT model")
+    for name, layer in mine.items():
+        A, B = theirs[name]
         A.copy_(layer.lora_A.to(A.dtype))
         B.copy_(layer.lora_B.to(B.dtype))
+        if layer.magnitude is not None:
+            module = modules[name]
+            m = module.lora_magnitude_vector[module.active_adapters[0]].weight
+            m.copy_(layer.magnitude.to(m.dtype))
     return len(mine)

@@ -433,3 +433,20 @@ def test_pissa_and_plain_layers_do_not_mix(tmp_path):
         save_adapter(model, tmp_path / "mixed")
     with pytest.raises(AdapterError, match=r"has init_lora_weights=True but the adapter has init_lora_weights='pissa'"):
         load_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2"), targets=("q_proj",)), tmp_path / "pissa")
+
+
+def test_copy_adapters_to_peft_carries_dora_and_checks_the_scale():
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8, use_dora=True, use_rslora=True)
+    _randomize_b(ours, seed=11)
+    _perturb_magnitudes(ours)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True, use_rslora=True)
+    theirs = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), config)
+    assert lora_lab.copy_adapters_to_peft(ours, theirs) == 4
+    with torch.no_grad():
+        assert torch.equal(ours(_ids()).logits, theirs(_ids()).logits)
+    for kwargs, problem in [({"use_dora": True}, "our scale 4.0 vs PEFT's 2.0"),
+                            ({"use_rslora": True}, "use_dora=True here but False")]:
+        other = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **kwargs))
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            lora_lab.copy_adapters_to_peft(ours, other)

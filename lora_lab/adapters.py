@@ -518,6 +518,9 @@ def _read_vera_config(cfg_file: Path, cfg: dict) -> dict:
         raise AdapterError(f"invalid adapter config {cfg_file}: projection_prng_key={key!r}; expected an integer")
     if not isinstance(save_projection, bool):
         raise AdapterError(f"invalid adapter config {cfg_file}: save_projection={save_projection!r}; expected a bool")
+    d_initial = cfg.get("d_initial", 0.1)
+    if not _is_number(d_initial):
+        raise AdapterError(f"invalid adapter config {cfg_file}: d_initial={d_initial!r} is not a number")
     targets = _check_patterns_field(cfg_file, "target_modules", cfg.get("target_modules"), required=True)
     if isinstance(targets, str) and targets.lower() == "all-linear":
         raise AdapterError(f"{cfg_file}: target_modules='all-linear' is PEFT's shorthand, which lora_lab does not "
@@ -528,7 +531,7 @@ def _read_vera_config(cfg_file: Path, cfg: dict) -> dict:
         raise AdapterError(f"{cfg_file}: VeRA adapter uses {', '.join(bad)}, which lora_lab's VeRALinear does not "
                            "implement")
     return {"peft_type": "VERA", "r": r, "vera_dropout": float(dropout), "projection_prng_key": key,
-            "save_projection": save_projection, "target_modules": targets}
+            "save_projection": save_projection, "target_modules": targets, "d_initial": float(d_initial)}
 
 
 def _save_vera(model: nn.Module, out: Path, overwrite: bool) -> Path:
@@ -612,7 +615,7 @@ def _load_vera(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tensor], so
         layer.lambda_b.copy_(tensors[f"{PREFIX}{n}.vera_lambda_b"].to(layer.lambda_b.dtype))
         layer.lambda_d.copy_(tensors[f"{PREFIX}{n}.vera_lambda_d"].to(layer.lambda_d.dtype))
     _install(model, wrapped)
-    model._lora_lab_vera = {"projection_prng_key": cfg["projection_prng_key"], "d_initial": 0.1}
+    model._lora_lab_vera = {"projection_prng_key": cfg["projection_prng_key"], "d_initial": cfg["d_initial"]}
     return model
 
 

@@ -307,6 +307,13 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
+def _forget_adapter_config(model: nn.Module) -> None:
+    """Drop what add_lora/add_vera recorded for save_adapter (the model has no adapter layers any more)."""
+    for attr in ("_lora_lab_config", "_lora_lab_vera"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+
+
 def adapter_layers(model: nn.Module) -> list[tuple[str, AdapterLinear]]:
     """All adapter layers of a model (LoRA, its variants and VeRA), with their module names."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, AdapterLinear)]
@@ -324,8 +331,7 @@ def remove_lora(model: nn.Module) -> nn.Module:
                          "remove_lora would leave that residual in the model (merge_lora(model) instead)")
     for name, layer in adapter_layers(model):
         replace_module(model, name, layer.base)
-    if hasattr(model, "_lora_lab_config"):
-        del model._lora_lab_config
+    _forget_adapter_config(model)
     return model
 
 
@@ -528,8 +534,7 @@ def merge_lora(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> 
     merged = [(name, layer.merge(compute_dtype)) for name, layer in layers]  # all computed before any swap
     for name, linear in merged:
         replace_module(model, name, linear)
-    if hasattr(model, "_lora_lab_config"):
-        del model._lora_lab_config
+    _forget_adapter_config(model)
     return model
 
 

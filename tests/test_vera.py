@@ -101,6 +101,23 @@ def test_ours_to_peft_exact(tmp_path):
     back = load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
     with torch.no_grad():
         assert torch.equal(ours(_ids()).logits, back(_ids()).logits)
+    save_adapter(back, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "adapter_config.json").read_text()) == cfg
+    lora_lab.remove_lora(back)
+    assert not vera_layers(back) and not hasattr(back, "_lora_lab_vera")
+
+
+def test_patch_model_leaves_vera_layers_alone():
+    from lora_lab.kernels import patch_model, patched_layers
+
+    model = add_vera(lora_lab.load_model("random:tiny-qwen2"), r=8, targets=TARGETS)
+    _fill_lambdas(model)
+    with torch.no_grad():
+        before = model(_ids()).logits
+    summary = patch_model(model)
+    assert summary["lora_layers"] == 0 and patched_layers(model) == []
+    with torch.no_grad():
+        assert torch.equal(model(_ids()).logits, before)
 
 
 @pytest.mark.parametrize("kwargs, error, problem", [

@@ -397,7 +397,8 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     other parameter; with ``lora_fa`` the new layers' A is frozen too (LoRA-FA).
 
     The parameters of LoRA layers already in the model keep their ``requires_grad``: a second ``add_lora``
-    adds an adapter, it does not freeze the first one. All layers are built before the model changes.
+    adds an adapter, it does not freeze the first one. All layers are built before the model's tree changes
+    (a PiSSA layer turns its base weight into the residual as it is built: callers check everything first).
     """
     modules = dict(model.named_modules())
     wrapped = [(n, LoRALinear(modules[n], **spec)) for n, spec in specs.items()]

@@ -23,6 +23,7 @@ from lora_lab.lab.verdicts import show_verdicts
 from lora_lab.layer import (
     LoRALinear,
     ParameterCount,
+    adapter_layers,
     add_lora,
     count_parameters,
     fill_lora_B,
@@ -46,6 +47,8 @@ from lora_lab.models import (
 )
 from lora_lab.numerics import cosine, error_stats, max_abs_diff, rel_l2
 from lora_lab.training import train_steps
+from lora_lab.variants import loraplus_optimizer, loraplus_param_groups
+from lora_lab.vera import VeRALinear, add_vera, vera_layers
 
 __version__ = "0.1.0"
 
@@ -62,6 +65,10 @@ __all__ = [
     "ByteTokenizer",
     "SAMPLE_SENTENCES",
     "LoRALinear",
+    "VeRALinear",
+    "add_vera",
+    "vera_layers",
+    "adapter_layers",
     "ModelNotFoundError",
     "ParameterCount",
     "__version__",
@@ -79,6 +86,8 @@ __all__ = [
     "load_adapter",
     "load_model",
     "load_tokenizer",
+    "loraplus_optimizer",
+    "loraplus_param_groups",
     "lora_layers",
     "max_abs_diff",
     "merge_lora",

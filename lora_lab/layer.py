@@ -7,6 +7,17 @@ A LoRA linear keeps the pretrained weight W (out x in) frozen and learns a rank-
 A starts Kaiming-uniform (a = sqrt(5), PEFT's default; the paper used a Gaussian) and B starts at
 zero, so a fresh layer computes exactly what the base layer computes. The product is evaluated as
 (x @ A^T) @ B^T: two skinny matmuls through an M x r intermediate, never the out x in matrix B A.
+
+Variants, each in PEFT 0.21's formulation (``add_lora`` keyword arguments):
+
+* rsLoRA (``use_rslora=True``): the scale is s = alpha / sqrt(r) instead of alpha / r.
+* DoRA (``use_dora=True``): a trainable magnitude m (one per output row) rescales the adapted weight,
+  W' = m * (W + s B A) / ||W + s B A||, the norm taken over each row (the input dimension) and
+  detached from the graph (DoRA paper, section 4.3).
+* LoRA-FA (``lora_fa=True``): A stays frozen at its initialisation; only B (and m) train.
+* PiSSA (``init_lora_weights="pissa"``): with W = U S V^T (fp32 SVD) and the top r singular triplets,
+  A = sqrt(S_r / s) V_r^T and B = U_r sqrt(S_r / s), and the base weight becomes the residual W - s B A,
+  so the layer starts out computing W x + b (up to rounding) with the principal part trainable.
 """
 from __future__ import annotations
 
@@ -20,8 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "AdapterLinear",
     "LoRALinear",
     "ParameterCount",
+    "adapter_layers",
     "add_lora",
     "remove_lora",
     "merge_lora",
@@ -34,6 +47,21 @@ __all__ = [
 ]
 
 
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {name}={value!r}")
+
+
+# what LoRALinear can start from: PEFT's default (A Kaiming-uniform, B zero) or PiSSA
+INITS = (True, "pissa")
+
+
+def _check_init(init) -> None:
+    if not any(init is i or (isinstance(init, str) and init == i) for i in INITS):
+        raise ValueError(f"init_lora_weights={init!r} is not supported; lora_lab implements {INITS!r}")
+
+
 def _check_rank_alpha(r, alpha) -> None:
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
@@ -41,14 +69,31 @@ def _check_rank_alpha(r, alpha) -> None:
         raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}")
 
 
-class LoRALinear(nn.Module):
-    """``h = base(x) + (alpha / r) * (x @ A^T) @ B^T`` around a frozen ``nn.Linear``.
+class AdapterLinear(nn.Module):
+    """What the adapter layers (:class:`LoRALinear`, :class:`lora_lab.vera.VeRALinear`) share: a frozen
+    ``nn.Linear`` called ``base`` and ``merge()`` back to one ``nn.Linear``; ``kind`` names the method."""
+
+    kind = "adapter"
+    base: nn.Linear
+
+    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class LoRALinear(AdapterLinear):
+    """``h = base(x) + s * (x @ A^T) @ B^T`` around a frozen ``nn.Linear``, s = alpha / r.
 
     ``lora_A`` and ``lora_B`` live on the base weight's device and dtype. ``dropout`` applies to the
-    input of the low-rank branch only, as in PEFT.
+    input of the low-rank branch only, as in PEFT. ``use_rslora=True`` takes s = alpha / sqrt(r);
+    ``use_dora=True`` adds the trainable DoRA magnitude ``magnitude`` (see :meth:`forward`), else
+    ``magnitude`` is None. ``init_lora_weights="pissa"`` starts A and B from W's principal singular
+    vectors and replaces ``base.weight`` in place by the residual (see :meth:`_pissa_init`).
     """
 
-    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+    kind = "LoRA"
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, *,
+                 use_rslora: bool = False, use_dora: bool = False, init_lora_weights: bool | str = True):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
@@ -57,10 +102,18 @@ class LoRALinear(nn.Module):
         _check_rank_alpha(r, alpha)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
+        _check_flags(use_rslora=use_rslora, use_dora=use_dora)
+        _check_init(init_lora_weights)
+        if init_lora_weights == "pissa" and r > min(base.in_features, base.out_features):
+            raise ValueError(f"PiSSA needs r <= min(in, out) = {min(base.in_features, base.out_features)}, got r={r}")
         self.base = base
+        self.init_lora_weights = init_lora_weights
         self.r = r
         self.alpha = alpha
-        self.scaling = alpha / r
+        self.use_rslora = use_rslora
+        self.use_dora = use_dora
+        # rsLoRA (Kalajdzievski 2023): alpha / sqrt(r) keeps the update's scale stable as r grows.
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.dropout_p = float(dropout)
         self.in_features = base.in_features
         self.out_features = base.out_features
@@ -73,6 +126,29 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B)
         for p in self.base.parameters():
             p.requires_grad_(False)
+        if init_lora_weights == "pissa":
+            self._pissa_init()
+        self.magnitude = None
+        if use_dora:
+            # m starts as ||W + s B A|| per row (= ||W||, B being 0): a fresh DoRA layer computes W x + b.
+            with torch.no_grad():
+                m = torch.linalg.norm(w + self.scaling * (self.lora_B @ self.lora_A), dim=1).to(w.dtype)
+            self.magnitude = nn.Parameter(m)
+
+    @torch.no_grad()
+    def _pissa_init(self) -> None:
+        """PiSSA (Meng et al. 2024), as PEFT's ``init_lora_weights="pissa"``: in fp32, W = U S V^T (full SVD),
+        A = diag(sqrt(S_r / s)) V_r^T, B = U_r diag(sqrt(S_r / s)), so s B A = U_r S_r V_r^T, and the base
+        weight (in place, in its dtype) becomes the residual W - s B A."""
+        w = self.base.weight
+        u, sv, vh = torch.linalg.svd(w.to(torch.float32), full_matrices=False)
+        root = torch.sqrt(sv[: self.r] / self.scaling)
+        a = torch.diag(root) @ vh[: self.r]
+        b = u[:, : self.r] @ torch.diag(root)
+        self.lora_A.copy_(a)
+        self.lora_B.copy_(b)
+        # (s * B) @ A: PEFT's order of operations, so that its reload rebuilds the same residual bits
+        w.data = (w.to(torch.float32) - self.scaling * b @ a).to(w.dtype)
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """The low-rank branch without scaling: (dropout(x) @ A^T) @ B^T."""
@@ -83,25 +159,69 @@ class LoRALinear(nn.Module):
         return F.linear(F.linear(x, self.lora_A), self.lora_B)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # h = W x + b + s * B A x ; the scale multiplies the branch output (PEFT's order).
-        return self.base(x) + self.lora_delta(x) * self.scaling
+        """LoRA: ``h = W x + b + s * B A x`` (the scale multiplies the branch output, PEFT's order).
+
+        DoRA: with n = ||W + s B A|| per output row (detached) and g = m / n,
+        ``h = W x + b + (g - 1) * W x + g * s * B A x`` = ``g * (W + s B A) x + b``. Evaluated as PEFT does:
+        the extra term is added to the base output, and W x is that output minus b, except in training with
+        dropout, where both W x and B A x read the dropped-out input (so the base output keeps the clean x).
+        """
+        result = self.base(x)
+        if self.magnitude is None:
+            return result + self.lora_delta(x) * self.scaling
+        dropped = self.dropout_p > 0 and self.training
+        if dropped:
+            x = F.dropout(x, p=self.dropout_p, training=True)
+        g = (self.magnitude / self.weight_norm()).view(1, -1)
+        lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
+        if dropped:
+            base_result = F.linear(x, self.base.weight)
+        elif self.base.bias is not None:
+            base_result = result - self.base.bias
+        else:
+            base_result = result
+        return result + ((g - 1) * base_result + g * lora_result * self.scaling)
+
+    def weight_norm(self) -> torch.Tensor:
+        """DoRA's n = ||W + s B A||, the L2 norm of each output row, detached (no gradient flows through it).
+
+        B A is formed as (I A^T) B^T transposed, through the same GEMMs as PEFT, so the bits agree with PEFT's.
+        """
+        A, B, W = self.lora_A, self.lora_B, self.base.weight
+        eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
+        ba = F.linear(F.linear(eye, A), B).T
+        return torch.linalg.norm(W + self.scaling * ba.detach(), dim=1).to(W.dtype).detach()
 
     def delta_weight(self, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """s * B A, the out x in matrix a merge adds to W (computed in ``dtype``, fp32 by default)."""
+        """s * B A, the out x in matrix a LoRA merge adds to W (computed in ``dtype``, fp32 by default).
+
+        For DoRA this is only the directional update; the merged weight is :meth:`merged_weight`.
+        """
         B, A = self.lora_B, self.lora_A
         if dtype is not None:
             B, A = B.to(dtype), A.to(dtype)
         return (B @ A) * self.scaling
 
     @torch.no_grad()
-    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:
-        """Return a plain ``nn.Linear`` with ``W' = W + (alpha/r) B A``.
+    def merged_weight(self, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight that computes this layer in one GEMM, in ``compute_dtype``.
 
-        The sum is formed in ``compute_dtype`` (fp32 by default) and rounded once to W's dtype.
+        LoRA: ``W + s B A``. DoRA: ``m / ||W + s B A|| * (W + s B A)``, m and the row norm broadcast over rows.
+        """
+        v = self.base.weight.to(compute_dtype) + self.delta_weight(compute_dtype)
+        if self.magnitude is None:
+            return v
+        return (self.magnitude.to(compute_dtype) / torch.linalg.norm(v, dim=1)).view(-1, 1) * v
+
+    @torch.no_grad()
+    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:
+        """Return a plain ``nn.Linear`` with the merged weight (:meth:`merged_weight`; LoRA: ``W + s B A``).
+
+        The weight is formed in ``compute_dtype`` (fp32 by default) and rounded once to W's dtype.
         Raises if the merged weight is not finite (nothing is modified then).
         """
         w = self.base.weight
-        merged_w = (w.to(compute_dtype) + self.delta_weight(compute_dtype)).to(w.dtype)
+        merged_w = self.merged_weight(compute_dtype).to(w.dtype)
         if not torch.isfinite(merged_w).all():
             raise FloatingPointError(
                 f"merging LoRA into a {tuple(w.shape)} weight produced non-finite values"
@@ -119,9 +239,12 @@ class LoRALinear(nn.Module):
         return out
 
     def extra_repr(self) -> str:
+        variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora") if getattr(self, n))
+        if self.init_lora_weights == "pissa":
+            variants += ", init_lora_weights='pissa'"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
-            f"alpha={self.alpha}, scaling={self.scaling:g}, dropout={self.dropout_p}"
+            f"alpha={self.alpha}, scaling={self.scaling:g}, dropout={self.dropout_p}{variants}"
         )
 
 
@@ -186,18 +309,37 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
+def _forget_adapter_config(model: nn.Module) -> None:
+    """Drop what add_lora/add_vera recorded for save_adapter (the model has no adapter layers any more)."""
+    for attr in ("_lora_lab_config", "_lora_lab_vera"):
+        if hasattr(model, attr):
+            delattr(model, attr)
+
+
+def adapter_layers(model: nn.Module) -> list[tuple[str, AdapterLinear]]:
+    """All adapter layers of a model (LoRA, its variants and VeRA), with their module names."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, AdapterLinear)]
+
+
 def remove_lora(model: nn.Module) -> nn.Module:
-    """Unwrap every LoRALinear back to its base nn.Linear, without merging: the base weights are untouched."""
-    for name, layer in lora_layers(model):
+    """Unwrap every adapter layer (LoRALinear, VeRALinear) back to its base nn.Linear, without merging: the base
+    weights are untouched.
+
+    Refused for a model with PiSSA layers, whose bases hold the residual W - s B A, not the pretrained W
+    (``merge_lora`` gives back a model that computes what the adapted one does)."""
+    pissa = [n for n, layer in lora_layers(model) if layer.init_lora_weights == "pissa"]
+    if pissa:
+        raise ValueError(f"{pissa[0]} is a PiSSA layer: its base weight is the residual W - s B A, not W; "
+                         "remove_lora would leave that residual in the model (merge_lora(model) instead)")
+    for name, layer in adapter_layers(model):
         replace_module(model, name, layer.base)
-    if hasattr(model, "_lora_lab_config"):
-        del model._lora_lab_config
+    _forget_adapter_config(model)
     return model
 
 
 def _lora_internals(model: nn.Module) -> set[str]:
-    """Names of the modules inside LoRA layers (their ``base``): not targets in their own right."""
-    return {f"{n}.{sub}" for n, layer in lora_layers(model) for sub, _ in layer.named_modules() if sub}
+    """Names of the modules inside adapter layers (their ``base``): not targets in their own right."""
+    return {f"{n}.{sub}" for n, layer in adapter_layers(model) for sub, _ in layer.named_modules() if sub}
 
 
 def _nearest_names(target: str, names: Iterable[str]) -> list[str]:
@@ -252,20 +394,69 @@ def _as_patterns(patterns, what: str, allow_none: bool = False):
     return patterns
 
 
-def _wrap(model: nn.Module, names: Sequence[str], r: int, alpha: float, dropout: float) -> None:
-    """Wrap the ``nn.Linear`` modules called ``names`` in LoRALinear and freeze every other parameter.
+def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> None:
+    """Wrap the ``nn.Linear`` modules named in ``specs`` ({name: LoRALinear keyword arguments}) and freeze every
+    other parameter; with ``lora_fa`` the new layers' A is frozen too (LoRA-FA).
 
-    The A and B of LoRA layers already in the model keep their ``requires_grad``: a second ``add_lora``
-    adds an adapter, it does not freeze the first one. All layers are built before the model changes.
+    The parameters of LoRA layers already in the model keep their ``requires_grad``: a second ``add_lora``
+    adds an adapter, it does not freeze the first one. All layers are built before the model's tree changes
+    (a PiSSA layer turns its base weight into the residual as it is built: callers check everything first).
     """
     modules = dict(model.named_modules())
-    wrapped = [(n, LoRALinear(modules[n], r=r, alpha=alpha, dropout=dropout)) for n in names]
-    keep = {id(p) for _, layer in lora_layers(model) for p in (layer.lora_A, layer.lora_B)}
+    wrapped = [(n, LoRALinear(modules[n], **spec)) for n, spec in specs.items()]
+    _install(model, wrapped)
+    if lora_fa:
+        for _, layer in wrapped:
+            layer.lora_A.requires_grad_(False)
+
+
+def _install(model: nn.Module, wrapped: list[tuple[str, AdapterLinear]]) -> None:
+    """Freeze every parameter of ``model`` except those of its adapter layers (not their bases), then put the
+    ``wrapped`` layers in place."""
+    keep = {id(p) for _, layer in adapter_layers(model) for p in layer.parameters()}
+    keep -= {id(p) for _, layer in adapter_layers(model) for p in layer.base.parameters()}
     for p in model.parameters():
         if id(p) not in keep:
             p.requires_grad_(False)
     for name, layer in wrapped:
         replace_module(model, name, layer)
+
+
+def _matched_linears(model: nn.Module, targets, exclude, what: str):
+    """(targets, exclude, [(name, nn.Linear)]) for PEFT-style ``targets``/``exclude``, after every check: each
+    entry matches some module, no target already carries an adapter or lies inside one, every target is an
+    ``nn.Linear`` (else a TypeError saying ``what`` only wraps linear layers), something is left to wrap."""
+    targets = _as_patterns(targets, "targets")
+    exclude = _as_patterns(exclude, "exclude", allow_none=True)
+    names = [n for n, _ in model.named_modules() if n]
+    _check_patterns(model, names, targets, "targets")
+    if exclude is not None:
+        _check_patterns(model, names, exclude, "exclude")
+    matched = [
+        (n, m) for n, m in model.named_modules()
+        if n and _matches(n, targets) and not (exclude is not None and _matches(n, exclude))
+    ]
+    already = [(n, m.kind) for n, m in matched if isinstance(m, AdapterLinear)]
+    if already:
+        raise ValueError(
+            f"{already[0][1]} is already applied to {already[0][0]}"
+            + (f" (and {len(already) - 1} more)" if len(already) > 1 else "")
+            + "; merge_lora(model) or start from a fresh model before wrapping again"
+        )
+    internals = _lora_internals(model)
+    inside = [n for n, _ in matched if n in internals]
+    if inside:
+        raise ValueError(
+            f"target {inside[0]} is part of a LoRA layer ({inside[0].rsplit('.', 1)[0]}); LoRA cannot wrap "
+            "a layer that already carries LoRA"
+        )
+    not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, nn.Linear)]
+    if not_linear:
+        n, t = not_linear[0]
+        raise TypeError(f"target {n} is a {t}, not an nn.Linear; {what} only wraps linear layers")
+    if not matched:
+        raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
+    return targets, exclude, matched
 
 
 def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets, exclude) -> None:
@@ -296,8 +487,20 @@ def add_lora(
     targets: Sequence[str] | str = ("q_proj", "v_proj"),
     dropout: float = 0.0,
     exclude: Sequence[str] | str | None = None,
+    *,
+    use_rslora: bool = False,
+    use_dora: bool = False,
+    lora_fa: bool = False,
+    init_lora_weights: bool | str = True,
 ) -> nn.Module:
     """Freeze ``model`` and wrap every ``nn.Linear`` whose name matches ``targets`` in a LoRALinear.
+
+    Variants (PEFT 0.21's formulations; see :class:`LoRALinear`): ``use_rslora`` scales by alpha / sqrt(r)
+    (PEFT's ``use_rslora``); ``use_dora`` adds DoRA's trainable magnitude (PEFT's ``use_dora``); ``lora_fa``
+    freezes A at its initialisation so only B (and a DoRA magnitude) train (LoRA-FA's frozen A; PEFT's
+    ``create_lorafa_optimizer`` also reshapes B's gradient, which this does not); ``init_lora_weights="pissa"``
+    starts each layer from its weight's principal singular vectors and turns its base weight into the residual
+    (PEFT's ``init_lora_weights="pissa"``; it changes the model's base weights in place).
 
     ``targets`` and ``exclude`` follow PEFT's ``target_modules``/``exclude_modules``: a list matches a
     module whose name equals an entry or ends with ``.entry``; a string is a regex matched against the
@@ -308,52 +511,33 @@ def add_lora(
     Returns the model (modified in place).
     """
     _check_rank_alpha(r, alpha)
-    targets = _as_patterns(targets, "targets")
-    exclude = _as_patterns(exclude, "exclude", allow_none=True)
-    names = [n for n, _ in model.named_modules() if n]
-    _check_patterns(model, names, targets, "targets")
-    if exclude is not None:
-        _check_patterns(model, names, exclude, "exclude")
-    matched = [
-        (n, m) for n, m in model.named_modules()
-        if n and _matches(n, targets) and not (exclude is not None and _matches(n, exclude))
-    ]
-    already = [n for n, m in matched if isinstance(m, LoRALinear)]
-    if already:
-        raise ValueError(
-            f"LoRA is already applied to {already[0]}"
-            + (f" (and {len(already) - 1} more)" if len(already) > 1 else "")
-            + "; merge_lora(model) or start from a fresh model before wrapping again"
-        )
-    internals = _lora_internals(model)
-    inside = [n for n, _ in matched if n in internals]
-    if inside:
-        raise ValueError(
-            f"target {inside[0]} is part of a LoRA layer ({inside[0].rsplit('.', 1)[0]}); LoRA cannot wrap "
-            "a layer that already carries LoRA"
-        )
-    not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, nn.Linear)]
-    if not_linear:
-        n, t = not_linear[0]
-        raise TypeError(f"target {n} is a {t}, not an nn.Linear; LoRALinear only wraps linear layers")
-    if not matched:
-        raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
+    _check_flags(use_rslora=use_rslora, use_dora=use_dora, lora_fa=lora_fa)
+    _check_init(init_lora_weights)
+    what = "lora_lab's DoRA (use_dora=True)" if use_dora else "LoRALinear"
+    targets, exclude, matched = _matched_linears(model, targets, exclude, what)
     had_lora = bool(lora_layers(model))
-    _wrap(model, [n for n, _ in matched], r, alpha, dropout)
+    if init_lora_weights == "pissa":
+        small = [(n, m) for n, m in matched if r > min(m.in_features, m.out_features)]
+        if small:
+            n, m = small[0]
+            raise ValueError(f"PiSSA needs r <= min(in, out); {n} is {m.in_features} -> {m.out_features}, r={r}")
+    spec = {"r": r, "alpha": alpha, "dropout": dropout, "use_rslora": use_rslora, "use_dora": use_dora,
+            "init_lora_weights": init_lora_weights}
+    _wrap(model, {n: spec for n, _ in matched}, lora_fa=lora_fa)
     _record_config(model, had_lora, r, alpha, dropout, targets, exclude)
     return model
 
 
 def merge_lora(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Replace every LoRALinear with its merged nn.Linear (``W + (alpha/r) B A``). In place; returns model."""
-    layers = lora_layers(model)
+    """Replace every LoRALinear with its merged nn.Linear (``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``),
+    and every VeRALinear with its own merge. In place; returns model."""
+    layers = adapter_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} carries no LoRA layer: nothing to merge")
     merged = [(name, layer.merge(compute_dtype)) for name, layer in layers]  # all computed before any swap
     for name, linear in merged:
         replace_module(model, name, linear)
-    if hasattr(model, "_lora_lab_config"):
-        del model._lora_lab_config
+    _forget_adapter_config(model)
     return model
 
 

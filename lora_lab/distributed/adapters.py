@@ -99,6 +99,10 @@ def save_sharded_adapter(model: nn.Module, path: str | Path, overwrite: bool = F
     directory that holds an adapter unless ``overwrite``); a ``peft.PeftModel`` by ``save_pretrained`` with the
     gathered LoRA tensors as its state dict. Returns the directory (on every rank).
     """
+    dora = [name for name, layer in lora_layers(model) if layer.magnitude is not None]
+    if dora:
+        raise AdapterError(f"saving a sharded DoRA adapter is not supported: the magnitude vectors ({dora[0]}, ...) "
+                           "are not gathered; save it from an unsharded model with lora_lab.save_adapter")
     gathered = gather_lora_state(model)
     rank, _ = rank_and_world()
     error = None

@@ -106,6 +106,8 @@ class RoundedLoRAProjection(nn.Module):
             raise ValueError(f"unknown rounding recipe {recipe!r}; known: {', '.join(RECIPES)}")
         if not isinstance(reference, LoRALinear):
             raise TypeError(f"reference must be a LoRALinear, got {type(reference).__name__}")
+        if reference.magnitude is not None:
+            raise ValueError("reference is a DoRA layer (use_dora=True); the recipes round plain LoRA, W + s B A")
         if not low_dtype.is_floating_point or torch.finfo(low_dtype).bits >= 32:
             raise ValueError(f"low_dtype must be a 16-bit float dtype, got {low_dtype}")
         self.recipe = recipe

@@ -8,9 +8,10 @@ input — q/k/v, gate/up, GatedDeltaNet's in_proj_qkv/z/b/a — are grouped into
 one concatenated buffer and each member's weight becomes a view of it (no extra memory).
 
 Checked once at patch time (unsupported → ``UnsupportedLoRAError`` naming every offending layer, nothing
-patched): DoRA and other PEFT LoRA variants, ``lora_bias``, ``fan_in_fan_out`` (Conv1D) layers, quantized or
-non-``nn.Linear`` bases, LoRA on embeddings/convolutions, dtypes other than bf16/fp16/fp32, tensors off CUDA
-(unless Triton's interpreter is on). ``strict=False`` leaves such layers on their own forward instead.
+patched): DoRA (PEFT's and lora_lab's ``use_dora``) and other PEFT LoRA variants, ``lora_bias``, ``fan_in_fan_out``
+(Conv1D) layers, quantized or non-``nn.Linear`` bases, LoRA on embeddings/convolutions, dtypes other than
+bf16/fp16/fp32, tensors off CUDA (unless Triton's interpreter is on). ``strict=False`` leaves such layers on their
+own forward instead. rsLoRA needs no check: it only changes the layer's scale, which the kernels read per call.
 
 Checked at every call (then the layer's original forward runs, which is right by construction): adapters
 disabled or merged, several active adapters or a mixed-adapter batch (``adapter_names``), an input dtype that
@@ -83,6 +84,8 @@ class _LayerState:
         if st.kind == "frozen":
             return module, None, None, 0.0, 0.0
         if st.kind == "lora_lab":
+            if module.magnitude is not None:  # DoRA: refused at patch time; never fused
+                return None
             p = module.dropout_p if module.training else 0.0
             return module.base, module.lora_A, module.lora_B, module.scaling, p
         # PEFT lora.Linear
@@ -267,6 +270,13 @@ def _why_unsupported_peft(module, name) -> str | None:
     return _why_unsupported_base(module.get_base_layer(), name)
 
 
+def _why_unsupported_lora_lab(module, name) -> str | None:
+    # rsLoRA needs nothing here: it only changes module.scaling, which the fused kernels read at every call.
+    if module.magnitude is not None:
+        return f"{name}: lora_lab DoRA layer (use_dora=True) is not supported"
+    return _why_unsupported_base(module.base, name)
+
+
 def _handled_by_moe_patcher(module) -> bool:
     """True for a PEFT wrapper around stacked MoE experts: :mod:`.moe.patch` fuses those, not this module."""
     return moe_patch.is_expert_lora_wrapper(module)
@@ -282,7 +292,7 @@ def _lora_modules(model):
         if _handled_by_moe_patcher(m):
             continue
         if isinstance(m, LoRALinear):
-            found.append((name, m, "lora_lab", _why_unsupported_base(m.base, name)))
+            found.append((name, m, "lora_lab", _why_unsupported_lora_lab(m, name)))
         elif LoraLayer is not None and isinstance(m, LoraLayer):
             found.append((name, m, "peft", _why_unsupported_peft(m, name)))
     return found

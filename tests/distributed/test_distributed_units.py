@@ -153,3 +153,14 @@ def test_launch_stops_every_process_of_a_job_that_runs_too_long(tmp_path):
     with pytest.raises(LaunchError, match="timed out"):
         launch("slow_job:run", nproc=2, out_dir=tmp_path / "out", timeout=8,
                env={"PYTHONPATH": f"{tmp_path}:{lora_lab.__path__[0].rsplit('/', 1)[0]}"})
+
+
+def test_a_sharded_dora_adapter_is_refused_before_anything_is_gathered(tmp_path):
+    import lora_lab
+    from lora_lab.adapters import AdapterError
+    from lora_lab.distributed.adapters import save_sharded_adapter
+
+    model = lora_lab.load_model("random:tiny-qwen2")
+    lora_lab.add_lora(model, r=2, alpha=4, targets=("q_proj",), use_dora=True)
+    with pytest.raises(AdapterError, match="sharded DoRA adapter is not supported"):
+        save_sharded_adapter(model, tmp_path / "a")

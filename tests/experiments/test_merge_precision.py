@@ -97,6 +97,8 @@ def test_recipe_errors_are_clear():
         mn.RoundedLoRAProjection(layer, "round_sum")(torch.randn(2, 40).to(bf16))
     with pytest.raises(ValueError, match="16-bit"):
         mn.RoundedLoRAProjection(layer, "exact", low_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"DoRA layer \(use_dora=True\)"):
+        mn.RoundedLoRAProjection(lora_lab.LoRALinear(nn.Linear(4, 4), r=2, alpha=4, use_dora=True), "exact")
 
 
 def test_vanishing_entries_counts_exactly():

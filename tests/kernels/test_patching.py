@@ -153,6 +153,30 @@ def test_lora_lab_layers_are_patched():
     assert max(abs(a - b) for a, b in zip(lr_, lf)) < 1e-4
 
 
+def test_lora_lab_rslora_is_fused_with_its_own_scale_and_dora_is_refused():
+    # rsLoRA only changes layer.scaling (alpha / sqrt(r) = 4 here, not alpha / r = 1), which the fused op reads
+    model = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", device=DEVICE), r=16, alpha=16,
+                              targets=["q_proj", "k_proj", "v_proj"], use_rslora=True)
+    lora_lab.fill_lora_B(model, 0.05, generator=torch.Generator().manual_seed(3))
+    assert lora_lab.lora_layers(model)[0][1].scaling == 4.0
+    ref = copy.deepcopy(model)
+    plain = copy.deepcopy(model)
+    for _, layer in lora_lab.lora_layers(plain):
+        layer.scaling = 1.0
+    s = patch_model(model)
+    assert s["lora_layers"] == 6 and s["shared_input_groups"] == 2
+    ids = torch.randint(0, 512, (2, 10), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with torch.no_grad():
+        fused, want, unscaled = (m(input_ids=ids).logits for m in (model, ref, plain))
+    assert rel_l2(fused, want) < 1e-6 < rel_l2(unscaled, want)
+
+    dora = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", device=DEVICE), targets=["q_proj"],
+                             use_dora=True)
+    with pytest.raises(UnsupportedLoRAError, match=r"model\.layers\.0\.self_attn\.q_proj: lora_lab DoRA layer"):
+        patch_model(dora)
+    assert patched_layers(dora) == []
+
+
 def _tiny_gated_deltanet(dtype, device, hidden=64):
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet

@@ -108,3 +108,151 @@ def distill(student: nn.Module, teacher: nn.Module, batches: Sequence[torch.Tens
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The variants on the planted task
+# ----------------------------------------------------------------------------------------------------------------
+# name: (add_lora keyword arguments, optimizer: "adamw" or "loraplus")
+VARIANTS = {
+    "lora": ({}, "adamw"),
+    "rslora": ({"use_rslora": True}, "adamw"),
+    "dora": ({"use_dora": True}, "adamw"),
+    "lora_fa": ({"lora_fa": True}, "adamw"),
+    "loraplus": ({}, "loraplus"),
+    "pissa": ({"init_lora_weights": "pissa"}, "adamw"),
+    "vera": ({}, "vera"),  # lora_lab.vera.add_vera: shared frozen random A, B; trainable vectors d, b
+}
+VERA_LR_FACTOR = 10.0  # VeRA trains scaling vectors: the VeRA paper uses a learning rate ~10x LoRA's
+
+
+def effective_updates(student: nn.Module, base: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``W_merged - W_base`` (fp32) of each named layer: what the adapter adds to the original weight, whatever the
+    variant (DoRA's rescaling and PiSSA's residual base included)."""
+    from lora_lab.layer import merge_lora
+
+    merged = merge_lora(copy.deepcopy(student))
+    return {n: merged.get_submodule(n).weight.detach().float() - base.get_submodule(n).weight.detach().float()
+            for n in names}
+
+
+def train_variant(variant: str, base: nn.Module, teacher: nn.Module, planted: Planted, batches, steps: int,
+                  r: int, alpha: float, lr: float, targets: Sequence[str], loraplus_ratio: float = 16.0,
+                  seed: int = 0) -> dict:
+    """Train one variant on the planted task from ``base`` (copied) and report its loss curve, its trainable
+    parameters and how well its effective update spans the planted subspace (mean over layers of the smallest
+    principal cosine)."""
+    from lora_lab.layer import add_lora, count_parameters
+
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    kwargs, optimizer = VARIANTS[variant]
+    student = copy.deepcopy(base)
+    torch.manual_seed(seed)
+    if optimizer == "vera":
+        from lora_lab.vera import add_vera
+
+        add_vera(student, r=r, targets=tuple(targets))
+        lr = lr * VERA_LR_FACTOR
+    else:
+        add_lora(student, r=r, alpha=alpha, targets=tuple(targets), **kwargs)
+    if optimizer == "loraplus":
+        from lora_lab.variants import loraplus_optimizer
+
+        opt = loraplus_optimizer(student, lr=lr, ratio=loraplus_ratio)
+    else:
+        opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr)
+    losses = distill(student, teacher, batches, opt, steps)
+    last = losses[-len(batches):]  # one pass over the batches: the final loss without the batch-to-batch noise
+    updates = effective_updates(student, base, list(planted))
+    cosines = [subspace_cosines(updates[n], planted[n][0]) for n in planted]
+    return {"variant": variant, "r": r, "alpha": alpha, "lr": lr, "losses": losses, "final_loss": sum(last) / len(last),
+            "trainable_params": count_parameters(student).trainable,
+            "subspace_min_cos": float(torch.stack([c.min() for c in cosines]).mean()),
+            "subspace_mean_cos": float(torch.stack([c.mean() for c in cosines]).mean())}
+
+
+def loss_at(losses: Sequence[float], fraction: float, window: int) -> float:
+    """Mean loss over ``window`` steps ending at ``fraction`` of the run (early-convergence comparisons)."""
+    end = max(window, int(round(fraction * len(losses))))
+    part = losses[end - window:end]
+    return sum(part) / len(part)
+
+
+def step_cost(model: nn.Module, ids: torch.Tensor, steps: int, lr: float = 1e-4) -> dict:
+    """Median ms of ``steps`` training steps (standard causal-LM loss, backward, AdamW on the trainable
+    parameters; CUDA events) after one untimed step, and the peak bytes of one more step (CUDA only)."""
+    from lora_lab.lab import measure
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+
+    step()
+    times = measure.event_ms(step, calls=steps)
+    peak = measure.peak_bytes(step)[0] if ids.is_cuda else None
+    times.sort()
+    return {"ms": times[len(times) // 2], "peak_bytes": peak}
+
+
+INTEROP_TARGETS = ("q_proj", "v_proj")
+
+
+def _peft_config(variant: str, r: int):
+    import peft
+
+    if variant == "vera":
+        return peft.VeraConfig(r=r, target_modules=list(INTEROP_TARGETS))
+    flags = {"rslora": {"use_rslora": True}, "dora": {"use_dora": True},
+             "pissa": {"init_lora_weights": "pissa"}, "lora": {}}[variant]
+    return peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(INTEROP_TARGETS), **flags)
+
+
+def _add_ours(model: nn.Module, variant: str, r: int) -> None:
+    if variant == "vera":
+        from lora_lab.vera import add_vera
+
+        add_vera(model, r=r, targets=INTEROP_TARGETS)
+        return
+    from lora_lab.layer import add_lora
+
+    add_lora(model, r=r, alpha=2 * r, targets=INTEROP_TARGETS, **VARIANTS[variant][0])
+
+
+@torch.no_grad()
+def _perturb(model: nn.Module, seed: int) -> None:
+    # every trainable tensor moved off its initial value, so that the files carry more than an initialisation
+    gen = torch.Generator().manual_seed(seed)
+    for _, p in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad):
+        p.add_(0.02 * torch.randn(p.shape, generator=gen).to(p.device, p.dtype))
+
+
+def interop_max_abs_diff(variant: str, spec: str, folder, r: int = 8, seed: int = 0) -> dict:
+    """fp32 logits of an adapter moved both ways between lora_lab and PEFT: lora_lab saves, PEFT's
+    ``PeftModel.from_pretrained`` reloads; PEFT saves, ``lora_lab.load_adapter`` reloads. Max |Δ| each way."""
+    from pathlib import Path
+
+    import peft
+
+    from lora_lab.adapters import load_adapter, save_adapter
+    from lora_lab.models import load_model
+
+    folder = Path(folder)
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(seed))
+    ours = load_model(spec)
+    _add_ours(ours, variant, r)
+    _perturb(ours, seed)
+    save_adapter(ours, folder / f"{variant}_ours", overwrite=True)
+    theirs = peft.PeftModel.from_pretrained(load_model(spec), str(folder / f"{variant}_ours"))
+    with torch.no_grad():
+        to_peft = (ours(input_ids=ids).logits - theirs(input_ids=ids).logits).abs().max().item()
+    made = peft.get_peft_model(load_model(spec), _peft_config(variant, r))
+    _perturb(made, seed + 1)
+    made.save_pretrained(str(folder / f"{variant}_peft"))
+    back = load_adapter(load_model(spec), folder / f"{variant}_peft")
+    with torch.no_grad():
+        from_peft = (made(input_ids=ids).logits - back(input_ids=ids).logits).abs().max().item()
+    return {"variant": variant, "to_peft": to_peft, "from_peft": from_peft}

@@ -54,3 +54,29 @@ def test_plain_lora_learns_the_planted_update(tiny_fp32):
     layer = student.get_submodule(name)
     delta = layer.scaling * (layer.lora_B @ layer.lora_A)
     assert lv.subspace_cosines(delta.detach(), planted[name][0]).min() > 0.8
+
+
+@pytest.mark.parametrize("variant", ["dora", "vera"])
+def test_interop_helper_reports_exact_round_trips(variant, tmp_path):
+    row = lv.interop_max_abs_diff(variant, "random:tiny-qwen2", tmp_path, r=4)
+    assert row == {"variant": variant, "to_peft": 0.0, "from_peft": 0.0}
+
+
+@pytest.mark.parametrize("variant", list(lv.VARIANTS))
+def test_every_variant_trains_on_the_planted_task(variant, tiny_fp32):
+    teacher, planted = lv.plant_adapter(tiny_fp32, ["v_proj"], 2, [1.0, 0.6], seed=0)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, tiny_fp32.config.vocab_size, (2, 16), generator=gen)]
+    res = lv.train_variant(variant, tiny_fp32, teacher, planted, batches, steps=6, r=4, alpha=8, lr=1e-3,
+                           targets=("v_proj",))
+    assert len(res["losses"]) == 6 and res["trainable_params"] > 0
+    assert 0.0 <= res["subspace_min_cos"] <= res["subspace_mean_cos"] <= 1.0
+    # the base is untouched (PiSSA rewrites the copy's weights, never the base's)
+    assert torch.equal(tiny_fp32.get_submodule("model.layers.0.self_attn.v_proj").weight,
+                       lora_lab.load_model("random:tiny-qwen2").get_submodule("model.layers.0.self_attn.v_proj").weight)
+    with pytest.raises(ValueError, match="unknown variant"):
+        lv.train_variant("qlora", tiny_fp32, teacher, planted, batches, 1, 4, 8, 1e-3, ("v_proj",))
+
+
+def test_loss_at_averages_a_window():
+    assert lv.loss_at([4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1, 0.1, 0.1, 0.1], 0.4, 2) == 1.5  # steps 3 and 4

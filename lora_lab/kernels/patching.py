@@ -8,7 +8,8 @@ input — q/k/v, gate/up, GatedDeltaNet's in_proj_qkv/z/b/a — are grouped into
 one concatenated buffer and each member's weight becomes a view of it (no extra memory).
 
 Checked once at patch time (unsupported → ``UnsupportedLoRAError`` naming every offending layer, nothing
-patched): DoRA (PEFT's and lora_lab's ``use_dora``) and other PEFT LoRA variants, ``lora_bias``, ``fan_in_fan_out``
+patched): PEFT's DoRA (lora_lab's DoRA layers run on :func:`~lora_lab.kernels.lora.dora.fused_dora_linear`, outside
+shared-input groups) and other PEFT LoRA variants, ``lora_bias``, ``fan_in_fan_out``
 (Conv1D) layers, quantized or non-``nn.Linear`` bases, LoRA on embeddings/convolutions, dtypes other than
 bf16/fp16/fp32, tensors off CUDA (unless Triton's interpreter is on). ``strict=False`` leaves such layers on their
 own forward instead. rsLoRA needs no check: it only changes the layer's scale, which the kernels read per call.
@@ -26,6 +27,7 @@ import torch
 from torch import nn
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.lora.dora import fused_dora_linear
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
 from lora_lab.kernels.lora.shared_input import MAX_SEGMENTS, fused_shared_input_lora
 from lora_lab.kernels.loss.patch import patch_causal_lm_loss, unpatch_causal_lm_loss
@@ -84,9 +86,9 @@ class _LayerState:
         if st.kind == "frozen":
             return module, None, None, 0.0, 0.0
         if st.kind == "lora_lab":
-            if module.magnitude is not None:  # DoRA: refused at patch time; never fused
-                return None
             p = module.dropout_p if module.training else 0.0
+            if module.magnitude is not None and p > 0.0:
+                return None  # DoRA with dropout recomputes W x on the dropped input: the layer's own forward
             return module.base, module.lora_A, module.lora_B, module.scaling, p
         # PEFT lora.Linear
         if module.disable_adapters or module.merged:
@@ -129,6 +131,8 @@ def _make_forward(module):
                 return y
         if a is None:  # a frozen plain linear outside its group's fast path
             return _original_forward(module)(x)
+        if st.kind == "lora_lab" and module.magnitude is not None:
+            return fused_dora_linear(x, base.weight, base.bias, a, b, s, module.magnitude, config=st.config)
         return fused_lora_linear(x, base.weight, base.bias, a, b, s, dropout_p=p, training=module.training,
                                  config=st.config)
 
@@ -272,8 +276,7 @@ def _why_unsupported_peft(module, name) -> str | None:
 
 def _why_unsupported_lora_lab(module, name) -> str | None:
     # rsLoRA needs nothing here: it only changes module.scaling, which the fused kernels read at every call.
-    if module.magnitude is not None:
-        return f"{name}: lora_lab DoRA layer (use_dora=True) is not supported"
+    # DoRA (module.magnitude) runs on fused_dora_linear; with dropout in training it keeps its own forward.
     return _why_unsupported_base(module.base, name)
 
 
@@ -359,7 +362,8 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
                     if child is None:
                         continue
                     st = getattr(child, _STATE_ATTR, None)
-                    if st is not None and st.group is None and st.kind in ("peft", "lora_lab"):
+                    if st is not None and st.group is None and st.kind in ("peft", "lora_lab") \
+                            and getattr(child, "magnitude", None) is None:
                         if _LayerState.parts(child) is not None and _LayerState.parts(child)[4] == 0.0 \
                                 and not _has_dropout(child):
                             members.append(child)

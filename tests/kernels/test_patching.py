@@ -153,7 +153,7 @@ def test_lora_lab_layers_are_patched():
     assert max(abs(a - b) for a, b in zip(lr_, lf)) < 1e-4
 
 
-def test_lora_lab_rslora_is_fused_with_its_own_scale_and_dora_is_refused():
+def test_lora_lab_rslora_is_fused_with_its_own_scale():
     # rsLoRA only changes layer.scaling (alpha / sqrt(r) = 4 here, not alpha / r = 1), which the fused op reads
     model = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", device=DEVICE), r=16, alpha=16,
                               targets=["q_proj", "k_proj", "v_proj"], use_rslora=True)
@@ -170,11 +170,49 @@ def test_lora_lab_rslora_is_fused_with_its_own_scale_and_dora_is_refused():
         fused, want, unscaled = (m(input_ids=ids).logits for m in (model, ref, plain))
     assert rel_l2(fused, want) < 1e-6 < rel_l2(unscaled, want)
 
-    dora = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", device=DEVICE), targets=["q_proj"],
-                             use_dora=True)
-    with pytest.raises(UnsupportedLoRAError, match=r"model\.layers\.0\.self_attn\.q_proj: lora_lab DoRA layer"):
-        patch_model(dora)
-    assert patched_layers(dora) == []
+
+def test_lora_lab_dora_runs_on_the_fused_dora_op_outside_groups():
+    # q/k/v and gate/up with DoRA: no shared-input group (the group op has no magnitude), every layer fused alone
+    model = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", device=DEVICE), r=4, alpha=8,
+                              targets=["q_proj", "k_proj", "v_proj", "down_proj"], use_dora=True)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for _, layer in lora_lab.lora_layers(model):
+            layer.lora_B.normal_(0, 0.05)
+            layer.magnitude.mul_(1 + 0.1 * torch.rand_like(layer.magnitude))
+    ref = copy.deepcopy(model).train()
+    s = patch_model(model)
+    assert s["lora_layers"] == 8 and s["shared_input_groups"] == 0
+    model.train()
+    ids = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out_f, out_r = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert rel_l2(out_f.logits, out_r.logits) < 1e-5
+    out_f.loss.backward()
+    out_r.loss.backward()
+    gf, gr = lora_grads(model), lora_grads(ref)
+    assert gf.keys() == gr.keys() and any("magnitude" in n for n in gf)
+    for n in gr:
+        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+    # DoRA with dropout in training keeps the layer's own forward (it recomputes W x on the dropped input)
+    drop = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", device=DEVICE), targets=["q_proj"],
+                             use_dora=True, dropout=0.1)
+    patch_model(drop)
+    layer = drop.get_submodule("model.layers.0.self_attn.q_proj")
+    x = torch.randn(3, layer.in_features, device=DEVICE)
+    layer.train()
+    torch.manual_seed(0)
+    want = lora_lab.layer.LoRALinear.forward(layer, x)
+    torch.manual_seed(0)
+    assert torch.equal(layer(x), want)
+
+
+def test_dora_row_norm_without_the_full_matrix():
+    from lora_lab.kernels.lora.dora import dora_row_norm
+
+    gen = torch.Generator().manual_seed(0)
+    w, a, b = torch.randn(37, 53, generator=gen), torch.randn(5, 53, generator=gen), torch.randn(37, 5, generator=gen)
+    want = torch.linalg.norm(w.double() + 0.7 * (b.double() @ a.double()), dim=1)
+    assert rel_l2(dora_row_norm(w, a, b, 0.7), want) < 1e-6
 
 
 def _tiny_gated_deltanet(dtype, device, hidden=64):

@@ -3,6 +3,9 @@
 :func:`train_lora` builds a model with LoRA (lora_lab's layer or PEFT's), shards it with FSDP2 (or not: the
 one-process reference), trains a few steps on the sample sentences and returns the losses; optionally it saves
 the adapter and rank 0's logits after training. Every setting is a key of :data:`TRAIN_LORA_DEFAULTS`.
+
+:func:`step_throughput` times training steps on random token batches (tokens/s, step times, peak memory per rank):
+the measurement of a sharded LoRA step at a real shape. Its settings are :data:`STEP_THROUGHPUT_DEFAULTS`.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["TRAIN_LORA_DEFAULTS", "build_lora_model", "train_lora"]
+__all__ = ["TRAIN_LORA_DEFAULTS", "STEP_THROUGHPUT_DEFAULTS", "build_lora_model", "train_lora", "step_throughput"]
 
 TRAIN_LORA_DEFAULTS: dict[str, Any] = {
     "model": "random:tiny-qwen2",   # lora_lab.load_model spec
@@ -56,8 +59,9 @@ def build_lora_model(cfg: dict[str, Any]):
     """(model with LoRA, init plan or None): built normally on the CPU, or on meta with a plan to fill it."""
     import lora_lab
 
+    dtype = lora_lab.models._as_dtype(cfg.get("dtype") or torch.float32)  # the parameters' storage dtype
     if not cfg["meta_init"]:
-        return _add_lora(lora_lab.load_model(cfg["model"], seed=cfg["seed"]), cfg), None
+        return _add_lora(lora_lab.load_model(cfg["model"], seed=cfg["seed"], dtype=dtype), cfg), None
     from transformers import AutoModelForCausalLM
 
     from lora_lab.distributed.meta_init import MetaInit
@@ -69,8 +73,8 @@ def build_lora_model(cfg: dict[str, Any]):
         # the same calls as lora_lab.load_model(spec, seed=...) makes, then the LoRA init
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg["seed"])
-            model = AutoModelForCausalLM.from_config(model_config(cfg["model"]), dtype=torch.float32,
-                                                     attn_implementation="eager")
+            model = AutoModelForCausalLM.from_config(model_config(cfg["model"]), dtype=dtype,
+                                                     attn_implementation=cfg.get("attn_implementation", "eager"))
         model = _add_lora(model.eval(), cfg)
     return model, meta.plan(model)
 
@@ -124,3 +128,101 @@ def train_lora(config: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rank, "world_size": world, "losses": losses, "build_seconds": round(built, 3),
             "seconds": round(time.monotonic() - started, 3), "device": str(device), "patched": patched,
             "trainable_parameters": lora_lab.count_parameters(model).trainable}
+
+
+STEP_THROUGHPUT_DEFAULTS: dict[str, Any] = {
+    "model": "random:tiny-qwen2",
+    "seed": 0,
+    "lora_seed": 1,
+    "peft": False,                  # PEFT's LoRA (its default fp32 adapters) instead of lora_lab's
+    "r": 16,
+    "alpha": 32,
+    "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "dtype": "float32",             # storage dtype of the built model ("bfloat16" on GPUs)
+    "param_dtype": None,            # FSDP MixedPrecisionPolicy compute dtype (reduce in fp32 when set)
+    "attn_implementation": "sdpa",
+    "meta_init": True,
+    "shard": True,
+    "reshard_after_forward": True,
+    "activation_checkpointing": True,
+    "patch_kernels": False,         # lora_lab.kernels.patch_model after sharding (fuse_shared_inputs off)
+    "loss": "standard",             # standard | chunked | fused
+    "seq": 64,
+    "batch_per_rank": 1,
+    "warmup": 1,
+    "steps": 3,
+    "lr": 1e-4,
+}
+
+
+def step_throughput(config: dict[str, Any]) -> dict[str, Any]:
+    """Time LoRA training steps (AdamW) on random token batches, sharded over the job's ranks (or one process with
+    ``shard=False``); returns per rank: step times (ms), global tokens/s from the median step, peak and
+    after-build memory (CUDA), the losses and the trainable parameter count."""
+    import lora_lab
+    from lora_lab.distributed.sharding import shard_model, unwrap_peft
+    from lora_lab.distributed.training import rank_and_world, train_step
+
+    unknown = sorted(set(config) - set(STEP_THROUGHPUT_DEFAULTS))
+    if unknown:
+        raise ValueError(f"step_throughput: unknown config key(s) {unknown}; known: "
+                         f"{sorted(STEP_THROUGHPUT_DEFAULTS)}")
+    cfg = {**STEP_THROUGHPUT_DEFAULTS, **config}
+    rank, world = rank_and_world()
+    device = _device()
+    cuda = device.type == "cuda"
+    started = time.monotonic()
+    model, plan = build_lora_model(cfg)
+    if cfg["shard"]:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtype = lora_lab.models._as_dtype(cfg["param_dtype"]) if cfg["param_dtype"] else None
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        if plan is None:
+            model = model.to(device)
+        shard_model(model, mp_policy=policy, reshard_after_forward=cfg["reshard_after_forward"],
+                    activation_checkpointing=cfg["activation_checkpointing"])
+        if plan is not None:
+            plan.materialize(model, device)
+    else:
+        if world > 1:
+            raise ValueError("shard=False is the one-process reference: launch it with nproc=1")
+        if plan is not None:
+            plan.materialize(model, device)
+        model = model.to(device)
+        if cfg["activation_checkpointing"]:
+            unwrap_peft(model).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg["patch_kernels"]:
+        from lora_lab.kernels import patch_model
+
+        patch_model(model, fuse_shared_inputs=False)
+    built = time.monotonic() - started
+    if cuda:
+        torch.cuda.synchronize(device)
+    after_build = torch.cuda.memory_allocated(device) if cuda else None
+    vocab = unwrap_peft(model).config.vocab_size
+    gen = torch.Generator().manual_seed(cfg["seed"] + 1)
+    ids = torch.randint(0, vocab, (world * cfg["batch_per_rank"], cfg["seq"]), generator=gen).to(device)
+    batch = {"input_ids": ids}  # every rank draws the same global batch and trains on its rows
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg["lr"])
+    model.train()
+    losses, times = [], []
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        if i == cfg["warmup"] and cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        losses.append(train_step(model, optimizer, batch, cfg["loss"]))
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i >= cfg["warmup"]:
+            times.append((time.perf_counter() - t0) * 1e3)
+    median = sorted(times)[len(times) // 2]
+    return {"rank": rank, "world_size": world, "step_ms": times, "median_step_ms": median,
+            "tokens_per_s": ids.numel() / (median / 1e3), "tokens_per_step": ids.numel(),
+            "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            "after_build_bytes": after_build, "losses": losses, "build_seconds": round(built, 3),
+            "trainable_parameters": lora_lab.count_parameters(model).trainable, "device": str(device)}

@@ -71,3 +71,18 @@ def test_two_processes_bf16_compute_fp32_reduce(reference, tmp_path):
     losses = _losses(results)
     assert losses != reference["adamw"]
     assert max(abs(g - w) for g, w in zip(losses, reference["adamw"])) < 1e-2
+
+
+def test_step_throughput_job_on_two_processes(tmp_path):
+    from lora_lab.distributed.jobs import step_throughput
+
+    results = launch("lora_lab.distributed.jobs:step_throughput", {"steps": 2, "seq": 32}, nproc=2,
+                     out_dir=tmp_path / "run", timeout=300)
+    metrics = [r["metrics"] for r in results]
+    assert metrics[0]["losses"] == metrics[1]["losses"] and len(metrics[0]["losses"]) == 3  # warm-up + 2 steps
+    assert metrics[0]["tokens_per_step"] == 2 * 32 and metrics[0]["tokens_per_s"] > 0
+    assert len(metrics[0]["step_ms"]) == 2 and metrics[0]["world_size"] == 2
+    one = step_throughput({"shard": False, "steps": 1, "seq": 32, "activation_checkpointing": False})
+    assert one["world_size"] == 1 and one["trainable_parameters"] == metrics[0]["trainable_parameters"]
+    with pytest.raises(ValueError, match="unknown config key"):
+        step_throughput({"sequence": 32})

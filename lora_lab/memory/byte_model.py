@@ -17,6 +17,7 @@ __all__ = ["ModelShape", "TrainingSetup", "AnalyticMemory", "analytic_memory", "
 
 ATTENTION_KERNELS = ("flash", "efficient", "cudnn", "cpu_flash", "math", "eager")
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_SMS = 132  # the H200's SMs: how many vocabulary splits the fused loss's forward uses depends on them
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class TrainingSetup:
     lora_targets: tuple[str, ...] = ("q_proj", "v_proj")
     attention: str = "flash"
     checkpointing: bool = False
-    loss: str = "standard"  # "standard" | "chunked"
+    loss: str = "standard"  # "standard" | "chunked" | "fused" (lora_lab.kernels.loss.linear_cross_entropy)
     chunk_size: int = 1024
     embedding_grad: bool | None = None
     optimizer_foreach: bool = True  # AdamW's foreach path allocates one temporary the size of the trainable params
@@ -100,8 +101,8 @@ class TrainingSetup:
             raise ValueError(f"method must be 'full' or 'lora', got {self.method!r}")
         if self.attention not in ATTENTION_KERNELS:
             raise ValueError(f"attention must be one of {ATTENTION_KERNELS}, got {self.attention!r}")
-        if self.loss not in ("standard", "chunked"):
-            raise ValueError(f"loss must be 'standard' or 'chunked', got {self.loss!r}")
+        if self.loss not in ("standard", "chunked", "fused"):
+            raise ValueError(f"loss must be 'standard', 'chunked' or 'fused', got {self.loss!r}")
         for name in ("batch", "seq_len", "chunk_size", "lora_r"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -351,13 +352,24 @@ def analytic_memory(shape: ModelShape, setup: TrainingSetup) -> AnalyticMemory:
         upcast = N * V * 4 if s != 4 else 0
         phases["forward"] = fixed + body_held + N * V * s + upcast + N * V * 4
         phases["loss_backward"] = fixed + body_held + 3 * N * V * 4
-    else:
+    elif st.loss == "chunked":
         C = min(st.chunk_size, N)
         # one chunk's logits in the model dtype and their fp32 copy (the same buffer in fp32)
         phases["forward"] = fixed + body_held + N * 4 + C * V * (4 + (s if s != 4 else 0))
         bwd_chunk = C * V * (4 + (s if s != 4 else 0))
         grad_w = (V * d * 4 + (V * d * s if s != 4 else 0)) if full else 0
         phases["loss_backward"] = fixed + body_held + N * 4 + hidden + bwd_chunk + grad_w
+    else:
+        # the fused op (lora_lab.kernels.loss, its default plan): no logits. Forward: per-row partial (max, sum,
+        # target) of each vocabulary split (the op's split count on FUSED_SMS SMs). Backward: dH plus its fp32
+        # accumulator (N/32 rows for a frozen head; all N rows, plus dW and a V/32-row fp32 slab, when it trains)
+        splits = min(math.ceil(V / 256), max(1, math.ceil(2 * FUSED_SMS / math.ceil(N / 128))))
+        phases["forward"] = fixed + body_held + N * 4 + 3 * splits * N * 4
+        if full:
+            acc = N * d * 4 + V * d * s + max(1024, math.ceil(V / 32)) * d * 4
+        else:
+            acc = min(N, max(256, math.ceil(N / 32))) * d * 4
+        phases["loss_backward"] = fixed + body_held + N * 4 + hidden + N * d * s + acc
     transient = _layer_backward_transient(shape, st)
     worst = 0
     for i in range(L - 1, -1, -1):

@@ -252,3 +252,20 @@ def test_saved_bytes_excluding_counts_each_storage_once_and_skips_the_excluded()
     got = saved_bytes_excluding(lambda: torch.relu(lin(x)).view(12).exp(), [x, *lin.parameters()])
     assert got == 3 * 4 * 4 + 12 * 4  # relu output + exp output
     assert saved_bytes_excluding(lambda: torch.relu(lin(x)), []) == 3 * 8 * 4 + 4 * 8 * 4 + 3 * 4 * 4  # x, W, relu out
+
+
+def test_byte_model_fused_loss_holds_no_logits():
+    from lora_lab.memory.byte_model import ModelShape, TrainingSetup, analytic_memory
+    from lora_lab.models import model_config
+
+    shape = ModelShape.from_config(model_config("random:qwen2.5-0.5b"))
+    runs = {loss: analytic_memory(shape, TrainingSetup(batch=4, seq_len=4096, method="lora", checkpointing=True,
+                                                       loss=loss)) for loss in ("standard", "chunked", "fused")}
+    for phase in ("forward", "loss_backward"):
+        assert runs["fused"].phases[phase] < runs["chunked"].phases[phase] < runs["standard"].phases[phase]
+    n, d = 4 * 4096, shape.hidden_size
+    # backward of the loss: dH (bf16) and its fp32 row-chunk accumulator above what the forward left
+    extra = runs["fused"].phases["loss_backward"] - (runs["fused"].fixed + runs["fused"].body_held)
+    assert extra == n * 4 + n * d * 2 + n * d * 2 + 512 * d * 4
+    full = analytic_memory(shape, TrainingSetup(batch=1, seq_len=1024, loss="fused"))
+    assert full.phases["loss_backward"] > full.phases["forward"]  # dW, its slab and the fp32 dH when it trains

@@ -145,8 +145,10 @@ STEP_THROUGHPUT_DEFAULTS: dict[str, Any] = {
     "shard": True,
     "reshard_after_forward": True,
     "activation_checkpointing": True,
-    "patch_kernels": False,         # lora_lab.kernels.patch_model after sharding (fuse_shared_inputs off)
-    "loss": "standard",             # standard | chunked | fused
+    # what is timed on the one built model, side by side: name -> {"patch_kernels": bool, "loss": str};
+    # patch_kernels: lora_lab.kernels.patch_model (fuse_shared_inputs off), undone for the variants without it
+    "variants": {"plain": {"patch_kernels": False, "loss": "standard"}},
+    "rounds": 1,                    # side-by-side rounds (variant order rotated); each: warmup + steps
     "seq": 64,
     "batch_per_rank": 1,
     "warmup": 1,
@@ -157,17 +159,22 @@ STEP_THROUGHPUT_DEFAULTS: dict[str, Any] = {
 
 def step_throughput(config: dict[str, Any]) -> dict[str, Any]:
     """Time LoRA training steps (AdamW) on random token batches, sharded over the job's ranks (or one process with
-    ``shard=False``); returns per rank: step times (ms), global tokens/s from the median step, peak and
-    after-build memory (CUDA), the losses and the trainable parameter count."""
+    ``shard=False``), for each of ``variants`` on the same model, ``rounds`` times side by side. Returns per rank
+    and variant: the median step (ms) of each round, global tokens/s per round, the peak memory (CUDA) over its
+    rounds and the losses; plus the memory after the build and the trainable parameter count."""
     import lora_lab
     from lora_lab.distributed.sharding import shard_model, unwrap_peft
     from lora_lab.distributed.training import rank_and_world, train_step
+    from lora_lab.kernels import patch_model, unpatch_model
 
     unknown = sorted(set(config) - set(STEP_THROUGHPUT_DEFAULTS))
     if unknown:
         raise ValueError(f"step_throughput: unknown config key(s) {unknown}; known: "
                          f"{sorted(STEP_THROUGHPUT_DEFAULTS)}")
     cfg = {**STEP_THROUGHPUT_DEFAULTS, **config}
+    for name, spec in cfg["variants"].items():
+        if set(spec) != {"patch_kernels", "loss"}:
+            raise ValueError(f"variant {name!r} must give exactly patch_kernels and loss, got {sorted(spec)}")
     rank, world = rank_and_world()
     device = _device()
     cuda = device.type == "cuda"
@@ -191,12 +198,7 @@ def step_throughput(config: dict[str, Any]) -> dict[str, Any]:
             plan.materialize(model, device)
         model = model.to(device)
         if cfg["activation_checkpointing"]:
-            unwrap_peft(model).gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-    if cfg["patch_kernels"]:
-        from lora_lab.kernels import patch_model
-
-        patch_model(model, fuse_shared_inputs=False)
+            unwrap_peft(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     built = time.monotonic() - started
     if cuda:
         torch.cuda.synchronize(device)
@@ -205,24 +207,35 @@ def step_throughput(config: dict[str, Any]) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     ids = torch.randint(0, vocab, (world * cfg["batch_per_rank"], cfg["seq"]), generator=gen).to(device)
     batch = {"input_ids": ids}  # every rank draws the same global batch and trains on its rows
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg["lr"])
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg["lr"])
     model.train()
-    losses, times = [], []
-    for i in range(cfg["warmup"] + cfg["steps"]):
-        if i == cfg["warmup"] and cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        losses.append(train_step(model, optimizer, batch, cfg["loss"]))
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i >= cfg["warmup"]:
-            times.append((time.perf_counter() - t0) * 1e3)
-    median = sorted(times)[len(times) // 2]
-    return {"rank": rank, "world_size": world, "step_ms": times, "median_step_ms": median,
-            "tokens_per_s": ids.numel() / (median / 1e3), "tokens_per_step": ids.numel(),
-            "peak_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
-            "after_build_bytes": after_build, "losses": losses, "build_seconds": round(built, 3),
+    names = list(cfg["variants"])
+    out = {name: {"round_ms": [], "tokens_per_s": [], "losses": [], "peak_bytes": 0} for name in names}
+    for rnd in range(cfg["rounds"]):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            spec = cfg["variants"][name]
+            unpatch_model(model)
+            if spec["patch_kernels"]:
+                patch_model(model, fuse_shared_inputs=False)
+            times = []
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            for i in range(cfg["warmup"] + cfg["steps"]):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                out[name]["losses"].append(train_step(model, optimizer, batch, spec["loss"]))
+                if cuda:
+                    torch.cuda.synchronize(device)
+                if i >= cfg["warmup"]:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            median = sorted(times)[len(times) // 2]
+            out[name]["round_ms"].append(median)
+            out[name]["tokens_per_s"].append(ids.numel() / (median / 1e3))
+            if cuda:
+                out[name]["peak_bytes"] = max(out[name]["peak_bytes"], torch.cuda.max_memory_allocated(device))
+    unpatch_model(model)
+    return {"rank": rank, "world_size": world, "variants": out, "tokens_per_step": ids.numel(),
+            "after_build_bytes": after_build, "build_seconds": round(built, 3),
             "trainable_parameters": lora_lab.count_parameters(model).trainable, "device": str(device)}

@@ -76,13 +76,20 @@ def test_two_processes_bf16_compute_fp32_reduce(reference, tmp_path):
 def test_step_throughput_job_on_two_processes(tmp_path):
     from lora_lab.distributed.jobs import step_throughput
 
-    results = launch("lora_lab.distributed.jobs:step_throughput", {"steps": 2, "seq": 32}, nproc=2,
+    variants = {"plain": {"patch_kernels": False, "loss": "standard"},
+                "chunked": {"patch_kernels": False, "loss": "chunked"}}
+    results = launch("lora_lab.distributed.jobs:step_throughput",
+                     {"steps": 1, "seq": 32, "variants": variants, "rounds": 2}, nproc=2,
                      out_dir=tmp_path / "run", timeout=300)
     metrics = [r["metrics"] for r in results]
-    assert metrics[0]["losses"] == metrics[1]["losses"] and len(metrics[0]["losses"]) == 3  # warm-up + 2 steps
-    assert metrics[0]["tokens_per_step"] == 2 * 32 and metrics[0]["tokens_per_s"] > 0
-    assert len(metrics[0]["step_ms"]) == 2 and metrics[0]["world_size"] == 2
+    for name in variants:
+        mine = [m["variants"][name] for m in metrics]
+        assert mine[0]["losses"] == mine[1]["losses"] and len(mine[0]["losses"]) == 4  # 2 rounds x (1 + 1)
+        assert len(mine[0]["round_ms"]) == 2 and min(mine[0]["tokens_per_s"]) > 0
+    assert metrics[0]["tokens_per_step"] == 2 * 32 and metrics[0]["world_size"] == 2
     one = step_throughput({"shard": False, "steps": 1, "seq": 32, "activation_checkpointing": False})
     assert one["world_size"] == 1 and one["trainable_parameters"] == metrics[0]["trainable_parameters"]
     with pytest.raises(ValueError, match="unknown config key"):
         step_throughput({"sequence": 32})
+    with pytest.raises(ValueError, match="exactly patch_kernels and loss"):
+        step_throughput({"variants": {"x": {"loss": "fused"}}})

@@ -101,8 +101,8 @@ def declared_parameters(path: Path | str) -> dict[str, Any]:
 def required_gpus(path: Path | str) -> int:
     """How many GPUs the notebook needs: its notebook-level metadata ``{"lora_lab": {"gpus": N}}``, 0 without it.
 
-    A notebook that needs N GPUs runs only on the gpu profile of a machine with at least N; ``lora-lab run``
-    skips it elsewhere and says why.
+    On the gpu profile a notebook that needs N GPUs runs only on a machine with at least N; ``lora-lab run`` skips
+    it elsewhere and says why. The cpu profile runs it (its cpu path), as every notebook.
     """
     path = Path(path)
     try:

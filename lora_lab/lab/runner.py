@@ -9,8 +9,8 @@ For each selected ``notebooks/NN_name.ipynb`` the runner
   that differ from the parameters cell marked as overrides; papermill injects only those overrides;
 - on the ``cpu`` profile starts the kernel with ``TRITON_INTERPRET=1`` (Triton's CPU interpreter must be on
   before Triton is imported); ``MPLBACKEND=Agg`` is not passed on, so figures stay in the notebook;
-- skips a notebook whose metadata asks for more GPUs than the profile has (``{"lora_lab": {"gpus": 2}}``: the
-  two-GPU notebooks run on the gpu profile of a machine with two or more GPUs), saying so, and removes its old
+- on the ``gpu`` profile skips a notebook whose metadata asks for more GPUs than the machine has
+  (``{"lora_lab": {"gpus": 2}}``; the cpu profile runs every notebook's cpu path), saying so, and removes its old
   metrics file from the output folder; a skip is not a failure;
 - removes the notebook's previous metrics file (stale results must not be graded), executes it into
   ``<outputs>/<profile>/<stem>.ipynb``;
@@ -209,11 +209,16 @@ def gpus_available(profile: str) -> int:
 
 
 def skip_reason(path: Path, profile: str) -> str | None:
-    """Why the notebook cannot run here (it declares more GPUs than ``profile`` has), or None."""
+    """Why the notebook cannot run here (its gpu profile declares more GPUs than this machine has), or None.
+
+    The marker concerns the gpu profile only: on the cpu profile every notebook runs its cpu path (a notebook
+    that needs several GPUs there stands them in with gloo processes on the CPU)."""
     try:
         needed = required_gpus(path)
     except NotebookError as error:
         raise RunnerError(str(error)) from None
+    if profile != "gpu":
+        return None
     have = gpus_available(profile)
     if needed <= have:
         return None

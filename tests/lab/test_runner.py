@@ -314,7 +314,8 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     assert metrics(tmp_path / "runs" / "cpu", "01_sleeps")["metrics"] == {"before": 1}  # kept
 
 
-def test_a_notebook_that_needs_two_gpus_is_skipped_elsewhere_and_says_why(tmp_path, monkeypatch, capsys):
+def test_a_notebook_that_needs_two_gpus_is_skipped_on_a_smaller_gpu_machine_and_says_why(tmp_path, monkeypatch,
+                                                                                           capsys):
     from lora_lab.lab import runner
     from lora_lab.lab.notebooks import required_gpus
 
@@ -325,23 +326,24 @@ def test_a_notebook_that_needs_two_gpus_is_skipped_elsewhere_and_says_why(tmp_pa
     nbformat.write(notebook, str(notebooks / "08_needs_two_gpus.ipynb"))
     assert required_gpus(notebooks / "08_needs_two_gpus.ipynb") == 2
     assert required_gpus(FIXTURE_NOTEBOOKS / "01_records_metrics.ipynb") == 0
+    # the cpu profile runs it (every notebook has a cpu path)
+    assert runner.skip_reason(notebooks / "08_needs_two_gpus.ipynb", "cpu") is None
+    # on the gpu profile: skipped with one GPU (saying why, dropping stale metrics), run with two
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    why = runner.skip_reason(notebooks / "08_needs_two_gpus.ipynb", "gpu")
+    assert why.startswith("needs 2 GPUs (notebook metadata lora_lab.gpus); profile gpu here has 1")
     outputs = tmp_path / "runs"
-    (outputs / "cpu").mkdir(parents=True)
-    stale = outputs / "cpu" / "08_needs_two_gpus.metrics.json"
+    (outputs / "gpu").mkdir(parents=True)
+    stale = outputs / "gpu" / "08_needs_two_gpus.metrics.json"
     stale.write_text(json.dumps({"notebook": "08_needs_two_gpus", "metrics": {}}))
-    code = main(["run", "--profile", "cpu", "--notebooks-dir", str(notebooks), "--outputs-dir", str(outputs),
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    code = main(["run", "--profile", "gpu", "--notebooks-dir", str(notebooks), "--outputs-dir", str(outputs),
                  "--no-progress"])
     printed = capsys.readouterr().out
-    assert code == 0
-    assert "SKIPPED 08_needs_two_gpus.ipynb: needs 2 GPUs (notebook metadata lora_lab.gpus); profile cpu here has 0" \
-        in printed
-    assert "0 ok, 0 failed, 1 skipped" in printed
-    assert not stale.exists() and not (outputs / "cpu" / "08_needs_two_gpus.ipynb").exists()
-    summary = json.loads((outputs / "cpu" / "run_summary.json").read_text())
+    assert code == 0 and "SKIPPED 08_needs_two_gpus.ipynb: needs 2 GPUs" in printed
+    assert "0 ok, 0 failed, 1 skipped" in printed and not stale.exists()
+    summary = json.loads((outputs / "gpu" / "run_summary.json").read_text())
     assert summary["notebooks"]["08_needs_two_gpus"]["status"] == "skipped"
-    # on the gpu profile: skipped with one GPU, run with two
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert "profile gpu here has 1" in runner.skip_reason(notebooks / "08_needs_two_gpus.ipynb", "gpu")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert runner.skip_reason(notebooks / "08_needs_two_gpus.ipynb", "gpu") is None
     # a malformed marker is refused before anything runs

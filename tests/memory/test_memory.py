@@ -207,7 +207,7 @@ def test_byte_model_phases_and_chunked_loss():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(method="qlora"), "method"), (dict(attention="flash3"), "attention"),
-    (dict(loss="fused"), "loss"), (dict(batch=0), "batch"), (dict(dtype="int8"), "dtype"),
+    (dict(loss="liger"), "loss"), (dict(batch=0), "batch"), (dict(dtype="int8"), "dtype"),
 ])
 def test_byte_model_rejects_bad_setup(kwargs, match):
     args = dict(batch=1, seq_len=8)

@@ -24,7 +24,7 @@ Backward (:func:`grad_kernel`), program (row tile, vocabulary tile): recompute t
 ``logits.float()`` is differentiated. The ``+=`` go into fp32 buffers shared by many programs: element by
 element with ``tl.atomic_add`` (``ACCUMULATE=0``; also Triton's interpreter) or tile by tile with Hopper's TMA
 bulk reduction (``ACCUMULATE=1``: ``cp.reduce.async.bulk.tensor``, the add done next to memory).
-(A spin lock per tile with plain loads and stores, as Apple's CCE does, measured 20-60x slower than atomics on
+(A spin lock per tile with plain loads and stores, as Apple's CCE does, measured 6-43x slower than atomics on
 the H200 here, with every row tile of a chunk contending for the same locks.)
 """
 from __future__ import annotations

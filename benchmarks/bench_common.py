@@ -3,7 +3,8 @@
 * :func:`check_device` — CUDA, or for ``--smoke`` the CPU with Triton's interpreter;
 * :func:`add_common_arguments` / :func:`chosen_variants` — ``--out``, ``--repetitions``, ``--smoke`` and
   ``--variants`` the same way in every script;
-* :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides).
+* :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides);
+* :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash).
 """
 from __future__ import annotations
 
@@ -61,3 +62,12 @@ def repetition_dots(ax, x: float, values) -> None:
     """Every repetition's value as a small black dot at ``x``."""
     values = [v for v in values if v is not None]
     ax.plot([x] * len(values), values, "k.", ms=3, zorder=3)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """True for torch's out-of-memory error, and for cuBLAS reporting a failed workspace allocation (a plain
+    RuntimeError)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        s in str(exc) for s in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))

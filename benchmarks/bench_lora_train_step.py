@@ -76,22 +76,9 @@ def build_model(name: str, layers: int, device, dtype, smoke: bool):
 
 
 def run_variant(model, ids, steps: int, measure_peak: bool):
-    """(step milliseconds, losses, peak bytes or None): a fresh AdamW, one untimed warm-up step (optimizer state;
-    compile / autotune the first time), with ``measure_peak`` one more untimed step for peak memory, then
-    ``steps`` steps timed by CUDA events."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    losses = []
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-
-    step()
-    peak = measure.peak_bytes(step)[0] if measure_peak else None
-    return measure.event_ms(step, calls=steps), losses, peak
+    """(step milliseconds, losses, peak bytes or None): ``measure.training_step_ms`` with the model's own loss."""
+    return measure.training_step_ms(model, lambda m: m(input_ids=ids, labels=ids).loss, steps,
+                                    measure_peak=measure_peak)
 
 
 def bench_model(name, args, shipped, device, dtype):

@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import check_device, device_line, repetition_dots
+from bench_common import check_device, device_line, is_oom, repetition_dots
 
 from lora_lab.lab import measure
 
@@ -244,14 +244,6 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor, rows: int = 8192) -> float:
         num += float((a - b).square().sum())
         den += float(b.square().sum())
     return math.sqrt(num / den) if den > 0 else float("nan")
-
-
-def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    # cuBLAS reports a failed workspace allocation as a plain RuntimeError
-    return isinstance(exc, RuntimeError) and any(
-        s in str(exc) for s in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))
 
 
 def free_memory(device) -> None:

@@ -46,7 +46,7 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, repetition_dots
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, is_oom, repetition_dots
 
 from lora_lab.lab import measure
 
@@ -168,30 +168,9 @@ def loss_function(loss: str):
     return liger_loss
 
 
-def is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    return isinstance(exc, RuntimeError) and any(
-        s in str(exc) for s in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))
-
-
 def run_variant(model, loss_fn, ids, steps: int, measure_peak: bool):
-    """(step milliseconds, losses, peak bytes or None): a fresh AdamW, one untimed warm-up step, with
-    ``measure_peak`` one more untimed step for peak memory, then ``steps`` steps timed by CUDA events."""
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    losses = []
-
-    def step():
-        loss = loss_fn(model, ids)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
-    step()
-    peak = measure.peak_bytes(step)[0] if measure_peak else None
-    times = measure.event_ms(step, calls=steps)
-    return times, [float(v) for v in losses], peak
+    """(step milliseconds, losses, peak bytes or None) of ``steps`` steps: ``measure.training_step_ms``."""
+    return measure.training_step_ms(model, lambda m: loss_fn(m, ids), steps, measure_peak=measure_peak)
 
 
 def bench(args, variants, available, device, dtype):

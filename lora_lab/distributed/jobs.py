@@ -79,36 +79,53 @@ def build_lora_model(cfg: dict[str, Any]):
     return model, meta.plan(model)
 
 
+def _job_config(config: dict[str, Any], defaults: dict[str, Any], job: str) -> dict[str, Any]:
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise ValueError(f"{job}: unknown config key(s) {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **config}
+
+
+def _placed_model(cfg: dict[str, Any], world: int, device: torch.device):
+    """The job's LoRA model on ``device``: sharded with FSDP2 (``cfg["shard"]``; a meta build materialised shard by
+    shard) or, on one process only, whole; non-reentrant activation checkpointing when ``cfg`` asks for it."""
+    import lora_lab
+    from lora_lab.distributed.sharding import shard_model, unwrap_peft
+
+    model, plan = build_lora_model(cfg)
+    if not cfg["shard"]:
+        if world > 1:
+            raise ValueError("shard=False is the one-process reference: launch it with nproc=1")
+        if plan is not None:
+            plan.materialize(model, device)
+        model = model.to(device)
+        if cfg["activation_checkpointing"]:
+            unwrap_peft(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = lora_lab.models._as_dtype(cfg["param_dtype"]) if cfg["param_dtype"] else None
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    if plan is None:
+        model = model.to(device)
+    shard_model(model, mp_policy=policy, reshard_after_forward=cfg["reshard_after_forward"],
+                activation_checkpointing=cfg["activation_checkpointing"])
+    if plan is not None:
+        plan.materialize(model, device)
+    return model
+
+
 def train_lora(config: dict[str, Any]) -> dict[str, Any]:
     """Train LoRA on the sample sentences, sharded over the job's ranks (or not); returns the metrics."""
     import lora_lab
     from lora_lab.distributed.adapters import save_sharded_adapter
-    from lora_lab.distributed.sharding import shard_model
     from lora_lab.distributed.training import rank_and_world, sharded_train_steps
 
-    unknown = sorted(set(config) - set(TRAIN_LORA_DEFAULTS))
-    if unknown:
-        raise ValueError(f"train_lora: unknown config key(s) {unknown}; known: {sorted(TRAIN_LORA_DEFAULTS)}")
-    cfg = {**TRAIN_LORA_DEFAULTS, **config}
+    cfg = _job_config(config, TRAIN_LORA_DEFAULTS, "train_lora")
     rank, world = rank_and_world()
     device = _device()
     started = time.monotonic()
-    model, plan = build_lora_model(cfg)
-    if cfg["shard"]:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        dtype = lora_lab.models._as_dtype(cfg["param_dtype"]) if cfg["param_dtype"] else None
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-        if plan is None:
-            model = model.to(device)
-        shard_model(model, mp_policy=policy, reshard_after_forward=cfg["reshard_after_forward"],
-                    activation_checkpointing=cfg["activation_checkpointing"])
-    elif world > 1:
-        raise ValueError("shard=False is the one-process reference: launch it with nproc=1")
-    if plan is not None:
-        plan.materialize(model, device)
-    elif not cfg["shard"]:
-        model = model.to(device)
+    model = _placed_model(cfg, world, device)
     patched = None
     if cfg["patch_kernels"]:
         from lora_lab.kernels import patch_model
@@ -163,15 +180,11 @@ def step_throughput(config: dict[str, Any]) -> dict[str, Any]:
     and variant: the median step (ms) of each round, global tokens/s per round, the peak memory (CUDA) over its
     rounds and the losses; plus the memory after the build and the trainable parameter count."""
     import lora_lab
-    from lora_lab.distributed.sharding import shard_model, unwrap_peft
+    from lora_lab.distributed.sharding import unwrap_peft
     from lora_lab.distributed.training import rank_and_world, train_step
     from lora_lab.kernels import patch_model, unpatch_model
 
-    unknown = sorted(set(config) - set(STEP_THROUGHPUT_DEFAULTS))
-    if unknown:
-        raise ValueError(f"step_throughput: unknown config key(s) {unknown}; known: "
-                         f"{sorted(STEP_THROUGHPUT_DEFAULTS)}")
-    cfg = {**STEP_THROUGHPUT_DEFAULTS, **config}
+    cfg = _job_config(config, STEP_THROUGHPUT_DEFAULTS, "step_throughput")
     for name, spec in cfg["variants"].items():
         if set(spec) != {"patch_kernels", "loss"}:
             raise ValueError(f"variant {name!r} must give exactly patch_kernels and loss, got {sorted(spec)}")
@@ -179,26 +192,7 @@ def step_throughput(config: dict[str, Any]) -> dict[str, Any]:
     device = _device()
     cuda = device.type == "cuda"
     started = time.monotonic()
-    model, plan = build_lora_model(cfg)
-    if cfg["shard"]:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        dtype = lora_lab.models._as_dtype(cfg["param_dtype"]) if cfg["param_dtype"] else None
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-        if plan is None:
-            model = model.to(device)
-        shard_model(model, mp_policy=policy, reshard_after_forward=cfg["reshard_after_forward"],
-                    activation_checkpointing=cfg["activation_checkpointing"])
-        if plan is not None:
-            plan.materialize(model, device)
-    else:
-        if world > 1:
-            raise ValueError("shard=False is the one-process reference: launch it with nproc=1")
-        if plan is not None:
-            plan.materialize(model, device)
-        model = model.to(device)
-        if cfg["activation_checkpointing"]:
-            unwrap_peft(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = _placed_model(cfg, world, device)
     built = time.monotonic() - started
     if cuda:
         torch.cuda.synchronize(device)

@@ -180,22 +180,13 @@ def loss_at(losses: Sequence[float], fraction: float, window: int) -> float:
 
 
 def step_cost(model: nn.Module, ids: torch.Tensor, steps: int, lr: float = 1e-4) -> dict:
-    """Median ms of ``steps`` training steps (standard causal-LM loss, backward, AdamW on the trainable
-    parameters; CUDA events) after one untimed step, and the peak bytes of one more step (CUDA only)."""
+    """Median ms of ``steps`` training steps (standard causal-LM loss, AdamW; :func:`measure.training_step_ms`)
+    and the peak bytes of one untimed step (CUDA only)."""
     from lora_lab.lab import measure
 
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-
-    step()
-    times = measure.event_ms(step, calls=steps)
-    peak = measure.peak_bytes(step)[0] if ids.is_cuda else None
-    times.sort()
-    return {"ms": times[len(times) // 2], "peak_bytes": peak}
+    times, _, peak = measure.training_step_ms(model, lambda m: m(input_ids=ids, labels=ids).loss, steps, lr=lr,
+                                              measure_peak=ids.is_cuda)
+    return {"ms": sorted(times)[len(times) // 2], "peak_bytes": peak}
 
 
 INTEROP_TARGETS = ("q_proj", "v_proj")

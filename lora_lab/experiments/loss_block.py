@@ -18,7 +18,7 @@ from lora_lab.kernels.loss import linear_cross_entropy, linear_cross_entropy_ref
 from lora_lab.lab import measure
 from lora_lab.numerics import rel_l2
 
-__all__ = ["GIB", "OPTIONS", "logits_bytes", "option_errors", "real_head_errors", "model_loss_check",
+__all__ = ["GIB", "OPTIONS", "loss_inputs", "logits_bytes", "option_errors", "real_head_errors", "model_loss_check",
            "benchmark_metrics", "BASELINES"]
 
 GIB = 2**30
@@ -46,7 +46,9 @@ def logits_bytes(tokens: int, vocab: int, hidden: int, trainable: bool = False) 
             "grad_floor_gib": floor / GIB}
 
 
-def _inputs(n, d, vocab, dtype, device, seed, weight_scale, ignored=(3,)):
+def loss_inputs(n, d, vocab, dtype, device, seed=0, weight_scale=0.3, ignored=(3,)):
+    """Seeded (hidden [n, d] ~ N(0, 1), weight [vocab, d] ~ N(0, weight_scale²), labels [n] with the rows in
+    ``ignored`` set to -100), cast to ``dtype`` on ``device``."""
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(n, d, generator=gen)
     w = torch.randn(vocab, d, generator=gen) * weight_scale
@@ -76,7 +78,7 @@ def _errors(h, w, y, trainable, reference_dtype=torch.float64, seed=1, **options
 
 def option_errors(device, n=37, d=40, vocab=203, dtype=torch.float32, seed=0) -> dict:
     """Worst relative errors of loss, dH and dW over :data:`OPTIONS` x {frozen, trainable} head (fp64 reference)."""
-    h, w, y = _inputs(n, d, vocab, dtype, device, seed, 0.3)
+    h, w, y = loss_inputs(n, d, vocab, dtype, device, seed, 0.3)
     worst = {"loss": 0.0, "dh": 0.0, "dw": 0.0}
     for options in OPTIONS:
         for trainable in (False, True):
@@ -94,7 +96,7 @@ def real_head_errors(cases, dtype, device, seed=0) -> list[dict]:
     try:
         for n, d, vocab in cases:
             # a few ignored rows, except when the one row is all there is
-            h, w, y = _inputs(n, d, vocab, dtype, device, seed, 0.02, ignored=(0, 5, 77) if n > 1 else ())
+            h, w, y = loss_inputs(n, d, vocab, dtype, device, seed, 0.02, ignored=(0, 5, 77) if n > 1 else ())
             for trainable in (False, True):
                 err = _errors(h, w, y, trainable, reference_dtype=torch.float32)
                 rows.append({"tokens": n, "hidden": d, "vocab": vocab, "head": "trainable" if trainable else "frozen",

@@ -5,7 +5,8 @@
 * :func:`dot_precision` — fp32 GEMMs as true fp32 (``ieee``), so fp32 runs are a tight reference;
 * :func:`rank_block` — the width of a LoRA-rank tile (tl.dot needs powers of two >= 16);
 * :func:`row_bucket` — an autotune key for a row count that does not re-tune for every sequence length;
-* :func:`check_kernel_device` — a clear error for CPU tensors outside the interpreter.
+* :func:`check_kernel_device` — a clear error for CPU tensors outside the interpreter;
+* :func:`accumulate_matmul` — the K-loop of a GEMM tile through pointers (the LoRA GEMM and the loss kernels).
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
-__all__ = ["running_in_interpreter", "dot_precision", "rank_block", "row_bucket", "check_kernel_device"]
+__all__ = ["running_in_interpreter", "dot_precision", "rank_block", "row_bucket", "check_kernel_device",
+           "accumulate_matmul"]
 
 
 def running_in_interpreter() -> bool:
@@ -48,3 +51,21 @@ def check_kernel_device(t: torch.Tensor, what: str) -> None:
             f"the fused kernels need {what} on a CUDA device (got {t.device}); on a CPU set TRITON_INTERPRET=1 "
             "before importing triton to run them in Triton's interpreter (correctness only)"
         )
+
+
+@triton.jit
+def accumulate_matmul(acc, in_ptr, stride_im, stride_ik, D, mat_ptr, stride_wk, stride_wn, rows, cols,
+                      BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # acc[m, n] += Σ_k In[rows[m], k] · Mat[k, cols[n]] over k < D; rows/cols already wrapped into range (the
+    # caller masks its stores). A row-major W [N x D] is read as Mat = Wᵀ with stride_wk = 1, stride_wn = D.
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = in_ptr + rows.to(tl.int64)[:, None] * stride_im + ks[None, :] * stride_ik
+    b_ptrs = mat_ptr + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
+    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+        k_left = D - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K * stride_ik
+        b_ptrs += BLOCK_K * stride_wk
+    return acc

@@ -29,6 +29,7 @@ __all__ = [
     "cuda_ms",
     "event_ms",
     "peak_bytes",
+    "training_step_ms",
     "repeat",
     "rotation",
     "summarize",
@@ -110,6 +111,31 @@ def peak_bytes(fn: Callable[[], object]) -> tuple[int, int]:
     fn()
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated()), int(before)
+
+
+def training_step_ms(model, loss_fn: Callable[[object], object], steps: int, lr: float = 1e-4,
+                     measure_peak: bool = True) -> tuple[list[float], list[float], int | None]:
+    """Time training steps of ``model``: ``loss_fn(model)`` → backward → AdamW (a fresh one over the trainable
+    parameters, torch defaults besides ``lr``). One untimed warm-up step (optimizer state; compile / autotune the
+    first time), with ``measure_peak`` (CUDA) one more untimed step for :func:`peak_bytes`, then ``steps`` steps
+    timed by :func:`event_ms`. Returns (milliseconds of each timed step, the loss of every step, peak bytes or
+    None)."""
+    import torch
+
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+
+    def step():
+        loss = loss_fn(model)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    step()
+    peak = peak_bytes(step)[0] if measure_peak else None
+    times = event_ms(step, calls=steps)
+    return times, [float(v) for v in losses], peak
 
 
 def bootstrap_median_ci(samples: Sequence[float], level: float = 0.95, n_boot: int = 4000,

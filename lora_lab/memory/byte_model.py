@@ -110,8 +110,26 @@ class TrainingSetup:
         dtype_of(self.dtype)
 
 
+class PhasePeaks:
+    """What a per-phase memory prediction derives from its fields ``weights``, ``optimizer_states`` and ``phases``
+    (phase -> predicted peak bytes): shared by :class:`AnalyticMemory` and the FSDP2 model's ``FsdpMemory``."""
+
+    @property
+    def fixed(self) -> int:
+        """Held before the forward: weights (or this rank's shards of them) + optimizer states."""
+        return self.weights + self.optimizer_states
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+
 @dataclass
-class AnalyticMemory:
+class AnalyticMemory(PhasePeaks):
     """What :func:`analytic_memory` predicts (bytes)."""
 
     weights: int
@@ -132,19 +150,6 @@ class AnalyticMemory:
     @property
     def layers_saved(self) -> int:
         return sum(self.saved_per_layer)
-
-    @property
-    def fixed(self) -> int:
-        """Held before the forward: weights + optimizer states."""
-        return self.weights + self.optimizer_states
-
-    @property
-    def peak(self) -> int:
-        return max(self.phases.values())
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get)
 
     @property
     def head_loss(self) -> int:

@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, replace
 
 from .accounting import GIB, dtype_of
-from .byte_model import AnalyticMemory, ModelShape, TrainingSetup, analytic_memory
+from .byte_model import AnalyticMemory, ModelShape, PhasePeaks, TrainingSetup, analytic_memory
 
 __all__ = ["FsdpMemory", "fsdp_memory", "unit_parameter_shapes"]
 
@@ -57,7 +57,7 @@ def _gathered(shape: tuple[int, ...], world: int) -> int:
 
 
 @dataclass
-class FsdpMemory:
+class FsdpMemory(PhasePeaks):
     """What :func:`fsdp_memory` predicts for one GPU (bytes)."""
 
     world_size: int
@@ -70,19 +70,6 @@ class FsdpMemory:
     reduce_scatter: int  # one layer's unsharded trainable gradients and the reduce-scatter buffer
     activations: AnalyticMemory  # the single-GPU model on this rank's rows of the batch
     phases: dict[str, int]
-
-    @property
-    def fixed(self) -> int:
-        """Held before the forward: shards of weights and optimizer states."""
-        return self.weights + self.optimizer_states
-
-    @property
-    def peak(self) -> int:
-        return max(self.phases.values())
-
-    @property
-    def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get)
 
     def bars(self) -> dict[str, float]:
         gathered = self.root_gathered + self.layers_gathered * self.layer_gathered

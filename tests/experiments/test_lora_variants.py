@@ -80,3 +80,16 @@ def test_every_variant_trains_on_the_planted_task(variant, tiny_fp32):
 
 def test_loss_at_averages_a_window():
     assert lv.loss_at([4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1, 0.1, 0.1, 0.1], 0.4, 2) == 1.5  # steps 3 and 4
+
+
+def test_step_cost_times_real_training_steps(tiny_fp32):
+    import copy
+
+    model = copy.deepcopy(tiny_fp32)
+    lora_lab.add_lora(model, r=2, alpha=4, targets=("v_proj",))
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    cost = lv.step_cost(model, ids, steps=2, lr=1e-2)
+    assert cost["ms"] > 0 and cost["peak_bytes"] is None  # no peak without CUDA
+    after = [p.detach() for p in model.parameters() if p.requires_grad]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the optimizer stepped

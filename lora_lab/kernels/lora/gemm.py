@@ -19,7 +19,7 @@ import triton.language as tl
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.rank_ops import dropout_args
 from lora_lab.kernels.lora.tuning import autotune, gemm_configs
-from lora_lab.kernels.triton_helpers import dot_precision, rank_block, row_bucket
+from lora_lab.kernels.triton_helpers import accumulate_matmul, dot_precision, rank_block, row_bucket
 
 __all__ = ["lora_gemm"]
 
@@ -33,23 +33,6 @@ __all__ = ["lora_gemm"]
 # and no extra pass over Y. A rank-range table restricts it to the ranks that touch this tile's
 # columns (block-diagonal B of the shared-input op).
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _accumulate_segment(acc, in_ptr, stride_im, stride_ik, D, mat_ptr, stride_wk, stride_wn, rows, cols,
-                        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # acc[m, n] += Σ_k In[m, k] · Mat[k, n]; rows/cols are already wrapped into range (stores are masked)
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = in_ptr + rows.to(tl.int64)[:, None] * stride_im + ks[None, :] * stride_ik
-    b_ptrs = mat_ptr + ks[:, None] * stride_wk + cols.to(tl.int64)[None, :] * stride_wn
-    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
-        k_left = D - k0 * BLOCK_K
-        a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_ik
-        b_ptrs += BLOCK_K * stride_wk
-    return acc
-
-
 @triton.jit
 def _finish_tile(acc, rows, cols, rows_true, cols_true, M, N, out_ptr, stride_om, stride_on,
                  l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R, rank_lo_ptr, rank_hi_ptr, bias_ptr,
@@ -133,15 +116,15 @@ def _lora_gemm_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # main loop(s): acc = Σ_seg In_seg Mat_seg
-    acc = _accumulate_segment(acc, in0_ptr, s_i0m, s_i0k, D0, mat0_ptr, s_w0k, s_w0n, rows, cols, BLOCK_K, PRECISION)
+    acc = accumulate_matmul(acc, in0_ptr, s_i0m, s_i0k, D0, mat0_ptr, s_w0k, s_w0n, rows, cols, BLOCK_K, PRECISION)
     if NUM_SEG > 1:
-        acc = _accumulate_segment(acc, in1_ptr, s_i1m, s_i1k, D1, mat1_ptr, s_w1k, s_w1n, rows, cols,
+        acc = accumulate_matmul(acc, in1_ptr, s_i1m, s_i1k, D1, mat1_ptr, s_w1k, s_w1n, rows, cols,
                                   BLOCK_K, PRECISION)
     if NUM_SEG > 2:
-        acc = _accumulate_segment(acc, in2_ptr, s_i2m, s_i2k, D2, mat2_ptr, s_w2k, s_w2n, rows, cols,
+        acc = accumulate_matmul(acc, in2_ptr, s_i2m, s_i2k, D2, mat2_ptr, s_w2k, s_w2n, rows, cols,
                                   BLOCK_K, PRECISION)
     if NUM_SEG > 3:
-        acc = _accumulate_segment(acc, in3_ptr, s_i3m, s_i3k, D3, mat3_ptr, s_w3k, s_w3n, rows, cols,
+        acc = accumulate_matmul(acc, in3_ptr, s_i3m, s_i3k, D3, mat3_ptr, s_w3k, s_w3n, rows, cols,
                                   BLOCK_K, PRECISION)
 
     _finish_tile(acc, rows, cols, rows_true, cols_true, M, N, out_ptr, stride_om, stride_on,

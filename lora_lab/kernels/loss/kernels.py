@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from lora_lab.kernels.triton_helpers import accumulate_matmul
+
 __all__ = ["lse_partials_kernel", "grad_kernel"]
 
 
@@ -44,19 +46,10 @@ def _tanh(x):
 @triton.jit
 def _logit_tile(h_ptr, stride_hm, stride_hk, w_ptr, stride_wv, stride_wk, rows, cols, D,
                 BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # z[m, v] = Σ_k H[rows[m], k] · W[cols[v], k], fp32; rows/cols already wrapped into range
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hm + ks[None, :] * stride_hk
-    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wv + ks[:, None] * stride_wk
+    # z[m, v] = Σ_k H[rows[m], k] · W[cols[v], k] in fp32: the GEMM tile loop with Mat = Wᵀ
     acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=tl.float32)
-    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
-        k_left = D - k0 * BLOCK_K
-        a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=ks[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K * stride_hk
-        b_ptrs += BLOCK_K * stride_wk
-    return acc
+    return accumulate_matmul(acc, h_ptr, stride_hm, stride_hk, D, w_ptr, stride_wk, stride_wv, rows, cols,
+                             BLOCK_K, PRECISION)
 
 
 @triton.jit

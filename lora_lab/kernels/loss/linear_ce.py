@@ -201,11 +201,8 @@ def _dz_scale(h, a, b, e):
     return torch.where(top > 0, top, 1.0).reshape(1)
 
 
-def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap, cfg: LossKernelConfig,
-                 scale=None):
+def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap, cfg: LossKernelConfig, scale):
     n, d = h.shape
-    if scale is None:
-        scale = _dz_scale(h, a, b, e)
     v_local = w.shape[0]
     row_tiles = triton.cdiv(n, cfg.bwd_block_m)
     vocab_tiles = triton.cdiv(v_local, cfg.bwd_block_v)
@@ -230,48 +227,47 @@ def _launch_grad(h, w, labels, lse, a, b, e, dh, dw, v_offset, v_total, softcap,
     )
 
 
+def _accumulate_in_pieces(dtype, total: int, piece: int, d: int, device, launch):
+    """A [total x d] gradient in ``dtype``, accumulated in fp32: as its own accumulator when ``dtype`` is fp32 (one
+    ``launch(0, total, out)``), else ``piece`` rows at a time in one reused fp32 buffer, each piece rounded into
+    the output once (``launch(start, stop, buffer)`` adds rows [start, stop) into the buffer)."""
+    if dtype == torch.float32:
+        out = torch.zeros((total, d), dtype=torch.float32, device=device)
+        launch(0, total, out)
+        return out
+    out = torch.empty((total, d), dtype=dtype, device=device)
+    buffer = torch.empty((min(total, piece), d), dtype=torch.float32, device=device)
+    for start in range(0, total, piece):
+        stop = min(total, start + piece)
+        acc = buffer[: stop - start]
+        acc.zero_()
+        launch(start, stop, acc)
+        out[start:stop].copy_(acc)
+    return out
+
+
 def _dh_by_row_chunks(h, w, labels, lse, a, b, e, softcap, cfg: LossKernelConfig):
     """dH only: row chunks, each accumulated over the whole vocabulary in one fp32 [chunk x d] buffer."""
     n, d = h.shape
-    vocab = w.shape[0]
-    if h.dtype == torch.float32:  # dH is its own fp32 accumulator
-        dh = torch.zeros((n, d), dtype=torch.float32, device=h.device)
-        _launch_grad(h, w, labels, lse, a, b, e, dh, None, 0, vocab, softcap, cfg)
-        return dh
-    dh = torch.empty((n, d), dtype=h.dtype, device=h.device)
     scale = _dz_scale(h, a, b, e)
-    rows = cfg.rows_per_chunk(n)
-    buffer = torch.empty((rows, d), dtype=torch.float32, device=h.device)
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        acc = buffer[: r1 - r0]
-        acc.zero_()
-        _launch_grad(h[r0:r1], w, labels[r0:r1], lse[r0:r1], a[r0:r1], b[r0:r1],
-                     None if e is None else e[r0:r1], acc, None, 0, vocab, softcap, cfg, scale)
-        dh[r0:r1].copy_(acc)
-    return dh
+
+    def launch(r0, r1, acc):
+        _launch_grad(h[r0:r1], w, labels[r0:r1], lse[r0:r1], a[r0:r1], b[r0:r1], None if e is None else e[r0:r1],
+                     acc, None, 0, w.shape[0], softcap, cfg, scale)
+
+    return _accumulate_in_pieces(h.dtype, n, cfg.rows_per_chunk(n), d, h.device, launch)
 
 
 def _dw_by_vocab_slabs(h, w, labels, lse, a, b, e, softcap, cfg: LossKernelConfig, dh_acc=None):
     """dW (and, into ``dh_acc``, dH from the same tiles): vocabulary slabs, each accumulated over all rows in one
     fp32 [slab x d] buffer."""
-    d = h.shape[1]
-    vocab = w.shape[0]
-    if w.dtype == torch.float32:  # dW is its own fp32 accumulator
-        dw = torch.zeros((vocab, d), dtype=torch.float32, device=w.device)
-        _launch_grad(h, w, labels, lse, a, b, e, dh_acc, dw, 0, vocab, softcap, cfg)
-        return dw
-    dw = torch.empty((vocab, d), dtype=w.dtype, device=w.device)
+    vocab, d = w.shape
     scale = _dz_scale(h, a, b, e)
-    slab = cfg.vocab_per_slab(vocab)
-    buffer = torch.empty((slab, d), dtype=torch.float32, device=w.device)
-    for v0 in range(0, vocab, slab):
-        v1 = min(vocab, v0 + slab)
-        acc = buffer[: v1 - v0]
-        acc.zero_()
+
+    def launch(v0, v1, acc):
         _launch_grad(h, w[v0:v1], labels, lse, a, b, e, dh_acc, acc, v0, vocab, softcap, cfg, scale)
-        dw[v0:v1].copy_(acc)
-    return dw
+
+    return _accumulate_in_pieces(w.dtype, vocab, cfg.vocab_per_slab(vocab), d, w.device, launch)
 
 
 def _gradients(h, w, labels, lse, a, b, e, need_h, need_w, softcap, cfg: LossKernelConfig):

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from lora_lab.experiments.loss_block import OPTIONS, loss_inputs
 from lora_lab.kernels.loss import LossKernelConfig, linear_cross_entropy, linear_cross_entropy_reference
 from lora_lab.numerics import rel_l2
 
@@ -24,14 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _inputs(n, d, vocab, dtype, device=DEVICE, seed=0, ignored=(3,), weight_scale=0.3):
-    gen = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=gen)
-    w = torch.randn(vocab, d, generator=gen) * weight_scale
-    y = torch.randint(0, vocab, (n,), generator=gen)
-    for i in ignored:
-        if i < n:
-            y[i] = -100
-    return h.to(device, dtype), w.to(device, dtype), y.to(device)
+    return loss_inputs(n, d, vocab, dtype, device, seed=seed, weight_scale=weight_scale, ignored=ignored)
 
 
 def _compare(h, w, y, trainable, config=None, grad_seed=1, **options):
@@ -55,15 +49,6 @@ def _compare(h, w, y, trainable, config=None, grad_seed=1, **options):
     return out
 
 
-OPTIONS = [
-    {},
-    {"reduction": "sum"},
-    {"reduction": "none"},
-    {"label_smoothing": 0.1},
-    {"z_loss": 1e-3},
-    {"softcap": 4.0},
-    {"label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 8.0, "reduction": "sum"},
-]
 
 
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])

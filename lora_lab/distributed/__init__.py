@@ -5,7 +5,7 @@ on N processes from Python or a notebook (:func:`launch`). CPU runs use gloo; th
 """
 from lora_lab.distributed.adapters import gather_lora_state, load_sharded_adapter, save_sharded_adapter
 from lora_lab.distributed.launch import LaunchError, launch
-from lora_lab.distributed.meta_init import InitPlan, MetaInit
+from lora_lab.distributed.meta_init import InitPlan, MetaInit, RandomFill, materialize_random
 from lora_lab.distributed.sharding import LOSS_METHOD, decoder_layers, is_sharded, shard_model
 from lora_lab.distributed.training import local_rows, sharded_train_steps, train_step
 
@@ -14,12 +14,14 @@ __all__ = [
     "InitPlan",
     "LaunchError",
     "MetaInit",
+    "RandomFill",
     "decoder_layers",
     "gather_lora_state",
     "is_sharded",
     "launch",
     "load_sharded_adapter",
     "local_rows",
+    "materialize_random",
     "save_sharded_adapter",
     "shard_model",
     "sharded_train_steps",

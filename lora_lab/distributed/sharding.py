@@ -98,7 +98,7 @@ def shard_model(
     """``fully_shard`` every decoder layer of ``model``, then the root; returns the model (sharded in place).
 
     ``model`` is a transformers causal LM carrying LoRA (lora_lab's ``add_lora`` or a ``peft.PeftModel``), on a
-    real device or on ``meta`` (then materialise it with :func:`lora_lab.distributed.materialize`).
+    real device or on ``meta`` (then materialise it with :meth:`InitPlan.materialize` or :func:`materialize_random`).
     ``mp_policy`` is an FSDP2 ``MixedPrecisionPolicy`` (None: compute in the parameters' dtype, reduce in it too);
     ``reshard_after_forward`` frees each layer's gathered parameters after its forward (ZeRO-3) or keeps them
     until its backward (False: ZeRO-2-like, more memory, one all-gather fewer); ``activation_checkpointing``

@@ -164,3 +164,32 @@ def test_a_sharded_dora_adapter_is_refused_before_anything_is_gathered(tmp_path)
     lora_lab.add_lora(model, r=2, alpha=4, targets=("q_proj",), use_dora=True)
     with pytest.raises(AdapterError, match="sharded DoRA adapter is not supported"):
         save_sharded_adapter(model, tmp_path / "a")
+
+
+def test_random_fill_of_a_meta_build_gives_each_kind_its_values_and_is_seeded():
+    from lora_lab.distributed import RandomFill, materialize_random
+
+    cfg = {**TRAIN_LORA_DEFAULTS, "meta_init": True, "init": "random", "targets": ["q_proj", "v_proj"]}
+    model, fill = build_lora_model(cfg)
+    assert isinstance(fill, RandomFill) and all(p.device.type == "meta" for p in model.parameters())
+    fill.materialize(model, "cpu")
+    again = fill.materialize(build_lora_model(cfg)[0], "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values()))
+    named = dict(model.named_parameters())
+    q = model.model.layers[0].self_attn.q_proj
+    assert torch.count_nonzero(q.lora_B) == 0
+    bound = 1 / q.in_features ** 0.5
+    assert q.lora_A.abs().max() <= bound and q.lora_A.std() > bound / 3
+    assert torch.all(named["model.norm.weight"] == 1) and torch.all(q.base.bias == 0)
+    std = model.model.layers[0].mlp.up_proj.weight.std().item()
+    assert 0.015 < std < 0.025  # initializer_range 0.02
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    with pytest.raises(ValueError, match="real parameters"):
+        materialize_random(model, "cpu")
+    with pytest.raises(ValueError, match="init must be"):
+        build_lora_model({**cfg, "init": "zeros"})
+    with pytest.raises(ValueError, match="materialize_random"):
+        with MetaInit(record=False) as meta:
+            layer = nn.Linear(2, 2)
+        meta.plan(layer)

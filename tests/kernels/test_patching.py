@@ -273,6 +273,40 @@ def test_gpu_bf16_training_tracks_unpatched():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 333, 4097])
+def test_gpu_bf16_fused_dora_layer_against_fp32(tokens):
+    """The fused DoRA op in bf16 at an odd real-ish shape (in 896, out 4864 + 3, r 16): output, dx, dA, dB and dm
+    no further from the fp32 layer than the unfused bf16 layer is."""
+    from lora_lab.kernels.lora.dora import fused_dora_linear
+
+    holder = torch.nn.Sequential()
+    holder.add_module("proj", torch.nn.Linear(896, 4867, device="cuda"))
+    lora_lab.add_lora(holder, r=16, alpha=32, targets=("proj",), use_dora=True)
+    layer = holder.proj
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.02, generator=gen)
+        layer.magnitude.mul_(1 + 0.1 * torch.rand(layer.magnitude.shape, device="cuda", generator=gen))
+    truth = copy.deepcopy(layer)
+    ref = copy.deepcopy(layer).to(torch.bfloat16)
+    mine = copy.deepcopy(layer).to(torch.bfloat16)
+    x = torch.randn(tokens, 896, device="cuda", generator=gen)
+    g = torch.randn(tokens, 4867, device="cuda", generator=gen)
+    xt, xr, xf = (x.clone().requires_grad_(), x.bfloat16().requires_grad_(), x.bfloat16().requires_grad_())
+    yt, yr = truth(xt), ref(xr)
+    yf = fused_dora_linear(xf, mine.base.weight, mine.base.bias, mine.lora_A, mine.lora_B, mine.scaling,
+                           mine.magnitude)
+    yt.backward(g)
+    yr.backward(g.bfloat16())
+    yf.backward(g.bfloat16())
+    assert rel_l2(yf, yt) <= 1.25 * rel_l2(yr, yt) + 1e-3
+    assert rel_l2(xf.grad, xt.grad) <= 1.25 * rel_l2(xr.grad, xt.grad) + 1e-3
+    for name in ("lora_A", "lora_B", "magnitude"):
+        gt, gr, gf = (getattr(m, name).grad for m in (truth, ref, mine))
+        assert rel_l2(gf, gt) <= 1.5 * rel_l2(gr, gt) + 2e-3, (name, rel_l2(gf, gt), rel_l2(gr, gt))
+
+
+@pytest.mark.gpu
 def test_gpu_bf16_gated_deltanet_hidden_1024():
     ref = _peft_gated_deltanet(torch.bfloat16, "cuda", hidden=1024)
     fused = copy.deepcopy(ref)

@@ -67,7 +67,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mappin
     rank, world = rank_and_world()
     mine = local_rows(batch, rank, world)
     total, count = local_loss_sum(model, mine, loss)
-    counts = torch.tensor([float(total.detach()), float(count)], dtype=torch.float64)
+    # on the loss's device: NCCL reduces CUDA tensors only (gloo takes CPU ones)
+    counts = torch.tensor([float(total.detach()), float(count)], dtype=torch.float64, device=total.device)
     if world > 1:
         dist.all_reduce(counts)
     n_global = counts[1].item()

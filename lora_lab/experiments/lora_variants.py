@@ -71,8 +71,9 @@ def subspace_cosines(delta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Cosines of the principal angles between span(U) and the span of ``delta``'s top-k left singular vectors
     (k = U's columns), largest first: all 1 means the learned update lies in the planted subspace."""
     k = u.shape[1]
-    left = torch.linalg.svd(delta.double(), full_matrices=False).U[:, :k]
-    return torch.linalg.svdvals(u.double().T @ left).clamp(max=1.0)
+    # on the CPU in fp64 (the planted U lives there; the learned update may come from a GPU)
+    left = torch.linalg.svd(delta.detach().double().cpu(), full_matrices=False).U[:, :k]
+    return torch.linalg.svdvals(u.double().cpu().T @ left).clamp(max=1.0)
 
 
 def steps_to_threshold(losses: Sequence[float], threshold: float) -> int | None:

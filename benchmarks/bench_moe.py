@@ -1,12 +1,14 @@
-"""Benchmark: MoE experts — transformers eager, transformers grouped_mm and lora_lab's fused kernels, side by side.
+"""Benchmark: MoE experts — transformers eager, transformers grouped_mm, lora_lab's fused kernels and Liger-Kernel's
+fused MoE, side by side.
 
 Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``: Qwen3-30B-A3B-like and
 Qwen1.5-MoE-like), forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
-the baselines run PEFT's wrapper, ours patches that wrapper). The eager per-expert loop, tens of times slower,
-runs only at the T in ``--eager-tokens``, one timed call per repetition. TFLOP/s count the dense expert GEMMs
-(``fused_moe.expert_gemm_flops``).
+the baselines run PEFT's wrapper, ours patches that wrapper). Liger-Kernel's fused MoE (``liger``) joins the
+``full`` cells and the ``full`` end-to-end steps when ``liger_kernel`` is importable; it has no LoRA on experts.
+The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, one timed call per
+repetition. TFLOP/s count the dense expert GEMMs (``fused_moe.expert_gemm_flops``).
 
 End to end: a Qwen3-MoE-shaped causal LM with the 30B-A3B layer shape and 4 layers (vocabulary 151,936, random
 init, bf16, sdpa), batch 4 × 2048: forward, backward, AdamW step, zero_grad; ``full`` trains everything, ``lora``
@@ -44,15 +46,20 @@ from lora_lab.experiments.fused_moe import (
     IMPLEMENTATIONS,
     LAYER_CSV,
     LAYER_SHAPES,
+    LIGER,
     expert_gemm_flops,
+    implementations,
     layer_holder,
     layer_table,
+    liger_available,
     random_routing,
+    register_liger,
     set_implementation,
 )
 from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
+ALL_IMPLS = [*IMPLEMENTATIONS, LIGER]  # Liger: full fine-tuning only, when installed
 # --smoke: tiny stand-ins of the two layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {"qwen3_30b_a3b": dict(hidden=32, num_experts=4, top_k=2, intermediate=16),
                 "qwen1_5_moe_a2_7b": dict(hidden=32, num_experts=4, top_k=2, intermediate=24)}
@@ -167,11 +174,13 @@ def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
 
     def use(impl):
         unpatch_moe_experts(root)
+        if impl == LIGER:
+            register_liger()  # transformers' experts implementation "liger"
         model.set_experts_implementation("eager" if impl == "ours" else impl)
         if impl == "ours":
             patch_moe_experts(root, config=cfg)
 
-    impls = [i for i in args.impls if i != "eager" or mode in args.e2e_eager_modes]
+    impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and i in implementations(mode)]
     once = {}
     for impl in impls:  # warm-up (optimizer state, compile / autotune) and peak memory, untimed
         use(impl)
@@ -217,7 +226,7 @@ def plot_layer(table, out: Path):
     for i, shape in enumerate(shapes):
         for j, mode in enumerate(modes):
             ax = axes[i][j]
-            for impl in IMPLEMENTATIONS:
+            for impl in ALL_IMPLS:
                 pts = sorted((t["label_tokens"], t["ms"], *t["ms_ci95"]) for t in table
                              if (t["shape"], t["mode"], t["impl"]) == (shape, mode, impl) and "ms" in t)
                 if pts:
@@ -238,11 +247,14 @@ def plot_layer(table, out: Path):
     cells = list(dict.fromkeys(t["cell"] for t in table))
     labels = {t["cell"]: f"{t['shape'].split('_')[0]}\nT={t['label_tokens']}\n{t['mode']}" for t in table}
     fig, ax = plt.subplots(figsize=(max(8, len(cells) * 0.9), 4.5))
-    for k, impl in enumerate(IMPLEMENTATIONS):
+    shown = [i for i in ALL_IMPLS if any(t["impl"] == i for t in table)]
+    width = 0.8 / len(shown)
+    for k, impl in enumerate(shown):
         vals = [next((t.get("peak_extra_gib") for t in table if t["cell"] == c and t["impl"] == impl), None)
                 for c in cells]
-        ax.bar([x + (k - 1) * 0.27 for x in range(len(cells))], [float("nan") if v is None else v for v in vals],
-               0.27, label=impl)  # eager runs only at --eager-tokens; no bar where not measured
+        ax.bar([x + (k - (len(shown) - 1) / 2) * width for x in range(len(cells))],
+               [float("nan") if v is None else v for v in vals], width,
+               label=impl)  # eager runs only at --eager-tokens, Liger in full cells; no bar where not measured
     ax.set_xticks(range(len(cells)))
     ax.set_xticklabels([labels[c] for c in cells], fontsize=7)
     ax.set_ylabel("peak GiB above resident (fwd+bwd, measured once)")
@@ -255,7 +267,7 @@ def plot_layer(table, out: Path):
 def main(argv=None):
     start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(ap, list(IMPLEMENTATIONS), ["grouped_mm", "ours"],
+    add_common_arguments(ap, ALL_IMPLS, ["grouped_mm", "ours"],
                          "the whole code path on tiny stand-ins of the layers (T / 1024) and of the model, fp32")
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768], help="token counts T of the layer cells")
     ap.add_argument("--shapes", nargs="+", default=list(LAYER_SHAPES), choices=list(LAYER_SHAPES))
@@ -274,9 +286,13 @@ def main(argv=None):
     ap.add_argument("--e2e-seq", type=int, default=2048)
     ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
                     help="modes whose end-to-end comparison includes the eager loop")
-    ap.set_defaults(variants=list(IMPLEMENTATIONS))  # every implementation: eager is limited by --eager-tokens
+    ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens
     args = ap.parse_args(argv)
-    impls = args.impls = chosen_variants(ap, args, list(IMPLEMENTATIONS), ["grouped_mm", "ours"])
+    impls = chosen_variants(ap, args, ALL_IMPLS, ["grouped_mm", "ours"])
+    if LIGER in impls and not liger_available():
+        print("liger: liger_kernel is not installed (pip install liger-kernel); its cells are skipped", flush=True)
+        impls = [i for i in impls if i != LIGER]
+    args.impls = impls
     device = check_device(args.smoke)
     from lora_lab.kernels import KernelConfig
 
@@ -293,8 +309,8 @@ def main(argv=None):
         for label_tokens in args.tokens:
             num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
             with_eager = not args.eager_tokens or label_tokens in args.eager_tokens
-            cell_impls = [i for i in impls if i != "eager" or with_eager]
             for mode in args.modes:
+                cell_impls = [i for i in impls if (i != "eager" or with_eager) and i in implementations(mode)]
                 if args.graded_only and f"{name}_t{label_tokens}_{mode}" not in GRADED_CELLS:
                     continue
                 t0 = time.perf_counter()

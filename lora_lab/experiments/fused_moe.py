@@ -13,7 +13,8 @@ Real layer shapes (shared with ``benchmarks/bench_moe.py``, which times them):
 
 * ``LAYER_SHAPES`` / ``MoeLayerShape``: the Qwen3-30B-A3B-like and Qwen1.5-MoE-like experts layers, built as
   transformers' own experts modules; ``random_routing``, ``add_expert_lora``, ``set_implementation``
-  (transformers eager / grouped_mm, or ours);
+  (transformers eager / grouped_mm, ours, or Liger-Kernel's fused MoE — full fine-tuning only, when
+  ``liger-kernel`` is installed: ``implementations(mode)`` lists what a cell can run);
 * ``layer_numerics``: bf16 output and gradients of each implementation against an fp32 reference;
 * ``saved_bytes_by_implementation``: bytes autograd keeps for backward, per implementation;
 * ``benchmark_metrics``: the speed and memory ratios notebook 06 records, from the benchmark's CSVs.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import importlib.util
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -48,7 +50,8 @@ __all__ = [
     "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
     "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
     "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "MoeLayerShape", "LAYER_SHAPES", "random_routing",
-    "layer_holder", "set_implementation", "expert_gemm_flops", "layer_numerics", "saved_bytes_by_implementation",
+    "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
+    "expert_gemm_flops", "layer_numerics", "saved_bytes_by_implementation",
     "benchmark_metrics", "layer_table", "GRADED_CELLS",
 ]
 
@@ -299,8 +302,56 @@ def layer_holder(shape: MoeLayerShape, mode: str, device, dtype, seed: int = 0, 
     return holder, experts, [p for p in holder.parameters() if p.requires_grad]
 
 
+# Liger-Kernel's fused MoE (``liger_kernel.ops.fused_moe``), a baseline for full fine-tuning: it computes the
+# experts of transformers' layout (gate_up_proj [E, 2I, H], down_proj [E, H, I], SwiGLU) and has no LoRA on them.
+LIGER = "liger"
+
+
+def liger_available() -> bool:
+    """True when ``liger_kernel`` can be imported (PyPI ``liger-kernel``)."""
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def implementations(mode: str) -> tuple[str, ...]:
+    """What a benchmark cell of ``mode`` can run here: eager, grouped_mm and ours, plus Liger for full fine-tuning
+    when it is installed."""
+    if mode not in ("full", "lora"):
+        raise ValueError(f"mode must be 'full' or 'lora', got {mode!r}")
+    return IMPLEMENTATIONS + ((LIGER,) if mode == "full" and liger_available() else ())
+
+
+def _liger_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    # transformers' experts signature -> Liger's autograd Function (routing indices as int32, as it expects)
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    return LigerFusedMoEFunction.apply(hidden_states, self.gate_up_proj, self.down_proj,
+                                       top_k_index.to(torch.int32), top_k_weights)
+
+
+@functools.cache
+def register_liger() -> None:
+    """Register Liger's fused MoE as transformers' experts implementation ``"liger"`` (once). In Triton's
+    interpreter each of its autotuned kernels keeps its first config: the interpreter cannot time candidates."""
+    if not liger_available():
+        raise ImportError("the 'liger' implementation needs Liger-Kernel: pip install liger-kernel")
+    from transformers.integrations.moe import ExpertsInterface
+
+    from lora_lab.kernels.triton_helpers import running_in_interpreter
+
+    if running_in_interpreter():
+        import liger_kernel.ops.fused_moe_kernels as liger_kernels
+        from triton.runtime.autotuner import Autotuner
+
+        for name in dir(liger_kernels):
+            kernel = getattr(liger_kernels, name)
+            if isinstance(kernel, Autotuner):
+                kernel.configs = kernel.configs[:1]
+    ExpertsInterface.register(LIGER, _liger_experts_forward)
+
+
 def set_implementation(holder: nn.Module, experts: nn.Module, impl: str, config: KernelConfig | None = None) -> None:
-    """eager / grouped_mm through transformers' switch; ours through ``patch_moe_experts(config=config)``."""
+    """eager / grouped_mm through transformers' switch; ours through ``patch_moe_experts(config=config)``; Liger's
+    fused MoE registered as a transformers experts implementation (full fine-tuning only)."""
     unpatch_moe_experts(holder)
     if impl == "ours":
         experts.config._experts_implementation = "eager"
@@ -308,6 +359,12 @@ def set_implementation(holder: nn.Module, experts: nn.Module, impl: str, config:
             raise RuntimeError("expected exactly one patched experts module")
     elif impl in ("eager", "grouped_mm"):
         experts.config._experts_implementation = impl
+    elif impl == LIGER:
+        if any(hasattr(m, "base_layer") for m in holder.modules()):
+            raise ValueError("Liger's fused MoE computes plain experts: it has no LoRA on experts (PEFT's "
+                             "target_parameters wrapper found); use it for full fine-tuning only")
+        register_liger()
+        experts.config._experts_implementation = LIGER
     else:
         raise ValueError(f"unknown implementation {impl!r}")
 
@@ -329,14 +386,14 @@ def _free_memory() -> None:
 def saved_bytes_by_implementation(shape: MoeLayerShape, num_tokens: int, mode: str, *, device: str = "cuda",
                                   dtype=torch.bfloat16, seed: int = 0, config: KernelConfig | None = None) -> dict:
     """Bytes autograd saves for backward in one forward (deduplicated by storage, inputs and parameters
-    excluded), for eager / grouped_mm / ours on one shared layer."""
+    excluded), for each of ``implementations(mode)`` on one shared layer."""
     holder, experts, _ = layer_holder(shape, mode, torch.device(device), dtype, seed)
     gen = torch.Generator(device="cpu").manual_seed(seed + 3)
     x = torch.randn(num_tokens, shape.hidden, generator=gen).to(device, dtype).requires_grad_(True)
     index, weights = random_routing(num_tokens, shape, torch.device(device), dtype, seed)
     exclude = (x, index, weights, *holder.parameters())
     result = {}
-    for impl in IMPLEMENTATIONS:
+    for impl in implementations(mode):
         set_implementation(holder, experts, impl, config)
         result[impl] = saved_bytes_excluding(functools.partial(holder, x, index, weights), exclude)
     unpatch_moe_experts(holder)
@@ -354,7 +411,7 @@ def _bare_experts(holder: nn.Module) -> nn.Module:
 
 def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int = 0, device: str = "cuda",
                    dtype: torch.dtype = torch.bfloat16, config: KernelConfig | None = None) -> list[dict]:
-    """Low-precision forward + every gradient of eager / grouped_mm / ours against an fp32 eager reference.
+    """Low-precision forward + every gradient of each of ``implementations(mode)`` against an fp32 eager reference.
 
     The reference runs on the *same* rounded weights and inputs, upcast to fp32 (TF32 off), so the errors
     measure the arithmetic of each implementation, not the rounding of the weights.
@@ -374,7 +431,7 @@ def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int =
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {}
     try:
-        for impl in ("reference", *IMPLEMENTATIONS):
+        for impl in ("reference", *implementations(mode)):
             is_ref = impl == "reference"
             h = reference_holder if is_ref else holder
             cast = (lambda t: t.float()) if is_ref else (lambda t: t)
@@ -400,7 +457,7 @@ def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int =
                     n = n.replace(old, new)
                 names.append("d_" + n)
     rows = []
-    for impl in IMPLEMENTATIONS:
+    for impl in implementations(mode):
         for name, got, ref in zip(names, results[impl], results["reference"]):
             rows.append(dict(shape=shape.name, tokens=num_tokens, mode=mode, impl=impl, tensor=name,
                              **error_stats(got, ref)))
@@ -421,9 +478,15 @@ GRADED_SPEEDUPS = [
     ("qwen3_30b_a3b_t8192_full", "eager"),
     ("qwen1_5_moe_a2_7b_t8192_full", "grouped_mm"),
     ("qwen3_30b_a3b_t32768_full", "grouped_mm"),
+    # Liger-Kernel's fused MoE (full fine-tuning), where it is installed
+    ("qwen3_30b_a3b_t8192_full", LIGER),
+    ("qwen3_30b_a3b_t32768_full", LIGER),
+    ("qwen1_5_moe_a2_7b_t8192_full", LIGER),
 ]
+# cells whose TFLOP/s (expert GEMM FLOPs over the median time) are recorded for ours and the baselines
+TFLOPS_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full"]
 GRADED_PEAKS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t8192_lora"]
-GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm")]
+GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm"), ("full", LIGER)]
 GRADED_CELLS = list(dict.fromkeys([cell for cell, _ in GRADED_SPEEDUPS] + GRADED_PEAKS))
 
 
@@ -454,12 +517,15 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         if timed(layer, cell=cell, impl=base) and timed(layer, cell=cell, impl="ours"):
             out[f"{cell}_speedup_vs_{base}"] = measure.summarize(measure.repetition_ratios(
                 layer, "ms", {"cell": cell, "impl": base}, {"cell": cell, "impl": "ours"}))
-    cell = "qwen3_30b_a3b_t8192_full"
-    ours = [r for r in layer if r["cell"] == cell and r["impl"] == "ours" and r["ms"] is not None]
-    if ours:
-        tflops = [r["gemm_flops"] / (r["ms"] * 1e-3) / 1e12 for r in ours]
-        out[f"{cell}_ours_tflops"] = measure.summarize(tflops)
-        out[f"{cell}_ours_fraction_of_peak"] = measure.summarize(t / H200_DENSE_BF16_TFLOPS for t in tflops)
+    for cell in TFLOPS_CELLS:
+        for impl in ("ours", "grouped_mm", LIGER):
+            mine = [r for r in layer if r["cell"] == cell and r["impl"] == impl and r["ms"] is not None]
+            if mine:
+                tflops = [r["gemm_flops"] / (r["ms"] * 1e-3) / 1e12 for r in mine]
+                out[f"{cell}_{impl}_tflops"] = measure.summarize(tflops)
+                if impl == "ours":
+                    out[f"{cell}_ours_fraction_of_peak"] = measure.summarize(t / H200_DENSE_BF16_TFLOPS
+                                                                             for t in tflops)
     for cell in GRADED_PEAKS:
         extra = {}
         for impl in ("ours", "grouped_mm"):

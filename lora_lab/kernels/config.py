@@ -21,7 +21,9 @@ field              variable                meaning
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
                                            ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
-                                           ``auto`` (TMA when the layout allows it)
+                                           ``auto`` (TMA when the layout allows it); ``persistent`` /
+                                           ``persistent_ws``: TMA in a persistent kernel (one program per
+                                           SM walking the tiles), without / with warp specialisation
 ``fuse_q_db``      ``LORA_LAB_FUSE_QDB``   Q and dB in one pass over dY (fp32 atomics: dB's summation
                                            order is then not deterministic)
 ``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first
@@ -43,7 +45,7 @@ CHOICES = {
     "dispatch": ("auto", "triton", "cublas"),
     "base_gemm": ("auto", "triton", "cublas"),
     "overlap": ("auto", "on", "off"),
-    "gemm_loads": ("auto", "tma", "pointer"),
+    "gemm_loads": ("auto", "tma", "pointer", "persistent", "persistent_ws"),
 }
 ENV_VARIABLES = {
     "dispatch": "LORA_LAB_DISPATCH",

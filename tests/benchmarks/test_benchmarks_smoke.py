@@ -27,12 +27,13 @@ SCRIPTS = {  # longest first: two run at a time
     "bench_lora_linear.py": ["--components", "target"],
     "bench_loss_train_step.py": ["--variants", "all"],
     "bench_gated_deltanet.py": ["--check-seq", "32"],
+    "bench_gemm_core.py": ["--variants", "all", "--tokens", "8192", "--shapes", "4096x4096", "4096x12288"],
 }
 CSVS = ["05_lora_linear.csv", "05_lora_linear_components.csv", "05_gated_deltanet.csv", "05_train_step.csv",
-        "06_moe_layer.csv", "06_moe_e2e.csv", "07_loss_block.csv", "07_train_step.csv"]
+        "06_moe_layer.csv", "06_moe_e2e.csv", "07_loss_block.csv", "07_train_step.csv", "gemm_core.csv"]
 PNGS = ["05_lora_linear_ratio.png", "05_lora_linear_time_vs_tokens.png", "05_gated_deltanet.png",
         "05_train_step.png", "06_moe_layer_speed.png", "06_moe_layer_memory.png", "07_loss_time.png",
-        "07_loss_memory.png", "07_train_step.png"]
+        "07_loss_memory.png", "07_train_step.png", "gemm_core.png"]
 TIME_05 = ["lora_linear_time_vs_base_32k_4096x4096_r16", "peft_time_vs_base_32k_4096x4096_r16",
            "lora_linear_speedup_vs_peft_32k_4096x4096_r16", "lora_linear_worst_time_vs_base", "gdn_time_vs_base",
            "gdn_speedup_vs_peft", "gdn_peft_time_vs_base", "train_speedup_vs_peft_qwen3_4096",
@@ -257,3 +258,23 @@ def test_repetition_ratios_pair_rows_by_repetition():
     with pytest.raises(ValueError, match="pair"):
         measure.repetition_ratios(rows[:3], "ms", {"v": "a"}, {"v": "b"})
     assert [measure.rotation("abc", rep) for rep in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+
+
+@pytest.mark.slow
+def test_gemm_core_rows(smoke_dir):
+    """Every GEMM-core variant ran (warp specialisation where this Triton has it), right to fp32 rounding, with a
+    per-repetition time ratio to cuBLAS in the summary."""
+    from lora_lab.kernels.lora.gemm import warp_specialization_available
+
+    rows = measure.read_csv(smoke_dir / "gemm_core.csv")
+    variants = {r["variant"] for r in rows}
+    want = {"cublas", "tma", "persistent", "tma+lora", "persistent+lora"}
+    if warp_specialization_available():
+        want |= {"persistent_ws", "persistent_ws+lora"}
+    assert variants == want
+    assert {r["cell"] for r in rows} == {"8k_4096x4096", "8k_4096x12288"} and {r["gemm"] for r in rows} == {
+        "forward", "dx"}
+    assert all(r["status"] == "ok" and r["rel_l2_vs_fp32"] < FP32_TOLERANCE for r in rows)
+    summary = measure.read_csv(smoke_dir / "gemm_core_summary.csv")
+    for s in summary:
+        assert (s["time_vs_cublas"] is None) == (s["variant"] == "cublas"), s

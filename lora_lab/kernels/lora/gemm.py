@@ -5,11 +5,17 @@
     forward: one segment, In = X, Mat = Wᵀ, L = P, Rt = Bᵀ, bias
     dX:      In_seg = dY_seg, Mat_seg = W_seg (several for the shared-input op), L = Q, Rt = A, dropout mask
 
-Two kernels compute it: one reading its operands through pointers (any strides), one through TMA descriptors
-(Hopper's bulk tensor copies; row-major, 16-byte aligned operands — the usual case).
+Three kernels compute it: one reading its operands through pointers (any strides), one through TMA descriptors
+(Hopper's bulk tensor copies; row-major, 16-byte aligned operands — the usual case), and a persistent form of the
+TMA kernel (``gemm_loads="persistent"`` / ``"persistent_ws"``): one program per SM walks the output tiles in the
+same grouped order, so tile set-up and the launch tail are paid once per SM instead of once per tile, and with
+warp specialisation (where Triton supports it) producer warps issue the next tile's loads while consumer warps
+run the current tile's MMAs. The persistent kernel is opt-in until the benchmarks say where it wins
+(``benchmarks/bench_gemm_core.py``).
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -19,9 +25,15 @@ import triton.language as tl
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.rank_ops import dropout_args
 from lora_lab.kernels.lora.tuning import autotune, gemm_configs
-from lora_lab.kernels.triton_helpers import accumulate_matmul, dot_precision, rank_block, row_bucket
+from lora_lab.kernels.triton_helpers import (
+    accumulate_matmul,
+    dot_precision,
+    rank_block,
+    row_bucket,
+    running_in_interpreter,
+)
 
-__all__ = ["lora_gemm"]
+__all__ = ["lora_gemm", "warp_specialization_available"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,19 +88,22 @@ def _finish_tile(acc, rows, cols, rows_true, cols_true, M, N, out_ptr, stride_om
 
 
 @triton.jit
-def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of this program in grouped order: GROUP_M row-blocks share each column block while it
-    sits in L2 (both GEMM kernels)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile_id`` in grouped order: GROUP_M row-blocks share each column block
+    while it sits in L2 (every GEMM kernel here)."""
     num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
+    group_id = tile_id // num_pid_in_group
     first_pid_m = group_id * GROUP_M
     group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
     return pid_m, pid_n
+
+
+@triton.jit
+def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program's one tile (the non-persistent kernels)."""
+    return _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
 @autotune(gemm_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2", "D3", "R", "TUNE"])
@@ -198,6 +213,66 @@ def _lora_gemm_tma_kernel(
                  BLOCK_M, BLOCK_N)
 
 
+# The TMA GEMM as a persistent kernel: NUM_SMS programs, each walking tiles start, start + NUM_SMS, ... The body
+# is the TMA kernel's (main loop(s), then the shared epilogue). WARP_SPECIALIZE asks Triton to split the loop
+# into producer (TMA loads) and consumer (MMA) warp groups; it is a tl.range option (Triton >= 3.3 spells it).
+def _persistent_configs():
+    if running_in_interpreter():
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
+                              pre_hook=_set_tma_block_shapes)]
+    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
+                          pre_hook=_set_tma_block_shapes) for c in gemm_configs()]
+
+
+@autotune(_persistent_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2", "D3", "R", "TUNE", "NUM_SMS"])
+@triton.jit
+def _lora_gemm_persistent_kernel(
+    out_ptr, stride_om, stride_on,
+    M, N, M_BUCKET, TUNE,
+    in0_desc, mat0_desc, D0, in1_desc, mat1_desc, D1, in2_desc, mat2_desc, D2, in3_desc, mat3_desc, D3,
+    l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R,
+    rank_lo_ptr, rank_hi_ptr, bias_ptr,
+    seed, p_drop, keep_scale,
+    NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    NUM_SEG: tl.constexpr, MAT_NK: tl.constexpr, HAS_LOWRANK: tl.constexpr, HAS_RANK_RANGE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _accumulate_segment_tma(acc, in0_desc, mat0_desc, D0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+        if NUM_SEG > 1:
+            acc = _accumulate_segment_tma(acc, in1_desc, mat1_desc, D1, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+        if NUM_SEG > 2:
+            acc = _accumulate_segment_tma(acc, in2_desc, mat2_desc, D2, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+        if NUM_SEG > 3:
+            acc = _accumulate_segment_tma(acc, in3_desc, mat3_desc, D3, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+        rows_true = off_m + tl.arange(0, BLOCK_M)
+        cols_true = off_n + tl.arange(0, BLOCK_N)
+        _finish_tile(acc, rows_true % M, cols_true % N, rows_true, cols_true, M, N, out_ptr, stride_om, stride_on,
+                     l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R, rank_lo_ptr, rank_hi_ptr,
+                     bias_ptr, seed, p_drop, keep_scale, HAS_LOWRANK, HAS_RANK_RANGE, HAS_BIAS, DROPOUT, PRECISION,
+                     BLOCK_R, BLOCK_M, BLOCK_N)
+
+
+def warp_specialization_available() -> bool:
+    """Whether this Triton's ``tl.range`` takes ``warp_specialize`` (Triton >= 3.3)."""
+    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+def _num_sms(device: torch.device) -> int:
+    # the interpreter runs programs one after another: a few, so that each walks several tiles
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 # dtype → error text once a TMA launch failed for that dtype: the pointer kernel from then on (per dtype, so an
 # fp32 tile that overflows shared memory does not take TMA away from bf16)
 _TMA_STATE: dict = {}
@@ -263,6 +338,8 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
 
     config = resolve_config(config)
     impl = config.gemm_loads
+    if impl in ("persistent", "persistent_ws"):
+        return _persistent_gemm(out, segments, impl == "persistent_ws", tail, flags, config)
     broken = _TMA_STATE.get(out.dtype)
     # auto: TMA for 16-bit types only (fp32 is the correctness path; its tiles are the pointer kernel's)
     want_tma = impl == "tma" or (impl == "auto" and out.dtype != torch.float32)
@@ -271,18 +348,7 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
         raise ValueError("lora_gemm: gemm_loads='tma' needs row-major, 16-byte aligned operands "
                          f"(or TMA was disabled for {out.dtype}: {broken})")
     if layout is not None:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        descs = []
-        for inp, mat in segments:
-            d_in = TensorDescriptor(inp, [M, inp.shape[1]], [inp.stride(0), 1], [16, 16])
-            if layout == "nk":  # the row-major N×D matrix whose transpose is ``mat``
-                d_mat = TensorDescriptor(mat, [N, mat.shape[0]], [mat.stride(1), 1], [16, 16])
-            else:
-                d_mat = TensorDescriptor(mat, [mat.shape[0], N], [mat.stride(0), 1], [16, 16])
-            descs += [d_in, d_mat, inp.shape[1]]
-        for _ in range(4 - len(segments)):
-            descs += [descs[0], descs[1], 0]
+        descs = _descriptors(segments, layout, M, N)
         try:
             _lora_gemm_tma_kernel[grid](out, out.stride(0), out.stride(1), M, N, row_bucket(M),
                                         int(config.autotune), *descs, *tail,
@@ -303,4 +369,43 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
         seg_args += [first[0], 0, 0, 0, first[4], 0, 0]
     _lora_gemm_kernel[grid](out, out.stride(0), out.stride(1), M, N, row_bucket(M), int(config.autotune),
                             *seg_args, *tail, **flags)
+    return out
+
+
+def _descriptors(segments, layout: str, M: int, N: int) -> list:
+    """TMA descriptors (block shapes set per config by the pre-hook) and depth of each segment, padded to 4."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for inp, mat in segments:
+        d_in = TensorDescriptor(inp, [M, inp.shape[1]], [inp.stride(0), 1], [16, 16])
+        if layout == "nk":  # the row-major N×D matrix whose transpose is ``mat``
+            d_mat = TensorDescriptor(mat, [N, mat.shape[0]], [mat.stride(1), 1], [16, 16])
+        else:
+            d_mat = TensorDescriptor(mat, [mat.shape[0], N], [mat.stride(0), 1], [16, 16])
+        descs += [d_in, d_mat, inp.shape[1]]
+    for _ in range(4 - len(segments)):
+        descs += [descs[0], descs[1], 0]
+    return descs
+
+
+def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config) -> torch.Tensor:
+    """The persistent TMA kernel (asked for explicitly: no fallback, a clear error instead)."""
+    M, N = out.shape
+    layout = _tma_layout(segments)
+    if layout is None:
+        raise ValueError("lora_gemm: gemm_loads='persistent' reads through TMA descriptors and needs row-major, "
+                         "16-byte aligned operands (triton >= 3.4); use 'auto' for other layouts")
+    if warp_specialize and not warp_specialization_available():
+        raise ValueError(f"lora_gemm: gemm_loads='persistent_ws' needs tl.range(warp_specialize=...), which "
+                         f"triton {triton.__version__} lacks; use 'persistent'")
+    num_sms = _num_sms(out.device)
+
+    def grid(meta):
+        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+
+    _lora_gemm_persistent_kernel[grid](out, out.stride(0), out.stride(1), M, N, row_bucket(M),
+                                       int(config.autotune), *_descriptors(segments, layout, M, N), *tail,
+                                       NUM_SMS=num_sms, WARP_SPECIALIZE=warp_specialize, MAT_NK=layout == "nk",
+                                       **flags)
     return out

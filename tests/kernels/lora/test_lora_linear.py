@@ -164,6 +164,35 @@ def test_bad_inputs_are_named():
         fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=1.0)
 
 
+# The persistent TMA GEMM (opt-in: gemm_loads="persistent" / "persistent_ws"): forward and every gradient through
+# it (the base GEMM and dX), on row-major operands with 16-byte aligned rows (TMA's condition) and odd M.
+PERSISTENT_CASES = [
+    (37, 48, 56, 8, True, 0.0),
+    (1, 32, 40, 1, False, 0.0),
+    (70, 96, 80, 16, True, 0.25),
+]
+
+
+@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N,r,bias,p", PERSISTENT_CASES)
+def test_persistent_gemm_matches_reference(M, K, N, r, bias, p, dtype, loads):
+    from lora_lab.kernels.lora.gemm import warp_specialization_available
+
+    if loads == "persistent_ws" and not warp_specialization_available():
+        pytest.skip("this Triton's tl.range has no warp_specialize")
+    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
+    config = TRITON.replace(gemm_loads=loads, base_gemm="triton")
+    run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[dtype], config=config)
+
+
+def test_persistent_gemm_refuses_what_tma_cannot_read():
+    # fp32 rows of 45 values are 180 bytes: not 16-byte aligned, so no TMA descriptor
+    x, w, b, A, B = make_case(9, 45, 24, 4, torch.float32)
+    with pytest.raises(ValueError, match="persistent.*16-byte aligned"):
+        fused_lora_linear(x, w, b, A, B, 0.5, config=TRITON.replace(gemm_loads="persistent", base_gemm="triton"))
+
+
 # ------------------------------------------------------------------------------------------- GPU
 GPU_CASES = [
     (1000, 1030, 2051, 16, True, 0.0),
@@ -171,6 +200,19 @@ GPU_CASES = [
     (513, 384, 640, 128, True, 0.0),
     (2048, 1024, 1536, 64, False, 0.1),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("M,K,N,r,bias,p", [(1000, 1024, 2056, 16, True, 0.0), (777, 512, 384, 1, False, 0.1)])
+def test_gpu_persistent_gemm_bf16(M, K, N, r, bias, p, loads):
+    from lora_lab.kernels.lora.gemm import warp_specialization_available
+
+    if loads == "persistent_ws" and not warp_specialization_available():
+        pytest.skip("this Triton's tl.range has no warp_specialize")
+    x, w, b, A, B = make_case(M, K, N, r, torch.bfloat16, bias=bias)
+    config = TRITON.replace(gemm_loads=loads, base_gemm="triton")
+    run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[torch.bfloat16], config=config)
 
 
 @pytest.mark.gpu

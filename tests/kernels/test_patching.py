@@ -206,13 +206,25 @@ def test_lora_lab_dora_runs_on_the_fused_dora_op_outside_groups():
     assert torch.equal(layer(x), want)
 
 
-def test_dora_row_norm_without_the_full_matrix():
-    from lora_lab.kernels.lora.dora import dora_row_norm
+@pytest.mark.parametrize("out_f,in_f,r", [(37, 53, 5), (1, 200, 20), (70, 33, 1)])
+def test_dora_row_norm_without_the_full_matrix(out_f, in_f, r):
+    from lora_lab.kernels.lora.dora import dora_row_norm, dora_row_norm_reference
 
-    gen = torch.Generator().manual_seed(0)
-    w, a, b = torch.randn(37, 53, generator=gen), torch.randn(5, 53, generator=gen), torch.randn(37, 5, generator=gen)
+    gen = torch.Generator().manual_seed(out_f)
+    w, a, b = (torch.randn(out_f, in_f, generator=gen), torch.randn(r, in_f, generator=gen),
+               torch.randn(out_f, r, generator=gen))
     want = torch.linalg.norm(w.double() + 0.7 * (b.double() @ a.double()), dim=1)
-    assert rel_l2(dora_row_norm(w, a, b, 0.7), want) < 1e-6
+    w, a, b = (t.to(DEVICE) for t in (w, a, b))
+    assert rel_l2(dora_row_norm_reference(w, a, b, 0.7), want) < 1e-6
+    got = dora_row_norm(w, a, b, 0.7)  # the one-launch Triton kernel
+    assert got.dtype == torch.float32 and got.shape == (out_f,)
+    assert rel_l2(got, want) < 1e-6
+    # 16-bit weights: the kernel reads them as they are and accumulates in fp32, like the reference
+    h = [t.half() for t in (w, a, b)]
+    assert rel_l2(dora_row_norm(*h, 0.7), dora_row_norm_reference(*h, 0.7)) < 1e-3
+    assert dora_row_norm(w[:0], a, b[:0], 0.7).shape == (0,)
+    with pytest.raises(ValueError, match="do not fit"):
+        dora_row_norm(w, a[:, :-1], b, 0.7)
 
 
 def _tiny_gated_deltanet(dtype, device, hidden=64):

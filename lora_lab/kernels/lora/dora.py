@@ -19,6 +19,8 @@ from the unfused layer.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import triton
 import triton.language as tl
@@ -91,13 +93,26 @@ def dora_row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
     out = torch.empty(out_f, dtype=torch.float32, device=weight.device)
     if out_f == 0:
         return out
+    if _KERNEL_FAILED:  # a Triton build where the kernel does not compile: the torch version, warned once
+        return dora_row_norm_reference(weight, lora_A, lora_B, scale)
     block_o, block_i = (16, 32) if running_in_interpreter() else (64, 128)
-    _dora_row_norm_kernel[(triton.cdiv(out_f, block_o),)](
-        weight, weight.stride(0), weight.stride(1), lora_A, lora_A.stride(0), lora_A.stride(1),
-        lora_B, lora_B.stride(0), lora_B.stride(1), out, out_f, in_f, r, float(scale),
-        PRECISION=dot_precision(weight.dtype), BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_R=rank_block(r),
-        num_warps=4)
+    try:
+        _dora_row_norm_kernel[(triton.cdiv(out_f, block_o),)](
+            weight, weight.stride(0), weight.stride(1), lora_A, lora_A.stride(0), lora_A.stride(1),
+            lora_B, lora_B.stride(0), lora_B.stride(1), out, out_f, in_f, r, float(scale),
+            PRECISION=dot_precision(weight.dtype), BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_R=rank_block(r),
+            num_warps=4)
+    except Exception as err:
+        if running_in_interpreter():
+            raise
+        _KERNEL_FAILED.append(f"{type(err).__name__}: {err}"[:300])
+        warnings.warn(f"lora_lab: the DoRA row-norm kernel failed ({_KERNEL_FAILED[0]}); using torch ops",
+                      RuntimeWarning, stacklevel=2)
+        return dora_row_norm_reference(weight, lora_A, lora_B, scale)
     return out
+
+
+_KERNEL_FAILED: list[str] = []
 
 
 def fused_dora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_A: torch.Tensor,

@@ -256,7 +256,7 @@ def materialize_random(model: nn.Module, device: torch.device | str, *, seed: in
     from a generator on ``device``: normal(0, ``std``) weights, ones for norms and DoRA magnitudes, zeros for
     biases and LoRA B, LoRA A uniform in ±1/√fan_in (what ``kaiming_uniform_(a=√5)`` draws from).
 
-    The values are seeded (``seed``, the parameter's index and the rank's offset in it) but are not those of a CPU
+    The values are seeded (``seed``, the parameter's index and this rank) but are not those of a CPU
     build: use it where only shapes and speed matter; :meth:`InitPlan.materialize` gives the exact values.
     """
     if any(p.device.type != "meta" for p in model.parameters()):

@@ -52,6 +52,12 @@ FUSED_CONFIGS = {
     "fused_qdb_overlap": {"fuse_q_db": True, "overlap": "on"},
     "fused_cublas_base": {"base_gemm": "cublas"},
     "fused_cublas_base_overlap": {"base_gemm": "cublas", "overlap": "on"},
+    # issue #15's core: the persistent TMA GEMM (with warp specialisation), and P / Q folded into its K loops
+    "fused_persistent": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent"},
+    "fused_persistent_ws": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent_ws"},
+    "fused_fold": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent", "fold_projection": True},
+    "fused_fold_ws": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent_ws",
+                      "fold_projection": True},
 }
 ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS]
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}

@@ -26,6 +26,9 @@ field              variable                meaning
                                            SM walking the tiles), without / with warp specialisation
 ``fuse_q_db``      ``LORA_LAB_FUSE_QDB``   Q and dB in one pass over dY (fp32 atomics: dB's summation
                                            order is then not deterministic)
+``fold_projection`` ``LORA_LAB_FOLD_P``    with a persistent ``gemm_loads``: P = s·X Aᵀ computed inside the
+                                           forward GEMM's K loop and Q = s·dY B inside dX's (r <= 64, no
+                                           dropout), instead of separate passes over X and dY
 ``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first
                                            one that fits, for quick test runs)
 ``moe_autotune``   ``LORA_LAB_MOE_AUTOTUNE``  the same for the MoE kernels
@@ -53,6 +56,7 @@ ENV_VARIABLES = {
     "overlap": "LORA_LAB_OVERLAP",
     "gemm_loads": "LORA_LAB_GEMM",
     "fuse_q_db": "LORA_LAB_FUSE_QDB",
+    "fold_projection": "LORA_LAB_FOLD_P",
     "autotune": "LORA_LAB_AUTOTUNE",
     "moe_autotune": "LORA_LAB_MOE_AUTOTUNE",
     "moe_block_m": "LORA_LAB_MOE_BLOCK_M",
@@ -89,6 +93,7 @@ class KernelConfig:
     overlap: str = "auto"
     gemm_loads: str = "auto"
     fuse_q_db: bool = False
+    fold_projection: bool = False
     autotune: bool = True
     moe_autotune: bool = True
     moe_block_m: int | None = None
@@ -98,7 +103,7 @@ class KernelConfig:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"KernelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}")
-        for name in ("fuse_q_db", "autotune", "moe_autotune"):
+        for name in ("fuse_q_db", "fold_projection", "autotune", "moe_autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"KernelConfig.{name} must be True or False; got {getattr(self, name)!r}")
         block = self.moe_block_m

@@ -213,6 +213,28 @@ def _lora_gemm_tma_kernel(
                  BLOCK_M, BLOCK_N)
 
 
+@triton.jit
+def _accumulate_segment_tma_fold(acc, p_acc, in_desc, mat_desc, D, off_m, off_n, proj_ptr, stride_pk, stride_pr, R,
+                                 MAT_NK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                                 PRECISION: tl.constexpr):
+    # the segment's K loop, and with the same In tiles the projection p_acc[m, r] += Σ_k In[m, k] · Proj[k, r]
+    # (P = X Aᵀ in the forward, Q = dY B in dX): the separate pass over In that would compute it is saved
+    ks = tl.arange(0, BLOCK_K)
+    rr = tl.arange(0, BLOCK_R)
+    for k0 in range(0, tl.cdiv(D, BLOCK_K)):
+        a = in_desc.load([off_m, k0 * BLOCK_K])
+        if MAT_NK:
+            b = tl.trans(mat_desc.load([off_n, k0 * BLOCK_K]))
+        else:
+            b = mat_desc.load([k0 * BLOCK_K, off_n])
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        k = k0 * BLOCK_K + ks
+        proj = tl.load(proj_ptr + k.to(tl.int64)[:, None] * stride_pk + rr[None, :] * stride_pr,
+                       mask=(k[:, None] < D) & (rr[None, :] < R), other=0.0)
+        p_acc = tl.dot(a, proj.to(a.dtype), p_acc, input_precision=PRECISION)
+    return acc, p_acc
+
+
 # The TMA GEMM as a persistent kernel: NUM_SMS programs, each walking tiles start, start + NUM_SMS, ... The body
 # is the TMA kernel's (main loop(s), then the shared epilogue). WARP_SPECIALIZE asks Triton to split the loop
 # into producer (TMA loads) and consumer (MMA) warp groups; it is a tl.range option (Triton >= 3.3 spells it).
@@ -233,7 +255,8 @@ def _lora_gemm_persistent_kernel(
     l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R,
     rank_lo_ptr, rank_hi_ptr, bias_ptr,
     seed, p_drop, keep_scale,
-    NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    proj_ptr, stride_pk, stride_pr, proj_scale,
+    NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FOLD_P: tl.constexpr,
     NUM_SEG: tl.constexpr, MAT_NK: tl.constexpr, HAS_LOWRANK: tl.constexpr, HAS_RANK_RANGE: tl.constexpr,
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -246,19 +269,37 @@ def _lora_gemm_persistent_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _accumulate_segment_tma(acc, in0_desc, mat0_desc, D0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
-        if NUM_SEG > 1:
-            acc = _accumulate_segment_tma(acc, in1_desc, mat1_desc, D1, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
-        if NUM_SEG > 2:
-            acc = _accumulate_segment_tma(acc, in2_desc, mat2_desc, D2, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
-        if NUM_SEG > 3:
-            acc = _accumulate_segment_tma(acc, in3_desc, mat3_desc, D3, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
         rows_true = off_m + tl.arange(0, BLOCK_M)
         cols_true = off_n + tl.arange(0, BLOCK_N)
+        if FOLD_P:
+            # one segment; the low-rank factor is computed here, rounded like a stored one, added, and written
+            # out by the tiles of the first column block (backward needs it)
+            p_acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            acc, p_acc = _accumulate_segment_tma_fold(acc, p_acc, in0_desc, mat0_desc, D0, off_m, off_n, proj_ptr,
+                                                      stride_pk, stride_pr, R, MAT_NK, BLOCK_K, BLOCK_R, PRECISION)
+            low = (p_acc * proj_scale).to(out_ptr.dtype.element_ty)
+            rr = tl.arange(0, BLOCK_R)
+            rt = tl.load(rt_ptr + rr[:, None] * stride_rr + (cols_true % N).to(tl.int64)[None, :] * stride_rn,
+                         mask=rr[:, None] < R, other=0.0)
+            acc = tl.dot(low, rt.to(low.dtype), acc, input_precision=PRECISION)
+            if off_n == 0:
+                tl.store(l_ptr + rows_true.to(tl.int64)[:, None] * stride_lm + rr[None, :] * stride_lr, low,
+                         mask=(rows_true[:, None] < M) & (rr[None, :] < R))
+        else:
+            acc = _accumulate_segment_tma(acc, in0_desc, mat0_desc, D0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+            if NUM_SEG > 1:
+                acc = _accumulate_segment_tma(acc, in1_desc, mat1_desc, D1, off_m, off_n, MAT_NK, BLOCK_K,
+                                              PRECISION)
+            if NUM_SEG > 2:
+                acc = _accumulate_segment_tma(acc, in2_desc, mat2_desc, D2, off_m, off_n, MAT_NK, BLOCK_K,
+                                              PRECISION)
+            if NUM_SEG > 3:
+                acc = _accumulate_segment_tma(acc, in3_desc, mat3_desc, D3, off_m, off_n, MAT_NK, BLOCK_K,
+                                              PRECISION)
         _finish_tile(acc, rows_true % M, cols_true % N, rows_true, cols_true, M, N, out_ptr, stride_om, stride_on,
                      l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R, rank_lo_ptr, rank_hi_ptr,
-                     bias_ptr, seed, p_drop, keep_scale, HAS_LOWRANK, HAS_RANK_RANGE, HAS_BIAS, DROPOUT, PRECISION,
-                     BLOCK_R, BLOCK_M, BLOCK_N)
+                     bias_ptr, seed, p_drop, keep_scale, HAS_LOWRANK and not FOLD_P, HAS_RANK_RANGE, HAS_BIAS,
+                     DROPOUT, PRECISION, BLOCK_R, BLOCK_M, BLOCK_N)
 
 
 def warp_specialization_available() -> bool:
@@ -304,18 +345,34 @@ def _tma_layout(segments):
 def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, rank_lo: torch.Tensor | None = None,
               rank_hi: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
-              config: KernelConfig | None = None) -> torch.Tensor:
+              config: KernelConfig | None = None, project: tuple | None = None) -> torch.Tensor:
     """out[M, N] = Σ in_s @ mat_s + bias + (low @ rt) [⊙ keep/(1-p)], one Triton launch.
+
+    ``project=(proj, scale, low)`` (persistent ``gemm_loads`` only, one segment, rank <= 64, no dropout): the
+    kernel computes ``low = scale · in_0 @ proj`` itself (proj: D×R, e.g. Aᵀ or B) inside its K loop, writes it
+    into ``low`` (M×R) and uses it for the rank-r term, instead of reading a precomputed one.
 
     ``segments``: list of 1 to 4 pairs (in_s [M, D_s], mat_s [D_s, N]), any strides. ``config.gemm_loads``:
     'tma' (descriptor loads; needs row-major, 16-byte aligned operands), 'pointer', or 'auto' (TMA when the
     layout allows it; 16-bit types only, fp32 being the correctness path).
     """
     M, N = out.shape
+    if project is not None:
+        proj, proj_scale, low = project
+        if len(segments) != 1 or rt is None or dropout_p or rank_lo is not None:
+            raise ValueError("lora_gemm: project= folds one segment's projection (with rt, no dropout, no rank "
+                             "ranges)")
+        if proj.shape != (segments[0][0].shape[1], rt.shape[0]) or low.shape != (M, rt.shape[0]):
+            raise ValueError(f"lora_gemm: project= shapes do not fit: proj {tuple(proj.shape)}, low "
+                             f"{tuple(low.shape)}, in {tuple(segments[0][0].shape)}, rt {tuple(rt.shape)}")
+        if rt.shape[0] > 64:
+            raise ValueError(f"lora_gemm: project= holds the projection in registers: rank <= 64, got {rt.shape[0]}")
     if M == 0 or N == 0:
         return out
     if not 1 <= len(segments) <= 4:
         raise ValueError(f"lora_gemm takes 1 to 4 input segments, got {len(segments)}")
+    if project is not None:
+        low = project[2]  # written by the kernel, then its rank-r term
     has_low = low is not None and low.shape[1] > 0
     R = low.shape[1] if has_low else 0
     dropout, seed_, p_, keep_scale = dropout_args(dropout_p, seed)
@@ -338,8 +395,10 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
 
     config = resolve_config(config)
     impl = config.gemm_loads
+    if project is not None and impl not in ("persistent", "persistent_ws"):
+        raise ValueError(f"lora_gemm: project= needs gemm_loads='persistent' or 'persistent_ws', got {impl!r}")
     if impl in ("persistent", "persistent_ws"):
-        return _persistent_gemm(out, segments, impl == "persistent_ws", tail, flags, config)
+        return _persistent_gemm(out, segments, impl == "persistent_ws", tail, flags, config, project)
     broken = _TMA_STATE.get(out.dtype)
     # auto: TMA for 16-bit types only (fp32 is the correctness path; its tiles are the pointer kernel's)
     want_tma = impl == "tma" or (impl == "auto" and out.dtype != torch.float32)
@@ -389,7 +448,7 @@ def _descriptors(segments, layout: str, M: int, N: int) -> list:
     return descs
 
 
-def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config) -> torch.Tensor:
+def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config, project=None) -> torch.Tensor:
     """The persistent TMA kernel (asked for explicitly: no fallback, a clear error instead)."""
     M, N = out.shape
     layout = _tma_layout(segments)
@@ -404,8 +463,13 @@ def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config) 
     def grid(meta):
         return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
+    if project is not None:
+        proj, proj_scale, _ = project
+        fold = [proj, proj.stride(0), proj.stride(1), float(proj_scale)]
+    else:
+        fold = [out, 0, 0, 0.0]
     _lora_gemm_persistent_kernel[grid](out, out.stride(0), out.stride(1), M, N, row_bucket(M),
-                                       int(config.autotune), *_descriptors(segments, layout, M, N), *tail,
-                                       NUM_SMS=num_sms, WARP_SPECIALIZE=warp_specialize, MAT_NK=layout == "nk",
-                                       **flags)
+                                       int(config.autotune), *_descriptors(segments, layout, M, N), *tail, *fold,
+                                       NUM_SMS=num_sms, WARP_SPECIALIZE=warp_specialize, FOLD_P=project is not None,
+                                       MAT_NK=layout == "nk", **flags)
     return out

@@ -77,6 +77,13 @@ def check_lora_args(x, weight, bias, lora_A, lora_B, name="fused_lora_linear"):
 
 
 
+def _folds(config: KernelConfig, dropout_p: float, rank: int) -> bool:
+    """Whether P (forward) and Q (dX) are computed inside the GEMMs (``config.fold_projection``): the persistent
+    kernel on the Triton base-GEMM route, no dropout (the mask applies to X's tiles), rank <= 64 (registers)."""
+    return (config.fold_projection and config.gemm_loads in ("persistent", "persistent_ws")
+            and base_gemm_engine(config) == "triton" and dropout_p == 0.0 and rank <= 64)
+
+
 def _cublas_forward(x2, weight, bias, a, b, scaling):
     """(Y, P) with P = s · X Aᵀ and Y = X Wᵀ + b + P Bᵀ, as three cuBLAS calls (no dropout)."""
     p = torch.mm(x2, a.t()).mul_(scaling)
@@ -106,6 +113,11 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         if dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas":
             # small GEMMs: the same P and Y from cuBLAS calls (host-bound otherwise, see the module notes)
             y, p = _cublas_forward(x2, weight, bias, a, b, scaling)
+        elif _folds(config, dropout_p, a.shape[0]):
+            # P = s · X Aᵀ inside the GEMM's K loop (the X tiles it loads anyway), written out for backward
+            p = torch.empty((M, a.shape[0]), device=x.device, dtype=cdt)
+            y = torch.empty((M, N), device=x.device, dtype=cdt)
+            lora_gemm(y, [(x2, weight.t())], rt=b.t(), bias=bias, project=(a.t(), scaling, p), config=config)
         else:
             # P = s · drop(X) Aᵀ          (M×r)
             p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
@@ -148,6 +160,22 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 da = torch.mm(q.t(), x2).to(lora_A.dtype)  # dA = Qᵀ X
             if need_x:
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
+            if need_w:
+                dw = (dy2.t() @ x2).to(weight.dtype)
+            if need_b:
+                dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
+            return dx, dw, dbias, da, db, None, None, None, None
+
+        if need_x and _folds(config, ctx.dropout_p, a.shape[0]):
+            # Q = s · dY B inside the dX GEMM's K loop (over N: the dY tiles it loads anyway), then dA and dB
+            q = torch.empty((dy2.shape[0], a.shape[0]), device=dy2.device, dtype=cdt)
+            dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
+            lora_gemm(dx, [(dy2, weight)], rt=a, project=(b, ctx.scaling, q), config=config)
+            dx = dx.reshape(ctx.x_shape)
+            if need_lb:
+                db = rank_reduction(p, dy2, tune=config.autotune).t().to(lora_B.dtype)  # dB = dYᵀ P
+            if need_a:
+                da = rank_reduction(q, x2, tune=config.autotune).to(lora_A.dtype)  # dA = Qᵀ X
             if need_w:
                 dw = (dy2.t() @ x2).to(weight.dtype)
             if need_b:

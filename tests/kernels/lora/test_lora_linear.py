@@ -186,6 +186,30 @@ def test_persistent_gemm_matches_reference(M, K, N, r, bias, p, dtype, loads):
     run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[dtype], config=config)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N,r,bias", [(37, 48, 56, 1, True), (70, 96, 80, 16, False), (9, 32, 40, 64, True)])
+def test_folded_projection_matches_reference(M, K, N, r, bias, dtype, monkeypatch):
+    """fold_projection: P = s·X Aᵀ inside the forward GEMM and Q = s·dY B inside dX's; the separate projection
+    passes are not called at all."""
+    import lora_lab.kernels.lora.linear as linear
+
+    def no_projection_pass(*args, **kwargs):
+        raise AssertionError("rank_projection ran although the projection is folded into the GEMM")
+
+    monkeypatch.setattr(linear, "rank_projection", no_projection_pass)
+    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=True)
+    run_and_compare(x, w, b, A, B, 0.5, tol=TOL[dtype], config=config)
+
+
+@pytest.mark.parametrize("r,p", [(128, 0.0), (8, 0.25)], ids=["rank-128", "dropout"])
+def test_folded_projection_falls_back_where_it_cannot_fold(r, p):
+    # rank > 64 or dropout: the separate passes, with the same results
+    x, w, b, A, B = make_case(33, 48, 40, r, torch.float32)
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=True)
+    run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[torch.float32], config=config)
+
+
 def test_persistent_gemm_refuses_what_tma_cannot_read():
     # fp32 rows of 45 values are 180 bytes: not 16-byte aligned, so no TMA descriptor
     x, w, b, A, B = make_case(9, 45, 24, 4, torch.float32)
@@ -200,6 +224,14 @@ GPU_CASES = [
     (513, 384, 640, 128, True, 0.0),
     (2048, 1024, 1536, 64, False, 0.1),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r", [16, 64])
+def test_gpu_folded_projection_bf16(r):
+    x, w, b, A, B = make_case(1000, 1024, 2056, r, torch.bfloat16)
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=True)
+    run_and_compare(x, w, b, A, B, 0.5, tol=TOL[torch.bfloat16], config=config)
 
 
 @pytest.mark.gpu

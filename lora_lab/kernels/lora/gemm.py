@@ -298,7 +298,7 @@ def _lora_gemm_persistent_kernel(
                                               PRECISION)
         _finish_tile(acc, rows_true % M, cols_true % N, rows_true, cols_true, M, N, out_ptr, stride_om, stride_on,
                      l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R, rank_lo_ptr, rank_hi_ptr,
-                     bias_ptr, seed, p_drop, keep_scale, HAS_LOWRANK and not FOLD_P, HAS_RANK_RANGE, HAS_BIAS,
+                     bias_ptr, seed, p_drop, keep_scale, HAS_LOWRANK, HAS_RANK_RANGE, HAS_BIAS,
                      DROPOUT, PRECISION, BLOCK_R, BLOCK_M, BLOCK_N)
 
 
@@ -466,6 +466,8 @@ def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config, 
     if project is not None:
         proj, proj_scale, _ = project
         fold = [proj, proj.stride(0), proj.stride(1), float(proj_scale)]
+        # the folded branch adds its rank-r term itself: the shared epilogue only adds the bias and stores
+        flags = {**flags, "HAS_LOWRANK": False}
     else:
         fold = [out, 0, 0, 0.0]
     _lora_gemm_persistent_kernel[grid](out, out.stride(0), out.stride(1), M, N, row_bucket(M),

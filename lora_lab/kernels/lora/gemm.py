@@ -25,13 +25,7 @@ import triton.language as tl
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.rank_ops import dropout_args
 from lora_lab.kernels.lora.tuning import autotune, gemm_configs
-from lora_lab.kernels.triton_helpers import (
-    accumulate_matmul,
-    dot_precision,
-    rank_block,
-    row_bucket,
-    running_in_interpreter,
-)
+from lora_lab.kernels.triton_helpers import accumulate_matmul, dot_precision, rank_block, row_bucket
 
 __all__ = ["lora_gemm", "warp_specialization_available"]
 
@@ -165,16 +159,39 @@ def _tma_gemm_configs():
 
 
 @triton.jit
+def _tma_k_step(acc, in_desc, mat_desc, k0, off_m, off_n, MAT_NK: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr):
+    # one K step: acc += In[off_m:, k] · Mat[k, off_n:]; returns the In tile too (the folded projection reuses it).
+    # Mat is stored N×D (MAT_NK, e.g. W for Y = X Wᵀ) or D×N (W for dX)
+    a = in_desc.load([off_m, k0 * BLOCK_K])
+    if MAT_NK:
+        b = tl.trans(mat_desc.load([off_n, k0 * BLOCK_K]))
+    else:
+        b = mat_desc.load([k0 * BLOCK_K, off_n])
+    return tl.dot(a, b, acc, input_precision=PRECISION), a
+
+
+@triton.jit
 def _accumulate_segment_tma(acc, in_desc, mat_desc, D, off_m, off_n, MAT_NK: tl.constexpr,
                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    # acc[m, n] += Σ_k In[m, k] · Mat[k, n]; Mat is stored N×D (MAT_NK, e.g. W for Y = X Wᵀ) or D×N (W for dX)
+    # acc[m, n] += Σ_k In[m, k] · Mat[k, n]
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
-        a = in_desc.load([off_m, k0 * BLOCK_K])
-        if MAT_NK:
-            b = tl.trans(mat_desc.load([off_n, k0 * BLOCK_K]))
-        else:
-            b = mat_desc.load([k0 * BLOCK_K, off_n])
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc, _ = _tma_k_step(acc, in_desc, mat_desc, k0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+    return acc
+
+
+@triton.jit
+def _accumulate_segments_tma(acc, in0_desc, mat0_desc, D0, in1_desc, mat1_desc, D1, in2_desc, mat2_desc, D2,
+                             in3_desc, mat3_desc, D3, off_m, off_n, NUM_SEG: tl.constexpr, MAT_NK: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    # the main loop(s) of both TMA kernels: acc = Σ_seg In_seg Mat_seg
+    acc = _accumulate_segment_tma(acc, in0_desc, mat0_desc, D0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+    if NUM_SEG > 1:
+        acc = _accumulate_segment_tma(acc, in1_desc, mat1_desc, D1, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+    if NUM_SEG > 2:
+        acc = _accumulate_segment_tma(acc, in2_desc, mat2_desc, D2, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+    if NUM_SEG > 3:
+        acc = _accumulate_segment_tma(acc, in3_desc, mat3_desc, D3, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
     return acc
 
 
@@ -196,14 +213,8 @@ def _lora_gemm_tma_kernel(
     off_n = pid_n * BLOCK_N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # main loop(s): acc = Σ_seg In_seg Mat_seg
-    acc = _accumulate_segment_tma(acc, in0_desc, mat0_desc, D0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
-    if NUM_SEG > 1:
-        acc = _accumulate_segment_tma(acc, in1_desc, mat1_desc, D1, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
-    if NUM_SEG > 2:
-        acc = _accumulate_segment_tma(acc, in2_desc, mat2_desc, D2, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
-    if NUM_SEG > 3:
-        acc = _accumulate_segment_tma(acc, in3_desc, mat3_desc, D3, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
+    acc = _accumulate_segments_tma(acc, in0_desc, mat0_desc, D0, in1_desc, mat1_desc, D1, in2_desc, mat2_desc, D2,
+                                   in3_desc, mat3_desc, D3, off_m, off_n, NUM_SEG, MAT_NK, BLOCK_K, PRECISION)
 
     rows_true = off_m + tl.arange(0, BLOCK_M)
     cols_true = off_n + tl.arange(0, BLOCK_N)
@@ -222,12 +233,7 @@ def _accumulate_segment_tma_fold(acc, p_acc, in_desc, mat_desc, D, off_m, off_n,
     ks = tl.arange(0, BLOCK_K)
     rr = tl.arange(0, BLOCK_R)
     for k0 in range(0, tl.cdiv(D, BLOCK_K)):
-        a = in_desc.load([off_m, k0 * BLOCK_K])
-        if MAT_NK:
-            b = tl.trans(mat_desc.load([off_n, k0 * BLOCK_K]))
-        else:
-            b = mat_desc.load([k0 * BLOCK_K, off_n])
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc, a = _tma_k_step(acc, in_desc, mat_desc, k0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
         k = k0 * BLOCK_K + ks
         proj = tl.load(proj_ptr + k.to(tl.int64)[:, None] * stride_pk + rr[None, :] * stride_pr,
                        mask=(k[:, None] < D) & (rr[None, :] < R), other=0.0)
@@ -238,15 +244,8 @@ def _accumulate_segment_tma_fold(acc, p_acc, in_desc, mat_desc, D, off_m, off_n,
 # The TMA GEMM as a persistent kernel: NUM_SMS programs, each walking tiles start, start + NUM_SMS, ... The body
 # is the TMA kernel's (main loop(s), then the shared epilogue). WARP_SPECIALIZE asks Triton to split the loop
 # into producer (TMA loads) and consumer (MMA) warp groups; it is a tl.range option (Triton >= 3.3 spells it).
-def _persistent_configs():
-    if running_in_interpreter():
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4,
-                              pre_hook=_set_tma_block_shapes)]
-    return [triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=c.num_stages,
-                          pre_hook=_set_tma_block_shapes) for c in gemm_configs()]
-
-
-@autotune(_persistent_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2", "D3", "R", "TUNE", "NUM_SMS"])
+# Its tiles are the TMA kernel's (gemm_configs, with the descriptors' block shapes set per config).
+@autotune(_tma_gemm_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2", "D3", "R", "TUNE", "NUM_SMS"])
 @triton.jit
 def _lora_gemm_persistent_kernel(
     out_ptr, stride_om, stride_on,
@@ -286,16 +285,9 @@ def _lora_gemm_persistent_kernel(
                 tl.store(l_ptr + rows_true.to(tl.int64)[:, None] * stride_lm + rr[None, :] * stride_lr, low,
                          mask=(rows_true[:, None] < M) & (rr[None, :] < R))
         else:
-            acc = _accumulate_segment_tma(acc, in0_desc, mat0_desc, D0, off_m, off_n, MAT_NK, BLOCK_K, PRECISION)
-            if NUM_SEG > 1:
-                acc = _accumulate_segment_tma(acc, in1_desc, mat1_desc, D1, off_m, off_n, MAT_NK, BLOCK_K,
-                                              PRECISION)
-            if NUM_SEG > 2:
-                acc = _accumulate_segment_tma(acc, in2_desc, mat2_desc, D2, off_m, off_n, MAT_NK, BLOCK_K,
-                                              PRECISION)
-            if NUM_SEG > 3:
-                acc = _accumulate_segment_tma(acc, in3_desc, mat3_desc, D3, off_m, off_n, MAT_NK, BLOCK_K,
-                                              PRECISION)
+            acc = _accumulate_segments_tma(acc, in0_desc, mat0_desc, D0, in1_desc, mat1_desc, D1, in2_desc,
+                                           mat2_desc, D2, in3_desc, mat3_desc, D3, off_m, off_n, NUM_SEG, MAT_NK,
+                                           BLOCK_K, PRECISION)
         _finish_tile(acc, rows_true % M, cols_true % N, rows_true, cols_true, M, N, out_ptr, stride_om, stride_on,
                      l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R, rank_lo_ptr, rank_hi_ptr,
                      bias_ptr, seed, p_drop, keep_scale, HAS_LOWRANK, HAS_RANK_RANGE, HAS_BIAS,

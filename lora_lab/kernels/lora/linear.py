@@ -166,25 +166,16 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
             return dx, dw, dbias, da, db, None, None, None, None
 
-        if need_x and _folds(config, ctx.dropout_p, a.shape[0]):
-            # Q = s · dY B inside the dX GEMM's K loop (over N: the dY tiles it loads anyway), then dA and dB
+        # Q = s · dY B               (M×r)
+        fold = need_x and _folds(config, ctx.dropout_p, a.shape[0])
+        fused_q_db = need_lb and lora_B.shape[1] <= 128 and config.fuse_q_db and not fold
+        if fold:
+            # Q inside the dX GEMM's K loop (over N: the dY tiles it loads anyway); dA and dB wait for it
             q = torch.empty((dy2.shape[0], a.shape[0]), device=dy2.device, dtype=cdt)
             dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
             lora_gemm(dx, [(dy2, weight)], rt=a, project=(b, ctx.scaling, q), config=config)
             dx = dx.reshape(ctx.x_shape)
-            if need_lb:
-                db = rank_reduction(p, dy2, tune=config.autotune).t().to(lora_B.dtype)  # dB = dYᵀ P
-            if need_a:
-                da = rank_reduction(q, x2, tune=config.autotune).to(lora_A.dtype)  # dA = Qᵀ X
-            if need_w:
-                dw = (dy2.t() @ x2).to(weight.dtype)
-            if need_b:
-                dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
-            return dx, dw, dbias, da, db, None, None, None, None
-
-        # Q = s · dY B               (M×r)
-        fused_q_db = need_lb and lora_B.shape[1] <= 128 and config.fuse_q_db
-        if fused_q_db:  # experimental: Q and dB in one pass over dY (atomic, non-deterministic dB)
+        elif fused_q_db:  # experimental: Q and dB in one pass over dY (atomic, non-deterministic dB)
             q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
             db = dbt.t().to(lora_B.dtype)
         else:
@@ -201,7 +192,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             return grads
 
         # dA and dB only read memory; the dX GEMM is compute-bound: optionally run them side by side
-        side = side_stream(dy2.device, config) if need_x and (need_a or need_lb) else None
+        side = side_stream(dy2.device, config) if need_x and (need_a or need_lb) and not fold else None
         if side is not None:
             main = torch.cuda.current_stream(dy2.device)
             side.wait_stream(main)
@@ -209,7 +200,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 da, db = low_rank_grads()
         else:
             da, db = low_rank_grads()
-        if need_x:
+        if need_x and not fold:
             # dX = dY W + (Q A) ⊙ keep/(1-p)
             dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
             if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":

@@ -120,7 +120,14 @@ def command_launch(args: argparse.Namespace) -> int:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from lora_lab.lab.runner import DEFAULT_RUNS_DIR, RunnerError, parse_only, parse_value, run
+    from lora_lab.lab.runner import (
+        DEFAULT_RUNS_DIR,
+        RunnerError,
+        parse_only,
+        parse_value,
+        quiet_orphaned_kernel_tasks,
+        run,
+    )
 
     root = repo_root()
     overrides = {}
@@ -143,6 +150,7 @@ def command_run(args: argparse.Namespace) -> int:
         print(f"error: {error}\nnothing was run.", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
+        quiet_orphaned_kernel_tasks()
         print("interrupted (Ctrl-C): the notebook that was running is recorded as interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
 

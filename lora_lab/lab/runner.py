@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import datetime as _dt
 import json
+import logging
 import os
 import sys
 import time
@@ -337,6 +338,29 @@ def progress_disabled(explicit: bool | None = None) -> bool:
     return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
 
 
+class _OrphanDeadKernelFilter(logging.Filter):
+    """Drop asyncio's "Task exception was never retrieved" report of a DeadKernelError.
+
+    After Ctrl-C, nbclient's task that waits for the cell's reply is left pending; when the kernel has been
+    shut down the task ends in DeadKernelError, and asyncio prints that traceback at exit, after the runner's
+    one-line report. The interruption is already recorded, so that traceback says nothing new.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and type(error).__name__ == "DeadKernelError")
+
+
+_ORPHAN_FILTER = _OrphanDeadKernelFilter()
+
+
+def quiet_orphaned_kernel_tasks() -> None:
+    """After an interrupted notebook: keep the orphaned task's DeadKernelError off the terminal."""
+    logger = logging.getLogger("asyncio")
+    if _ORPHAN_FILTER not in logger.filters:
+        logger.addFilter(_ORPHAN_FILTER)
+
+
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
@@ -388,6 +412,8 @@ def run_notebook(
         status = "interrupted" if error_details["ename"] == "KeyboardInterrupt" else "failed"
     finished = _now()
     warnings: list[str] = []
+    if status == "interrupted":
+        quiet_orphaned_kernel_tasks()
     if status != "ok":
         mark_run_ended(metrics_file, STATUS_INTERRUPTED if status == "interrupted" else STATUS_FAILED, error_details)
     elif not metrics_file.is_file():

@@ -1,7 +1,9 @@
 """lora_lab.lab.runner (papermill on the fixture notebooks), publishing, and the run/publish commands."""
 import io
 import json
+import logging
 import shutil
+import sys
 from pathlib import Path
 
 import nbformat
@@ -312,6 +314,47 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     assert lines[-1].startswith("interrupted: 01_sleeps.ipynb stopped after") and "Traceback" not in out
     assert metrics(tmp_path / "runs" / "cpu", "01_sleeps")["provenance"]["status"] == "interrupted"
     assert metrics(tmp_path / "runs" / "cpu", "01_sleeps")["metrics"] == {"before": 1}  # kept
+
+
+def test_an_orphaned_dead_kernel_task_is_not_printed_after_an_interrupt(capsys):
+    # what a CI run printed after the one-line report: nbclient's pending task ending in DeadKernelError
+    import asyncio
+    import gc
+
+    from nbclient.exceptions import DeadKernelError
+
+    from lora_lab.lab import runner
+
+    async def dies():
+        raise DeadKernelError("Kernel died")
+
+    async def other():
+        raise ValueError("still reported")
+
+    def orphan(coroutine):
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(coroutine)
+        loop.run_until_complete(asyncio.wait([task]))
+        loop.close()
+        del task, loop
+        gc.collect()
+
+    logger = logging.getLogger("asyncio")
+    handler = logging.StreamHandler(sys.stderr)
+    logger.addHandler(handler)
+    try:
+        orphan(dies())
+        assert "DeadKernelError" in capsys.readouterr().err  # asyncio reports it without the filter
+        runner.quiet_orphaned_kernel_tasks()
+        runner.quiet_orphaned_kernel_tasks()  # once is enough; twice adds nothing
+        assert logger.filters.count(runner._ORPHAN_FILTER) == 1
+        orphan(dies())
+        orphan(other())
+        err = capsys.readouterr().err
+        assert "DeadKernelError" not in err and "still reported" in err
+    finally:
+        logger.removeHandler(handler)
+        logger.removeFilter(runner._ORPHAN_FILTER)
 
 
 def test_a_notebook_that_needs_two_gpus_is_skipped_on_a_smaller_gpu_machine_and_says_why(tmp_path, monkeypatch,

@@ -5,8 +5,10 @@ Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``: Qwen3
 Qwen1.5-MoE-like), forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
-the baselines run PEFT's wrapper, ours patches that wrapper). Liger-Kernel's fused MoE (``liger``) joins the
-``full`` cells and the ``full`` end-to-end steps when ``liger_kernel`` is importable; it has no LoRA on experts.
+the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` / ``ours_persistent_ws``, asked for
+with ``--variants``, are ours with ``KernelConfig.moe_loads`` set, the persistent form of the row kernels).
+Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
+``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, one timed call per
 repetition. TFLOP/s count the dense expert GEMMs (``fused_moe.expert_gemm_flops``).
 
@@ -26,6 +28,7 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
     python benchmarks/bench_moe.py --out DIR                          # what notebook 06 records
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
+    python benchmarks/bench_moe.py --out DIR --no-e2e --variants ours_persistent ours_persistent_ws liger
     TRITON_INTERPRET=1 python benchmarks/bench_moe.py --out DIR --smoke
 """
 from __future__ import annotations
@@ -47,11 +50,13 @@ from lora_lab.experiments.fused_moe import (
     LAYER_CSV,
     LAYER_SHAPES,
     LIGER,
+    OURS_PERSISTENT,
     expert_gemm_flops,
     implementations,
     layer_holder,
     layer_table,
     liger_available,
+    ours_config,
     random_routing,
     register_liger,
     set_implementation,
@@ -59,11 +64,17 @@ from lora_lab.experiments.fused_moe import (
 from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
-ALL_IMPLS = [*IMPLEMENTATIONS, LIGER]  # Liger: full fine-tuning only, when installed
+# Liger: full fine-tuning only, when installed; ours_persistent(_ws): asked for with --variants
+ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, LIGER]
 # --smoke: tiny stand-ins of the two layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {"qwen3_30b_a3b": dict(hidden=32, num_experts=4, top_k=2, intermediate=16),
                 "qwen1_5_moe_a2_7b": dict(hidden=32, num_experts=4, top_k=2, intermediate=24)}
 SMOKE_TOKEN_DIVISOR = 1024
+
+
+def runs_in(impl: str, mode: str) -> bool:
+    """Whether ``impl`` runs in ``mode``'s cells here (our persistent variants run wherever ours does)."""
+    return impl in implementations(mode) or impl in OURS_PERSISTENT
 
 
 def free_memory() -> None:
@@ -111,7 +122,7 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
                 ms = measure.cuda_ms(step, args.warmup_ms, args.rep_ms)
             rows.append(dict(base, impl=impl, rep=rep, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
                              fraction_of_peak=flops / (ms * 1e-3) / (H200_DENSE_BF16_TFLOPS * 1e12),
-                             **once[impl], config=repr(cfg) if impl == "ours" else ""))
+                             **once[impl], config=repr(ours_config(impl, cfg)) if impl.startswith("ours") else ""))
         rows += [dict(base, impl=i, rep=rep, ms=None, **once[i]) for i in impls if i not in ok]
     set_implementation(holder, experts, "eager")  # unpatch
     return rows
@@ -176,11 +187,11 @@ def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
         unpatch_moe_experts(root)
         if impl == LIGER:
             register_liger()  # transformers' experts implementation "liger"
-        model.set_experts_implementation("eager" if impl == "ours" else impl)
-        if impl == "ours":
-            patch_moe_experts(root, config=cfg)
+        model.set_experts_implementation("eager" if impl.startswith("ours") else impl)
+        if impl.startswith("ours"):
+            patch_moe_experts(root, config=ours_config(impl, cfg))
 
-    impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and i in implementations(mode)]
+    impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and runs_in(i, mode)]
     once = {}
     for impl in impls:  # warm-up (optimizer state, compile / autotune) and peak memory, untimed
         use(impl)
@@ -286,7 +297,8 @@ def main(argv=None):
     ap.add_argument("--e2e-seq", type=int, default=2048)
     ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
                     help="modes whose end-to-end comparison includes the eager loop")
-    ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens
+    # eager (limited by --eager-tokens), grouped_mm, ours and Liger; the persistent variants when asked for
+    ap.set_defaults(variants=[*IMPLEMENTATIONS, LIGER])
     args = ap.parse_args(argv)
     impls = chosen_variants(ap, args, ALL_IMPLS, ["grouped_mm", "ours"])
     if LIGER in impls and not liger_available():
@@ -310,7 +322,7 @@ def main(argv=None):
             num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
             with_eager = not args.eager_tokens or label_tokens in args.eager_tokens
             for mode in args.modes:
-                cell_impls = [i for i in impls if (i != "eager" or with_eager) and i in implementations(mode)]
+                cell_impls = [i for i in impls if (i != "eager" or with_eager) and runs_in(i, mode)]
                 if args.graded_only and f"{name}_t{label_tokens}_{mode}" not in GRADED_CELLS:
                     continue
                 t0 = time.perf_counter()

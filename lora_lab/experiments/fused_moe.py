@@ -49,7 +49,8 @@ from lora_lab.numerics import error_stats
 __all__ = [
     "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
     "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
-    "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "MoeLayerShape", "LAYER_SHAPES", "random_routing",
+    "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_PERSISTENT", "ours_config", "MoeLayerShape",
+    "LAYER_SHAPES", "random_routing",
     "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
     "expert_gemm_flops", "layer_numerics", "saved_bytes_by_implementation",
     "benchmark_metrics", "layer_table", "GRADED_CELLS",
@@ -230,6 +231,16 @@ def peft_roundtrip_check(device="cpu", seed=0) -> dict:
 # ----------------------------------------------------------------------------------------------
 H200_DENSE_BF16_TFLOPS = 989.5  # NVIDIA H200 SXM: 1,979 TFLOP/s bf16 with 2:4 sparsity, half of it dense
 IMPLEMENTATIONS = ("eager", "grouped_mm", "ours")
+# ours with the persistent form of the row kernels (KernelConfig.moe_loads), timed when a benchmark asks for them
+OURS_PERSISTENT = {"ours_persistent": "persistent", "ours_persistent_ws": "persistent_ws"}
+
+
+def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:
+    """The kernel settings of one of our implementations: ``ours`` as given, the persistent ones with their
+    ``moe_loads``."""
+    if impl not in OURS_PERSISTENT:
+        return config
+    return (config if config is not None else KernelConfig.from_env()).replace(moe_loads=OURS_PERSISTENT[impl])
 
 
 @dataclass(frozen=True)
@@ -353,9 +364,9 @@ def set_implementation(holder: nn.Module, experts: nn.Module, impl: str, config:
     """eager / grouped_mm through transformers' switch; ours through ``patch_moe_experts(config=config)``; Liger's
     fused MoE registered as a transformers experts implementation (full fine-tuning only)."""
     unpatch_moe_experts(holder)
-    if impl == "ours":
+    if impl == "ours" or impl in OURS_PERSISTENT:
         experts.config._experts_implementation = "eager"
-        if patch_moe_experts(holder, config=config) != 1:
+        if patch_moe_experts(holder, config=ours_config(impl, config)) != 1:
             raise RuntimeError("expected exactly one patched experts module")
     elif impl in ("eager", "grouped_mm"):
         experts.config._experts_implementation = impl

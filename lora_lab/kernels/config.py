@@ -33,6 +33,12 @@ field              variable                meaning
                                            one that fits, for quick test runs)
 ``moe_autotune``   ``LORA_LAB_MOE_AUTOTUNE``  the same for the MoE kernels
 ``moe_block_m``    ``LORA_LAB_MOE_BLOCK_M``   rows per MoE row tile (power of two >= 16); None: by load
+``moe_loads``      ``LORA_LAB_MOE_LOADS``     the MoE row kernels (gate/up + SiLU, down, dX, down backward):
+                                           ``pointer`` (one program per tile, pointer loads), or
+                                           ``persistent`` / ``persistent_ws``: one program per SM walking
+                                           the tiles in grouped order, expert weights read through TMA
+                                           descriptors (token rows are still gathered by pointer), without /
+                                           with warp specialisation
 =================  ======================  ==============================================================
 """
 from __future__ import annotations
@@ -49,6 +55,7 @@ CHOICES = {
     "base_gemm": ("auto", "triton", "cublas"),
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent", "persistent_ws"),
+    "moe_loads": ("pointer", "persistent", "persistent_ws"),
 }
 ENV_VARIABLES = {
     "dispatch": "LORA_LAB_DISPATCH",
@@ -60,6 +67,7 @@ ENV_VARIABLES = {
     "autotune": "LORA_LAB_AUTOTUNE",
     "moe_autotune": "LORA_LAB_MOE_AUTOTUNE",
     "moe_block_m": "LORA_LAB_MOE_BLOCK_M",
+    "moe_loads": "LORA_LAB_MOE_LOADS",
 }
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -97,6 +105,7 @@ class KernelConfig:
     autotune: bool = True
     moe_autotune: bool = True
     moe_block_m: int | None = None
+    moe_loads: str = "pointer"
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():

@@ -6,10 +6,13 @@
 * :func:`rank_block` — the width of a LoRA-rank tile (tl.dot needs powers of two >= 16);
 * :func:`row_bucket` — an autotune key for a row count that does not re-tune for every sequence length;
 * :func:`check_kernel_device` — a clear error for CPU tensors outside the interpreter;
-* :func:`accumulate_matmul` — the K-loop of a GEMM tile through pointers (the LoRA GEMM and the loss kernels).
+* :func:`accumulate_matmul` — the K-loop of a GEMM tile through pointers (the LoRA GEMM and the loss kernels);
+* :func:`tile_coords`, :func:`num_sms`, :func:`warp_specialization_available` — the persistent GEMM core's
+  schedule (the LoRA GEMM's and the MoE row kernels' persistent forms walk their tiles in the same grouped order).
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -17,7 +20,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["running_in_interpreter", "dot_precision", "rank_block", "row_bucket", "check_kernel_device",
-           "accumulate_matmul"]
+           "accumulate_matmul", "tile_coords", "num_sms", "warp_specialization_available"]
 
 
 def running_in_interpreter() -> bool:
@@ -69,3 +72,29 @@ def accumulate_matmul(acc, in_ptr, stride_im, stride_ik, D, mat_ptr, stride_wk, 
         a_ptrs += BLOCK_K * stride_ik
         b_ptrs += BLOCK_K * stride_wk
     return acc
+
+
+@triton.jit
+def tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile ``tile_id`` in grouped order: GROUP_M row blocks share each column block
+    while it sits in L2 (every GEMM kernel here, persistent or not)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = tile_id // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
+    pid_n = (tile_id % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+def warp_specialization_available() -> bool:
+    """Whether this Triton's ``tl.range`` takes ``warp_specialize`` (Triton >= 3.3)."""
+    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+
+
+def num_sms(device: torch.device) -> int:
+    """Programs of a persistent kernel: one per SM; in the interpreter (programs run one after another) a few,
+    so that each walks several tiles."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

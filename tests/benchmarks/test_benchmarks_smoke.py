@@ -21,7 +21,7 @@ from lora_lab.lab.provenance import code_hash
 ROOT = Path(__file__).resolve().parents[2]
 REPETITIONS = 2  # the scripts' default is measure.MIN_REPETITIONS; two suffice to check the pairing
 SCRIPTS = {  # longest first: two run at a time
-    "bench_moe.py": ["--graded-only"],
+    "bench_moe.py": ["--graded-only", "--variants", "eager", "ours_persistent", "ours_persistent_ws"],
     "bench_lora_train_step.py": [],
     "bench_loss.py": [],
     "bench_lora_linear.py": ["--components", "target"],
@@ -155,7 +155,7 @@ def test_notebook_06_metrics(smoke_dir):
     with pytest.raises(ValueError, match="smoke"):
         fused_moe.benchmark_metrics(smoke_dir)
     table = fused_moe.layer_table(measure.read_csv(smoke_dir / fused_moe.LAYER_CSV))
-    assert {t["impl"] for t in table} == set(fused_moe.IMPLEMENTATIONS)
+    assert {t["impl"] for t in table} == set(fused_moe.IMPLEMENTATIONS) | set(fused_moe.OURS_PERSISTENT)
 
 
 def _loss_block(smoke_dir):

@@ -15,7 +15,6 @@ run the current tile's MMAs. The persistent kernel is opt-in until the benchmark
 """
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import torch
@@ -25,7 +24,15 @@ import triton.language as tl
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.rank_ops import dropout_args
 from lora_lab.kernels.lora.tuning import autotune, gemm_configs
-from lora_lab.kernels.triton_helpers import accumulate_matmul, dot_precision, rank_block, row_bucket
+from lora_lab.kernels.triton_helpers import (
+    accumulate_matmul,
+    dot_precision,
+    num_sms,
+    rank_block,
+    row_bucket,
+    tile_coords,
+    warp_specialization_available,
+)
 
 __all__ = ["lora_gemm", "warp_specialization_available"]
 
@@ -82,22 +89,9 @@ def _finish_tile(acc, rows, cols, rows_true, cols_true, M, N, out_ptr, stride_om
 
 
 @triton.jit
-def _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of output tile ``tile_id`` in grouped order: GROUP_M row-blocks share each column block
-    while it sits in L2 (every GEMM kernel here)."""
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = tile_id // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((tile_id % num_pid_in_group) % group_size_m)
-    pid_n = (tile_id % num_pid_in_group) // group_size_m
-    return pid_m, pid_n
-
-
-@triton.jit
 def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
     """(pid_m, pid_n) of this program's one tile (the non-persistent kernels)."""
-    return _tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    return tile_coords(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
 @autotune(gemm_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2", "D3", "R", "TUNE"])
@@ -264,7 +258,7 @@ def _lora_gemm_persistent_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
-        pid_m, pid_n = _tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
+        pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -292,18 +286,6 @@ def _lora_gemm_persistent_kernel(
                      l_ptr, stride_lm, stride_lr, rt_ptr, stride_rr, stride_rn, R, rank_lo_ptr, rank_hi_ptr,
                      bias_ptr, seed, p_drop, keep_scale, HAS_LOWRANK, HAS_RANK_RANGE, HAS_BIAS,
                      DROPOUT, PRECISION, BLOCK_R, BLOCK_M, BLOCK_N)
-
-
-def warp_specialization_available() -> bool:
-    """Whether this Triton's ``tl.range`` takes ``warp_specialize`` (Triton >= 3.3)."""
-    return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
-
-
-def _num_sms(device: torch.device) -> int:
-    # the interpreter runs programs one after another: a few, so that each walks several tiles
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 # dtype → error text once a TMA launch failed for that dtype: the pointer kernel from then on (per dtype, so an
@@ -450,10 +432,10 @@ def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config, 
     if warp_specialize and not warp_specialization_available():
         raise ValueError(f"lora_gemm: gemm_loads='persistent_ws' needs tl.range(warp_specialize=...), which "
                          f"triton {triton.__version__} lacks; use 'persistent'")
-    num_sms = _num_sms(out.device)
+    num_sms_ = num_sms(out.device)
 
     def grid(meta):
-        return (min(num_sms, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(num_sms_, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
 
     if project is not None:
         proj, proj_scale, _ = project
@@ -464,6 +446,6 @@ def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config, 
         fold = [out, 0, 0, 0.0]
     _lora_gemm_persistent_kernel[grid](out, out.stride(0), out.stride(1), M, N, row_bucket(M),
                                        int(config.autotune), *_descriptors(segments, layout, M, N), *tail, *fold,
-                                       NUM_SMS=num_sms, WARP_SPECIALIZE=warp_specialize, FOLD_P=project is not None,
+                                       NUM_SMS=num_sms_, WARP_SPECIALIZE=warp_specialize, FOLD_P=project is not None,
                                        MAT_NK=layout == "nk", **flags)
     return out

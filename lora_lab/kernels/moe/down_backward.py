@@ -36,7 +36,71 @@ from lora_lab.kernels.moe.tiles import (
     rows_times_expert_matrix,
     with_even_k,
 )
-from lora_lab.kernels.triton_helpers import dot_precision
+from lora_lab.kernels.triton_helpers import dot_precision, tile_coords
+
+
+@triton.jit
+def _down_backward_silu_tile(
+    pid_n, tile,
+    dout_ptr, stride_d_tok, stride_d_k,
+    w_ptr, stride_w_e, stride_w_k, stride_w_n,
+    lora_q_ptr, stride_q_row, stride_q_r,
+    lora_a_ptr, stride_la_e, stride_la_r, stride_la_n,
+    gu_ptr, stride_gu_row, stride_gu_n,
+    dgu_ptr, stride_dgu_row, stride_dgu_n,
+    row_weight_ptr, dw_ptr,
+    sorted_slot_ptr, sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    I, K, R, lora_scale, num_experts,
+    HAS_LORA: tl.constexpr, COMPUTE_DW: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # one (row tile, column block of I); W2 through pointers, or (W_TMA) w_ptr is its (E, H, I) TMA descriptor
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < num_experts:  # tiles past the real total have nothing to do
+        rows, row_mask, rows64, token = rows_of_tile(
+            tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
+        )
+
+        off_n = pid_n * BLOCK_N
+        cols = off_n + tl.arange(0, BLOCK_N)  # columns within I
+        col_mask = cols < I
+
+        # D = dOut[token] @ W2_e   (K = H; dOut rows read by token in place)
+        acc = rows_times_expert_matrix(
+            dout_ptr, token, row_mask, stride_d_tok, stride_d_k,
+            w_ptr, expert, off_n, cols, col_mask, stride_w_e, stride_w_k, stride_w_n, K,
+            EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, MAT_NK,
+        )
+
+        if HAS_LORA:
+            # D += s₂ · Q2_rows @ A2_e   with A2_e: (R, I)
+            q = load_rank_rows(lora_q_ptr, rows64, row_mask, stride_q_row, stride_q_r, R, BLOCK_R)
+            la = load_rank_cols(
+                lora_a_ptr + expert.to(tl.int64) * stride_la_e, cols, col_mask, stride_la_r, stride_la_n, R,
+                BLOCK_R,
+            )
+            acc += lora_scale * tl.dot(q, la, input_precision=DOT_PRECISION)
+
+        mask = row_mask[:, None] & col_mask[None, :]
+        gu_ptrs = gu_ptr + rows64[:, None] * stride_gu_row + cols[None, :] * stride_gu_n
+        g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptrs + I * stride_gu_n, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        slot = tl.load(sorted_slot_ptr + rows, mask=row_mask, other=0)
+        if COMPUTE_DW:
+            # dw_j += Σ_cols D · h   (h = SiLU(g)·u recomputed from the saved g, u)
+            partial = tl.sum(acc * (silu * u), axis=1)
+            tl.atomic_add(dw_ptr + slot, partial, mask=row_mask, sem="relaxed")
+        weight = tl.load(row_weight_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)
+        dh = acc * weight[:, None]
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+        du = dh * silu
+        dgu_ptrs = dgu_ptr + rows64[:, None] * stride_dgu_row + cols[None, :] * stride_dgu_n
+        out_ty = dgu_ptr.dtype.element_ty
+        tl.store(dgu_ptrs, dg.to(out_ty), mask=mask)
+        tl.store(dgu_ptrs + I * stride_dgu_n, du.to(out_ty), mask=mask)
 
 
 @triton.jit
@@ -49,63 +113,41 @@ def _down_backward_silu_kernel(
     dgu_ptr, stride_dgu_row, stride_dgu_n,
     row_weight_ptr, dw_ptr,
     sorted_slot_ptr, sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-    I, K, R, lora_scale, num_experts,
+    I, K, R, lora_scale, num_experts, num_tiles,
     HAS_LORA: tl.constexpr, COMPUTE_DW: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
-    if expert >= num_experts:
-        return
-    rows, row_mask, rows64, token = rows_of_tile(
-        tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
-    )
-
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within I
-    col_mask = cols < I
-
-    # D = dOut[token] @ W2_e   (K = H; dOut rows read by token in place)
-    acc = rows_times_expert_matrix(
-        dout_ptr, token, row_mask, stride_d_tok, stride_d_k,
-        w_ptr, expert, cols, col_mask, stride_w_e, stride_w_k, stride_w_n, K,
-        EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
-
-    if HAS_LORA:
-        # D += s₂ · Q2_rows @ A2_e   with A2_e: (R, I)
-        q = load_rank_rows(lora_q_ptr, rows64, row_mask, stride_q_row, stride_q_r, R, BLOCK_R)
-        la = load_rank_cols(
-            lora_a_ptr + expert.to(tl.int64) * stride_la_e, cols, col_mask, stride_la_r, stride_la_n, R, BLOCK_R,
+    if PERSISTENT:
+        # one program per SM walks the (row tile, column block) pairs in grouped order
+        num_pid_n = tl.cdiv(I, BLOCK_N)
+        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+            tile, pid_n = tile_coords(work, num_tiles, num_pid_n, GROUP_M)
+            _down_backward_silu_tile(
+                pid_n, tile, dout_ptr, stride_d_tok, stride_d_k, w_ptr, stride_w_e, stride_w_k, stride_w_n,
+                lora_q_ptr, stride_q_row, stride_q_r, lora_a_ptr, stride_la_e, stride_la_r, stride_la_n,
+                gu_ptr, stride_gu_row, stride_gu_n, dgu_ptr, stride_dgu_row, stride_dgu_n, row_weight_ptr, dw_ptr,
+                sorted_slot_ptr, sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                I, K, R, lora_scale, num_experts, HAS_LORA, COMPUTE_DW, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+            )
+    else:
+        _down_backward_silu_tile(
+            tl.program_id(0), tl.program_id(1), dout_ptr, stride_d_tok, stride_d_k, w_ptr, stride_w_e, stride_w_k,
+            stride_w_n, lora_q_ptr, stride_q_row, stride_q_r, lora_a_ptr, stride_la_e, stride_la_r, stride_la_n,
+            gu_ptr, stride_gu_row, stride_gu_n, dgu_ptr, stride_dgu_row, stride_dgu_n, row_weight_ptr, dw_ptr,
+            sorted_slot_ptr, sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+            I, K, R, lora_scale, num_experts, HAS_LORA, COMPUTE_DW, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
         )
-        acc += lora_scale * tl.dot(q, la, input_precision=DOT_PRECISION)
-
-    mask = row_mask[:, None] & col_mask[None, :]
-    gu_ptrs = gu_ptr + rows64[:, None] * stride_gu_row + cols[None, :] * stride_gu_n
-    g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_ptrs + I * stride_gu_n, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    silu = g * sig
-    slot = tl.load(sorted_slot_ptr + rows, mask=row_mask, other=0)
-    if COMPUTE_DW:
-        # dw_j += Σ_cols D · h   (h = SiLU(g)·u recomputed from the saved g, u)
-        partial = tl.sum(acc * (silu * u), axis=1)
-        tl.atomic_add(dw_ptr + slot, partial, mask=row_mask, sem="relaxed")
-    weight = tl.load(row_weight_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)
-    dh = acc * weight[:, None]
-    dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-    du = dh * silu
-    dgu_ptrs = dgu_ptr + rows64[:, None] * stride_dgu_row + cols[None, :] * stride_dgu_n
-    out_ty = dgu_ptr.dtype.element_ty
-    tl.store(dgu_ptrs, dg.to(out_ty), mask=mask)
-    tl.store(dgu_ptrs + I * stride_dgu_n, du.to(out_ty), mask=mask)
 
 
 _down_backward_kernel = with_even_k(_down_backward_silu_kernel)
 _down_backward_kernel_unspecialized = with_even_k(unspecialized_twin(_down_backward_silu_kernel))
 _down_backward_kernel_tuned = triton.autotune(
     configs=autotune_configs("down_backward"),
-    key=["I", "K", "HAS_LORA", "COMPUTE_DW", "BLOCK_M"],
+    key=["I", "K", "HAS_LORA", "COMPUTE_DW", "BLOCK_M", "PERSISTENT", "WARP_SPECIALIZE"],
     reset_to_zero=["dw_ptr"],
 )(_down_backward_kernel)
 
@@ -157,7 +199,7 @@ def down_backward_silu(
         row_weight, dw_arg,
         routing.sorted_slot, routing.sorted_token, routing.tile_expert, routing.tile_row_start,
         routing.expert_offsets,
-        inter, hidden, rank, float(lora_scale), num_experts,
+        inter, hidden, rank, float(lora_scale), num_experts, routing.max_tiles,
     )
     flags = dict(
         HAS_LORA=lora is not None, COMPUTE_DW=dw is not None, DOT_PRECISION=dot_precision(gu.dtype),
@@ -166,6 +208,7 @@ def down_backward_silu(
     launch_row_tiles(
         _down_backward_kernel_tuned, _down_backward_kernel, _down_backward_kernel_unspecialized, args, flags,
         kind="down_backward", num_cols=inter, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config),
+        weight=(3, down_proj),
     )
     return dgu, dw
 

@@ -26,6 +26,7 @@ from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspe
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import (
     launch_row_tiles,
+    load_expert_block,
     load_k_by_cols,
     load_rank_cols,
     load_rank_rows,
@@ -33,7 +34,76 @@ from lora_lab.kernels.moe.tiles import (
     rows_of_tile,
     with_even_k,
 )
-from lora_lab.kernels.triton_helpers import dot_precision
+from lora_lab.kernels.triton_helpers import dot_precision, tile_coords
+
+
+@triton.jit
+def _gate_up_silu_tile(
+    pid_n, tile,
+    x_ptr, stride_x_tok, stride_x_k,
+    w_ptr, stride_w_e, stride_w_n, stride_w_k,
+    lora_p_ptr, stride_p_row, stride_p_r,
+    lora_b_ptr, stride_lb_e, stride_lb_n, stride_lb_r,
+    gu_ptr, stride_gu_row, stride_gu_n,
+    h_ptr, stride_h_row, stride_h_n,
+    sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    I, K, R, lora_scale, num_experts,
+    HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_TMA: tl.constexpr,
+    MAT_NK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # one (row tile, column block of I); W1 through pointers, or (W_TMA) w_ptr is its (E, 2I, H) TMA descriptor
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < num_experts:  # tiles past the real total have nothing to do
+        rows, row_mask, rows64, token = rows_of_tile(
+            tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
+        )
+
+        off_n = pid_n * BLOCK_N
+        cols = off_n + tl.arange(0, BLOCK_N)  # columns within I
+        col_mask = cols < I
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + token[:, None] * stride_x_tok + offs_k[None, :] * stride_x_k
+        if not W_TMA:
+            w_base = w_ptr + expert.to(tl.int64) * stride_w_e + offs_k[:, None] * stride_w_k
+            wg_ptrs = w_base + cols[None, :] * stride_w_n  # W1_e[:I]ᵀ tile (BLOCK_K, BLOCK_N)
+            wu_ptrs = w_base + (cols + I)[None, :] * stride_w_n  # W1_e[I:]ᵀ tile
+
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = load_rows_by_k(x_ptrs, row_mask, offs_k, k0, K, EVEN_K)
+            if W_TMA:
+                wg = load_expert_block(w_ptr, expert, k0, off_n, MAT_NK, BLOCK_K, BLOCK_N)
+                wu = load_expert_block(w_ptr, expert, k0, off_n + I, MAT_NK, BLOCK_K, BLOCK_N)
+            else:
+                wg = load_k_by_cols(wg_ptrs, col_mask, offs_k, k0, K, EVEN_K)
+                wu = load_k_by_cols(wu_ptrs, col_mask, offs_k, k0, K, EVEN_K)
+            # g += X_rows @ W1_e[:I]ᵀ ;  u += X_rows @ W1_e[I:]ᵀ
+            acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K * stride_x_k
+            if not W_TMA:
+                wg_ptrs += BLOCK_K * stride_w_k
+                wu_ptrs += BLOCK_K * stride_w_k
+
+        if HAS_LORA:
+            # [g | u] += s₁ · P1_rows @ B1_eᵀ   with B1_e: (2I, R)
+            p = load_rank_rows(lora_p_ptr, rows64, row_mask, stride_p_row, stride_p_r, R, BLOCK_R)
+            lb_e = lora_b_ptr + expert.to(tl.int64) * stride_lb_e
+            bg = load_rank_cols(lb_e, cols, col_mask, stride_lb_r, stride_lb_n, R, BLOCK_R)  # B1_e[:I]ᵀ
+            bu = load_rank_cols(lb_e, cols + I, col_mask, stride_lb_r, stride_lb_n, R, BLOCK_R)  # B1_e[I:]ᵀ
+            acc_g += lora_scale * tl.dot(p, bg, input_precision=DOT_PRECISION)
+            acc_u += lora_scale * tl.dot(p, bu, input_precision=DOT_PRECISION)
+
+        # h = g · σ(g) · u
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        mask = row_mask[:, None] & col_mask[None, :]
+        gu_ptrs = gu_ptr + rows64[:, None] * stride_gu_row + cols[None, :] * stride_gu_n
+        out_ty = gu_ptr.dtype.element_ty
+        tl.store(gu_ptrs, acc_g.to(out_ty), mask=mask)
+        tl.store(gu_ptrs + I * stride_gu_n, acc_u.to(out_ty), mask=mask)
+        tl.store(h_ptr + rows64[:, None] * stride_h_row + cols[None, :] * stride_h_n, h.to(out_ty), mask=mask)
 
 
 @triton.jit
@@ -45,63 +115,40 @@ def _gate_up_silu_kernel(
     gu_ptr, stride_gu_row, stride_gu_n,
     h_ptr, stride_h_row, stride_h_n,
     sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-    I, K, R, lora_scale, num_experts,
+    I, K, R, lora_scale, num_experts, num_tiles,
     HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
-    if expert >= num_experts:
-        return
-    rows, row_mask, rows64, token = rows_of_tile(
-        tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
-    )
-
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns within I
-    col_mask = cols < I
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + token[:, None] * stride_x_tok + offs_k[None, :] * stride_x_k
-    w_base = w_ptr + expert.to(tl.int64) * stride_w_e + offs_k[:, None] * stride_w_k
-    wg_ptrs = w_base + cols[None, :] * stride_w_n  # W1_e[:I]ᵀ tile (BLOCK_K, BLOCK_N)
-    wu_ptrs = w_base + (cols + I)[None, :] * stride_w_n  # W1_e[I:]ᵀ tile
-
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = load_rows_by_k(x_ptrs, row_mask, offs_k, k0, K, EVEN_K)
-        wg = load_k_by_cols(wg_ptrs, col_mask, offs_k, k0, K, EVEN_K)
-        wu = load_k_by_cols(wu_ptrs, col_mask, offs_k, k0, K, EVEN_K)
-        # g += X_rows @ W1_e[:I]ᵀ ;  u += X_rows @ W1_e[I:]ᵀ
-        acc_g = tl.dot(x, wg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(x, wu, acc_u, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K * stride_x_k
-        wg_ptrs += BLOCK_K * stride_w_k
-        wu_ptrs += BLOCK_K * stride_w_k
-
-    if HAS_LORA:
-        # [g | u] += s₁ · P1_rows @ B1_eᵀ   with B1_e: (2I, R)
-        p = load_rank_rows(lora_p_ptr, rows64, row_mask, stride_p_row, stride_p_r, R, BLOCK_R)
-        lb_e = lora_b_ptr + expert.to(tl.int64) * stride_lb_e
-        bg = load_rank_cols(lb_e, cols, col_mask, stride_lb_r, stride_lb_n, R, BLOCK_R)  # B1_e[:I]ᵀ
-        bu = load_rank_cols(lb_e, cols + I, col_mask, stride_lb_r, stride_lb_n, R, BLOCK_R)  # B1_e[I:]ᵀ
-        acc_g += lora_scale * tl.dot(p, bg, input_precision=DOT_PRECISION)
-        acc_u += lora_scale * tl.dot(p, bu, input_precision=DOT_PRECISION)
-
-    # h = g · σ(g) · u
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    mask = row_mask[:, None] & col_mask[None, :]
-    gu_ptrs = gu_ptr + rows64[:, None] * stride_gu_row + cols[None, :] * stride_gu_n
-    out_ty = gu_ptr.dtype.element_ty
-    tl.store(gu_ptrs, acc_g.to(out_ty), mask=mask)
-    tl.store(gu_ptrs + I * stride_gu_n, acc_u.to(out_ty), mask=mask)
-    tl.store(h_ptr + rows64[:, None] * stride_h_row + cols[None, :] * stride_h_n, h.to(out_ty), mask=mask)
+    if PERSISTENT:
+        # one program per SM walks the (row tile, column block) pairs in grouped order
+        num_pid_n = tl.cdiv(I, BLOCK_N)
+        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+            tile, pid_n = tile_coords(work, num_tiles, num_pid_n, GROUP_M)
+            _gate_up_silu_tile(
+                pid_n, tile, x_ptr, stride_x_tok, stride_x_k, w_ptr, stride_w_e, stride_w_n, stride_w_k,
+                lora_p_ptr, stride_p_row, stride_p_r, lora_b_ptr, stride_lb_e, stride_lb_n, stride_lb_r,
+                gu_ptr, stride_gu_row, stride_gu_n, h_ptr, stride_h_row, stride_h_n,
+                sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+                I, K, R, lora_scale, num_experts, HAS_LORA, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+            )
+    else:
+        _gate_up_silu_tile(
+            tl.program_id(0), tl.program_id(1), x_ptr, stride_x_tok, stride_x_k, w_ptr, stride_w_e, stride_w_n,
+            stride_w_k, lora_p_ptr, stride_p_row, stride_p_r, lora_b_ptr, stride_lb_e, stride_lb_n, stride_lb_r,
+            gu_ptr, stride_gu_row, stride_gu_n, h_ptr, stride_h_row, stride_h_n,
+            sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+            I, K, R, lora_scale, num_experts, HAS_LORA, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+        )
 
 
 _gate_up_kernel = with_even_k(_gate_up_silu_kernel)
 _gate_up_kernel_unspecialized = with_even_k(unspecialized_twin(_gate_up_silu_kernel))
 _gate_up_kernel_tuned = triton.autotune(
-    configs=autotune_configs("gate_up"), key=["I", "K", "HAS_LORA", "BLOCK_M"],
+    configs=autotune_configs("gate_up"), key=["I", "K", "HAS_LORA", "BLOCK_M", "PERSISTENT", "WARP_SPECIALIZE"],
 )(_gate_up_kernel)
 
 
@@ -145,7 +192,7 @@ def gate_up_silu(
         gu, gu.stride(0), gu.stride(1),
         h, h.stride(0), h.stride(1),
         routing.sorted_token, routing.tile_expert, routing.tile_row_start, routing.expert_offsets,
-        inter, hidden, rank, float(lora_scale), num_experts,
+        inter, hidden, rank, float(lora_scale), num_experts, routing.max_tiles,
     )
     flags = dict(
         HAS_LORA=lora is not None, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_R=block_r,
@@ -153,6 +200,7 @@ def gate_up_silu(
     launch_row_tiles(
         _gate_up_kernel_tuned, _gate_up_kernel, _gate_up_kernel_unspecialized, args, flags,
         kind="gate_up", num_cols=inter, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config),
+        weight=(3, gate_up_proj.transpose(1, 2)),
     )
     return gu, h
 

@@ -40,7 +40,68 @@ from lora_lab.kernels.moe.tiles import (
     rows_times_expert_matrix,
     with_even_k,
 )
-from lora_lab.kernels.triton_helpers import dot_precision
+from lora_lab.kernels.triton_helpers import dot_precision, tile_coords
+
+
+@triton.jit
+def _grouped_rows_gemm_tile(
+    pid_n, tile,
+    a_ptr, stride_a_row, stride_a_k,
+    b_ptr, stride_b_e, stride_b_k, stride_b_n,
+    lora_p_ptr, stride_p_row, stride_p_r,
+    lora_l_ptr, stride_l_e, stride_l_r, stride_l_n,
+    out_ptr, stride_out_row, stride_out_n,
+    row_weight_ptr, sorted_slot_ptr, sorted_token_ptr,
+    tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    N, K, R, lora_scale, num_experts,
+    GATHER_A: tl.constexpr, HAS_LORA: tl.constexpr, ROW_WEIGHT: tl.constexpr, SCATTER_ADD: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    # one (row tile, column block); B through pointers, or (W_TMA) b_ptr is its TMA descriptor
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < num_experts:  # tiles past the real total have nothing to do
+        rows, row_mask, rows64, token = rows_of_tile(
+            tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
+        )
+        if GATHER_A:
+            a_rows = token  # A[sorted_token[j]]: gather fused into the load
+        else:
+            a_rows = rows64
+
+        off_n = pid_n * BLOCK_N
+        cols = off_n + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+
+        # C = A_rows @ B_e, fp32 accumulation over K
+        acc = rows_times_expert_matrix(
+            a_ptr, a_rows, row_mask, stride_a_row, stride_a_k,
+            b_ptr, expert, off_n, cols, col_mask, stride_b_e, stride_b_k, stride_b_n, K,
+            EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, MAT_NK,
+        )
+
+        if HAS_LORA:
+            # C += scale · P_rows @ L_e   (rank-R product; W + B·A is never built)
+            p = load_rank_rows(lora_p_ptr, rows64, row_mask, stride_p_row, stride_p_r, R, BLOCK_R)
+            lo = load_rank_cols(
+                lora_l_ptr + expert.to(tl.int64) * stride_l_e, cols, col_mask, stride_l_r, stride_l_n, R, BLOCK_R,
+            )
+            acc += lora_scale * tl.dot(p, lo, input_precision=DOT_PRECISION)
+
+        if ROW_WEIGHT:
+            # C[j] *= w[sorted_slot[j]]   (routing weight of this token-expert pair)
+            slot = tl.load(sorted_slot_ptr + rows, mask=row_mask, other=0)
+            weight = tl.load(row_weight_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)
+            acc = acc * weight[:, None]
+
+        mask = row_mask[:, None] & col_mask[None, :]
+        if SCATTER_ADD:
+            # Out[sorted_token[j]] += C[j]: the gather back to token order, fused (fp32 atomics)
+            out_ptrs = out_ptr + token[:, None] * stride_out_row + cols[None, :] * stride_out_n
+            tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            out_ptrs = out_ptr + rows64[:, None] * stride_out_row + cols[None, :] * stride_out_n
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -52,63 +113,42 @@ def _grouped_rows_gemm_kernel(
     out_ptr, stride_out_row, stride_out_n,
     row_weight_ptr, sorted_slot_ptr, sorted_token_ptr,
     tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-    N, K, R, lora_scale, num_experts,
+    N, K, R, lora_scale, num_experts, num_tiles,
     GATHER_A: tl.constexpr, HAS_LORA: tl.constexpr, ROW_WEIGHT: tl.constexpr, SCATTER_ADD: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    tile = tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
-    if expert >= num_experts:  # tile past the real total: nothing to do
-        return
-    rows, row_mask, rows64, token = rows_of_tile(
-        tile, expert, tile_row_start_ptr, expert_offsets_ptr, sorted_token_ptr, BLOCK_M,
-    )
-    if GATHER_A:
-        a_rows = token  # A[sorted_token[j]]: gather fused into the load
+    if PERSISTENT:
+        # one program per SM walks the (row tile, column block) pairs in grouped order
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+            tile, pid_n = tile_coords(work, num_tiles, num_pid_n, GROUP_M)
+            _grouped_rows_gemm_tile(
+                pid_n, tile, a_ptr, stride_a_row, stride_a_k, b_ptr, stride_b_e, stride_b_k, stride_b_n,
+                lora_p_ptr, stride_p_row, stride_p_r, lora_l_ptr, stride_l_e, stride_l_r, stride_l_n,
+                out_ptr, stride_out_row, stride_out_n, row_weight_ptr, sorted_slot_ptr, sorted_token_ptr,
+                tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, K, R, lora_scale, num_experts,
+                GATHER_A, HAS_LORA, ROW_WEIGHT, SCATTER_ADD, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
+            )
     else:
-        a_rows = rows64
-
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-
-    # C = A_rows @ B_e, fp32 accumulation over K
-    acc = rows_times_expert_matrix(
-        a_ptr, a_rows, row_mask, stride_a_row, stride_a_k,
-        b_ptr, expert, cols, col_mask, stride_b_e, stride_b_k, stride_b_n, K,
-        EVEN_K, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-    )
-
-    if HAS_LORA:
-        # C += scale · P_rows @ L_e   (rank-R product; W + B·A is never built)
-        p = load_rank_rows(lora_p_ptr, rows64, row_mask, stride_p_row, stride_p_r, R, BLOCK_R)
-        lo = load_rank_cols(
-            lora_l_ptr + expert.to(tl.int64) * stride_l_e, cols, col_mask, stride_l_r, stride_l_n, R, BLOCK_R,
+        _grouped_rows_gemm_tile(
+            tl.program_id(0), tl.program_id(1), a_ptr, stride_a_row, stride_a_k, b_ptr, stride_b_e, stride_b_k,
+            stride_b_n, lora_p_ptr, stride_p_row, stride_p_r, lora_l_ptr, stride_l_e, stride_l_r, stride_l_n,
+            out_ptr, stride_out_row, stride_out_n, row_weight_ptr, sorted_slot_ptr, sorted_token_ptr,
+            tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr, N, K, R, lora_scale, num_experts,
+            GATHER_A, HAS_LORA, ROW_WEIGHT, SCATTER_ADD, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+            BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
         )
-        acc += lora_scale * tl.dot(p, lo, input_precision=DOT_PRECISION)
-
-    if ROW_WEIGHT:
-        # C[j] *= w[sorted_slot[j]]   (routing weight of this token-expert pair)
-        slot = tl.load(sorted_slot_ptr + rows, mask=row_mask, other=0)
-        weight = tl.load(row_weight_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)
-        acc = acc * weight[:, None]
-
-    mask = row_mask[:, None] & col_mask[None, :]
-    if SCATTER_ADD:
-        # Out[sorted_token[j]] += C[j]: the gather back to token order, fused (fp32 atomics)
-        out_ptrs = out_ptr + token[:, None] * stride_out_row + cols[None, :] * stride_out_n
-        tl.atomic_add(out_ptrs, acc, mask=mask, sem="relaxed")
-    else:
-        out_ptrs = out_ptr + rows64[:, None] * stride_out_row + cols[None, :] * stride_out_n
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _rows_kernel = with_even_k(_grouped_rows_gemm_kernel)
 _rows_kernel_unspecialized = with_even_k(unspecialized_twin(_grouped_rows_gemm_kernel))
 _rows_kernel_tuned = triton.autotune(
     configs=autotune_configs("rows"),
-    key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M"],
+    key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M", "PERSISTENT", "WARP_SPECIALIZE"],
     reset_to_zero=["out_ptr"],
 )(_rows_kernel)
 
@@ -181,7 +221,7 @@ def grouped_rows_gemm(
         out, out.stride(0), out.stride(1),
         weight, routing.sorted_slot, routing.sorted_token,
         routing.tile_expert, routing.tile_row_start, routing.expert_offsets,
-        n_dim, k_dim, rank, float(lora_scale), num_experts,
+        n_dim, k_dim, rank, float(lora_scale), num_experts, routing.max_tiles,
     )
     flags = dict(
         GATHER_A=gather_rows, HAS_LORA=lora is not None, ROW_WEIGHT=row_weight is not None,
@@ -192,7 +232,7 @@ def grouped_rows_gemm(
     launch_row_tiles(
         _rows_kernel_tuned, _rows_kernel, _rows_kernel_unspecialized, args, flags,
         kind="rows", num_cols=n_dim, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config),
-        one_tile_if_narrow=True,
+        one_tile_if_narrow=True, weight=(3, b),
     )
     return out
 

@@ -97,9 +97,19 @@ def fixed_meta(kind: str) -> dict:
     return dict(table[kind])
 
 
+def set_expert_block_shape(nargs: dict) -> None:
+    """Autotune pre-hook (persistent form): the expert matrix's TMA descriptor gets the run's block shape."""
+    for value in nargs.values():
+        if type(value).__name__ == "TensorDescriptor":
+            bk, bn = nargs["BLOCK_K"], nargs["BLOCK_N"]
+            value.block_shape = [1, bn, bk] if nargs["MAT_NK"] else [1, bk, bn]
+
+
 def autotune_configs(kind: str) -> list:
     """A few Hopper-friendly configs per kernel kind (BLOCK_M of row kernels comes from the routing)."""
-    c = triton.Config
+    def c(meta, num_warps, num_stages):
+        return triton.Config(meta, num_warps=num_warps, num_stages=num_stages, pre_hook=set_expert_block_shape)
+
     if running_in_interpreter():
         meta = fixed_meta(kind)
         warps, stages = meta.pop("num_warps"), meta.pop("num_stages")

@@ -17,11 +17,19 @@ pointer arithmetic and tl.dot accumulation order). Host side, ``with_even_k`` an
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig
-from lora_lab.kernels.moe.launch import autotune_enabled, fixed_kernel, fixed_meta, narrow_block_size
+from lora_lab.kernels.moe.launch import (
+    autotune_enabled,
+    fixed_kernel,
+    fixed_meta,
+    narrow_block_size,
+    set_expert_block_shape,
+)
+from lora_lab.kernels.triton_helpers import num_sms, warp_specialization_available
 
 # ---------------------------------------------------------------- device side (inlined)
 
@@ -63,24 +71,49 @@ def load_k_by_cols(ptrs, col_mask, offs_k, k0, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def load_expert_block(desc, expert, k0, off_n, MAT_NK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(BLOCK_K, BLOCK_N) tile B_e[k0:k0+BLOCK_K, off_n:off_n+BLOCK_N] through a 3-D TMA descriptor.
+
+    The descriptor spans (E, N, K) when MAT_NK (B_e is the transpose of a row-major N×K block, e.g. W2_eᵀ) and
+    (E, K, N) otherwise; TMA reads zeros past each dimension's end, so a tile never reaches into the next expert.
+    """
+    if MAT_NK:
+        tile = tl.trans(desc.load([expert, off_n, k0]).reshape(BLOCK_N, BLOCK_K))
+    else:
+        tile = desc.load([expert, k0, off_n]).reshape(BLOCK_K, BLOCK_N)
+    return tile
+
+
+@triton.jit
 def rows_times_expert_matrix(
     a_ptr, a_rows, row_mask, stride_a_row, stride_a_k,
-    b_ptr, expert, cols, col_mask, stride_b_e, stride_b_k, stride_b_n, K,
+    b_ptr, expert, off_n, cols, col_mask, stride_b_e, stride_b_k, stride_b_n, K,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
 ):
-    """C = A[a_rows, :] @ B_e[:, cols] with fp32 accumulation over K (B: (E, K, N), any strides)."""
+    """C = A[a_rows, :] @ B_e[:, cols] with fp32 accumulation over K.
+
+    B (E, K, N) is read through pointers (any strides), or, when W_TMA, ``b_ptr`` is its TMA descriptor
+    (:func:`load_expert_block`). A's rows are gathered through pointers either way.
+    """
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_a_row + offs_k[None, :] * stride_a_k
-    b_ptrs = b_ptr + expert.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k + cols[None, :] * stride_b_n
+    if not W_TMA:
+        b_ptrs = (b_ptr + expert.to(tl.int64) * stride_b_e + offs_k[:, None] * stride_b_k
+                  + cols[None, :] * stride_b_n)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = load_rows_by_k(a_ptrs, row_mask, offs_k, k0, K, EVEN_K)
-        b = load_k_by_cols(b_ptrs, col_mask, offs_k, k0, K, EVEN_K)
+        if W_TMA:
+            b = load_expert_block(b_ptr, expert, k0, off_n, MAT_NK, BLOCK_K, BLOCK_N)
+        else:
+            b = load_k_by_cols(b_ptrs, col_mask, offs_k, k0, K, EVEN_K)
         # C += A[rows, k0:k0+BLOCK_K] @ B_e[k0:k0+BLOCK_K, cols]
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_a_k
-        b_ptrs += BLOCK_K * stride_b_k
+        if not W_TMA:
+            b_ptrs += BLOCK_K * stride_b_k
     return acc
 
 
@@ -115,25 +148,78 @@ def with_even_k(kernel):
     return triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(kernel)
 
 
+GROUP_M = 8  # persistent form: row tiles that walk each column block together while it sits in L2
+
+
+def expert_descriptor(weight_kn: torch.Tensor):
+    """(TMA descriptor, MAT_NK) of an expert matrix given as its (E, K, N) view; ValueError naming what TMA lacks.
+
+    K-contiguous views (W2ᵀ for the down projection, W1ᵀ for gate/up) get an (E, N, K) descriptor (MAT_NK), N-contiguous
+    ones (W1 for dX, W2 for the down backward) an (E, K, N) one. The block shape is set per launch config.
+    """
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        raise ValueError(f"moe_loads='persistent' reads the expert weights through TMA descriptors, which triton "
+                         f"{triton.__version__} lacks (needs >= 3.4); use moe_loads='pointer'") from None
+    experts, k_dim, n_dim = weight_kn.shape
+    s_e, s_k, s_n = weight_kn.stride()
+    if s_n == 1:
+        mat_nk, shape, strides = False, [experts, k_dim, n_dim], [s_e, s_k, 1]
+    elif s_k == 1:
+        mat_nk, shape, strides = True, [experts, n_dim, k_dim], [s_e, s_n, 1]
+    else:
+        raise ValueError(f"moe_loads='persistent': the expert matrix (strides {tuple(weight_kn.stride())}) has no "
+                         "contiguous dimension for TMA; use moe_loads='pointer'")
+    size = weight_kn.element_size()
+    if weight_kn.data_ptr() % 16 or any(stride * size % 16 for stride in strides[:2]):
+        raise ValueError(f"moe_loads='persistent': TMA needs a 16-byte aligned expert matrix with 16-byte aligned "
+                         f"row strides; got strides {tuple(weight_kn.stride())} of {weight_kn.dtype}; use "
+                         "moe_loads='pointer'")
+    return TensorDescriptor(weight_kn, shape, strides, [1, 16, 16]), mat_nk
+
+
 def launch_row_tiles(
     tuned, specialized, unspecialized, args: tuple, flags: dict, *,
     kind: str, num_cols: int, num_tiles: int, tune: bool, config: KernelConfig, one_tile_if_narrow: bool = False,
+    weight: tuple[int, torch.Tensor] | None = None,
 ) -> None:
-    """Launch a row-tiled kernel on the grid (cdiv(num_cols, BLOCK_N), num_tiles).
+    """Launch a row-tiled kernel: one program per (column block, row tile), or the persistent form.
 
-    Autotuned (``tuned``) when ``tune`` and ``config`` enables tuning, else with the fixed config of
-    ``kind``. ``one_tile_if_narrow``: outputs of <= 128 columns (LoRA factors, N = rank) are never
-    tuned and get one tile across their columns.
+    One program per tile: the grid (cdiv(num_cols, BLOCK_N), num_tiles). Persistent (``config.moe_loads``
+    'persistent' / 'persistent_ws'): one program per SM walking the (row tile, column block) pairs in grouped
+    order, the expert matrix ``weight = (position in args, its (E, K, N) view)`` read through a TMA descriptor.
+    Autotuned (``tuned``) when ``tune`` and ``config`` enables tuning, else with the fixed config of ``kind``.
+    ``one_tile_if_narrow``: outputs of <= 128 columns (LoRA factors, N = rank) are never tuned and get one tile
+    across their columns.
     """
     narrow = one_tile_if_narrow and num_cols <= 128
-    if tune and autotune_enabled(config) and not narrow:
-        def grid(meta):
-            return (triton.cdiv(num_cols, meta["BLOCK_N"]), num_tiles)
+    persistent = config.moe_loads != "pointer"
+    flags = dict(flags, PERSISTENT=persistent, WARP_SPECIALIZE=persistent and config.moe_loads == "persistent_ws",
+                 W_TMA=persistent, MAT_NK=False, NUM_SMS=1, GROUP_M=GROUP_M)
+    sms = 1
+    if persistent:
+        if flags["WARP_SPECIALIZE"] and not warp_specialization_available():
+            raise ValueError(f"moe_loads='persistent_ws' needs tl.range(warp_specialize=...), which triton "
+                             f"{triton.__version__} lacks; use 'persistent'")
+        position, weight_kn = weight
+        sms = flags["NUM_SMS"] = num_sms(weight_kn.device)
+        try:
+            desc, flags["MAT_NK"] = expert_descriptor(weight_kn)
+            args = args[:position] + (desc,) + args[position + 1:]
+        except ValueError:  # odd sizes, misaligned views, an old Triton: the same schedule with pointer loads
+            flags["W_TMA"] = False
 
-        tuned[grid](*args, **flags)
+    def grid_of(block_n):
+        col_blocks = triton.cdiv(num_cols, block_n)
+        return (min(sms, col_blocks * num_tiles),) if persistent else (col_blocks, num_tiles)
+
+    if tune and autotune_enabled(config) and not narrow:
+        tuned[lambda meta: grid_of(meta["BLOCK_N"])](*args, **flags)
     else:
         meta = fixed_meta(kind)
         if narrow:
             meta["BLOCK_N"] = narrow_block_size(num_cols, config)
-        grid = (triton.cdiv(num_cols, meta["BLOCK_N"]), num_tiles)
-        fixed_kernel(specialized, unspecialized, config)[grid](*args, **flags, **meta)
+        if persistent:
+            set_expert_block_shape({**dict(enumerate(args)), **flags, **meta})
+        fixed_kernel(specialized, unspecialized, config)[grid_of(meta["BLOCK_N"])](*args, **flags, **meta)

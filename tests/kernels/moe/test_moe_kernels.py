@@ -35,7 +35,7 @@ def lora_tensors(lora):
     return [] if lora is None else [lora.gate_up_A, lora.gate_up_B, lora.down_A, lora.down_B]
 
 
-def run_both(x, index, weights, w1, w2, lora, *, grad_seed=1):
+def run_both(x, index, weights, w1, w2, lora, *, grad_seed=1, config=None):
     """Output and every gradient of the fused kernels and of the reference (same leaves)."""
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w1, w2, *lora_tensors(lora))]
 
@@ -49,7 +49,7 @@ def run_both(x, index, weights, w1, w2, lora, *, grad_seed=1):
     for fn in (fused_moe_experts, moe_experts_reference):
         xx, ww, a, b, lo = unpack(leaves)
         if fn is fused_moe_experts:
-            out = fn(xx, index, ww, a, b, lora=lo)
+            out = fn(xx, index, ww, a, b, lora=lo, config=config)
         else:
             out = fn(xx, index, ww, a, b, lo)
         g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out)
@@ -171,6 +171,64 @@ def test_fused_matches_reference_fp32(T, H, I, E, K, rank, routing):
     problem = make_problem(T, H, I, E, K, rank=rank, routing=routing)
     got, ref = run_both(*problem)
     assert_close_all(got, ref)
+
+
+# The persistent form (moe_loads="persistent" / "persistent_ws"): one program per SM walks the row tiles; expert
+# weights through TMA descriptors where their rows are 16-byte aligned, through pointers otherwise.
+@interpreter
+@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize(
+    "T,H,I,E,K,rank,routing,tma",
+    [
+        (40, 48, 24, 3, 2, 0, "random", True),  # several row tiles per expert; aligned rows: TMA weights
+        (9, 32, 20, 5, 2, 3, "random", True),  # + LoRA; I = 20 is not a multiple of the column block
+        (12, 32, 16, 6, 1, 2, "one_expert", True),  # experts without rows
+        (9, 37, 19, 5, 2, 3, "random", False),  # odd sizes: 37·4 bytes rows, pointer loads in the same schedule
+    ],
+)
+def test_persistent_moe_matches_reference_fp32(T, H, I, E, K, rank, routing, tma, loads, monkeypatch):
+    from lora_lab.kernels.config import KernelConfig
+    from lora_lab.kernels.moe import tiles
+    from lora_lab.kernels.triton_helpers import warp_specialization_available
+
+    if loads == "persistent_ws" and not warp_specialization_available():
+        pytest.skip("this triton's tl.range has no warp_specialize")
+    descriptors = []
+
+    def spy(weight_kn):
+        result = real(weight_kn)  # raises where TMA cannot read it
+        descriptors.append(result[1])
+        return result
+
+    real = tiles.expert_descriptor
+    monkeypatch.setattr(tiles, "expert_descriptor", spy)
+    problem = make_problem(T, H, I, E, K, rank=rank, routing=routing)
+    got, ref = run_both(*problem, config=KernelConfig(moe_loads=loads, moe_autotune=False))
+    assert_close_all(got, ref)
+    # K-contiguous (W1ᵀ for gate/up, W2ᵀ for down) and N-contiguous (W2 in the down backward, W1 for dX) views
+    assert len(descriptors) >= (4 if tma else 0) and set(descriptors) == ({False, True} if tma else set())
+
+
+@interpreter
+def test_persistent_moe_is_refused_without_warp_specialization(monkeypatch):
+    from lora_lab.kernels.config import KernelConfig
+    from lora_lab.kernels.moe import tiles
+
+    monkeypatch.setattr(tiles, "warp_specialization_available", lambda: False)
+    with pytest.raises(ValueError, match="persistent_ws.*warp_specialize"):
+        run_both(*make_problem(9, 32, 16, 4, 2), config=KernelConfig(moe_loads="persistent_ws"))
+
+
+def test_expert_descriptor_names_what_tma_cannot_read():
+    pytest.importorskip("triton.tools.tensor_descriptor")
+    from lora_lab.kernels.moe.tiles import expert_descriptor
+
+    w = torch.zeros(4, 64, 32)
+    assert expert_descriptor(w)[1] is False and expert_descriptor(w.transpose(1, 2))[1] is True
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        expert_descriptor(torch.zeros(4, 64, 37))
+    with pytest.raises(ValueError, match="no contiguous dimension"):
+        expert_descriptor(torch.zeros(4, 64, 32, 2)[..., 0])
 
 
 @interpreter
@@ -329,6 +387,35 @@ def test_fused_bf16_gpu_against_fp32_reference(T, H, I, E, K, rank):
     problem = make_problem(T, H, I, E, K, rank=rank, device="cuda", dtype=torch.bfloat16)
     x, index, weights, w1, w2, lora = problem
     got, _ = run_both(*problem)
+    def up(t):
+        return None if t is None else t.float()
+
+    lora32 = None if lora is None else ExpertLoRA(
+        up(lora.gate_up_A), up(lora.gate_up_B), lora.gate_up_scale, up(lora.down_A), up(lora.down_B), lora.down_scale
+    )
+    _, ref = run_both(x.float(), index, weights.float(), w1.float(), w2.float(), lora32)
+    names = ["out", "dx", "d_weights", "d_gate_up", "d_down", "dA1", "dB1", "dA2", "dB2"]
+    for name, a, b in zip(names, got, ref):
+        assert _cos(a, b) >= BF16_MIN_COSINE, (name, _cos(a, b))
+        assert _rel_l2(a, b) <= BF16_MAX_REL_L2, (name, _rel_l2(a, b))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("rank", [0, 16])
+def test_persistent_moe_bf16_gpu_against_fp32_reference(loads, rank):
+    """The persistent form on the GPU: expert weights through TMA (264·2 and 136·2 byte rows are aligned)."""
+    from lora_lab.kernels.config import KernelConfig
+    from lora_lab.kernels.triton_helpers import warp_specialization_available
+
+    if loads == "persistent_ws" and not warp_specialization_available():
+        pytest.skip("this triton's tl.range has no warp_specialize")
+    config = KernelConfig(moe_loads=loads, moe_autotune=False)
+    x, index, weights, w1, w2, lora = make_problem(1000, 264, 136, 16, 4, rank=rank, device="cuda",
+                                                   dtype=torch.bfloat16)
+    got, _ = run_both(x, index, weights, w1, w2, lora, config=config)
+
     def up(t):
         return None if t is None else t.float()
 

@@ -33,12 +33,12 @@ field              variable                meaning
                                            one that fits, for quick test runs)
 ``moe_autotune``   ``LORA_LAB_MOE_AUTOTUNE``  the same for the MoE kernels
 ``moe_block_m``    ``LORA_LAB_MOE_BLOCK_M``   rows per MoE row tile (power of two >= 16); None: by load
-``moe_loads``      ``LORA_LAB_MOE_LOADS``     the MoE row kernels (gate/up + SiLU, down, dX, down backward):
-                                           ``pointer`` (one program per tile, pointer loads), or
+``moe_loads``      ``LORA_LAB_MOE_LOADS``     the MoE kernels (gate/up + SiLU, down, dX, down backward, weight
+                                           gradients): ``pointer`` (one program per tile, pointer loads), or
                                            ``persistent`` / ``persistent_ws``: one program per SM walking
-                                           the tiles in grouped order, expert weights read through TMA
-                                           descriptors (token rows are still gathered by pointer), without /
-                                           with warp specialisation
+                                           the tiles in grouped order, expert weights and sorted rows read
+                                           through TMA descriptors where aligned (token rows are still
+                                           gathered by pointer), without / with warp specialisation
 =================  ======================  ==============================================================
 """
 from __future__ import annotations

@@ -15,6 +15,10 @@ Uses (W1 = gate_up_proj (E, 2I, H), W2 = down_proj (E, H, I), dGU: (S, 2I), h = 
     dA2_e = s₂ Σ_j w_j Q2_jᵀ h_j,    dB2_e = s₂ Σ_j (w_j dOut[tok_j])ᵀ P2_j   LoRA on down_proj
 
 An expert that received no token gets an exact zero gradient (the loop runs zero times).
+
+``KernelConfig.moe_loads`` 'persistent' / 'persistent_ws': one program per SM walks expert by expert, each
+expert's (M, N) tiles in grouped order, and a sorted operand (not gathered by token) is read through a TMA
+descriptor where its rows are 16-byte aligned (its rows past the expert's end are zeroed after the load).
 """
 
 from __future__ import annotations
@@ -30,29 +34,37 @@ from lora_lab.kernels.moe.launch import (
     fixed_kernel,
     fixed_meta,
     narrow_block_size,
+    set_expert_block_shape,
     unspecialized_twin,
 )
 from lora_lab.kernels.moe.routing import ExpertRouting
-from lora_lab.kernels.triton_helpers import dot_precision
+from lora_lab.kernels.moe.tiles import GROUP_M, row_descriptor
+from lora_lab.kernels.triton_helpers import (
+    dot_precision,
+    num_sms,
+    tile_coords,
+    warp_specialization_available,
+)
 
 
 @triton.jit
-def _expert_weight_grad_kernel(
+def _expert_weight_grad_tile(
+    pid_m, pid_n, expert,
     a_ptr, stride_a_row, stride_a_m,
     b_ptr, stride_b_row, stride_b_n,
     out_ptr, stride_out_e, stride_out_m, stride_out_n,
     row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, expert_offsets_ptr,
     M, N, scale,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    expert = tl.program_id(1)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # one (BLOCK_M, BLOCK_N) tile of G_e; a sorted (not gathered) operand is read through its TMA descriptor when
+    # A_TMA / B_TMA (rows past the expert's end belong to the next expert: zeroed after the load)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
     n_mask = offs_n < N
     row_start = tl.load(expert_offsets_ptr + expert)
@@ -73,18 +85,24 @@ def _expert_weight_grad_kernel(
         else:
             b_rows = rows.to(tl.int64)
         # Aᵀ tile (BLOCK_M, BLOCK_K) read straight from row-major A
-        a_t = tl.load(
-            a_ptr + a_rows[None, :] * stride_a_row + offs_m[:, None] * stride_a_m,
-            mask=m_mask[:, None] & r_mask[None, :], other=0.0,
-        )
+        if A_TMA:
+            a_t = tl.trans(tl.where(r_mask[:, None], a_ptr.load([k0, off_m]), 0.0))
+        else:
+            a_t = tl.load(
+                a_ptr + a_rows[None, :] * stride_a_row + offs_m[:, None] * stride_a_m,
+                mask=m_mask[:, None] & r_mask[None, :], other=0.0,
+            )
         if ROW_WEIGHT:
             slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=0)
             weight = tl.load(row_weight_ptr + slot, mask=r_mask, other=0.0).to(tl.float32)
-            a_t = (a_t.to(tl.float32) * weight[None, :]).to(a_ptr.dtype.element_ty)
-        b = tl.load(
-            b_ptr + b_rows[:, None] * stride_b_row + offs_n[None, :] * stride_b_n,
-            mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-        )
+            a_t = (a_t.to(tl.float32) * weight[None, :]).to(a_t.dtype)
+        if B_TMA:
+            b = tl.where(r_mask[:, None], b_ptr.load([k0, off_n]), 0.0)
+        else:
+            b = tl.load(
+                b_ptr + b_rows[:, None] * stride_b_row + offs_n[None, :] * stride_b_n,
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0,
+            )
         acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
 
     acc = acc * scale
@@ -93,10 +111,45 @@ def _expert_weight_grad_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _expert_weight_grad_kernel(
+    a_ptr, stride_a_row, stride_a_m,
+    b_ptr, stride_b_row, stride_b_n,
+    out_ptr, stride_out_e, stride_out_m, stride_out_n,
+    row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, expert_offsets_ptr,
+    M, N, scale, num_experts,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        # one program per SM walks expert by expert, each expert's tiles in grouped order (its rows stay in L2)
+        tiles = num_m * num_n
+        for work in tl.range(tl.program_id(0), num_experts * tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+            pid_m, pid_n = tile_coords(work % tiles, num_m, num_n, GROUP_M)
+            _expert_weight_grad_tile(
+                pid_m, pid_n, work // tiles, a_ptr, stride_a_row, stride_a_m, b_ptr, stride_b_row, stride_b_n,
+                out_ptr, stride_out_e, stride_out_m, stride_out_n,
+                row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, expert_offsets_ptr, M, N, scale,
+                GATHER_A, GATHER_B, ROW_WEIGHT, DOT_PRECISION, A_TMA, B_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+            )
+    else:
+        pid = tl.program_id(0)
+        _expert_weight_grad_tile(
+            pid // num_n, pid % num_n, tl.program_id(1), a_ptr, stride_a_row, stride_a_m, b_ptr, stride_b_row,
+            stride_b_n, out_ptr, stride_out_e, stride_out_m, stride_out_n,
+            row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, expert_offsets_ptr, M, N, scale,
+            GATHER_A, GATHER_B, ROW_WEIGHT, DOT_PRECISION, A_TMA, B_TMA, BLOCK_M, BLOCK_N, BLOCK_K,
+        )
+
+
 _expert_weight_grad_kernel_unspecialized = unspecialized_twin(_expert_weight_grad_kernel)
 _weight_grad_kernel_tuned = triton.autotune(
     configs=autotune_configs("weight_grad"),
-    key=["M", "N", "GATHER_A", "GATHER_B", "ROW_WEIGHT"],
+    key=["M", "N", "GATHER_A", "GATHER_B", "ROW_WEIGHT", "PERSISTENT", "WARP_SPECIALIZE", "A_TMA", "B_TMA"],
 )(_expert_weight_grad_kernel)
 
 
@@ -128,34 +181,57 @@ def expert_weight_grad(
     if out.numel() == 0:
         return out
     weight = row_weight if row_weight is not None else a
-    args = (
-        a, a.stride(0), a.stride(1),
-        b, b.stride(0), b.stride(1),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        weight, routing.sorted_slot, routing.sorted_token, routing.expert_offsets,
-        m_dim, n_dim, float(scale),
-    )
+    config = resolve_config(config)
+    persistent = config.moe_loads != "pointer"
     flags = dict(
         GATHER_A=gather_a, GATHER_B=gather_b, ROW_WEIGHT=row_weight is not None,
-        DOT_PRECISION=dot_precision(a.dtype),
+        DOT_PRECISION=dot_precision(a.dtype), PERSISTENT=persistent,
+        WARP_SPECIALIZE=persistent and config.moe_loads == "persistent_ws", A_TMA=False, B_TMA=False,
+        NUM_SMS=num_sms(a.device) if persistent else 1, GROUP_M=GROUP_M,
     )
-    config = resolve_config(config)
+    a_arg, b_arg = a, b
+    if persistent:
+        if flags["WARP_SPECIALIZE"] and not warp_specialization_available():
+            raise ValueError(f"moe_loads='persistent_ws' needs tl.range(warp_specialize=...), which triton "
+                             f"{triton.__version__} lacks; use 'persistent'")
+        # a sorted operand (not gathered by token) is read through TMA where its rows are aligned
+        if not gather_a:
+            a_arg, flags["A_TMA"] = _descriptor_or_pointer(a)
+        if not gather_b:
+            b_arg, flags["B_TMA"] = _descriptor_or_pointer(b)
+    args = (
+        a_arg, a.stride(0), a.stride(1),
+        b_arg, b.stride(0), b.stride(1),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        weight, routing.sorted_slot, routing.sorted_token, routing.expert_offsets,
+        m_dim, n_dim, float(scale), num_experts,
+    )
+
+    def grid_of(block_m, block_n):
+        tiles = triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n)
+        return (min(flags["NUM_SMS"], tiles * num_experts),) if persistent else (tiles, num_experts)
+
     narrow = min(m_dim, n_dim) <= 128  # LoRA factor gradients: rank-sized side, fixed tiles
     if tune and autotune_enabled(config) and not narrow:
-        def grid(meta):
-            return (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
-
-        _weight_grad_kernel_tuned[grid](*args, **flags)
+        _weight_grad_kernel_tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags)
     else:
         meta = fixed_meta("weight_grad")
         if m_dim <= 128:
             meta["BLOCK_M"] = narrow_block_size(m_dim, config)
         if n_dim <= 128:
             meta["BLOCK_N"] = narrow_block_size(n_dim, config)
-        grid = (triton.cdiv(m_dim, meta["BLOCK_M"]) * triton.cdiv(n_dim, meta["BLOCK_N"]), num_experts)
+        set_expert_block_shape({"a_ptr": a_arg, "b_ptr": b_arg, **flags, **meta})
         kernel = fixed_kernel(_expert_weight_grad_kernel, _expert_weight_grad_kernel_unspecialized, config)
-        kernel[grid](*args, **flags, **meta)
+        kernel[grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **meta)
     return out
+
+
+def _descriptor_or_pointer(rows: torch.Tensor):
+    """(TMA descriptor, True) for a row operand TMA can read, else (the tensor, False)."""
+    try:
+        return row_descriptor(rows), True
+    except ValueError:
+        return rows, False
 
 
 def expert_weight_grad_reference(

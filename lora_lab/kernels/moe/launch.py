@@ -98,11 +98,20 @@ def fixed_meta(kind: str) -> dict:
 
 
 def set_expert_block_shape(nargs: dict) -> None:
-    """Autotune pre-hook (persistent form): the expert matrix's TMA descriptor gets the run's block shape."""
-    for value in nargs.values():
-        if type(value).__name__ == "TensorDescriptor":
-            bk, bn = nargs["BLOCK_K"], nargs["BLOCK_N"]
+    """Autotune pre-hook (persistent form): each TMA descriptor gets the block shape of the config being run.
+
+    A 3-D descriptor is an expert matrix ((E, N, K) when MAT_NK, else (E, K, N)); a 2-D one is a sorted row
+    operand of the weight-gradient kernel, read BLOCK_K rows at a time (``a_ptr``: BLOCK_M columns, ``b_ptr``:
+    BLOCK_N).
+    """
+    for name, value in nargs.items():
+        if type(value).__name__ != "TensorDescriptor":
+            continue
+        bk, bn = nargs["BLOCK_K"], nargs["BLOCK_N"]
+        if len(value.shape) == 3:
             value.block_shape = [1, bn, bk] if nargs["MAT_NK"] else [1, bk, bn]
+        else:
+            value.block_shape = [bk, nargs["BLOCK_M"] if name == "a_ptr" else bn]
 
 
 def autotune_configs(kind: str) -> list:

@@ -151,17 +151,29 @@ def with_even_k(kernel):
 GROUP_M = 8  # persistent form: row tiles that walk each column block together while it sits in L2
 
 
+def _descriptor_class():
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        raise ValueError(f"moe_loads='persistent' reads through TMA descriptors, which triton {triton.__version__} "
+                         "lacks (needs >= 3.4); use moe_loads='pointer'") from None
+    return TensorDescriptor
+
+
+def _check_tma_alignment(t: torch.Tensor, strides: list[int], what: str) -> None:
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(stride * size % 16 for stride in strides[:-1]):
+        raise ValueError(f"moe_loads='persistent': TMA needs a 16-byte aligned {what} with 16-byte aligned row "
+                         f"strides; got strides {tuple(t.stride())} of {t.dtype}; use moe_loads='pointer'")
+
+
 def expert_descriptor(weight_kn: torch.Tensor):
     """(TMA descriptor, MAT_NK) of an expert matrix given as its (E, K, N) view; ValueError naming what TMA lacks.
 
     K-contiguous views (W2ᵀ for the down projection, W1ᵀ for gate/up) get an (E, N, K) descriptor (MAT_NK), N-contiguous
     ones (W1 for dX, W2 for the down backward) an (E, K, N) one. The block shape is set per launch config.
     """
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor
-    except ImportError:
-        raise ValueError(f"moe_loads='persistent' reads the expert weights through TMA descriptors, which triton "
-                         f"{triton.__version__} lacks (needs >= 3.4); use moe_loads='pointer'") from None
+    descriptor = _descriptor_class()
     experts, k_dim, n_dim = weight_kn.shape
     s_e, s_k, s_n = weight_kn.stride()
     if s_n == 1:
@@ -171,12 +183,19 @@ def expert_descriptor(weight_kn: torch.Tensor):
     else:
         raise ValueError(f"moe_loads='persistent': the expert matrix (strides {tuple(weight_kn.stride())}) has no "
                          "contiguous dimension for TMA; use moe_loads='pointer'")
-    size = weight_kn.element_size()
-    if weight_kn.data_ptr() % 16 or any(stride * size % 16 for stride in strides[:2]):
-        raise ValueError(f"moe_loads='persistent': TMA needs a 16-byte aligned expert matrix with 16-byte aligned "
-                         f"row strides; got strides {tuple(weight_kn.stride())} of {weight_kn.dtype}; use "
-                         "moe_loads='pointer'")
-    return TensorDescriptor(weight_kn, shape, strides, [1, 16, 16]), mat_nk
+    _check_tma_alignment(weight_kn, strides, "expert matrix")
+    return descriptor(weight_kn, shape, strides, [1, 16, 16]), mat_nk
+
+
+def row_descriptor(rows: torch.Tensor):
+    """TMA descriptor of a row-major (rows, columns) operand, read a block of rows at a time; ValueError naming
+    what TMA lacks. The block shape is set per launch config."""
+    descriptor = _descriptor_class()
+    if rows.stride(1) != 1 and rows.shape[1] > 1:
+        raise ValueError(f"moe_loads='persistent': a row operand with column stride {rows.stride(1)} is not "
+                         "row-major; use moe_loads='pointer'")
+    _check_tma_alignment(rows, [rows.stride(0), 1], "row operand")
+    return descriptor(rows, list(rows.shape), [rows.stride(0), 1], [16, 16])
 
 
 def launch_row_tiles(

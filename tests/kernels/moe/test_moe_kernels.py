@@ -188,6 +188,7 @@ def test_fused_matches_reference_fp32(T, H, I, E, K, rank, routing):
 )
 def test_persistent_moe_matches_reference_fp32(T, H, I, E, K, rank, routing, tma, loads, monkeypatch):
     from lora_lab.kernels.config import KernelConfig
+    from lora_lab.kernels.moe import expert_weight_grad as weight_grad_module
     from lora_lab.kernels.moe import tiles
     from lora_lab.kernels.triton_helpers import warp_specialization_available
 
@@ -200,13 +201,46 @@ def test_persistent_moe_matches_reference_fp32(T, H, I, E, K, rank, routing, tma
         descriptors.append(result[1])
         return result
 
-    real = tiles.expert_descriptor
+    rows_read = []
+
+    def row_spy(rows):
+        result = real_rows(rows)
+        rows_read.append(tuple(rows.shape))
+        return result
+
+    real, real_rows = tiles.expert_descriptor, weight_grad_module.row_descriptor
     monkeypatch.setattr(tiles, "expert_descriptor", spy)
+    monkeypatch.setattr(weight_grad_module, "row_descriptor", row_spy)
     problem = make_problem(T, H, I, E, K, rank=rank, routing=routing)
     got, ref = run_both(*problem, config=KernelConfig(moe_loads=loads, moe_autotune=False))
     assert_close_all(got, ref)
     # K-contiguous (W1ᵀ for gate/up, W2ᵀ for down) and N-contiguous (W2 in the down backward, W1 for dX) views
     assert len(descriptors) >= (4 if tma else 0) and set(descriptors) == ({False, True} if tma else set())
+    # the weight gradients' sorted operands: dGU for dW1, h for dW2
+    S = T * K
+    assert {(S, 2 * I), (S, I)} <= set(rows_read) if tma else rows_read == []
+
+
+@interpreter
+@pytest.mark.parametrize("loads", ["pointer", "persistent"])
+def test_weight_grad_never_reads_the_next_experts_rows(loads):
+    """A tile of rows read through TMA runs past its expert's end: those rows must count as zero, even when the
+    next expert's rows hold NaN (0 · NaN would poison the sum)."""
+    from lora_lab.kernels.config import KernelConfig
+
+    T, E, K = 20, 3, 1
+    index = torch.tensor([[e] for e in [0] * 5 + [1] * 9 + [2] * 6])
+    routing = route_experts(index, E, 16)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(T * K, 32, generator=gen), torch.randn(T * K, 16, generator=gen)
+    lo, hi = routing.expert_offsets[1].item(), routing.expert_offsets[2].item()
+    poisoned_a, poisoned_b = a.clone(), b.clone()
+    poisoned_a[lo:hi] = float("nan")
+    poisoned_b[lo:hi] = float("nan")
+    config = KernelConfig(moe_loads=loads, moe_autotune=False)
+    got = expert_weight_grad(poisoned_a, poisoned_b, routing, gather_a=False, gather_b=False, config=config)
+    ref = expert_weight_grad_reference(a, b, routing, gather_a=False, gather_b=False)
+    torch.testing.assert_close(got[[0, 2]], ref[[0, 2]], rtol=1e-5, atol=1e-5)
 
 
 @interpreter

@@ -53,7 +53,7 @@ __all__ = [
     "LAYER_SHAPES", "random_routing",
     "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
     "expert_gemm_flops", "layer_numerics", "saved_bytes_by_implementation",
-    "benchmark_metrics", "layer_table", "GRADED_CELLS",
+    "benchmark_metrics", "layer_table", "GRADED_CELLS", "PERSISTENT_CELLS",
 ]
 
 TENSOR_NAMES = ["out", "d_x", "d_weights", "d_gate_up_proj", "d_down_proj",
@@ -498,7 +498,9 @@ GRADED_SPEEDUPS = [
 TFLOPS_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full"]
 GRADED_PEAKS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t8192_lora"]
 GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm"), ("full", LIGER)]
-GRADED_CELLS = list(dict.fromkeys([cell for cell, _ in GRADED_SPEEDUPS] + GRADED_PEAKS))
+# cells where the persistent form (ours_persistent, ours_persistent_ws; bench_moe --variants) is compared with ours
+PERSISTENT_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full", "qwen3_30b_a3b_t8192_lora"]
+GRADED_CELLS = list(dict.fromkeys([cell for cell, _ in GRADED_SPEEDUPS] + GRADED_PEAKS + PERSISTENT_CELLS))
 
 
 def _refuse_smoke(rows, path, allow_smoke):
@@ -528,8 +530,13 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         if timed(layer, cell=cell, impl=base) and timed(layer, cell=cell, impl="ours"):
             out[f"{cell}_speedup_vs_{base}"] = measure.summarize(measure.repetition_ratios(
                 layer, "ms", {"cell": cell, "impl": base}, {"cell": cell, "impl": "ours"}))
+    for cell in PERSISTENT_CELLS:  # the persistent form against ours, where the benchmark timed it
+        for impl in OURS_PERSISTENT:
+            if timed(layer, cell=cell, impl=impl) and timed(layer, cell=cell, impl="ours"):
+                out[f"{cell}_{impl}_speedup_vs_ours"] = measure.summarize(measure.repetition_ratios(
+                    layer, "ms", {"cell": cell, "impl": "ours"}, {"cell": cell, "impl": impl}))
     for cell in TFLOPS_CELLS:
-        for impl in ("ours", "grouped_mm", LIGER):
+        for impl in ("ours", "grouped_mm", LIGER, *OURS_PERSISTENT):
             mine = [r for r in layer if r["cell"] == cell and r["impl"] == impl and r["ms"] is not None]
             if mine:
                 tflops = [r["gemm_flops"] / (r["ms"] * 1e-3) / 1e12 for r in mine]

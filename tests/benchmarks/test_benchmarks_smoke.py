@@ -151,6 +151,8 @@ def test_notebook_05_metrics(smoke_dir):
 def test_notebook_06_metrics(smoke_dir):
     metrics = fused_moe.benchmark_metrics(smoke_dir, allow_smoke=True)
     _check_repeated(metrics, TIME_06)
+    _check_repeated(metrics, [f"{cell}_{impl}_speedup_vs_ours" for cell in fused_moe.PERSISTENT_CELLS
+                              for impl in fused_moe.OURS_PERSISTENT])  # --variants ours_persistent ...
     _check_memory(metrics, MEMORY_06)
     with pytest.raises(ValueError, match="smoke"):
         fused_moe.benchmark_metrics(smoke_dir)

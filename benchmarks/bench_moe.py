@@ -5,8 +5,8 @@ Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``: Qwen3
 Qwen1.5-MoE-like), forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
-the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` / ``ours_persistent_ws``, asked for
-with ``--variants``, are ours with ``KernelConfig.moe_loads`` set, the persistent form of the row kernels).
+the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` / ``ours_persistent_ws`` are ours
+with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, one timed call per
@@ -28,7 +28,7 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
     python benchmarks/bench_moe.py --out DIR                          # what notebook 06 records
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
-    python benchmarks/bench_moe.py --out DIR --no-e2e --variants ours_persistent ours_persistent_ws liger
+    python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
     TRITON_INTERPRET=1 python benchmarks/bench_moe.py --out DIR --smoke
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ from lora_lab.experiments.fused_moe import (
 from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
-# Liger: full fine-tuning only, when installed; ours_persistent(_ws): asked for with --variants
+# Liger: full fine-tuning only, when installed; ours_persistent(_ws): ours with KernelConfig.moe_loads set
 ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, LIGER]
 # --smoke: tiny stand-ins of the two layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {"qwen3_30b_a3b": dict(hidden=32, num_experts=4, top_k=2, intermediate=16),
@@ -297,8 +297,7 @@ def main(argv=None):
     ap.add_argument("--e2e-seq", type=int, default=2048)
     ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
                     help="modes whose end-to-end comparison includes the eager loop")
-    # eager (limited by --eager-tokens), grouped_mm, ours and Liger; the persistent variants when asked for
-    ap.set_defaults(variants=[*IMPLEMENTATIONS, LIGER])
+    ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens
     args = ap.parse_args(argv)
     impls = chosen_variants(ap, args, ALL_IMPLS, ["grouped_mm", "ours"])
     if LIGER in impls and not liger_available():

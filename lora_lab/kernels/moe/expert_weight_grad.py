@@ -86,7 +86,8 @@ def _expert_weight_grad_tile(
             b_rows = rows.to(tl.int64)
         # Aᵀ tile (BLOCK_M, BLOCK_K) read straight from row-major A
         if A_TMA:
-            a_t = tl.trans(tl.where(r_mask[:, None], a_ptr.load([k0, off_m]), 0.0))
+            a_rows_tile = a_ptr.load([k0, off_m])
+            a_t = tl.trans(tl.where(r_mask[:, None], a_rows_tile, tl.zeros_like(a_rows_tile)))
         else:
             a_t = tl.load(
                 a_ptr + a_rows[None, :] * stride_a_row + offs_m[:, None] * stride_a_m,
@@ -97,7 +98,8 @@ def _expert_weight_grad_tile(
             weight = tl.load(row_weight_ptr + slot, mask=r_mask, other=0.0).to(tl.float32)
             a_t = (a_t.to(tl.float32) * weight[None, :]).to(a_t.dtype)
         if B_TMA:
-            b = tl.where(r_mask[:, None], b_ptr.load([k0, off_n]), 0.0)
+            b = b_ptr.load([k0, off_n])
+            b = tl.where(r_mask[:, None], b, tl.zeros_like(b))
         else:
             b = tl.load(
                 b_ptr + b_rows[:, None] * stride_b_row + offs_n[None, :] * stride_b_n,

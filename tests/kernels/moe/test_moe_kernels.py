@@ -222,8 +222,9 @@ def test_persistent_moe_matches_reference_fp32(T, H, I, E, K, rank, routing, tma
 
 
 @interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("loads", ["pointer", "persistent"])
-def test_weight_grad_never_reads_the_next_experts_rows(loads):
+def test_weight_grad_never_reads_the_next_experts_rows(loads, dtype):
     """A tile of rows read through TMA runs past its expert's end: those rows must count as zero, even when the
     next expert's rows hold NaN (0 · NaN would poison the sum)."""
     from lora_lab.kernels.config import KernelConfig
@@ -232,15 +233,21 @@ def test_weight_grad_never_reads_the_next_experts_rows(loads):
     index = torch.tensor([[e] for e in [0] * 5 + [1] * 9 + [2] * 6])
     routing = route_experts(index, E, 16)
     gen = torch.Generator().manual_seed(0)
-    a, b = torch.randn(T * K, 32, generator=gen), torch.randn(T * K, 16, generator=gen)
+    a = torch.randn(T * K, 32, generator=gen).to(dtype)
+    b = torch.randn(T * K, 16, generator=gen).to(dtype)
+    weight = torch.rand(T * K, generator=gen).to(dtype)  # the routing-weighted form (dW2, dA2, dB2)
     lo, hi = routing.expert_offsets[1].item(), routing.expert_offsets[2].item()
     poisoned_a, poisoned_b = a.clone(), b.clone()
     poisoned_a[lo:hi] = float("nan")
     poisoned_b[lo:hi] = float("nan")
     config = KernelConfig(moe_loads=loads, moe_autotune=False)
-    got = expert_weight_grad(poisoned_a, poisoned_b, routing, gather_a=False, gather_b=False, config=config)
-    ref = expert_weight_grad_reference(a, b, routing, gather_a=False, gather_b=False)
-    torch.testing.assert_close(got[[0, 2]], ref[[0, 2]], rtol=1e-5, atol=1e-5)
+    for row_weight in (None, weight):
+        got = expert_weight_grad(poisoned_a, poisoned_b, routing, gather_a=False, gather_b=False,
+                                 row_weight=row_weight, config=config)
+        ref = expert_weight_grad_reference(a, b, routing, gather_a=False, gather_b=False, row_weight=row_weight)
+        assert got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # fp16 outputs: one rounding of an fp32 sum
+        torch.testing.assert_close(got[[0, 2]].float(), ref[[0, 2]].float(), rtol=tol, atol=tol)
 
 
 @interpreter

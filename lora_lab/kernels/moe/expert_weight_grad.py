@@ -38,12 +38,10 @@ from lora_lab.kernels.moe.launch import (
     unspecialized_twin,
 )
 from lora_lab.kernels.moe.routing import ExpertRouting
-from lora_lab.kernels.moe.tiles import GROUP_M, row_descriptor
+from lora_lab.kernels.moe.tiles import launch_grid, row_descriptor, schedule_flags
 from lora_lab.kernels.triton_helpers import (
     dot_precision,
-    num_sms,
     tile_coords,
-    warp_specialization_available,
 )
 
 
@@ -184,18 +182,12 @@ def expert_weight_grad(
         return out
     weight = row_weight if row_weight is not None else a
     config = resolve_config(config)
-    persistent = config.moe_loads != "pointer"
     flags = dict(
         GATHER_A=gather_a, GATHER_B=gather_b, ROW_WEIGHT=row_weight is not None,
-        DOT_PRECISION=dot_precision(a.dtype), PERSISTENT=persistent,
-        WARP_SPECIALIZE=persistent and config.moe_loads == "persistent_ws", A_TMA=False, B_TMA=False,
-        NUM_SMS=num_sms(a.device) if persistent else 1, GROUP_M=GROUP_M,
+        DOT_PRECISION=dot_precision(a.dtype), A_TMA=False, B_TMA=False, **schedule_flags(config, a.device),
     )
     a_arg, b_arg = a, b
-    if persistent:
-        if flags["WARP_SPECIALIZE"] and not warp_specialization_available():
-            raise ValueError(f"moe_loads='persistent_ws' needs tl.range(warp_specialize=...), which triton "
-                             f"{triton.__version__} lacks; use 'persistent'")
+    if flags["PERSISTENT"]:
         # a sorted operand (not gathered by token) is read through TMA where its rows are aligned
         if not gather_a:
             a_arg, flags["A_TMA"] = _descriptor_or_pointer(a)
@@ -210,8 +202,7 @@ def expert_weight_grad(
     )
 
     def grid_of(block_m, block_n):
-        tiles = triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n)
-        return (min(flags["NUM_SMS"], tiles * num_experts),) if persistent else (tiles, num_experts)
+        return launch_grid(flags, (triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n), num_experts))
 
     narrow = min(m_dim, n_dim) <= 128  # LoRA factor gradients: rank-sized side, fixed tiles
     if tune and autotune_enabled(config) and not narrow:

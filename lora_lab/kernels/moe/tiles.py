@@ -198,40 +198,54 @@ def row_descriptor(rows: torch.Tensor):
     return descriptor(rows, list(rows.shape), [rows.stride(0), 1], [16, 16])
 
 
+def schedule_flags(config: KernelConfig, device: torch.device) -> dict:
+    """The launch flags every MoE kernel takes for ``config.moe_loads``: PERSISTENT, WARP_SPECIALIZE, NUM_SMS and
+    GROUP_M; a clear error when warp specialisation is asked for and this Triton lacks it."""
+    persistent = config.moe_loads != "pointer"
+    warp_specialize = config.moe_loads == "persistent_ws"
+    if warp_specialize and not warp_specialization_available():
+        raise ValueError(f"moe_loads='persistent_ws' needs tl.range(warp_specialize=...), which triton "
+                         f"{triton.__version__} lacks; use 'persistent'")
+    return dict(PERSISTENT=persistent, WARP_SPECIALIZE=warp_specialize, NUM_SMS=num_sms(device) if persistent else 1,
+                GROUP_M=GROUP_M)
+
+
+def launch_grid(flags: dict, one_tile_grid: tuple[int, int]) -> tuple[int, ...]:
+    """``one_tile_grid`` (one program per tile), or for the persistent form one program per SM, at most one per
+    tile."""
+    if not flags["PERSISTENT"]:
+        return one_tile_grid
+    return (min(flags["NUM_SMS"], one_tile_grid[0] * one_tile_grid[1]),)
+
+
 def launch_row_tiles(
     tuned, specialized, unspecialized, args: tuple, flags: dict, *,
     kind: str, num_cols: int, num_tiles: int, tune: bool, config: KernelConfig, one_tile_if_narrow: bool = False,
-    weight: tuple[int, torch.Tensor] | None = None,
+    weight: tuple[int, torch.Tensor],
 ) -> None:
     """Launch a row-tiled kernel: one program per (column block, row tile), or the persistent form.
 
     One program per tile: the grid (cdiv(num_cols, BLOCK_N), num_tiles). Persistent (``config.moe_loads``
     'persistent' / 'persistent_ws'): one program per SM walking the (row tile, column block) pairs in grouped
-    order, the expert matrix ``weight = (position in args, its (E, K, N) view)`` read through a TMA descriptor.
+    order (:func:`schedule_flags`, :func:`launch_grid`), the expert matrix ``weight = (position in args, its
+    (E, K, N) view)`` read through a TMA descriptor where TMA can read it, through pointers otherwise.
     Autotuned (``tuned``) when ``tune`` and ``config`` enables tuning, else with the fixed config of ``kind``.
     ``one_tile_if_narrow``: outputs of <= 128 columns (LoRA factors, N = rank) are never tuned and get one tile
     across their columns.
     """
     narrow = one_tile_if_narrow and num_cols <= 128
-    persistent = config.moe_loads != "pointer"
-    flags = dict(flags, PERSISTENT=persistent, WARP_SPECIALIZE=persistent and config.moe_loads == "persistent_ws",
-                 W_TMA=persistent, MAT_NK=False, NUM_SMS=1, GROUP_M=GROUP_M)
-    sms = 1
-    if persistent:
-        if flags["WARP_SPECIALIZE"] and not warp_specialization_available():
-            raise ValueError(f"moe_loads='persistent_ws' needs tl.range(warp_specialize=...), which triton "
-                             f"{triton.__version__} lacks; use 'persistent'")
-        position, weight_kn = weight
-        sms = flags["NUM_SMS"] = num_sms(weight_kn.device)
+    position, weight_kn = weight
+    flags = dict(flags, **schedule_flags(config, weight_kn.device), W_TMA=False, MAT_NK=False)
+    if flags["PERSISTENT"]:
         try:
             desc, flags["MAT_NK"] = expert_descriptor(weight_kn)
             args = args[:position] + (desc,) + args[position + 1:]
+            flags["W_TMA"] = True
         except ValueError:  # odd sizes, misaligned views, an old Triton: the same schedule with pointer loads
-            flags["W_TMA"] = False
+            pass
 
     def grid_of(block_n):
-        col_blocks = triton.cdiv(num_cols, block_n)
-        return (min(sms, col_blocks * num_tiles),) if persistent else (col_blocks, num_tiles)
+        return launch_grid(flags, (triton.cdiv(num_cols, block_n), num_tiles))
 
     if tune and autotune_enabled(config) and not narrow:
         tuned[lambda meta: grid_of(meta["BLOCK_N"])](*args, **flags)
@@ -239,6 +253,6 @@ def launch_row_tiles(
         meta = fixed_meta(kind)
         if narrow:
             meta["BLOCK_N"] = narrow_block_size(num_cols, config)
-        if persistent:
+        if flags["W_TMA"]:
             set_expert_block_shape({**dict(enumerate(args)), **flags, **meta})
         fixed_kernel(specialized, unspecialized, config)[grid_of(meta["BLOCK_N"])](*args, **flags, **meta)

@@ -58,6 +58,25 @@ def run_both(x, index, weights, w1, w2, lora, *, grad_seed=1, config=None):
     return results
 
 
+def assert_bf16_matches_fp32(problem, config=None):
+    """The fused kernels in bf16 against the reference in fp32 on the same bf16-rounded inputs: output and every
+    gradient within the stated cosine and relative-L2 thresholds."""
+    x, index, weights, w1, w2, lora = problem
+    got, _ = run_both(*problem, config=config)
+
+    def up(t):
+        return None if t is None else t.float()
+
+    lora32 = None if lora is None else ExpertLoRA(
+        up(lora.gate_up_A), up(lora.gate_up_B), lora.gate_up_scale, up(lora.down_A), up(lora.down_B), lora.down_scale
+    )
+    _, ref = run_both(x.float(), index, weights.float(), w1.float(), w2.float(), lora32)
+    names = ["out", "dx", "d_weights", "d_gate_up", "d_down", "dA1", "dB1", "dA2", "dB2"]
+    for name, a, b in zip(names, got, ref):
+        assert _cos(a, b) >= BF16_MIN_COSINE, (name, _cos(a, b))
+        assert _rel_l2(a, b) <= BF16_MAX_REL_L2, (name, _rel_l2(a, b))
+
+
 def assert_close_all(got, ref, rtol=1e-4, atol=1e-5):
     names = ["out", "dx", "d_weights", "d_gate_up", "d_down", "dA1", "dB1", "dA2", "dB2"]
     for name, a, b in zip(names, got, ref):
@@ -425,20 +444,7 @@ def test_cpu_without_interpreter_is_refused():
 @pytest.mark.parametrize("rank", [0, 16])
 @pytest.mark.parametrize("T,H,I,E,K", [(1000, 264, 136, 16, 4), (257, 128, 96, 8, 8), (1, 64, 32, 4, 2)])
 def test_fused_bf16_gpu_against_fp32_reference(T, H, I, E, K, rank):
-    problem = make_problem(T, H, I, E, K, rank=rank, device="cuda", dtype=torch.bfloat16)
-    x, index, weights, w1, w2, lora = problem
-    got, _ = run_both(*problem)
-    def up(t):
-        return None if t is None else t.float()
-
-    lora32 = None if lora is None else ExpertLoRA(
-        up(lora.gate_up_A), up(lora.gate_up_B), lora.gate_up_scale, up(lora.down_A), up(lora.down_B), lora.down_scale
-    )
-    _, ref = run_both(x.float(), index, weights.float(), w1.float(), w2.float(), lora32)
-    names = ["out", "dx", "d_weights", "d_gate_up", "d_down", "dA1", "dB1", "dA2", "dB2"]
-    for name, a, b in zip(names, got, ref):
-        assert _cos(a, b) >= BF16_MIN_COSINE, (name, _cos(a, b))
-        assert _rel_l2(a, b) <= BF16_MAX_REL_L2, (name, _rel_l2(a, b))
+    assert_bf16_matches_fp32(make_problem(T, H, I, E, K, rank=rank, device="cuda", dtype=torch.bfloat16))
 
 
 @gpu
@@ -452,22 +458,8 @@ def test_persistent_moe_bf16_gpu_against_fp32_reference(loads, rank):
 
     if loads == "persistent_ws" and not warp_specialization_available():
         pytest.skip("this triton's tl.range has no warp_specialize")
-    config = KernelConfig(moe_loads=loads, moe_autotune=False)
-    x, index, weights, w1, w2, lora = make_problem(1000, 264, 136, 16, 4, rank=rank, device="cuda",
-                                                   dtype=torch.bfloat16)
-    got, _ = run_both(x, index, weights, w1, w2, lora, config=config)
-
-    def up(t):
-        return None if t is None else t.float()
-
-    lora32 = None if lora is None else ExpertLoRA(
-        up(lora.gate_up_A), up(lora.gate_up_B), lora.gate_up_scale, up(lora.down_A), up(lora.down_B), lora.down_scale
-    )
-    _, ref = run_both(x.float(), index, weights.float(), w1.float(), w2.float(), lora32)
-    names = ["out", "dx", "d_weights", "d_gate_up", "d_down", "dA1", "dB1", "dA2", "dB2"]
-    for name, a, b in zip(names, got, ref):
-        assert _cos(a, b) >= BF16_MIN_COSINE, (name, _cos(a, b))
-        assert _rel_l2(a, b) <= BF16_MAX_REL_L2, (name, _rel_l2(a, b))
+    assert_bf16_matches_fp32(make_problem(1000, 264, 136, 16, 4, rank=rank, device="cuda", dtype=torch.bfloat16),
+                             config=KernelConfig(moe_loads=loads, moe_autotune=False))
 
 
 @gpu

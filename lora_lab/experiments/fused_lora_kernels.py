@@ -148,6 +148,8 @@ def dora_is_refused(model_factory) -> bool:
 
 LINEAR_CSV, GDN_CSV, TRAIN_CSV = "05_lora_linear.csv", "05_gated_deltanet.csv", "05_train_step.csv"
 TARGET_CELL = "32k_4096x4096_r16"  # M = 32768 tokens, K = N = 4096, r = 16: the issue's target cell
+# issue #15's GEMM core as a LoRA linear: bench_lora_linear's persistent / folded variants (its default set)
+CORE_VARIANTS = ("fused_persistent", "fused_persistent_ws", "fused_fold", "fused_fold_ws")
 TRAIN_MODELS = {"qwen3-4096": "qwen3_4096", "qwen2.5-0.5b": "qwen2_5_0_5b"}
 
 
@@ -170,6 +172,37 @@ def _memory_ratio(rows, column, numerator: dict, denominator: dict):
 
     top, bottom = value(numerator), value(denominator)
     return None if top is None or bottom is None else top / bottom
+
+
+def core_variant_metrics(rows, cells) -> dict:
+    """Issue #15's GEMM core as a LoRA linear (``fused_persistent``, ``fused_fold`` and their warp-specialised
+    forms), for each variant the benchmark timed in every cell: time and peak over the frozen layer in the target
+    cell, the forward and dX GEMMs' TFLOP/s there, and the worst cell's time ratio. A variant that failed somewhere
+    (a row with status ``error``) gets ``lora_linear_<variant>_failed_cells`` instead of ratios."""
+    out: dict = {}
+    t = TARGET_CELL
+    for variant in CORE_VARIANTS:
+        mine = [r for r in rows if r["variant"] == variant]
+        if not mine:
+            continue
+        failed = sorted({r["cell"] for r in mine if r.get("status", "ok") != "ok"})
+        if failed:
+            out[f"lora_linear_{variant}_failed_cells"] = len(failed)
+            continue
+        if t in cells:
+            out[f"lora_linear_{variant}_time_vs_base_{t}"] = _ratio(
+                rows, "fwd_bwd_ms", {"cell": t, "variant": variant}, {"cell": t, "variant": "base"})
+            out[f"lora_linear_{variant}_peak_vs_base_{t}"] = _memory_ratio(
+                rows, "peak_bytes", {"cell": t, "variant": variant}, {"cell": t, "variant": "base"})
+            target = next(r for r in rows if r["cell"] == t)
+            flops = 4.0 * target["M"] * target["K"] * target["N"]
+            times = measure.by_repetition(rows, "fwd_bwd_ms", cell=t, variant=variant)
+            out[f"lora_linear_{variant}_tflops_{t}"] = measure.summarize(
+                flops / (ms * 1e-3) / 1e12 for _, ms in sorted(times.items()))
+        per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": variant},
+                                              {"cell": c, "variant": "base"}) for c in cells]
+        out[f"lora_linear_{variant}_worst_time_vs_base"] = measure.summarize(max(reps) for reps in zip(*per_cell))
+    return out
 
 
 def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
@@ -204,6 +237,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", at("fused", c), at("base", c)) for c in cells]
         out["lora_linear_worst_time_vs_base"] = measure.summarize(max(reps) for reps in zip(*per_cell))
         out["lora_linear_cells"] = len(cells)
+        out.update(core_variant_metrics(rows, cells))
     if (d / GDN_CSV).exists():
         rows = _rows(d / GDN_CSV, allow_smoke)
         out["gdn_time_vs_base"] = _ratio(rows, "fwd_bwd_ms", {"variant": "fused"}, {"variant": "base"})

@@ -39,8 +39,11 @@ TIME_05 = ["lora_linear_time_vs_base_32k_4096x4096_r16", "peft_time_vs_base_32k_
            "gdn_speedup_vs_peft", "gdn_peft_time_vs_base", "train_speedup_vs_peft_qwen3_4096",
            "train_speedup_vs_peft_qwen2_5_0_5b", "lora_linear_base_tflops_32k_4096x4096_r16",
            "lora_linear_fused_tflops_32k_4096x4096_r16", "lora_linear_peft_tflops_32k_4096x4096_r16"]
+TIME_05 += [f"lora_linear_{variant}_{metric}" for variant in fused_lora_kernels.CORE_VARIANTS  # issue #15's core
+            for metric in ("time_vs_base_32k_4096x4096_r16", "tflops_32k_4096x4096_r16", "worst_time_vs_base")]
 MEMORY_05 = ["lora_linear_peak_vs_base_32k_4096x4096_r16", "train_peak_vs_peft_qwen3_4096",
-             "train_peak_vs_peft_qwen2_5_0_5b"]
+             "train_peak_vs_peft_qwen2_5_0_5b",
+             *(f"lora_linear_{v}_peak_vs_base_32k_4096x4096_r16" for v in fused_lora_kernels.CORE_VARIANTS)]
 TIME_06 = ["qwen3_30b_a3b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t8192_lora_speedup_vs_grouped_mm",
            "qwen3_30b_a3b_t8192_full_speedup_vs_eager", "qwen3_30b_a3b_t8192_full_ours_fraction_of_peak",
            "qwen1_5_moe_a2_7b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t32768_full_speedup_vs_grouped_mm",
@@ -117,7 +120,9 @@ def test_csvs_and_plots_carry_the_current_code(smoke_dir):
 def test_one_row_per_cell_variant_and_repetition(smoke_dir):
     rows = measure.read_csv(smoke_dir / "05_lora_linear.csv")
     keys = [(r["cell"], r["variant"], r["rep"]) for r in rows]
-    assert len(keys) == len(set(keys)) == 2 * 3 * REPETITIONS  # two stand-in cells, base / peft / fused
+    # two stand-in cells; base, peft, fused and the four GEMM-core variants
+    assert len(keys) == len(set(keys)) == 2 * (3 + len(fused_lora_kernels.CORE_VARIANTS)) * REPETITIONS
+    assert all(r["status"] == "ok" for r in rows)
     layer = measure.read_csv(smoke_dir / "06_moe_layer.csv")
     assert {r["cell"] for r in layer} == set(fused_moe.GRADED_CELLS)  # --graded-only
 
@@ -280,3 +285,41 @@ def test_gemm_core_rows(smoke_dir):
     summary = measure.read_csv(smoke_dir / "gemm_core_summary.csv")
     for s in summary:
         assert (s["time_vs_cublas"] is None) == (s["variant"] == "cublas"), s
+
+
+def test_a_failing_optional_linear_variant_is_a_recorded_row_not_a_crash(monkeypatch):
+    """bench_lora_linear: a GEMM-core variant that cannot run (here: made to raise) leaves one ``error`` row with
+    the message, the other variants are timed, and notebook 05's metrics say which variant failed instead of
+    ratios; a failure of a variant the notebook's own metrics need still fails the benchmark."""
+    import argparse
+
+    import lora_lab.kernels
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "path", sys.path)
+    import bench_lora_linear as bench
+
+    real = lora_lab.kernels.fused_lora_linear
+
+    def refusing(*args, config=None, **kwargs):
+        if config is not None and config.fold_projection:
+            raise RuntimeError("made-up failure of the folded kernel")
+        return real(*args, config=config, **kwargs)
+
+    monkeypatch.setattr(lora_lab.kernels, "fused_lora_linear", refusing)
+    args = argparse.Namespace(variants=["base", "peft", "fused_fold"], repetitions=2, warmup_ms=1.0,
+                              rep_ms=2.0, forward=False, components="none")
+    shipped = lora_lab.kernels.KernelConfig()
+    rows, _ = bench.measure_cell("c", (16, 32, 32, 4), args, shipped, torch.float32, torch.device("cpu"), True)
+    failed = [r for r in rows if r["status"] == "error"]
+    assert [(r["variant"], r["fwd_bwd_ms"]) for r in failed] == [("fused_fold", None)]
+    assert "made-up failure" in failed[0]["error"]
+    assert {(r["variant"], r["rep"]) for r in rows if r["status"] == "ok"} == {
+        (v, rep) for v in ("base", "peft") for rep in range(2)}
+    assert {s["variant"] for s in bench.summary_rows(rows)} == {"base", "peft"}
+    metrics = fused_lora_kernels.core_variant_metrics(rows, ["c"])
+    assert metrics == {"lora_linear_fused_fold_failed_cells": 1}
+    monkeypatch.setitem(bench.FUSED_CONFIGS, "fused", {"fold_projection": True})  # now a required variant fails
+    args.variants = ["base", "peft", "fused"]
+    with pytest.raises(RuntimeError, match="made-up failure"):
+        bench.measure_cell("c", (16, 32, 32, 4), args, shipped, torch.float32, torch.device("cpu"), True)

@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Issue #15's GPU measurements in one place: the bf16 GPU tests of every kernel the GEMM core touches, then the
 # benchmarks that grade it (the core against cuBLAS, the LoRA linear's persistent / folded variants against the
-# frozen layer, the MoE layer's persistent variants against grouped_mm and Liger). Each step writes into OUT and
+# frozen layer, the MoE layer's persistent variants against grouped_mm and Liger), then a kernel-by-kernel profile
+# of the LoRA linear's target cell and the MoE layer (what limits them). Each step writes into OUT and
 # logs to OUT/<step>.log; a failing step is reported and the next one still runs.
 #
 #     bash benchmarks/gemm_core_suite.sh OUT                      # every step
-#     bash benchmarks/gemm_core_suite.sh OUT tests moe            # some of them: tests gemm linear moe
+#     bash benchmarks/gemm_core_suite.sh OUT tests moe            # some of them: tests gemm linear moe profile
 #
 # Needs a CUDA GPU and the package installed (make install PROFILE=gpu); Liger's cells need liger-kernel.
 # SMOKE=1 passes --smoke to the benchmarks (tiny shapes; on a CPU with TRITON_INTERPRET=1: the code path only).
 set -u
-OUT=${1:?usage: gemm_core_suite.sh OUT [tests] [gemm] [linear] [moe]}
+OUT=${1:?usage: gemm_core_suite.sh OUT [tests] [gemm] [linear] [moe] [profile]}
 shift
-STEPS=${*:-tests gemm linear moe}
+STEPS=${*:-tests gemm linear moe profile}
 HERE=$(cd "$(dirname "$0")" && pwd)
 PY=${PYTHON:-python3}
 SMOKE_FLAG=""; [ "${SMOKE:-0}" = 1 ] && SMOKE_FLAG=--smoke
@@ -34,7 +35,8 @@ for s in $STEPS; do
               --variants fused_persistent fused_persistent_ws fused_fold fused_fold_ws $SMOKE_FLAG ;;
     moe) step moe "$PY" "$HERE/bench_moe.py" --out "$OUT" --no-e2e \
            --variants ours_persistent ours_persistent_ws liger $SMOKE_FLAG ;;
-    *) echo "unknown step $s (tests gemm linear moe)"; status=2 ;;
+    profile) step profile "$PY" "$HERE/profile_kernels.py" --out "$OUT" --variants all $SMOKE_FLAG ;;
+    *) echo "unknown step $s (tests gemm linear moe profile)"; status=2 ;;
   esac
 done
 exit $status

@@ -28,12 +28,13 @@ SCRIPTS = {  # longest first: two run at a time
     "bench_loss_train_step.py": ["--variants", "all"],
     "bench_gated_deltanet.py": ["--check-seq", "32"],
     "bench_gemm_core.py": ["--variants", "all", "--tokens", "8192", "--shapes", "4096x4096", "4096x12288"],
+    "profile_kernels.py": ["--variants", "base", "fused", "ours", "grouped_mm"],
 }
 CSVS = ["05_lora_linear.csv", "05_lora_linear_components.csv", "05_gated_deltanet.csv", "05_train_step.csv",
         "06_moe_layer.csv", "06_moe_e2e.csv", "07_loss_block.csv", "07_train_step.csv", "gemm_core.csv"]
 PNGS = ["05_lora_linear_ratio.png", "05_lora_linear_time_vs_tokens.png", "05_gated_deltanet.png",
         "05_train_step.png", "06_moe_layer_speed.png", "06_moe_layer_memory.png", "07_loss_time.png",
-        "07_loss_memory.png", "07_train_step.png", "gemm_core.png"]
+        "07_loss_memory.png", "07_train_step.png", "gemm_core.png", "profile_kernels.png"]
 TIME_05 = ["lora_linear_time_vs_base_32k_4096x4096_r16", "peft_time_vs_base_32k_4096x4096_r16",
            "lora_linear_speedup_vs_peft_32k_4096x4096_r16", "lora_linear_worst_time_vs_base", "gdn_time_vs_base",
            "gdn_speedup_vs_peft", "gdn_peft_time_vs_base", "train_speedup_vs_peft_qwen3_4096",
@@ -323,3 +324,19 @@ def test_a_failing_optional_linear_variant_is_a_recorded_row_not_a_crash(monkeyp
     args.variants = ["base", "peft", "fused"]
     with pytest.raises(RuntimeError, match="made-up failure"):
         bench.measure_cell("c", (16, 32, 32, 4), args, shipped, torch.float32, torch.device("cpu"), True)
+
+
+@pytest.mark.slow
+def test_kernel_profile_rows(smoke_dir):
+    """profile_kernels.py: for every case and implementation asked for, the largest kernels (operators on a CPU)
+    with launches and time per profiled step; their shares add up to one."""
+    rows = measure.read_csv(smoke_dir / "profile_kernels.csv")  # refuses another code hash
+    assert rows and all(r["smoke"] is True for r in rows)
+    groups = {(r["case"], r["impl"]) for r in rows}
+    assert groups == {("lora_linear", "base"), ("lora_linear", "fused"), ("moe_full", "ours"),
+                      ("moe_full", "grouped_mm"), ("moe_lora", "ours"), ("moe_lora", "grouped_mm")}
+    assert all(r["status"] == "ok" and r["us_per_step"] > 0 and r["calls_per_step"] > 0 for r in rows)
+    for group in groups:
+        mine = [r for r in rows if (r["case"], r["impl"]) == group]
+        assert abs(sum(r["share"] for r in mine) - 1.0) < 1e-6, group
+        assert len({r["kernel"] for r in mine}) == len(mine), group

@@ -1,0 +1,214 @@
+"""Profile: where a fused op's step goes, kernel by kernel (``torch.profiler``) — what limits issue #15's targets.
+
+Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the benchmarks time them):
+
+  lora_linear   one LoRA projection at notebook 05's target cell (M = 32768, K = N = 4096, r = 16): the frozen
+                ``nn.Linear`` (``base``) and ``fused_lora_linear`` with the shipped ``KernelConfig`` (``fused``)
+  moe_full      the Qwen3-30B-A3B-like experts layer at T = 8192, full fine-tuning: ``ours`` (and, with
+                ``--variants``, ``grouped_mm``, ``liger``, ``ours_persistent``)
+  moe_lora      the same layer with PEFT LoRA on the experts: ``ours`` (and ``grouped_mm``)
+
+Each (case, implementation) runs a few warm-up steps, then ``--repetitions`` steps under the profiler. Every GPU
+kernel's device time is summed over those steps and divided by their number; a row gives the kernel's name,
+launches per step, microseconds per step and its share of the step's kernel time. The kernels that account for
+most of the time, and whether they are GEMMs or memory-bound passes, say where a target is lost. With
+``--smoke`` (CPU, Triton's interpreter, tiny shapes) the rows are the CPU operators instead: the code path only.
+
+Writes into --out: profile_kernels.csv and profile_kernels.png (the largest kernels of each case as stacked bars).
+
+    python benchmarks/profile_kernels.py --out DIR
+    python benchmarks/profile_kernels.py --out DIR --cases moe_full --variants grouped_mm liger ours_persistent
+    TRITON_INTERPRET=1 python benchmarks/profile_kernels.py --out DIR --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line
+from torch import nn
+
+from lora_lab.experiments.fused_moe import (
+    LAYER_SHAPES,
+    LIGER,
+    OURS_PERSISTENT,
+    layer_holder,
+    liger_available,
+    random_routing,
+    set_implementation,
+)
+from lora_lab.lab import measure
+
+CSV = "profile_kernels.csv"
+CASES = ["lora_linear", "moe_full", "moe_lora"]
+LINEAR_VARIANTS = ["base", "fused"]
+MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, LIGER]
+ALL_VARIANTS = [*dict.fromkeys([*LINEAR_VARIANTS, *MOE_VARIANTS])]
+DEFAULT_VARIANTS = ["base", "fused", "ours"]
+LINEAR_CELL = (32768, 4096, 4096, 16)  # notebook 05's target cell (M, K, N, r)
+MOE_SHAPE, MOE_TOKENS = "qwen3_30b_a3b", 8192
+SMOKE_LINEAR_CELL = (64, 32, 32, 4)
+SMOKE_MOE = dict(hidden=32, num_experts=4, top_k=2, intermediate=16)
+SMOKE_MOE_TOKENS = 16
+WARMUP_STEPS = 3
+TOP_KERNELS = 12  # kept per (case, implementation); the rest is one row named "(other kernels)"
+
+
+def linear_steps(variants, device, dtype, smoke: bool):
+    """{variant: (prepare, step)} for the LoRA linear case: the forward, then the gradients of X and of the factors
+    (of X only for the frozen layer)."""
+    from lora_lab.kernels import KernelConfig, fused_lora_linear
+
+    M, K, N, r = SMOKE_LINEAR_CELL if smoke else LINEAR_CELL
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(M, K, generator=gen, device=device).to(dtype).requires_grad_(True)
+    dy = torch.randn(M, N, generator=gen, device=device).to(dtype)
+    lin = nn.Linear(K, N, bias=False, device=device, dtype=dtype).requires_grad_(False)
+    A = (torch.randn(r, K, generator=gen, device=device) / K**0.5).to(dtype).requires_grad_(True)
+    B = (torch.randn(N, r, generator=gen, device=device) * 0.02).to(dtype).requires_grad_(True)
+    shipped = KernelConfig.from_env()
+    steps = {"base": lambda: torch.autograd.grad(lin(x), [x], dy),
+             "fused": lambda: torch.autograd.grad(fused_lora_linear(x, lin.weight, None, A, B, 2.0, config=shipped),
+                                                  [x, A, B], dy)}
+    return {v: (lambda: None, steps[v]) for v in variants if v in steps}, f"M={M} K={K} N={N} r={r}"
+
+
+def moe_steps(mode: str, variants, device, dtype, smoke: bool):
+    """{implementation: (prepare, step)} for one MoE case, all on one layer (``prepare`` switches it to the
+    implementation, outside the profiled steps)."""
+    shape = LAYER_SHAPES[MOE_SHAPE].scaled(**SMOKE_MOE) if smoke else LAYER_SHAPES[MOE_SHAPE]
+    tokens = SMOKE_MOE_TOKENS if smoke else MOE_TOKENS
+    holder, experts, params = layer_holder(shape, mode, device, dtype, seed=0)
+    gen = torch.Generator(device=device).manual_seed(3)
+    x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(dtype).requires_grad_(True)
+    index, weights = random_routing(tokens, shape, device, dtype, seed=0)
+    grad_out = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(dtype)
+    wanted = [v for v in MOE_VARIANTS
+              if v in variants and not (v == LIGER and (mode != "full" or not liger_available()))]
+
+    def step():
+        return torch.autograd.grad(holder(x, index, weights), [x, weights, *params], grad_out)
+
+    return {impl: (lambda impl=impl: set_implementation(holder, experts, impl), step) for impl in wanted}, (
+        f"{shape.name} T={tokens} {mode}")
+
+
+def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
+    """Per kernel (CUDA) or operator (CPU): launches and microseconds per profiled step, largest first."""
+    rows = []
+    for event in prof.key_averages():
+        if cuda:
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(event, "self_device_time_total", None)
+            us = us if us is not None else event.self_cuda_time_total
+        else:
+            us = event.self_cpu_time_total
+        if us > 0:
+            rows.append({"kernel": event.key, "calls_per_step": event.count / steps, "us_per_step": us / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows) or 1.0
+    top, rest = rows[:TOP_KERNELS], rows[TOP_KERNELS:]
+    if rest:
+        top.append({"kernel": "(other kernels)", "calls_per_step": sum(r["calls_per_step"] for r in rest),
+                    "us_per_step": sum(r["us_per_step"] for r in rest)})
+    for r in top:
+        r["share"] = r["us_per_step"] / total
+    return top
+
+
+def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float]:
+    """(kernel rows, wall milliseconds per profiled step) of ``steps`` profiled calls after the warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(WARMUP_STEPS):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    return kernel_rows(prof, cuda, steps), wall_ms
+
+
+def plot(rows, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["case"], r["impl"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(7, 1.6 * len(groups)), 5))
+    for i, (case, impl) in enumerate(groups):
+        bottom = 0.0
+        for r in (r for r in rows if (r["case"], r["impl"]) == (case, impl)):
+            ms = r["us_per_step"] / 1e3
+            ax.bar(i, ms, bottom=bottom, color="0.8" if r["kernel"] == "(other kernels)" else None, edgecolor="k",
+                   lw=0.3)
+            if r["share"] >= 0.08:
+                ax.text(i, bottom + ms / 2, r["kernel"][:28], ha="center", va="center", fontsize=6)
+            bottom += ms
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{c}\n{i}" for c, i in groups], fontsize=8)
+    ax.set_ylabel("kernel time per step (ms)")
+    ax.set_title("Where a step's kernel time goes (largest kernels labelled)")
+    fig.tight_layout()
+    fig.savefig(out / "profile_kernels.png", dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(ap, ALL_VARIANTS, DEFAULT_VARIANTS, "tiny shapes")
+    ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES, help="what to profile (default: all)")
+    args = ap.parse_args(argv)
+    args.variants = chosen_variants(ap, args, ALL_VARIANTS, DEFAULT_VARIANTS)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = check_device(args.smoke)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter's bf16 dot is wrong
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(device_line(device, dtype, args.repetitions, f"profiled steps {args.repetitions}"), flush=True)
+    rows = []
+    for case in args.cases:
+        if case == "lora_linear":
+            steps, where = linear_steps(args.variants, device, dtype, args.smoke)
+        else:
+            steps, where = moe_steps(case.removeprefix("moe_"), args.variants, device, dtype, args.smoke)
+        for impl, (prepare, step) in steps.items():
+            base = {"case": case, "impl": impl, "shape": where, "smoke": args.smoke}
+            try:
+                prepare()
+                kernels, wall_ms = profile_step(step, args.repetitions, cuda)
+            except Exception as err:  # one implementation that cannot run must not lose the others' profiles
+                rows.append({**base, "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                print(f"{case} {impl}: failed: {rows[-1]['error'][:200]}", flush=True)
+                continue
+            total_ms = sum(k["us_per_step"] for k in kernels) / 1e3
+            rows += [{**base, "status": "ok", "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_ms, **k}
+                     for k in kernels]
+            top = ", ".join(f"{k['kernel'][:40]} {k['share']:.0%}" for k in kernels[:4])
+            print(f"{case} {impl} ({where}): {total_ms:.3f} ms of kernels per step ({wall_ms:.3f} ms wall); {top}",
+                  flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+        measure.write_csv(rows, out / CSV)  # after every case: a run cut short keeps what it measured
+    if any(r["status"] == "ok" for r in rows):
+        plot([r for r in rows if r["status"] == "ok"], out)
+    print(f"wrote {out / CSV} ({len(rows)} rows)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -340,3 +340,42 @@ def test_kernel_profile_rows(smoke_dir):
         mine = [r for r in rows if (r["case"], r["impl"]) == group]
         assert abs(sum(r["share"] for r in mine) - 1.0) < 1e-6, group
         assert len({r["kernel"] for r in mine}) == len(mine), group
+
+
+def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(monkeypatch):
+    """bench_moe: a persistent form (or Liger) that cannot run leaves rows with status ``error`` and the message,
+    the other implementations are timed, and notebook 06's table keeps the failed one without a time; a failure of
+    ``ours`` or a baseline still fails the benchmark."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "path", sys.path)
+    import bench_moe as bench
+
+    real = bench.set_implementation
+
+    def refusing(holder, experts, impl, cfg=None):  # the refused implementation's step raises, as a compile would
+        real(holder, experts, impl, cfg)
+        holder.__dict__.pop("forward", None)
+        if impl in refused:
+            def forward(*args, **kwargs):
+                raise RuntimeError(f"made-up failure of {impl}")
+            holder.forward = forward
+
+    monkeypatch.setattr(bench, "set_implementation", refusing)
+    shape = fused_moe.LAYER_SHAPES["qwen3_30b_a3b"].scaled(**bench.SMOKE_SHAPES["qwen3_30b_a3b"])
+    args = argparse.Namespace(repetitions=2, eager_calls=1, warmup_ms=1.0, rep_ms=2.0, smoke=True)
+    refused = {"ours_persistent"}
+    rows = bench.bench_layer_cell(shape, 8, 8192, "full", ["grouped_mm", "ours", "ours_persistent"], args, None,
+                                  torch.device("cpu"), torch.float32)
+    failed = [r for r in rows if r["impl"] == "ours_persistent"]
+    assert len(failed) == 2 and all(r["status"] == "error" and r["ms"] is None for r in failed)
+    assert "made-up failure of ours_persistent" in failed[0]["error"]
+    assert {(r["impl"], r["rep"]) for r in rows if r["status"] == "ok" and r["ms"] > 0} == {
+        (i, rep) for i in ("grouped_mm", "ours") for rep in range(2)}
+    table = {t["impl"]: t for t in fused_moe.layer_table(rows)}
+    assert table["ours_persistent"]["status"] == "error" and "ms" not in table["ours_persistent"]
+    refused = {"ours"}
+    with pytest.raises(RuntimeError, match="made-up failure of ours"):
+        bench.bench_layer_cell(shape, 8, 8192, "full", ["grouped_mm", "ours"], args, None, torch.device("cpu"),
+                               torch.float32)

@@ -4,7 +4,8 @@
 * :func:`add_common_arguments` / :func:`chosen_variants` — ``--out``, ``--repetitions``, ``--smoke`` and
   ``--variants`` the same way in every script;
 * :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides);
-* :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash).
+* :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash);
+* :func:`error_text` — an exception as the one-line text an ``error`` row records.
 """
 from __future__ import annotations
 
@@ -71,3 +72,8 @@ def is_oom(exc: BaseException) -> bool:
         return True
     return isinstance(exc, RuntimeError) and any(
         s in str(exc) for s in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))
+
+
+def error_text(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` as the text an ``error`` row records: its type and message, cut to ``limit`` characters."""
+    return f"{type(exc).__name__}: {exc}"[:limit]

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
 
 from lora_lab.kernels import KernelConfig
 from lora_lab.kernels.lora.gemm import lora_gemm, warp_specialization_available
@@ -105,7 +105,7 @@ def bench_cell(label: str, M, K, N, variants, args, dtype, device) -> list[dict]
                 once[v] = dict(status="ok", error=None, rel_l2_vs_fp32=rel_l2(out, refs["+lora" in v]))
                 fns[v] = fn
             except Exception as exc:  # noqa: BLE001 - a kernel that does not build here is a result
-                once[v] = dict(status="error", error=f"{type(exc).__name__}: {exc}"[:300], rel_l2_vs_fp32=None)
+                once[v] = dict(status="error", error=error_text(exc), rel_l2_vs_fp32=None)
         del refs
         for rep in range(args.repetitions):
             for v in measure.rotation(list(fns), rep):

@@ -34,7 +34,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, repetition_dots
+from bench_common import (
+    add_common_arguments,
+    check_device,
+    chosen_variants,
+    device_line,
+    error_text,
+    repetition_dots,
+)
 from torch import nn
 
 from lora_lab.lab import measure
@@ -174,7 +181,7 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
         except Exception as err:  # an optional variant this build cannot run is a recorded result, not a crash
             if name in REQUIRED_VARIANTS:
                 raise
-            failed[name] = f"{type(err).__name__}: {str(err)[:300]}"
+            failed[name] = error_text(err)
             print(f"   {label}: variant {name} failed, left out of the timings: {failed[name][:200]}", flush=True)
             del variants[name]
             if cuda:

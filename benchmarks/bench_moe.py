@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
 
 from lora_lab.experiments.fused_moe import (
     E2E_CSV,
@@ -73,10 +73,6 @@ SMOKE_TOKEN_DIVISOR = 1024
 
 
 OPTIONAL_IMPLS = (*OURS_PERSISTENT, LIGER)  # their failure is a recorded result; the others' fails the run
-
-
-def failure(err: Exception) -> str:
-    return f"{type(err).__name__}: {str(err)[:300]}"
 
 
 def runs_in(impl: str, mode: str) -> bool:
@@ -120,7 +116,7 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
         except Exception as err:  # an optional variant (persistent form, Liger) that fails is recorded, not fatal
             if impl not in OPTIONAL_IMPLS:
                 raise
-            once[impl] = dict(status="error", peak_bytes=None, resident_bytes=None, error=failure(err))
+            once[impl] = dict(status="error", peak_bytes=None, resident_bytes=None, error=error_text(err))
             print(f"   {cell}: {impl} failed, left out of the timings: {once[impl]['error'][:200]}", flush=True)
         free_memory()
     rows = []
@@ -217,7 +213,7 @@ def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
         except Exception as err:  # as in the layer cells: an optional variant's failure is a recorded result
             if impl not in OPTIONAL_IMPLS:
                 raise
-            once[impl] = dict(status="error", peak_bytes=None, error=failure(err))
+            once[impl] = dict(status="error", peak_bytes=None, error=error_text(err))
             print(f"   e2e {mode}: {impl} failed, left out of the timings: {once[impl]['error'][:200]}", flush=True)
             opt.zero_grad(set_to_none=True)
         free_memory()

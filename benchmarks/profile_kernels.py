@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
 from torch import nn
 
 from lora_lab.experiments.fused_moe import (
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
                 prepare()
                 kernels, wall_ms = profile_step(step, args.repetitions, cuda)
             except Exception as err:  # one implementation that cannot run must not lose the others' profiles
-                rows.append({**base, "status": "error", "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                rows.append({**base, "status": "error", "error": error_text(err)})
                 print(f"{case} {impl}: failed: {rows[-1]['error'][:200]}", flush=True)
                 continue
             total_ms = sum(k["us_per_step"] for k in kernels) / 1e3

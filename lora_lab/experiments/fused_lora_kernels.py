@@ -174,6 +174,21 @@ def _memory_ratio(rows, column, numerator: dict, denominator: dict):
     return None if top is None or bottom is None else top / bottom
 
 
+def _tflops(rows, cell: str, variant: str) -> dict:
+    """TFLOP/s of ``variant`` in ``cell`` per repetition, counting the frozen layer's forward and dX GEMMs."""
+    first = next(r for r in rows if r["cell"] == cell)
+    flops = 4.0 * first["M"] * first["K"] * first["N"]
+    times = measure.by_repetition(rows, "fwd_bwd_ms", cell=cell, variant=variant)
+    return measure.summarize(flops / (ms * 1e-3) / 1e12 for _, ms in sorted(times.items()))
+
+
+def _worst_cell(rows, cells, variant: str) -> dict:
+    """Per repetition, the largest time ratio of ``variant`` over the frozen layer across ``cells``."""
+    per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": variant},
+                                          {"cell": c, "variant": "base"}) for c in cells]
+    return measure.summarize(max(reps) for reps in zip(*per_cell))
+
+
 def core_variant_metrics(rows, cells) -> dict:
     """Issue #15's GEMM core as a LoRA linear (``fused_persistent``, ``fused_fold`` and their warp-specialised
     forms), for each variant the benchmark timed in every cell: time and peak over the frozen layer in the target
@@ -194,14 +209,8 @@ def core_variant_metrics(rows, cells) -> dict:
                 rows, "fwd_bwd_ms", {"cell": t, "variant": variant}, {"cell": t, "variant": "base"})
             out[f"lora_linear_{variant}_peak_vs_base_{t}"] = _memory_ratio(
                 rows, "peak_bytes", {"cell": t, "variant": variant}, {"cell": t, "variant": "base"})
-            target = next(r for r in rows if r["cell"] == t)
-            flops = 4.0 * target["M"] * target["K"] * target["N"]
-            times = measure.by_repetition(rows, "fwd_bwd_ms", cell=t, variant=variant)
-            out[f"lora_linear_{variant}_tflops_{t}"] = measure.summarize(
-                flops / (ms * 1e-3) / 1e12 for _, ms in sorted(times.items()))
-        per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": variant},
-                                              {"cell": c, "variant": "base"}) for c in cells]
-        out[f"lora_linear_{variant}_worst_time_vs_base"] = measure.summarize(max(reps) for reps in zip(*per_cell))
+            out[f"lora_linear_{variant}_tflops_{t}"] = _tflops(rows, t, variant)
+        out[f"lora_linear_{variant}_worst_time_vs_base"] = _worst_cell(rows, cells, variant)
     return out
 
 
@@ -227,15 +236,10 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
             out[f"peft_time_vs_base_{t}"] = _ratio(rows, "fwd_bwd_ms", at("peft"), at("base"))
             out[f"lora_linear_speedup_vs_peft_{t}"] = _ratio(rows, "fwd_bwd_ms", at("peft"), at("fused"))
             out[f"lora_linear_peak_vs_base_{t}"] = _memory_ratio(rows, "peak_bytes", at("fused"), at("base"))
-            target = next(r for r in rows if r["cell"] == t)
-            flops = 4.0 * target["M"] * target["K"] * target["N"]  # the frozen layer's forward and dX GEMMs
             for variant in ("base", "fused", "peft"):
-                times = measure.by_repetition(rows, "fwd_bwd_ms", **at(variant))
-                out[f"lora_linear_{variant}_tflops_{t}"] = measure.summarize(
-                    flops / (ms * 1e-3) / 1e12 for _, ms in sorted(times.items()))
+                out[f"lora_linear_{variant}_tflops_{t}"] = _tflops(rows, t, variant)
         cells = list(dict.fromkeys(r["cell"] for r in rows))
-        per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", at("fused", c), at("base", c)) for c in cells]
-        out["lora_linear_worst_time_vs_base"] = measure.summarize(max(reps) for reps in zip(*per_cell))
+        out["lora_linear_worst_time_vs_base"] = _worst_cell(rows, cells, "fused")
         out["lora_linear_cells"] = len(cells)
         out.update(core_variant_metrics(rows, cells))
     if (d / GDN_CSV).exists():

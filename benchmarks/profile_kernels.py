@@ -3,7 +3,9 @@
 Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the benchmarks time them):
 
   lora_linear   one LoRA projection at notebook 05's target cell (M = 32768, K = N = 4096, r = 16): the frozen
-                ``nn.Linear`` (``base``) and ``fused_lora_linear`` with the shipped ``KernelConfig`` (``fused``)
+                ``nn.Linear`` (``base``) and ``fused_lora_linear`` with the shipped ``KernelConfig`` (``fused``; with
+                ``--variants``, the GEMM core's forms ``fused_persistent`` and ``fused_fold`` as notebook 05 runs them)
+  lora_linear_8k  the same at M = 8192, where the shipped op hands the GEMMs to cuBLAS and the core's forms do not
   moe_full      the Qwen3-30B-A3B-like experts layer at T = 8192, full fine-tuning: ``ours`` (and, with
                 ``--variants``, ``grouped_mm``, ``liger``, ``ours_persistent``)
   moe_lora      the same layer with PEFT LoRA on the experts: ``ours`` (and ``grouped_mm``)
@@ -14,7 +16,9 @@ launches per step, microseconds per step and its share of the step's kernel time
 most of the time, and whether they are GEMMs or memory-bound passes, say where a target is lost. With
 ``--smoke`` (CPU, Triton's interpreter, tiny shapes) the rows are the CPU operators instead: the code path only.
 
-Writes into --out: profile_kernels.csv and profile_kernels.png (the largest kernels of each case as stacked bars).
+Writes into --out: profile_kernels.csv, profile_kernels.png (the largest kernels of each case as stacked bars) and,
+on a GPU, profile_kernels_compiled.csv: every lora_lab Triton kernel the run compiled, with its launch settings
+(warps, stages, shared memory), registers and spills per thread, and the occupancy those allow on one SM.
 
     python benchmarks/profile_kernels.py --out DIR
     python benchmarks/profile_kernels.py --out DIR --cases moe_full --variants grouped_mm liger ours_persistent
@@ -42,12 +46,14 @@ from lora_lab.experiments.fused_moe import (
 from lora_lab.lab import measure
 
 CSV = "profile_kernels.csv"
-CASES = ["lora_linear", "moe_full", "moe_lora"]
-LINEAR_VARIANTS = ["base", "fused"]
+COMPILED_CSV = "profile_kernels_compiled.csv"
+CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora"]
+LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold"]
 MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, LIGER]
 ALL_VARIANTS = [*dict.fromkeys([*LINEAR_VARIANTS, *MOE_VARIANTS])]
 DEFAULT_VARIANTS = ["base", "fused", "ours"]
 LINEAR_CELL = (32768, 4096, 4096, 16)  # notebook 05's target cell (M, K, N, r)
+LINEAR_8K_CELL = (8192, 4096, 4096, 16)  # below the shipped op's cuBLAS dispatch volume
 MOE_SHAPE, MOE_TOKENS = "qwen3_30b_a3b", 8192
 SMOKE_LINEAR_CELL = (64, 32, 32, 4)
 SMOKE_MOE = dict(hidden=32, num_experts=4, top_k=2, intermediate=16)
@@ -56,12 +62,14 @@ WARMUP_STEPS = 3
 TOP_KERNELS = 12  # kept per (case, implementation); the rest is one row named "(other kernels)"
 
 
-def linear_steps(variants, device, dtype, smoke: bool):
-    """{variant: (prepare, step)} for the LoRA linear case: the forward, then the gradients of X and of the factors
-    (of X only for the frozen layer)."""
+def linear_steps(variants, device, dtype, smoke: bool, cell=LINEAR_CELL):
+    """{variant: (prepare, step)} for a LoRA linear case: the forward, then the gradients of X and of the factors
+    (of X only for the frozen layer). The fused forms use notebook 05's settings (``bench_lora_linear``)."""
+    from bench_lora_linear import FUSED_CONFIGS
+
     from lora_lab.kernels import KernelConfig, fused_lora_linear
 
-    M, K, N, r = SMOKE_LINEAR_CELL if smoke else LINEAR_CELL
+    M, K, N, r = SMOKE_LINEAR_CELL if smoke else cell
     gen = torch.Generator(device=device).manual_seed(0)
     x = torch.randn(M, K, generator=gen, device=device).to(dtype).requires_grad_(True)
     dy = torch.randn(M, N, generator=gen, device=device).to(dtype)
@@ -69,10 +77,13 @@ def linear_steps(variants, device, dtype, smoke: bool):
     A = (torch.randn(r, K, generator=gen, device=device) / K**0.5).to(dtype).requires_grad_(True)
     B = (torch.randn(N, r, generator=gen, device=device) * 0.02).to(dtype).requires_grad_(True)
     shipped = KernelConfig.from_env()
-    steps = {"base": lambda: torch.autograd.grad(lin(x), [x], dy),
-             "fused": lambda: torch.autograd.grad(fused_lora_linear(x, lin.weight, None, A, B, 2.0, config=shipped),
-                                                  [x, A, B], dy)}
-    return {v: (lambda: None, steps[v]) for v in variants if v in steps}, f"M={M} K={K} N={N} r={r}"
+
+    def fused(cfg):
+        return lambda: torch.autograd.grad(fused_lora_linear(x, lin.weight, None, A, B, 2.0, config=cfg), [x, A, B], dy)
+
+    steps = {"base": lambda: torch.autograd.grad(lin(x), [x], dy)}
+    steps |= {v: fused(shipped.replace(**FUSED_CONFIGS[v])) for v in LINEAR_VARIANTS if v != "base"}
+    return {v: (lambda: None, steps[v]) for v in LINEAR_VARIANTS if v in variants}, f"M={M} K={K} N={N} r={r}"
 
 
 def moe_steps(mode: str, variants, device, dtype, smoke: bool):
@@ -138,6 +149,68 @@ def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float]:
     return kernel_rows(prof, cuda, steps), wall_ms
 
 
+# one Hopper SM (H100 / H200): the limits that decide how many copies of a kernel's program it holds at once
+SM_REGISTERS, SM_SHARED_BYTES, SM_MAX_WARPS, SM_MAX_BLOCKS = 65536, 228 * 1024, 64, 32
+
+
+def occupancy(num_warps: int, regs_per_thread: int, shared_bytes: int) -> dict:
+    """Programs (thread blocks) one Hopper SM can hold at once, what limits them, and the share of the SM's warp
+    slots they fill. Registers are allocated per warp in units of 256 (8 per thread)."""
+    regs_per_warp = -(-max(regs_per_thread, 1) * 32 // 256) * 256
+    limits = {"registers": SM_REGISTERS // (regs_per_warp * num_warps),
+              "shared memory": SM_SHARED_BYTES // shared_bytes if shared_bytes else SM_MAX_BLOCKS + 1,
+              "warps": SM_MAX_WARPS // num_warps, "blocks": SM_MAX_BLOCKS}
+    blocks = min(limits.values())
+    limiter = min(limits, key=limits.get)
+    return {"blocks_per_sm": blocks, "occupancy_limited_by": limiter,
+            "warp_occupancy": blocks * num_warps / SM_MAX_WARPS}
+
+
+def triton_functions():
+    """(module-qualified name, JITFunction) for every Triton kernel in ``lora_lab.kernels`` (autotuned and
+    heuristic wrappers unwrapped)."""
+    import importlib
+    import pkgutil
+
+    from triton.runtime.jit import JITFunction
+
+    import lora_lab.kernels as package
+
+    found = {}
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            fn = obj
+            while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
+                fn = fn.fn
+            if isinstance(fn, JITFunction) and getattr(fn, "__module__", module.__name__) == module.__name__:
+                found.setdefault(id(fn), (f"{module.__name__}.{name}", fn))
+    return list(found.values())
+
+
+def compiled_kernel_rows() -> list[dict]:
+    """Every compiled variant of every lora_lab Triton kernel this process launched: launch settings, registers
+    and spills per thread, and the occupancy they allow (``occupancy``). Empty under the interpreter."""
+    rows = []
+    for qualified, fn in triton_functions():
+        for caches in getattr(fn, "device_caches", {}).values():
+            for compiled in list(caches[0].values()):
+                try:
+                    if getattr(compiled, "n_regs", None) is None and hasattr(compiled, "_init_handles"):
+                        compiled._init_handles()
+                    meta = compiled.metadata
+                    warps, shared = int(meta.num_warps), int(meta.shared)
+                    regs, spills = int(compiled.n_regs), int(compiled.n_spills)
+                except Exception as err:  # another Triton's layout: say so, keep the others
+                    rows.append({"function": qualified, "status": "error", "error": error_text(err)})
+                    continue
+                rows.append({"function": qualified, "kernel": getattr(meta, "name", fn.__name__), "status": "ok",
+                             "num_warps": warps, "num_stages": int(getattr(meta, "num_stages", 0)),
+                             "num_ctas": int(getattr(meta, "num_ctas", 1)), "shared_bytes": shared,
+                             "regs_per_thread": regs, "spills": spills, **occupancy(warps, regs, shared)})
+    return rows
+
+
 def plot(rows, out: Path) -> None:
     import matplotlib
 
@@ -183,8 +256,9 @@ def main(argv=None) -> None:
     print(device_line(device, dtype, args.repetitions, f"profiled steps {args.repetitions}"), flush=True)
     rows = []
     for case in args.cases:
-        if case == "lora_linear":
-            steps, where = linear_steps(args.variants, device, dtype, args.smoke)
+        if case.startswith("lora_linear"):
+            cell = LINEAR_8K_CELL if case == "lora_linear_8k" else LINEAR_CELL
+            steps, where = linear_steps(args.variants, device, dtype, args.smoke, cell)
         else:
             steps, where = moe_steps(case.removeprefix("moe_"), args.variants, device, dtype, args.smoke)
         for impl, (prepare, step) in steps.items():
@@ -207,6 +281,14 @@ def main(argv=None) -> None:
         measure.write_csv(rows, out / CSV)  # after every case: a run cut short keeps what it measured
     if any(r["status"] == "ok" for r in rows):
         plot([r for r in rows if r["status"] == "ok"], out)
+    if cuda:
+        compiled = compiled_kernel_rows()
+        measure.write_csv(compiled, out / COMPILED_CSV)
+        for r in (r for r in compiled if r["status"] == "ok"):
+            print(f"compiled {r['kernel']}: {r['num_warps']} warps, {r['num_stages']} stages, "
+                  f"{r['shared_bytes'] // 1024} KiB shared, {r['regs_per_thread']} regs, {r['spills']} spills -> "
+                  f"{r['blocks_per_sm']} per SM ({r['occupancy_limited_by']}), {r['warp_occupancy']:.0%} of warps",
+                  flush=True)
     print(f"wrote {out / CSV} ({len(rows)} rows)", flush=True)
 
 

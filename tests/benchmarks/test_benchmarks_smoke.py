@@ -333,13 +333,32 @@ def test_kernel_profile_rows(smoke_dir):
     rows = measure.read_csv(smoke_dir / "profile_kernels.csv")  # refuses another code hash
     assert rows and all(r["smoke"] is True for r in rows)
     groups = {(r["case"], r["impl"]) for r in rows}
-    assert groups == {("lora_linear", "base"), ("lora_linear", "fused"), ("moe_full", "ours"),
-                      ("moe_full", "grouped_mm"), ("moe_lora", "ours"), ("moe_lora", "grouped_mm")}
+    assert groups == {("lora_linear", "base"), ("lora_linear", "fused"), ("lora_linear_8k", "base"),
+                      ("lora_linear_8k", "fused"), ("moe_full", "ours"), ("moe_full", "grouped_mm"),
+                      ("moe_lora", "ours"), ("moe_lora", "grouped_mm")}
     assert all(r["status"] == "ok" and r["us_per_step"] > 0 and r["calls_per_step"] > 0 for r in rows)
     for group in groups:
         mine = [r for r in rows if (r["case"], r["impl"]) == group]
         assert abs(sum(r["share"] for r in mine) - 1.0) < 1e-6, group
         assert len({r["kernel"] for r in mine}) == len(mine), group
+
+
+def test_profile_occupancy_arithmetic():
+    """profile_kernels.occupancy: programs per Hopper SM from warps, registers and shared memory, and which of
+    them binds first."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_kernels as prof
+
+    # 8 warps x 32 threads x 128 registers = 32768 of the SM's 65536: two programs; 100 KiB of shared memory: two
+    assert prof.occupancy(8, 128, 100 * 1024) == {"blocks_per_sm": 2, "occupancy_limited_by": "registers",
+                                                  "warp_occupancy": 0.25}
+    # 168 registers round up to 176 per thread (256 per warp): one program of 8 warps fits, not two
+    assert prof.occupancy(8, 168, 0)["blocks_per_sm"] == 1
+    # 4 warps, few registers, 160 KiB of shared memory: shared memory allows one program
+    assert prof.occupancy(4, 64, 160 * 1024) == {"blocks_per_sm": 1, "occupancy_limited_by": "shared memory",
+                                                 "warp_occupancy": 4 / 64}
+    # 1 warp, 32 registers, no shared memory: the 32-programs limit binds
+    assert prof.occupancy(1, 32, 0) == {"blocks_per_sm": 32, "occupancy_limited_by": "blocks", "warp_occupancy": 0.5}
 
 
 def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(monkeypatch):

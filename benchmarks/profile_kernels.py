@@ -166,12 +166,13 @@ def occupancy(num_warps: int, regs_per_thread: int, shared_bytes: int) -> dict:
             "warp_occupancy": blocks * num_warps / SM_MAX_WARPS}
 
 
-def triton_functions():
-    """(module-qualified name, JITFunction) for every Triton kernel in ``lora_lab.kernels`` (autotuned and
-    heuristic wrappers unwrapped)."""
+def kernel_objects():
+    """(module-qualified name, JITFunction, Autotuners wrapping it) for every Triton kernel in ``lora_lab.kernels``
+    (autotuned and heuristic wrappers unwrapped)."""
     import importlib
     import pkgutil
 
+    from triton.runtime.autotuner import Autotuner
     from triton.runtime.jit import JITFunction
 
     import lora_lab.kernels as package
@@ -179,35 +180,59 @@ def triton_functions():
     found = {}
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         module = importlib.import_module(info.name)
-        for name, obj in vars(module).items():
-            fn = obj
+        for obj in vars(module).values():
+            fn, tuners = obj, []
             while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
+                tuners += [fn] if isinstance(fn, Autotuner) else []
                 fn = fn.fn
-            if isinstance(fn, JITFunction) and getattr(fn, "__module__", module.__name__) == module.__name__:
-                found.setdefault(id(fn), (f"{module.__name__}.{name}", fn))
+            if not isinstance(fn, JITFunction):
+                continue
+            qualified = f"{fn.__module__}.{fn.__name__}"
+            entry = found.setdefault(id(fn), (qualified, fn, []))
+            entry[2].extend(t for t in tuners if all(t is not known for known in entry[2]))
     return list(found.values())
+
+
+def tuned_choices(tuners) -> list[dict]:
+    """The configurations the autotuners picked in this process: {constexpr: value, num_warps, num_stages} each."""
+    return [{**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+            for tuner in tuners for config in getattr(tuner, "cache", {}).values()]
+
+
+def is_chosen(constexprs: dict, num_warps: int, num_stages: int, choices: list[dict]) -> bool:
+    """Whether a compiled kernel is one an autotuner picked: some choice's settings are all the kernel's."""
+    mine = {**constexprs, "num_warps": num_warps, "num_stages": num_stages}
+    return any(all(mine.get(k) == v for k, v in choice.items()) for choice in choices)
 
 
 def compiled_kernel_rows() -> list[dict]:
     """Every compiled variant of every lora_lab Triton kernel this process launched: launch settings, registers
-    and spills per thread, and the occupancy they allow (``occupancy``). Empty under the interpreter."""
+    and spills per thread, the occupancy they allow (``occupancy``), and for an autotuned kernel whether the
+    autotuner picked it (``chosen``; the others were only tried). Empty under the interpreter."""
     rows = []
-    for qualified, fn in triton_functions():
+    for qualified, fn, tuners in kernel_objects():
+        choices = tuned_choices(tuners)
         for caches in getattr(fn, "device_caches", {}).values():
             for compiled in list(caches[0].values()):
                 try:
                     if getattr(compiled, "n_regs", None) is None and hasattr(compiled, "_init_handles"):
                         compiled._init_handles()
                     meta = compiled.metadata
-                    warps, shared = int(meta.num_warps), int(meta.shared)
+                    warps, stages, shared = int(meta.num_warps), int(getattr(meta, "num_stages", 0)), int(meta.shared)
                     regs, spills = int(compiled.n_regs), int(compiled.n_spills)
+                    constants = getattr(getattr(compiled, "src", None), "constants", {}) or {}
+                    constexprs = {fn.arg_names[k[0]] if isinstance(k, tuple) else k: v for k, v in constants.items()}
                 except Exception as err:  # another Triton's layout: say so, keep the others
                     rows.append({"function": qualified, "status": "error", "error": error_text(err)})
                     continue
+                tiles = {k: v for k, v in constexprs.items() if isinstance(v, int) and k.isupper()}
                 rows.append({"function": qualified, "kernel": getattr(meta, "name", fn.__name__), "status": "ok",
-                             "num_warps": warps, "num_stages": int(getattr(meta, "num_stages", 0)),
-                             "num_ctas": int(getattr(meta, "num_ctas", 1)), "shared_bytes": shared,
-                             "regs_per_thread": regs, "spills": spills, **occupancy(warps, regs, shared)})
+                             "autotuned": bool(tuners),
+                             "chosen": is_chosen(constexprs, warps, stages, choices) if choices else "",
+                             "num_warps": warps, "num_stages": stages, "num_ctas": int(getattr(meta, "num_ctas", 1)),
+                             "shared_bytes": shared, "regs_per_thread": regs, "spills": spills,
+                             **occupancy(warps, regs, shared),
+                             "constexprs": " ".join(f"{k}={v}" for k, v in sorted(tiles.items()))})
     return rows
 
 
@@ -285,8 +310,10 @@ def main(argv=None) -> None:
         compiled = compiled_kernel_rows()
         measure.write_csv(compiled, out / COMPILED_CSV)
         for r in (r for r in compiled if r["status"] == "ok"):
-            print(f"compiled {r['kernel']}: {r['num_warps']} warps, {r['num_stages']} stages, "
-                  f"{r['shared_bytes'] // 1024} KiB shared, {r['regs_per_thread']} regs, {r['spills']} spills -> "
+            picked = {True: " [autotuner's pick]", False: " [tried]", "": ""}[r["chosen"]]
+            print(f"compiled {r['kernel']}{picked}: {r['constexprs']}; {r['num_warps']} warps, "
+                  f"{r['num_stages']} stages, {r['shared_bytes'] // 1024} KiB shared, {r['regs_per_thread']} regs, "
+                  f"{r['spills']} spills -> "
                   f"{r['blocks_per_sm']} per SM ({r['occupancy_limited_by']}), {r['warp_occupancy']:.0%} of warps",
                   flush=True)
     print(f"wrote {out / CSV} ({len(rows)} rows)", flush=True)

@@ -359,6 +359,11 @@ def test_profile_occupancy_arithmetic():
                                                  "warp_occupancy": 4 / 64}
     # 1 warp, 32 registers, no shared memory: the 32-programs limit binds
     assert prof.occupancy(1, 32, 0) == {"blocks_per_sm": 32, "occupancy_limited_by": "blocks", "warp_occupancy": 0.5}
+    # an autotuner's pick: every setting of the chosen config is the compiled kernel's (tile sizes, warps, stages)
+    picked = [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
+    assert prof.is_chosen({"BLOCK_M": 128, "BLOCK_N": 64, "HAS_BIAS": True}, 8, 3, picked)
+    assert not prof.is_chosen({"BLOCK_M": 128, "BLOCK_N": 128, "HAS_BIAS": True}, 8, 3, picked)
+    assert not prof.is_chosen({"BLOCK_M": 128, "BLOCK_N": 64}, 4, 3, picked)
 
 
 def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(monkeypatch):

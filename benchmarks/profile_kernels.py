@@ -17,8 +17,9 @@ most of the time, and whether they are GEMMs or memory-bound passes, say where a
 ``--smoke`` (CPU, Triton's interpreter, tiny shapes) the rows are the CPU operators instead: the code path only.
 
 Writes into --out: profile_kernels.csv, profile_kernels.png (the largest kernels of each case as stacked bars) and,
-on a GPU, profile_kernels_compiled.csv: every lora_lab Triton kernel the run compiled, with its launch settings
-(warps, stages, shared memory), registers and spills per thread, and the occupancy those allow on one SM.
+on a GPU, profile_kernels_compiled.csv: every lora_lab Triton kernel the run compiled (autotuning candidates
+included), with its tile sizes, launch settings (warps, stages, shared memory), registers and spills per thread, and
+the occupancy those allow on one SM; and profile_kernels_picks.csv: the settings each autotuner picked, per key.
 
     python benchmarks/profile_kernels.py --out DIR
     python benchmarks/profile_kernels.py --out DIR --cases moe_full --variants grouped_mm liger ours_persistent
@@ -46,7 +47,7 @@ from lora_lab.experiments.fused_moe import (
 from lora_lab.lab import measure
 
 CSV = "profile_kernels.csv"
-COMPILED_CSV = "profile_kernels_compiled.csv"
+COMPILED_CSV, PICKS_CSV = "profile_kernels_compiled.csv", "profile_kernels_picks.csv"
 CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora"]
 LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold"]
 MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, LIGER]
@@ -193,25 +194,25 @@ def kernel_objects():
     return list(found.values())
 
 
-def tuned_choices(tuners) -> list[dict]:
-    """The configurations the autotuners picked in this process: {constexpr: value, num_warps, num_stages} each."""
-    return [{**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
-            for tuner in tuners for config in getattr(tuner, "cache", {}).values()]
-
-
-def is_chosen(constexprs: dict, num_warps: int, num_stages: int, choices: list[dict]) -> bool:
-    """Whether a compiled kernel is one an autotuner picked: some choice's settings are all the kernel's."""
-    mine = {**constexprs, "num_warps": num_warps, "num_stages": num_stages}
-    return any(all(mine.get(k) == v for k, v in choice.items()) for choice in choices)
+def autotuner_picks() -> list[dict]:
+    """What each lora_lab autotuner picked in this process, per tuning key (the key's values as the autotuner
+    lists them: the shapes and flags it tunes on, then the dtypes)."""
+    rows = []
+    for qualified, _fn, tuners in kernel_objects():
+        for tuner in tuners:
+            for key, config in getattr(tuner, "cache", {}).items():
+                rows.append({"function": qualified, "key": " ".join(map(str, key)),
+                             "config": " ".join(f"{k}={v}" for k, v in sorted(config.kwargs.items())),
+                             "num_warps": config.num_warps, "num_stages": config.num_stages})
+    return rows
 
 
 def compiled_kernel_rows() -> list[dict]:
-    """Every compiled variant of every lora_lab Triton kernel this process launched: launch settings, registers
-    and spills per thread, the occupancy they allow (``occupancy``), and for an autotuned kernel whether the
-    autotuner picked it (``chosen``; the others were only tried). Empty under the interpreter."""
+    """Every compiled variant of every lora_lab Triton kernel this process launched, autotuning candidates
+    included: launch settings, tile sizes, registers and spills per thread, and the occupancy they allow
+    (``occupancy``). ``autotuner_picks`` says which settings each tuning key got. Empty under the interpreter."""
     rows = []
     for qualified, fn, tuners in kernel_objects():
-        choices = tuned_choices(tuners)
         for caches in getattr(fn, "device_caches", {}).values():
             for compiled in list(caches[0].values()):
                 try:
@@ -228,7 +229,6 @@ def compiled_kernel_rows() -> list[dict]:
                 tiles = {k: v for k, v in constexprs.items() if isinstance(v, int) and k.isupper()}
                 rows.append({"function": qualified, "kernel": getattr(meta, "name", fn.__name__), "status": "ok",
                              "autotuned": bool(tuners),
-                             "chosen": is_chosen(constexprs, warps, stages, choices) if choices else "",
                              "num_warps": warps, "num_stages": stages, "num_ctas": int(getattr(meta, "num_ctas", 1)),
                              "shared_bytes": shared, "regs_per_thread": regs, "spills": spills,
                              **occupancy(warps, regs, shared),
@@ -309,9 +309,13 @@ def main(argv=None) -> None:
     if cuda:
         compiled = compiled_kernel_rows()
         measure.write_csv(compiled, out / COMPILED_CSV)
+        picks = autotuner_picks()
+        measure.write_csv(picks, out / PICKS_CSV)
+        for r in picks:
+            print(f"autotuner pick {r['function']} [{r['key']}]: {r['config']} {r['num_warps']} warps "
+                  f"{r['num_stages']} stages", flush=True)
         for r in (r for r in compiled if r["status"] == "ok"):
-            picked = {True: " [autotuner's pick]", False: " [tried]", "": ""}[r["chosen"]]
-            print(f"compiled {r['kernel']}{picked}: {r['constexprs']}; {r['num_warps']} warps, "
+            print(f"compiled {r['kernel']}: {r['constexprs']}; {r['num_warps']} warps, "
                   f"{r['num_stages']} stages, {r['shared_bytes'] // 1024} KiB shared, {r['regs_per_thread']} regs, "
                   f"{r['spills']} spills -> "
                   f"{r['blocks_per_sm']} per SM ({r['occupancy_limited_by']}), {r['warp_occupancy']:.0%} of warps",

@@ -359,11 +359,34 @@ def test_profile_occupancy_arithmetic():
                                                  "warp_occupancy": 4 / 64}
     # 1 warp, 32 registers, no shared memory: the 32-programs limit binds
     assert prof.occupancy(1, 32, 0) == {"blocks_per_sm": 32, "occupancy_limited_by": "blocks", "warp_occupancy": 0.5}
-    # an autotuner's pick: every setting of the chosen config is the compiled kernel's (tile sizes, warps, stages)
-    picked = [{"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}]
-    assert prof.is_chosen({"BLOCK_M": 128, "BLOCK_N": 64, "HAS_BIAS": True}, 8, 3, picked)
-    assert not prof.is_chosen({"BLOCK_M": 128, "BLOCK_N": 128, "HAS_BIAS": True}, 8, 3, picked)
-    assert not prof.is_chosen({"BLOCK_M": 128, "BLOCK_N": 64}, 4, 3, picked)
+
+
+def test_profile_lists_autotuner_picks_per_key():
+    """profile_kernels.autotuner_picks: one row per (autotuned kernel, tuning key) with the picked settings; every
+    autotuned lora_lab kernel is found through its wrappers. Run without the interpreter (in a subprocess), which
+    would replace the JIT functions."""
+    script = """
+import json, triton, profile_kernels as prof
+objects = prof.kernel_objects()
+tuned = sorted(name for name, _fn, tuners in objects if tuners)
+name, _fn, tuners = next(o for o in objects if o[0].endswith("_grouped_rows_gemm_kernel"))
+tuners[0].cache = {(2048, 768, True, "torch.bfloat16"): triton.Config({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8,
+                                                                       num_stages=3)}
+print(json.dumps({"tuned": tuned, "picks": prof.autotuner_picks()}))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "benchmarks", env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {"lora_lab.kernels.lora.gemm._lora_gemm_tma_kernel", "lora_lab.kernels.lora.rank_ops._rank_reduction_kernel",
+            "lora_lab.kernels.moe.grouped_gemm._grouped_rows_gemm_kernel",
+            "lora_lab.kernels.moe.expert_weight_grad._expert_weight_grad_kernel"} <= set(found["tuned"])
+    assert found["picks"] == [{"function": "lora_lab.kernels.moe.grouped_gemm._grouped_rows_gemm_kernel",
+                               "key": "2048 768 True torch.bfloat16", "config": "BLOCK_K=64 BLOCK_N=256",
+                               "num_warps": 8, "num_stages": 3}]
 
 
 def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(monkeypatch):

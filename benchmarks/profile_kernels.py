@@ -6,7 +6,8 @@ Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the 
                 ``nn.Linear`` (``base``) and ``fused_lora_linear`` with the shipped ``KernelConfig`` (``fused``; with
                 ``--variants``, the GEMM core's forms ``fused_persistent`` and ``fused_fold`` as notebook 05 runs them)
   lora_linear_8k  the same at M = 8192, where the shipped op hands the GEMMs to cuBLAS and the core's forms do not
-  moe_full      the Qwen3-30B-A3B-like experts layer at T = 8192, full fine-tuning: ``ours`` (and, with
+  moe_full      the Qwen3-30B-A3B-like experts layer at T = 8192 (``--moe-shape``, ``--moe-tokens``: another
+                layer of notebook 06), full fine-tuning: ``ours`` (and, with
                 ``--variants``, ``grouped_mm``, ``liger``, ``ours_persistent``)
   moe_lora      the same layer with PEFT LoRA on the experts: ``ours`` (and ``grouped_mm``)
 
@@ -87,11 +88,12 @@ def linear_steps(variants, device, dtype, smoke: bool, cell=LINEAR_CELL):
     return {v: (lambda: None, steps[v]) for v in LINEAR_VARIANTS if v in variants}, f"M={M} K={K} N={N} r={r}"
 
 
-def moe_steps(mode: str, variants, device, dtype, smoke: bool):
+def moe_steps(mode: str, variants, device, dtype, smoke: bool, shape_name: str = MOE_SHAPE,
+              tokens: int = MOE_TOKENS):
     """{implementation: (prepare, step)} for one MoE case, all on one layer (``prepare`` switches it to the
     implementation, outside the profiled steps)."""
-    shape = LAYER_SHAPES[MOE_SHAPE].scaled(**SMOKE_MOE) if smoke else LAYER_SHAPES[MOE_SHAPE]
-    tokens = SMOKE_MOE_TOKENS if smoke else MOE_TOKENS
+    shape = LAYER_SHAPES[shape_name].scaled(**SMOKE_MOE) if smoke else LAYER_SHAPES[shape_name]
+    tokens = SMOKE_MOE_TOKENS if smoke else tokens
     holder, experts, params = layer_holder(shape, mode, device, dtype, seed=0)
     gen = torch.Generator(device=device).manual_seed(3)
     x = torch.randn(tokens, shape.hidden, generator=gen, device=device).to(dtype).requires_grad_(True)
@@ -266,6 +268,9 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(ap, ALL_VARIANTS, DEFAULT_VARIANTS, "tiny shapes")
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES, help="what to profile (default: all)")
+    ap.add_argument("--moe-shape", default=MOE_SHAPE, choices=sorted(LAYER_SHAPES),
+                    help=f"the MoE cases' layer (default {MOE_SHAPE})")
+    ap.add_argument("--moe-tokens", type=int, default=MOE_TOKENS, help=f"the MoE cases' tokens (default {MOE_TOKENS})")
     args = ap.parse_args(argv)
     args.variants = chosen_variants(ap, args, ALL_VARIANTS, DEFAULT_VARIANTS)
     return args
@@ -285,7 +290,8 @@ def main(argv=None) -> None:
             cell = LINEAR_8K_CELL if case == "lora_linear_8k" else LINEAR_CELL
             steps, where = linear_steps(args.variants, device, dtype, args.smoke, cell)
         else:
-            steps, where = moe_steps(case.removeprefix("moe_"), args.variants, device, dtype, args.smoke)
+            steps, where = moe_steps(case.removeprefix("moe_"), args.variants, device, dtype, args.smoke,
+                                     args.moe_shape, args.moe_tokens)
         for impl, (prepare, step) in steps.items():
             base = {"case": case, "impl": impl, "shape": where, "smoke": args.smoke}
             try:

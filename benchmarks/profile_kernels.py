@@ -300,16 +300,19 @@ def main(argv=None) -> None:
             except Exception as err:  # one implementation that cannot run must not lose the others' profiles
                 rows.append({**base, "status": "error", "error": error_text(err)})
                 print(f"{case} {impl}: failed: {rows[-1]['error'][:200]}", flush=True)
-                continue
-            total_ms = sum(k["us_per_step"] for k in kernels) / 1e3
-            rows += [{**base, "status": "ok", "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_ms, **k}
-                     for k in kernels]
-            top = ", ".join(f"{k['kernel'][:40]} {k['share']:.0%}" for k in kernels[:4])
-            print(f"{case} {impl} ({where}): {total_ms:.3f} ms of kernels per step ({wall_ms:.3f} ms wall); {top}",
-                  flush=True)
-            if cuda:
-                torch.cuda.empty_cache()
-        measure.write_csv(rows, out / CSV)  # after every case: a run cut short keeps what it measured
+            else:
+                total_ms = sum(k["us_per_step"] for k in kernels) / 1e3
+                rows += [{**base, "status": "ok", "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_ms, **k}
+                         for k in kernels]
+                top = ", ".join(f"{k['kernel'][:40]} {k['share']:.0%}" for k in kernels[:4])
+                print(f"{case} {impl} ({where}): {total_ms:.3f} ms of kernels per step ({wall_ms:.3f} ms wall); "
+                      f"{top}", flush=True)
+                for k in kernels:  # the whole table in the log too
+                    print(f"    {k['us_per_step']:10.1f} us {k['calls_per_step']:5.1f} calls {k['share']:6.1%}  "
+                          f"{k['kernel'][:100]}", flush=True)
+                if cuda:
+                    torch.cuda.empty_cache()
+            measure.write_csv(rows, out / CSV)  # after every implementation: a run cut short keeps what it measured
     if any(r["status"] == "ok" for r in rows):
         plot([r for r in rows if r["status"] == "ok"], out)
     if cuda:

@@ -361,6 +361,28 @@ def test_profile_occupancy_arithmetic():
     assert prof.occupancy(1, 32, 0) == {"blocks_per_sm": 32, "occupancy_limited_by": "blocks", "warp_occupancy": 0.5}
 
 
+def test_profile_cut_short_keeps_the_implementations_it_finished(monkeypatch, tmp_path):
+    """profile_kernels writes its CSV after every implementation: a run stopped in the middle of a case (a timeout)
+    keeps the profiles it finished."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import profile_kernels as prof
+
+    real, calls = prof.profile_step, []
+
+    def stopping(step, steps, cuda):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what a timeout's signal does in the middle of the second implementation
+        return real(step, steps, cuda)
+
+    monkeypatch.setattr(prof, "profile_step", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        prof.main(["--out", str(tmp_path), "--smoke", "--cases", "lora_linear", "--variants", "base", "fused",
+                   "--repetitions", "2"])
+    rows = measure.read_csv(tmp_path / prof.CSV)
+    assert rows and {(r["case"], r["impl"]) for r in rows} == {("lora_linear", "base")}
+
+
 def test_profile_lists_autotuner_picks_per_key():
     """profile_kernels.autotuner_picks: one row per (autotuned kernel, tuning key) with the picked settings; every
     autotuned lora_lab kernel is found through its wrappers. Run without the interpreter (in a subprocess), which

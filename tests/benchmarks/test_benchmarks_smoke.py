@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import inspect
+import json
 import os
 import subprocess
 import sys
@@ -74,6 +75,14 @@ def _fused_loss_missing() -> str | None:
     if "fused" not in inspect.signature(causal_lm_loss).parameters:
         return "causal_lm_loss has no fused= keyword yet"
     return None
+
+
+@pytest.fixture
+def bench_module(monkeypatch):
+    """``bench_module(name)`` imports a script of ``benchmarks/`` as a module; ``sys.path`` is restored after the
+    test."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    return importlib.import_module
 
 
 @pytest.fixture(scope="module")
@@ -288,7 +297,7 @@ def test_gemm_core_rows(smoke_dir):
         assert (s["time_vs_cublas"] is None) == (s["variant"] == "cublas"), s
 
 
-def test_a_failing_optional_linear_variant_is_a_recorded_row_not_a_crash(monkeypatch):
+def test_a_failing_optional_linear_variant_is_a_recorded_row_not_a_crash(monkeypatch, bench_module):
     """bench_lora_linear: a GEMM-core variant that cannot run (here: made to raise) leaves one ``error`` row with
     the message, the other variants are timed, and notebook 05's metrics say which variant failed instead of
     ratios; a failure of a variant the notebook's own metrics need still fails the benchmark."""
@@ -296,9 +305,7 @@ def test_a_failing_optional_linear_variant_is_a_recorded_row_not_a_crash(monkeyp
 
     import lora_lab.kernels
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    monkeypatch.setattr(sys, "path", sys.path)
-    import bench_lora_linear as bench
+    bench = bench_module("bench_lora_linear")
 
     real = lora_lab.kernels.fused_lora_linear
 
@@ -343,11 +350,10 @@ def test_kernel_profile_rows(smoke_dir):
         assert len({r["kernel"] for r in mine}) == len(mine), group
 
 
-def test_profile_occupancy_arithmetic():
+def test_profile_occupancy_arithmetic(bench_module):
     """profile_kernels.occupancy: programs per Hopper SM from warps, registers and shared memory, and which of
     them binds first."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import profile_kernels as prof
+    prof = bench_module("profile_kernels")
 
     # 8 warps x 32 threads x 128 registers = 32768 of the SM's 65536: two programs; 100 KiB of shared memory: two
     assert prof.occupancy(8, 128, 100 * 1024) == {"blocks_per_sm": 2, "occupancy_limited_by": "registers",
@@ -361,11 +367,10 @@ def test_profile_occupancy_arithmetic():
     assert prof.occupancy(1, 32, 0) == {"blocks_per_sm": 32, "occupancy_limited_by": "blocks", "warp_occupancy": 0.5}
 
 
-def test_profile_cut_short_keeps_the_implementations_it_finished(monkeypatch, tmp_path):
+def test_profile_cut_short_keeps_the_implementations_it_finished(monkeypatch, tmp_path, bench_module):
     """profile_kernels writes its CSV after every implementation: a run stopped in the middle of a case (a timeout)
     keeps the profiles it finished."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import profile_kernels as prof
+    prof = bench_module("profile_kernels")
 
     real, calls = prof.profile_step, []
 
@@ -400,8 +405,6 @@ print(json.dumps({"tuned": tuned, "picks": prof.autotuner_picks()}))
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "benchmarks", env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    import json
-
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert {"lora_lab.kernels.lora.gemm._lora_gemm_tma_kernel", "lora_lab.kernels.lora.rank_ops._rank_reduction_kernel",
             "lora_lab.kernels.moe.grouped_gemm._grouped_rows_gemm_kernel",
@@ -411,15 +414,13 @@ print(json.dumps({"tuned": tuned, "picks": prof.autotuner_picks()}))
                                "num_warps": 8, "num_stages": 3}]
 
 
-def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(monkeypatch):
+def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(monkeypatch, bench_module):
     """bench_moe: a persistent form (or Liger) that cannot run leaves rows with status ``error`` and the message,
     the other implementations are timed, and notebook 06's table keeps the failed one without a time; a failure of
     ``ours`` or a baseline still fails the benchmark."""
     import argparse
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    monkeypatch.setattr(sys, "path", sys.path)
-    import bench_moe as bench
+    bench = bench_module("bench_moe")
 
     real = bench.set_implementation
 

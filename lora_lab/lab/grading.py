@@ -463,7 +463,9 @@ def apply_history(row: GradedRow, prediction: Prediction, history: list[dict]) -
         role = "void" if test is None or index < test else "test" if index == test else "replication"
         outcome = graded.get("outcome", "void")
         effective = outcome if outcome in GRADED_OUTCOMES else graded.get("one_session_outcome") or ""
-        row.history.append({"commit": str(run.get("git_commit") or "")[:7], "outcome": outcome,
+        commit = str(run.get("git_commit") or "")[:7] or (  # early runs recorded no commit: where they were published
+            f"published in {str(run['published_in'])[:7]}" if run.get("published_in") else "")
+        row.history.append({"commit": commit, "outcome": outcome,
                             "one_session_outcome": graded.get("one_session_outcome") or "", "role": role,
                             "effective": effective})
     if test is not None:

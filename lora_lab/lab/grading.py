@@ -8,14 +8,30 @@ Each prediction gets one outcome:
 - ``inconclusive``: the interval straddles the threshold — the runs cannot tell;
 - ``void``: it could not be graded, and ``why`` says so (not run, notebook failed or interrupted, run
   unfinished, run with parameters other than the registered ones, metric missing or null, fewer than
-  five repetitions, value not a number);
+  five repetitions, value not a number, a speed ratio measured in one session only — see below);
 - ``superseded``: a later entry replaced it; shown, never graded.
 
-Hit rate = hits / (hits + misses). Brier score = mean over hits and misses of (confidence - outcome)^2
-with outcome 1 for a hit and 0 for a miss (0 is perfect, 0.25 is what always saying 0.5 earns);
-inconclusive outcomes count apart. Blind predictions (registered before any related result) and
-informed ones (``informed_by``) are scored separately as well as together. A miss is a finding, not a
-failure: grading never fails a build on one.
+**Speed ratios need two sessions.** The interval of a repeated measurement taken in one process says nothing
+about the spread between processes, and republished speed ratios moved by more than their intervals. So a
+prediction whose metric is a speed ratio (``Prediction.is_speed_ratio``: ``kind: speed_ratio`` or a metric key
+naming a timing ratio) is ``void`` unless its value records ``"sessions": k`` with k >= 2 — the number of
+separate processes whose repetitions the interval pools (:data:`SESSIONS_KEY`; a value without the key, or a
+plain number, counts as one session). The outcome the one-session interval would have had is kept beside
+the void (``one_session_outcome``) and shown in the run history.
+
+**Run history.** Every published run of a notebook is kept (:mod:`lora_lab.lab.history`,
+``outputs/<profile>/run_history.json``). A prediction's first run that graded it (hit, miss or inconclusive)
+is its **registered test**; later runs are **replications**; runs before it that were void do not count. The
+headline outcome (and value) of a prediction is its registered test's, never replaced by a later run; the
+history column lists every run's outcome, and a prediction whose outcomes differ between runs is **unstable**
+(counted in the summary). A prediction no recorded run graded is graded on the current metrics file.
+
+Hit rate = hits / (hits + misses) over the headline outcomes, i.e. the registered tests. Brier score = mean
+over those hits and misses of (confidence - outcome)^2 with outcome 1 for a hit and 0 for a miss (0 is
+perfect, 0.25 is what always saying 0.5 earns); inconclusive outcomes count apart; replications do not enter
+either. Blind predictions (registered before any related result) and informed ones (``informed_by``, given
+in the entry or by a later label amendment) are scored separately as well as together. A miss is a finding,
+not a failure: grading never fails a build on one.
 """
 
 from __future__ import annotations
@@ -36,6 +52,10 @@ RUN_SUMMARY_NAME = "run_summary.json"
 SCOREBOARD_MD = "scoreboard.md"
 SCOREBOARD_PNG = "scoreboard.png"
 OUTCOMES = ("hit", "miss", "inconclusive", "void", "superseded")
+GRADED_OUTCOMES = ("hit", "miss", "inconclusive")
+SESSIONS_KEY = "sessions"  # in a repeated measurement: how many separate processes its samples pool
+MIN_SESSIONS = 2
+ONE_SESSION_WHY = "one session: a speed ratio needs ≥ 2"
 
 
 @dataclass
@@ -55,6 +75,28 @@ class GradedRow:
     informed_by: str = ""
     interval: tuple[float, float] | None = None  # 95% interval of a repeated measurement
     repetitions: int | None = None
+    sessions: int | None = None  # separate processes a repeated measurement pools (None: not recorded)
+    one_session_outcome: str = ""  # a one-session speed ratio's void: what its interval alone gives
+    amended: str = ""  # why its label was amended ("" = not amended)
+    ran: str = ""  # "ran <commit>" when the published run's code differs from the working tree's
+    history: list[dict] = field(default_factory=list)  # every recorded run that graded it, oldest first
+
+    @property
+    def unstable(self) -> bool:
+        """True when recorded runs disagree (one-session voids count by what their interval gave)."""
+        return len({run["effective"] for run in self.history if run["effective"]}) >= 2
+
+    def history_text(self) -> str:
+        """``r1 <commit>: miss (test) → r2 <commit>: hit (replication); **unstable**`` ("" without history);
+        ``x*``: a one-session speed ratio (void) whose interval alone gave x."""
+        parts = []
+        for number, run in enumerate(self.history, 1):
+            outcome = f"{run['one_session_outcome']}*" if run.get("one_session_outcome") else run["outcome"]
+            role = f" ({run['role']})" if run["role"] in ("test", "replication") else ""
+            parts.append(f"r{number} {run['commit'] or '?'}: {outcome}{role}")
+        if not parts:
+            return ""
+        return " → ".join(parts) + ("; **unstable**" if self.unstable else "")
 
     @property
     def blind(self) -> bool:
@@ -63,7 +105,9 @@ class GradedRow:
     def measured_text(self) -> str:
         text = format_value(self.value)
         if self.interval is not None:
-            text += f" [{format_number(self.interval[0])}, {format_number(self.interval[1])}] (n={self.repetitions})"
+            sessions = f", {self.sessions} sessions" if self.sessions is not None else ""
+            text += (f" [{format_number(self.interval[0])}, {format_number(self.interval[1])}] "
+                     f"(n={self.repetitions}{sessions})")
         return text
 
 
@@ -105,7 +149,8 @@ class Scoreboard:
         brier_text = "n/a" if brier is None else f"{brier:.4f}"
         return (f"{label}: {self.count('hit', rows)} hit, {self.count('miss', rows)} miss, "
                 f"{self.count('inconclusive', rows)} inconclusive, {self.count('void', rows)} void; "
-                f"hit rate {rate_text}; Brier score {brier_text}")
+                f"hit rate {rate_text}; Brier score {brier_text}; "
+                f"{sum(row.unstable for row in rows)} unstable across runs")
 
     def summary_line(self) -> str:
         live = [row for row in self.rows if row.outcome != "superseded"]
@@ -125,6 +170,7 @@ class Scoreboard:
         for row in self.rows:
             claim = row.claim if len(row.claim) <= claim_width else row.claim[: claim_width - 1] + "…"
             detail = claim + (f"  [{row.why}]" if row.why else "")
+            detail += "  [UNSTABLE across runs]" if row.unstable else ""
             body.append((row.id, row.outcome.upper(), row.measured_text(), row.predicted, f"{row.confidence:.2f}",
                          detail))
         widths = [max(len(str(line[column])) for line in [header, *body]) for column in range(len(header) - 1)]
@@ -145,14 +191,19 @@ class Scoreboard:
             "",
             *[f"- {line}" for line in self.split_lines()],
             "",
-            "Hit rate and Brier score count hits and misses only. *Inconclusive*: the 95% interval of repeated "
-            "measurements straddles the threshold. Void predictions say why they could not be graded; superseded "
-            "ones are shown, not graded. *Informed*: registered after a related result was seen (what, in the "
-            "column).",
+            "Hit rate and Brier score count hits and misses only, each prediction by its registered test: the "
+            "first published run that graded it (the headline outcome and measured value); later runs are "
+            "replications, listed under *history* (r1, r2, … with the commit each ran), and a prediction whose "
+            "runs disagree is **unstable**. *Inconclusive*: the 95% interval of repeated measurements straddles "
+            "the threshold. Void predictions say why they could not be graded (a speed ratio needs an interval "
+            "pooled over ≥ 2 sessions; `x*` in a history is what a one-session interval gave); superseded ones are "
+            "shown, not graded. *Informed*: registered after a related result was seen (what, in the column; "
+            "*amended*: relabelled by a later label amendment). *Run*: `ran <commit>` when the published run's "
+            "code differs from this commit's.",
             "",
             "| id | notebook | claim | metric | measured | predicted | confidence | outcome | why | informed by "
-            "| registered |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| registered | run | history |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in self.rows:
             cells = (
@@ -165,12 +216,14 @@ class Scoreboard:
                 f"{row.confidence:.2f}",
                 f"**{row.outcome}**",
                 row.why,
-                row.informed_by or "blind",
+                (row.informed_by + (f" (amended: {row.amended})" if row.amended else "")) or "blind",
                 row.registered,
+                row.ran,
+                row.history_text(),
             )
             lines.append("| " + " | ".join(escape_cell(cell) for cell in cells) + " |")
         if not self.rows:
-            lines.append(f"| (no predictions apply to profile {self.profile}) | | | | | | | | | | |")
+            lines.append(f"| (no predictions apply to profile {self.profile}) | | | | | | | | | | | | |")
         return "\n".join(lines) + "\n"
 
 
@@ -226,7 +279,14 @@ def why_void(
         if problem == "missing":
             return f"not run: no {metrics_file.name}", None
         return f"metrics file {problem}", None
+    return why_void_payload(prediction, profile, payload, summary_entry)
 
+
+def why_void_payload(
+    prediction: Prediction, profile: str, payload: dict[str, Any], summary_entry: dict[str, Any] | None = None
+) -> tuple[str, Any]:
+    """:func:`why_void` for a metrics file already read (``payload``)."""
+    summary_entry = summary_entry or {}
     provenance = payload.get("provenance") or {}
     status = provenance.get("status")
     metrics = payload.get("metrics") or {}
@@ -257,10 +317,18 @@ def why_void(
         if value["n"] < MIN_REPETITIONS:
             return (f"metric {prediction.metric!r} has {value['n']} repetition(s); a timing claim is graded on "
                     f">= {MIN_REPETITIONS}"), value
-        return "", value
-    if isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value)):
-        return "", value
-    return f"metric {prediction.metric!r} is not a number: {format_value(value)}", value
+    elif not (isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value))):
+        return f"metric {prediction.metric!r} is not a number: {format_value(value)}", value
+    if prediction.is_speed_ratio and sessions_of(value) < MIN_SESSIONS:
+        return f"{ONE_SESSION_WHY} (recorded from {sessions_of(value)})", value
+    return "", value
+
+
+def sessions_of(value: Any) -> int:
+    """How many separate processes (sessions) a recorded value pools: ``value["sessions"]``, else 1."""
+    if is_repeated(value) and isinstance(value.get(SESSIONS_KEY), int) and not isinstance(value[SESSIONS_KEY], bool):
+        return value[SESSIONS_KEY]
+    return 1
 
 
 def is_repeated(value: Any) -> bool:
@@ -308,38 +376,104 @@ def grade_row(prediction: Prediction, profile: str, metrics_file: Path, run_summ
         outcome="void",
         registered=registered,
         informed_by=prediction.informed_by,
+        amended=prediction.amended,
     )
     if superseded_by is not None:
         row.outcome, row.why = "superseded", f"superseded by {superseded_by}"
         return row
     why, value = why_void(prediction, profile, metrics_file, run_summary)
+    return fill_outcome(row, prediction, why, value)
+
+
+def fill_outcome(row: GradedRow, prediction: Prediction, why: str, value: Any) -> GradedRow:
+    """Set ``row``'s value, interval, sessions and outcome from :func:`why_void`'s answer."""
     if is_repeated(value):
         row.value, row.interval, row.repetitions = value["median"], tuple(value["ci95"]), value["n"]
+        row.sessions = sessions_of(value) if SESSIONS_KEY in value else None
     else:
         row.value = value
     if why:
         row.why = why
+        if why.startswith(ONE_SESSION_WHY):
+            row.one_session_outcome = outcome_of(prediction, value)
     else:
         row.outcome = outcome_of(prediction, value)
     return row
 
 
 def grade_predictions(
-    predictions: list[Prediction], profile: str, profile_dir: Path | str, registered: dict[str, str] | None = None
+    predictions: list[Prediction], profile: str, profile_dir: Path | str, registered: dict[str, str] | None = None,
+    history: list[dict] | None = None,
 ) -> Scoreboard:
-    """Grade ``predictions`` that apply to ``profile`` against the files in ``profile_dir``."""
+    """Grade ``predictions`` that apply to ``profile`` against the files in ``profile_dir``; with a run
+    ``history`` (default: ``profile_dir``'s run_history.json, if any), each prediction's headline is its
+    registered test and its row lists every recorded run (see the module docstring)."""
+    from lora_lab.lab.history import load_history
+
     profile_dir = Path(profile_dir)
     registered = registered or {}
+    history = load_history(profile_dir) if history is None else history
     run_summary, _ = read_json(profile_dir / RUN_SUMMARY_NAME)
     run_summary = run_summary or {}
     replaced_by = superseded_ids(predictions)
     board = Scoreboard(profile=profile, generated=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    ran_labels: dict[str, str] = {}
     for prediction in predictions:
         if prediction.applies_to(profile):
-            board.rows.append(grade_row(prediction, profile, profile_dir / f"{prediction.notebook}.metrics.json",
-                                        run_summary, replaced_by.get(prediction.id),
-                                        registered.get(prediction.id, "")))
+            metrics_file = profile_dir / f"{prediction.notebook}.metrics.json"
+            row = grade_row(prediction, profile, metrics_file, run_summary, replaced_by.get(prediction.id),
+                            registered.get(prediction.id, ""))
+            if prediction.notebook not in ran_labels:
+                ran_labels[prediction.notebook] = ran_label(metrics_file)
+            row.ran = ran_labels[prediction.notebook]
+            if row.outcome != "superseded":
+                apply_history(row, prediction, history)
+            board.rows.append(row)
     return board
+
+
+def ran_label(metrics_file: Path) -> str:
+    """``ran <commit>`` when the run's recorded code hash differs from the working tree's (same hash scope);
+    ``current code`` when it matches; "" when the file or its hash is missing."""
+    from lora_lab.lab.provenance import code_hash, code_hash_scope_of
+
+    payload, _ = read_json(metrics_file)
+    provenance = (payload or {}).get("provenance") or {}
+    recorded = provenance.get("code_hash")
+    if not recorded:
+        return ""
+    try:
+        current = code_hash(scope=code_hash_scope_of(provenance))
+    except ValueError:
+        current = None
+    if recorded == current:
+        return "current code"
+    return f"ran {str(provenance.get('git_commit') or 'unknown commit')[:7]}"
+
+
+def apply_history(row: GradedRow, prediction: Prediction, history: list[dict]) -> None:
+    """Fill ``row.history`` from the recorded runs that graded ``prediction``; the headline becomes the
+    registered test's (the first run that graded it), replications are labelled so."""
+    runs = [run for run in history if run.get("notebook") == prediction.notebook
+            and prediction.id in (run.get("graded") or {})]
+    test = next((index for index, run in enumerate(runs)
+                 if run["graded"][prediction.id].get("outcome") in GRADED_OUTCOMES), None)
+    for index, run in enumerate(runs):
+        graded = run["graded"][prediction.id]
+        role = "void" if test is None or index < test else "test" if index == test else "replication"
+        outcome = graded.get("outcome", "void")
+        effective = outcome if outcome in GRADED_OUTCOMES else graded.get("one_session_outcome") or ""
+        commit = str(run.get("git_commit") or "")[:7] or (  # early runs recorded no commit: where they were published
+            f"published in {str(run['published_in'])[:7]}" if run.get("published_in") else "")
+        row.history.append({"commit": commit, "outcome": outcome,
+                            "one_session_outcome": graded.get("one_session_outcome") or "", "role": role,
+                            "effective": effective})
+    if test is not None:
+        graded = runs[test]["graded"][prediction.id]
+        row.outcome, row.why = graded["outcome"], graded.get("why") or ""
+        row.value = graded.get("value")
+        row.interval = tuple(graded["ci95"]) if graded.get("ci95") else None
+        row.repetitions, row.sessions, row.one_session_outcome = graded.get("n"), graded.get("sessions"), ""
 
 
 def uncommitted_change(predictions_path: Path) -> str | None:

@@ -13,6 +13,23 @@ The file is an append-only YAML list. One entry::
       rationale: "why"
       supersedes: p05-old-id           # optional: an id (or list of ids) defined earlier in the file
       informed_by: "dev runs, ~4e-4"   # optional: the related result seen before registering (absent: blind)
+      kind: speed_ratio                # optional: the metric is a ratio of times or throughputs (see below)
+
+**Label amendments.** Entries are never edited, so a label found wrong later (a rationale that quotes a
+measurement, yet no ``informed_by``) is corrected by a later list item that amends it::
+
+    - amends: p05-grads-fp16-interpreter   # an id defined earlier in the file
+      informed_by: "development runs gave ~4e-4 (quoted in its rationale)"   # and/or
+      kind: speed_ratio
+      reason: "why the label changes"
+
+An amendment changes only labels (``informed_by``, ``kind``), never what is predicted; grading scores the
+amended entry under its new label, and the scoreboard shows the amendment. It is append-only like an entry.
+
+**Speed ratios.** A prediction whose metric is a ratio of times or throughputs is graded only on an interval
+pooled over >= 2 sessions (separate processes, see :mod:`lora_lab.lab.grading`). It is one when it says
+``kind: speed_ratio`` (itself or through an amendment) or when its metric key names a timing ratio
+(:data:`SPEED_RATIO_METRIC`: ``speedup``, ``time_vs`` or ``time_ratio`` in the key).
 
 When an entry was registered (date and commit) is read from git (``lora_lab.lab.verify``), never
 typed. Validation collects every problem and names the entry (index, id, line) and the field.
@@ -24,7 +41,7 @@ import math
 import operator
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +55,10 @@ DEFAULT_NOTEBOOKS_DIR = Path("notebooks")
 REQUIRED_FIELDS = (
     "id", "notebook", "claim", "metric", "comparator", "threshold", "profiles", "confidence", "rationale",
 )
-OPTIONAL_FIELDS = ("supersedes", "informed_by")
+OPTIONAL_FIELDS = ("supersedes", "informed_by", "kind")
+AMENDMENT_FIELDS = ("amends", "informed_by", "kind", "reason")
+KINDS = ("speed_ratio",)
+SPEED_RATIO_METRIC = re.compile(r"speedup|time_vs|time_ratio")
 DERIVED_FIELDS = ("date", "registered", "commit", "registration_date", "registration_commit")
 
 COMPARATORS: dict[str, Callable[[float, Any], bool]] = {
@@ -149,6 +169,13 @@ class Prediction:
     informed_by: str = ""  # what related result was seen before registering it ("" = blind)
     index: int = 0  # position in the file, 0-based
     line: int | None = None
+    kind: str = ""  # "speed_ratio" or "" (then inferred from the metric key, see is_speed_ratio)
+    amended: str = ""  # the reasons of the label amendments applied to it ("" = none)
+
+    @property
+    def is_speed_ratio(self) -> bool:
+        """True when the metric is a ratio of times or throughputs: declared, or named so by its key."""
+        return self.kind == "speed_ratio" or bool(SPEED_RATIO_METRIC.search(self.metric))
 
     def applies_to(self, profile: str) -> bool:
         return profile in self.profiles
@@ -217,11 +244,16 @@ def validate_entries(
     first_index_of_id: dict[str, int] = {}
     superseded_by: dict[str, str] = {}
 
+    amendments: list[tuple[int, str, dict]] = []
+
     for index, entry in enumerate(entries):
         line = lines[index] if index < len(lines) else None
         where = f"entry #{index + 1}" + (f" (line {line})" if line else "")
         if not isinstance(entry, dict):
             problems.append(f"{where}: must be a mapping of fields, not {_describe(entry)}")
+            continue
+        if "amends" in entry:
+            amendments.append((index, where, entry))
             continue
         entry_id = entry.get("id")
         if isinstance(entry_id, str) and entry_id:
@@ -308,6 +340,8 @@ def validate_entries(
         if "informed_by" in entry and (not isinstance(informed_by, str) or not informed_by.strip()):
             problem("informed_by", "must be text saying what was seen before registering, e.g. "
                     f"'development interpreter runs, ~4e-4'; got {_describe(informed_by)}")
+        if "kind" in entry and entry["kind"] not in KINDS:
+            problem("kind", f"must be one of {', '.join(KINDS)}; got {_describe(entry['kind'])}")
 
         supersedes = entry.get("supersedes")
         superseded: list[str] = []
@@ -343,12 +377,58 @@ def validate_entries(
                     informed_by=(informed_by or "").strip() if isinstance(informed_by, str) else "",
                     index=index,
                     line=line,
+                    kind=entry.get("kind", ""),
                 )
             )
 
+    predictions = apply_amendments(predictions, amendments, first_index_of_id, problems)
     if problems:
         raise PredictionError(source, problems)
     return predictions
+
+
+def apply_amendments(predictions: list[Prediction], amendments: list[tuple[int, str, dict]],
+                     first_index_of_id: dict[str, int], problems: list[str]) -> list[Prediction]:
+    """Check the label amendments (``amends:`` items) and apply them; problems are appended to ``problems``."""
+    by_id = {prediction.id: prediction for prediction in predictions}
+    amended_fields: dict[tuple[str, str], int] = {}
+    for index, where, entry in amendments:
+        target = entry.get("amends")
+        where = f"{where} (amendment of {target!r})"
+        before = len(problems)
+        for field in entry:
+            if field not in AMENDMENT_FIELDS:
+                problems.append(f"{where}: field '{field}': an amendment changes labels only "
+                                f"(allowed: {', '.join(AMENDMENT_FIELDS)})")
+        if not isinstance(target, str) or target not in first_index_of_id or first_index_of_id[target] >= index:
+            problems.append(f"{where}: field 'amends': must name an entry earlier in the file; got "
+                            f"{_describe(target)}")
+        reason = entry.get("reason")
+        if not isinstance(reason, str) or not reason.strip():
+            problems.append(f"{where}: field 'reason': must be non-empty text saying why the label changes")
+        labels = [field for field in ("informed_by", "kind") if field in entry]
+        if not labels:
+            problems.append(f"{where}: changes nothing: give informed_by and/or kind")
+        informed_by = entry.get("informed_by")
+        if "informed_by" in entry and (not isinstance(informed_by, str) or not informed_by.strip()):
+            problems.append(f"{where}: field 'informed_by': must be text saying what was seen before registering")
+        if "kind" in entry and entry["kind"] not in KINDS:
+            problems.append(f"{where}: field 'kind': must be one of {', '.join(KINDS)}; got {_describe(entry['kind'])}")
+        for field in labels if isinstance(target, str) else []:
+            if (target, field) in amended_fields:
+                problems.append(f"{where}: field '{field}': already amended by entry "
+                                f"#{amended_fields[target, field] + 1}")
+            amended_fields[(target, field)] = index
+        if len(problems) != before or target not in by_id:
+            continue
+        old = by_id[target]
+        by_id[target] = replace(
+            old,
+            informed_by=informed_by.strip() if "informed_by" in entry else old.informed_by,
+            kind=entry["kind"] if "kind" in entry else old.kind,
+            amended="; ".join(filter(None, [old.amended, reason.strip()])),
+        )
+    return [by_id.get(prediction.id, prediction) for prediction in predictions]
 
 
 # --------------------------------------------------------------------------------------------

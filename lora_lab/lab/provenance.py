@@ -1,10 +1,14 @@
 """What produced a result: the code (a content hash), the notebook (a hash of its cells), git, versions, device.
 
 Every notebook run and every benchmark CSV records :func:`provenance`. The **code hash** is a SHA-256 over the
-package's source files (path and bytes, in path order), so it is the same on any machine holding the same code
-— also where there is no git (the GPU machine receives a copy of the working tree). ``lora-lab verify``
-recomputes it from git history for the commit a run names, and ``lora-lab publish`` refuses a run whose hashes
-differ from the working tree's.
+source files of the code that produces results (path and bytes, in path order), so it is the same on any machine
+holding the same code — also where there is no git (the GPU machine receives a copy of the working tree).
+``lora-lab verify`` recomputes it from git history for the commit a run names, and ``lora-lab publish`` refuses a
+run whose hashes differ from the working tree's.
+
+Which files the hash covers is its **scope**, recorded with it as ``code_hash_scope``: runs since issue #27 hash
+``lora_lab/`` and ``benchmarks/`` (which produces every timing) — scope ``lora_lab+benchmarks``; older runs
+recorded no scope and hashed ``lora_lab/`` only (scope ``lora_lab``), and are still verified that way.
 """
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ __all__ = [
     "CODE_DIR",
     "code_hash",
     "code_hash_at",
+    "code_hash_scope_of",
+    "CODE_HASH_SCOPE",
+    "LEGACY_CODE_HASH_SCOPE",
     "notebook_hash",
     "git_state",
     "find_repo_root",
@@ -31,6 +38,13 @@ __all__ = [
 
 CODE_DIR = "lora_lab"
 CODE_SUFFIXES = (".py", ".json")
+# scope name -> {top-level folder: file suffixes hashed in it}
+CODE_HASH_SCOPES: dict[str, dict[str, tuple[str, ...]]] = {
+    "lora_lab": {CODE_DIR: CODE_SUFFIXES},
+    "lora_lab+benchmarks": {CODE_DIR: CODE_SUFFIXES, "benchmarks": (".py", ".json", ".sh")},
+}
+CODE_HASH_SCOPE = "lora_lab+benchmarks"  # what new runs record
+LEGACY_CODE_HASH_SCOPE = "lora_lab"  # what a run that records no scope was hashed with
 VERSIONED_PACKAGES = ("torch", "triton", "transformers", "peft")
 # paths whose uncommitted changes make a run "dirty" (outputs written by runs do not)
 CODE_PATHS = ("lora_lab", "notebooks", "benchmarks", "predictions", "pyproject.toml")
@@ -59,13 +73,29 @@ def _hash_files(items) -> str:
     return digest.hexdigest()
 
 
-def code_hash(package_dir: Path | None = None) -> str:
-    """SHA-256 over every ``*.py`` / ``*.json`` file under the package (default: the imported lora_lab)."""
-    root = Path(package_dir) if package_dir is not None else _package_dir()
+def _scope(scope: str) -> dict[str, tuple[str, ...]]:
+    if scope not in CODE_HASH_SCOPES:
+        raise ValueError(f"unknown code hash scope {scope!r} (known: {', '.join(CODE_HASH_SCOPES)})")
+    return CODE_HASH_SCOPES[scope]
+
+
+def code_hash_scope_of(provenance_record: dict[str, Any]) -> str:
+    """The scope a recorded ``code_hash`` was computed with (runs before scopes existed: the legacy one)."""
+    return provenance_record.get("code_hash_scope") or LEGACY_CODE_HASH_SCOPE
+
+
+def code_hash(package_dir: Path | None = None, scope: str = CODE_HASH_SCOPE) -> str:
+    """SHA-256 over the scope's files: ``*.py`` / ``*.json`` under the package (default: the imported lora_lab)
+    and, for the default scope, ``*.py`` / ``*.json`` / ``*.sh`` under ``benchmarks/`` next to it (if present)."""
+    package = Path(package_dir) if package_dir is not None else _package_dir()
     items = []
-    for path in root.rglob("*"):
-        if path.is_file() and path.suffix in CODE_SUFFIXES and "__pycache__" not in path.parts:
-            items.append((f"{CODE_DIR}/{path.relative_to(root).as_posix()}", path.read_bytes()))
+    for folder, suffixes in _scope(scope).items():
+        root = package if folder == CODE_DIR else package.parent / folder
+        if not root.is_dir():
+            continue
+        for path in root.rglob("*"):
+            if path.is_file() and path.suffix in suffixes and "__pycache__" not in path.parts:
+                items.append((f"{folder}/{path.relative_to(root).as_posix()}", path.read_bytes()))
     return _hash_files(items)
 
 
@@ -79,15 +109,16 @@ def _git(repo: Path, *args: str, binary: bool = False):
     return done.stdout if binary else done.stdout.decode().strip()
 
 
-def code_hash_at(repo: Path | str, commit: str) -> str | None:
-    """:func:`code_hash` of the package as committed in ``commit`` (None if git cannot tell)."""
+def code_hash_at(repo: Path | str, commit: str, scope: str = CODE_HASH_SCOPE) -> str | None:
+    """:func:`code_hash` of the scope's files as committed in ``commit`` (None if git cannot tell)."""
     repo = Path(repo)
-    listing = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", CODE_DIR)
+    folders = _scope(scope)
+    listing = _git(repo, "ls-tree", "-r", "--name-only", commit, "--", *folders)
     if listing is None:
         return None
     items = []
     for relative in listing.splitlines():
-        if Path(relative).suffix in CODE_SUFFIXES:
+        if Path(relative).suffix in folders.get(relative.split("/", 1)[0], ()):
             data = _git(repo, "show", f"{commit}:{relative}", binary=True)
             if data is None:
                 return None
@@ -162,6 +193,7 @@ def provenance(profile: str, notebook_path: Path | str | None = None) -> dict[st
         "device": device_name(profile),
         "versions": package_versions(),
         "code_hash": code_hash(),
+        "code_hash_scope": CODE_HASH_SCOPE,
         **git_state(),
     }
     if notebook_path is not None and Path(notebook_path).is_file():

@@ -13,6 +13,11 @@ The published notebook keeps every cell's source, outputs and execution count; i
 added (the injected-parameters cell, error banners, papermill and timing metadata), so that its parameters
 cell still reads ``PROFILE = "auto"`` and nbval can re-execute it. A notebook's files in the run folder are
 its executed notebook, its metrics and every file or folder whose name starts with its number (``05_*``).
+
+Publishing replaces a notebook's files but not its past: each published run is appended to the profile's run
+history (``outputs/<profile>/run_history.json``, :mod:`lora_lab.lab.history`) with the commit and code that ran
+it and the outcome of every prediction registered (committed) for it, so a republished notebook's earlier
+outcomes stay on the scoreboard.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_lab.lab.history import append_runs, history_entry
 from lora_lab.lab.notebooks import NOTEBOOK_NAME
-from lora_lab.lab.provenance import code_hash, notebook_hash
+from lora_lab.lab.provenance import CODE_HASH_SCOPES, code_hash, code_hash_scope_of, notebook_hash
 from lora_lab.lab.recording import STATUS_COMPLETED, read_metrics, write_json_atomically
 from lora_lab.lab.runner import INJECTED_TAG, KERNEL_NAME, PAPERMILL_ERROR_TAG, RUN_SUMMARY_NAME, read_notebook
 
@@ -92,7 +98,9 @@ def notebook_files(run_dir: Path, stem: str) -> list[Path]:
     return sorted(path for path in run_dir.iterdir() if path.name.startswith(f"{number}_"))
 
 
-def check_run(executed_path: Path, notebooks_dir: Path, current_code: str) -> list[str]:
+def check_run(executed_path: Path, notebooks_dir: Path, current_code: str | dict[str, str]) -> list[str]:
+    """Why the run of ``executed_path`` cannot be published ([] when it can). ``current_code``: the working
+    tree's code hash, or ``{scope: hash}`` to compare each run in the hash scope it recorded."""
     stem = executed_path.stem
     problems = []
     source_path = notebooks_dir / executed_path.name
@@ -116,6 +124,8 @@ def check_run(executed_path: Path, notebooks_dir: Path, current_code: str) -> li
     if provenance.get("parameter_overrides"):
         problems.append(f"{stem}: run with overridden parameters {provenance['parameter_overrides']}; publish a run "
                         "with the registered ones")
+    if isinstance(current_code, dict):
+        current_code = current_code.get(code_hash_scope_of(provenance), "?")
     if provenance.get("code_hash") != current_code:
         problems.append(f"{stem}: run by other code (code hash {str(provenance.get('code_hash'))[:12]}, working tree "
                         f"{current_code[:12]}): run it again")
@@ -133,9 +143,12 @@ def publish(
     notebooks_dir: Path | str,
     only: list[str] | None = None,
     to_notebooks: bool | None = None,
+    predictions_path: Path | str | None = None,
 ) -> list[Published]:
     """Copy ``<runs_root>/<profile>``'s notebooks into ``<outputs_root>/<profile>`` (and, by default for the gpu
-    profile, into ``notebooks_dir``); every check happens first."""
+    profile, into ``notebooks_dir``) and append each run to the profile's run history, graded against
+    ``predictions_path`` (default: ``predictions/predictions.yaml`` beside ``notebooks_dir``); every check
+    happens first."""
     import nbformat
 
     from lora_lab.lab.runner import select_notebooks
@@ -151,10 +164,18 @@ def publish(
         raise PublishError(f"no executed NN_*.ipynb notebooks in {run_dir}: "
                            f"run `lora-lab run --profile {profile}` first")
     executed_paths = select_notebooks(executed_paths, only)
-    current_code = code_hash()
+    current_code = {scope: code_hash(scope=scope) for scope in CODE_HASH_SCOPES}
     problems = [problem for path in executed_paths for problem in check_run(path, notebooks_dir, current_code)]
+    predictions_path = (Path(predictions_path) if predictions_path is not None
+                        else notebooks_dir.parent / "predictions" / "predictions.yaml")
+    try:
+        predictions, registered = predictions_for_history(predictions_path, notebooks_dir)
+    except ValueError as error:
+        problems.append(f"the run history cannot grade the runs: {error}")
     if problems:
         raise PublishError("nothing published:\n  - " + "\n  - ".join(problems))
+    history_entries = [history_entry(read_metrics(path.with_name(f"{path.stem}.metrics.json")), profile, predictions,
+                                     registered) for path in executed_paths]
 
     done = []
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -179,4 +200,23 @@ def publish(
     summary_out["profile"] = profile
     summary_out["notebooks"] = dict(sorted(summary_out.get("notebooks", {}).items()))
     write_json_atomically(summary_path, summary_out)
+    append_runs(out_dir, profile, history_entries)
     return done
+
+
+def predictions_for_history(predictions_path: Path, notebooks_dir: Path) -> tuple[list, set[str] | None]:
+    """(predictions, ids registered in git — None when git cannot tell) to grade published runs with; no
+    predictions file: nothing to grade. An invalid file is a ValueError (PredictionError)."""
+    from lora_lab.lab.predictions import load_predictions
+    from lora_lab.lab.verify import GitError, registrations, repository_root
+
+    if not predictions_path.is_file():
+        return [], None
+    predictions = load_predictions(predictions_path, notebooks_dir=notebooks_dir)
+    try:
+        root = repository_root(predictions_path.parent)
+        relative = predictions_path.resolve().relative_to(root.resolve()).as_posix()
+        registered = set(registrations(root, relative))
+    except (GitError, ValueError, OSError):
+        registered = None
+    return predictions, registered

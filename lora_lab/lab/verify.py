@@ -1,21 +1,27 @@
 """Check from git history that the pre-registration was honest.
 
-Three invariants:
+Four invariants:
 
 1. **Append-only.** For every commit C that touched ``predictions/predictions.yaml`` and every
    parent P of C: each id in the file at P is in the file at C, unchanged (compared as parsed
-   YAML, so comments and formatting may change). The working tree is checked against HEAD the
+   YAML, so comments and formatting may change); so is each label amendment (``amends:`` items, keyed
+   ``amends <id> #k``, the k-th amendment of that id). The working tree is checked against HEAD the
    same way, so an edit is caught before it is committed.
 2. **Predicted before measured.** For every blind prediction that grading would grade (it applies to
    the profile and is not superseded) and whose metric appears in a committed
    ``outputs/<profile>/<notebook>.metrics.json``: the commit that first added the prediction must
    be a strict ancestor of the first commit whose metrics file holds that metric. An *informed* prediction
-   (``informed_by``) may postdate its metric — it says what it saw, and the scoreboard scores it apart — and
-   is listed as a note.
+   (``informed_by``, in the entry or by a label amendment) may postdate its metric — it says what it saw, and
+   the scoreboard scores it apart — and is listed as a note.
 
 3. **Results tie to code.** Every committed ``outputs/<profile>/*.metrics.json`` that names the commit it ran
-   (``git_commit``) and carries a ``code_hash`` must have been run by exactly the package committed there:
-   the hash recomputed from that commit's ``lora_lab/`` equals the recorded one.
+   (``git_commit``) and carries a ``code_hash`` must have been run by exactly the code committed there:
+   the hash recomputed from that commit, over the files of the run's ``code_hash_scope`` (``lora_lab/`` and
+   ``benchmarks/`` since issue #27; ``lora_lab/`` for older runs, which record no scope), equals the recorded one.
+
+4. **Results say which code ran them.** A published run whose code (same scope) differs from HEAD's fails,
+   unless the profile's committed run history (``outputs/<profile>/run_history.json``) has an entry of that
+   notebook naming the run's commit and code hash: then it stays published, labelled ``ran <commit>``.
 
 A prediction's registration date and commit (shown on the scoreboard) are the first commit,
 in topological order, whose predictions file holds its id. The predictions file is followed
@@ -31,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH, PredictionError, parse_predictions_yaml
-from lora_lab.lab.provenance import code_hash_at
+from lora_lab.lab.provenance import code_hash_at, code_hash_scope_of
 
 DEFAULT_OUTPUTS = Path("outputs")
 
@@ -122,10 +128,19 @@ def entries_by_id(text: str | None, where: str) -> dict[str, Any]:
     except PredictionError as error:
         raise _Unreadable(f"{where}: {'; '.join(error.problems)}") from None
     found: dict[str, Any] = {}
+    amendments: dict[str, int] = {}
     for entry in entries:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"] not in found:
+        if isinstance(entry, dict) and "amends" in entry:
+            target = str(entry["amends"])
+            amendments[target] = amendments.get(target, 0) + 1
+            found[f"amends {target} #{amendments[target]}"] = entry
+        elif isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"] not in found:
             found[entry["id"]] = entry
     return found
+
+
+def is_amendment(key: str) -> bool:
+    return key.startswith("amends ")
 
 
 def describe_edit(old: Any, new: Any) -> str:
@@ -187,7 +202,8 @@ def registrations(repo: Path | str, predictions_path: str = str(DEFAULT_PREDICTI
         except _Unreadable:
             continue
         for entry_id in ids:
-            found.setdefault(entry_id, Registration(commit.sha, commit.date))
+            if not is_amendment(entry_id):
+                found.setdefault(entry_id, Registration(commit.sha, commit.date))
     return found
 
 
@@ -217,16 +233,16 @@ def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -
             for entry_id, entry in old.items():
                 if entry_id not in new:
                     report.violations.append(
-                        f"prediction {entry_id!r} was removed in commit {commit.short} ({commit.date}); "
+                        f"{_what(entry_id)} was removed in commit {commit.short} ({commit.date}); "
                         "predictions are append-only: supersede it with a new entry instead"
                     )
                 elif new[entry_id] != entry:
                     report.violations.append(
-                        f"prediction {entry_id!r} was edited in commit {commit.short} ({commit.date}): "
+                        f"{_what(entry_id)} was edited in commit {commit.short} ({commit.date}): "
                         f"{describe_edit(entry, new[entry_id])}; predictions are append-only: add a new entry "
                         "with 'supersedes' instead"
                     )
-    report.checked_ids = len(seen)
+    report.checked_ids = sum(not is_amendment(key) for key in seen)
 
     working_file = repo / predictions_path
     if has_commits(repo):
@@ -241,12 +257,17 @@ def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -
             return
         for entry_id, entry in committed.items():
             if entry_id not in working:
-                report.violations.append(f"prediction {entry_id!r} is removed in the working tree (uncommitted)")
+                report.violations.append(f"{_what(entry_id)} is removed in the working tree (uncommitted)")
             elif working[entry_id] != entry:
                 report.violations.append(
-                    f"prediction {entry_id!r} is edited in the working tree (uncommitted): "
+                    f"{_what(entry_id)} is edited in the working tree (uncommitted): "
                     f"{describe_edit(entry, working[entry_id])}"
                 )
+
+
+def _what(key: str) -> str:
+    """How a violation names an entry: ``prediction 'p01-a'`` or ``label amendment 'amends p01-a #1'``."""
+    return f"label amendment {key!r}" if is_amendment(key) else f"prediction {key!r}"
 
 
 def first_commit_with_metric(repo: Path, metrics_path: str, metric: str, cache: dict) -> Commit | None:
@@ -276,9 +297,14 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
         report.violations.append(f"cannot read the current predictions: {error}")
         return
     superseded = set()
-    for entry in current.values():
+    amended_informed = {}
+    for key, entry in current.items():
         old = entry.get("supersedes")
         superseded.update([old] if isinstance(old, str) else old if isinstance(old, list) else [])
+        if is_amendment(key) and isinstance(entry.get("informed_by"), str):
+            amended_informed[str(entry["amends"])] = entry["informed_by"]
+    current = {key: ({**entry, "informed_by": amended_informed[key]} if key in amended_informed else entry)
+               for key, entry in current.items() if not is_amendment(key)}
     registered = registrations(repo, predictions_path)
     listing = git(repo, "ls-tree", "-d", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
         if has_commits(repo) else []
@@ -319,9 +345,18 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
 
 
 def check_results_tie_to_code(repo: Path, outputs: str, report: VerifyReport) -> None:
+    from lora_lab.lab.history import HISTORY_NAME, parse_history, runs_naming
+
     listing = git(repo, "ls-tree", "-r", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
         if has_commits(repo) else []
-    hashes: dict[str, str | None] = {}
+    hashes: dict[tuple[str, str], str | None] = {}
+    histories: dict[str, list[dict]] = {}
+
+    def hash_at(commit: str, scope: str) -> str | None:
+        if (commit, scope) not in hashes:
+            hashes[commit, scope] = code_hash_at(repo, commit, scope)
+        return hashes[commit, scope]
+
     for path in sorted(item for item in listing if item.endswith(".metrics.json")):
         try:
             provenance = json.loads(file_at(repo, "HEAD", path) or "{}").get("provenance") or {}
@@ -332,17 +367,40 @@ def check_results_tie_to_code(repo: Path, outputs: str, report: VerifyReport) ->
         if not commit or not recorded:
             report.notes.append(f"{path}: no {'code hash' if commit else 'commit'} recorded; not tied to code")
             continue
-        if commit not in hashes:
-            hashes[commit] = code_hash_at(repo, commit)
-        if hashes[commit] is None:
+        try:
+            scope = code_hash_scope_of(provenance)
+            committed = hash_at(commit, scope)
+        except ValueError as error:
+            report.violations.append(f"{path}: {error}")
+            continue
+        if committed is None:
             report.violations.append(f"{path}: names commit {commit[:10]}, which this repository does not have")
-        elif hashes[commit] != recorded:
+            continue
+        if committed != recorded:
             report.violations.append(
                 f"{path}: run by code that differs from commit {commit[:10]} (code hash {recorded[:12]}, the commit's "
-                f"{hashes[commit][:12]}): publish runs of committed code only"
+                f"{committed[:12]}): publish runs of committed code only"
             )
+            continue
+        report.checked_runs += 1
+        if hash_at("HEAD", scope) == recorded:
+            continue
+        history_file = f"{Path(path).parent.as_posix()}/{HISTORY_NAME}"
+        if history_file not in histories:
+            try:
+                histories[history_file] = parse_history(file_at(repo, "HEAD", history_file), history_file)
+            except ValueError as error:
+                report.violations.append(f"{history_file}: {error}")
+                histories[history_file] = []
+        notebook = Path(path).name.removesuffix(".metrics.json")
+        if runs_naming(histories[history_file], notebook, commit, recorded):
+            report.notes.append(f"{path}: ran {commit[:7]} (code differs from HEAD's; the run history records it)")
         else:
-            report.checked_runs += 1
+            report.violations.append(
+                f"{path}: its code ({scope}, hash {recorded[:12]} from commit {commit[:10]}) differs from HEAD's and "
+                f"{history_file} has no entry of {notebook} naming that commit and hash: run it again, or record the "
+                "run in the history (python tools/seed_run_history.py)"
+            )
 
 
 def verify(

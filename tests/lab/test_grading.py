@@ -272,3 +272,87 @@ def test_grade_refuses_an_uncommitted_predictions_file(tmp_path):
     with pytest.raises(PredictionError, match="changed since the last commit"):
         grade("cpu", predictions_path=repo / "predictions" / "predictions.yaml", outputs_root=tmp_path / "o",
               notebooks_dir=FIXTURE_NOTEBOOKS, write=False, echo=False)
+
+
+def _ratio(metric="answer_speedup_vs_x", kind="", comparator=">=", threshold=1.3, pid="p"):
+    from lora_lab.lab.predictions import Prediction
+
+    return Prediction(id=pid, notebook="01_records_metrics", claim="c", metric=metric, comparator=comparator,
+                      threshold=threshold, profiles=("cpu",), confidence=0.5, rationale="r", kind=kind)
+
+
+@pytest.mark.parametrize("sessions, outcome", [(None, "void"), (1, "void"), (2, "hit"), (3, "hit")])
+def test_a_speed_ratio_needs_an_interval_from_two_sessions(tmp_path, sessions, outcome):
+    from lora_lab.lab.grading import ONE_SESSION_WHY, grade_row
+
+    value = {"median": 1.4, "ci95": [1.35, 1.45], "n": 5, "samples": [1.4] * 5}
+    if sessions is not None:
+        value["sessions"] = sessions
+    _write_metrics(tmp_path, "01_records_metrics", {"answer_speedup_vs_x": value, "answer": value})
+    path = tmp_path / "01_records_metrics.metrics.json"
+    row = grade_row(_ratio(), "cpu", path, {})
+    assert row.outcome == outcome
+    if outcome == "void":
+        assert row.why.startswith(ONE_SESSION_WHY) and row.one_session_outcome == "hit"
+    else:
+        assert row.why == "" and row.one_session_outcome == "" and row.sessions == sessions
+        assert f"(n=5, {sessions} sessions)" in row.measured_text()
+    # declared by kind (a key that does not say so), and not a speed ratio at all
+    assert grade_row(_ratio("answer", kind="speed_ratio"), "cpu", path, {}).outcome == outcome
+    assert grade_row(_ratio("answer"), "cpu", path, {}).outcome == "hit"
+
+
+def test_a_plain_number_speed_ratio_is_one_session(tmp_path):
+    from lora_lab.lab.grading import grade_row
+
+    _write_metrics(tmp_path, "01_records_metrics", {"step_time_vs_base": 0.9})
+    row = grade_row(_ratio("step_time_vs_base", comparator="<", threshold=1.0), "cpu",
+                    tmp_path / "01_records_metrics.metrics.json", {})
+    assert (row.outcome, row.one_session_outcome) == ("void", "hit")
+
+
+def _run(commit, outcome, value, one_session=""):
+    return {"notebook": "01_records_metrics", "git_commit": commit,
+            "graded": {"p": {"outcome": outcome, "value": value, "ci95": None, "n": None, "sessions": None,
+                             "why": "" if outcome != "void" else "not run", "one_session_outcome": one_session}}}
+
+
+def test_the_headline_is_the_registered_test_and_a_flip_is_unstable(tmp_path):
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 42})  # the latest run: a hit
+    prediction = _prediction("<", 40)
+    prediction = type(prediction)(**{**prediction.__dict__, "confidence": 0.8})
+    history = [_run("aaaaaaa1", "void", None), _run("bbbbbbb2", "miss", 45), _run("ccccccc3", "hit", 39)]
+    board = grade_predictions([prediction], "cpu", tmp_path, history=history)
+    [row] = board.rows
+    assert (row.outcome, row.value) == ("miss", 45)  # the first run that graded it, not the latest
+    assert [run["role"] for run in row.history] == ["void", "test", "replication"]
+    assert row.unstable
+    assert row.history_text() == ("r1 aaaaaaa: void → r2 bbbbbbb: miss (test) → r3 ccccccc: hit (replication); "
+                                  "**unstable**")
+    assert board.brier == pytest.approx(0.8 ** 2)  # scored on the registered test (a miss)
+    assert board.summary_line().endswith("1 unstable across runs; 0 superseded")
+    assert "r2 bbbbbbb: miss (test)" in board.markdown() and "[UNSTABLE across runs]" in board.table_text()
+
+    stable = grade_predictions([prediction], "cpu", tmp_path, history=history[:2] + [_run("c", "miss", 41)])
+    assert not stable.rows[0].unstable and "0 unstable" in stable.summary_line()
+    # one-session voids count by what their interval gave
+    flips = [_run("a", "void", 1.0, one_session="miss"), _run("b", "void", 2.0, one_session="hit")]
+    [row] = grade_predictions([prediction], "cpu", tmp_path, history=flips).rows
+    assert row.unstable and (row.outcome, row.value) == ("miss", 42)  # no run graded it: the current file's
+    assert row.history_text() == "r1 a: miss* → r2 b: hit*; **unstable**"
+
+
+def test_the_run_label_says_which_commit_ran_other_code(tmp_path):
+    from lora_lab.lab.grading import Scoreboard, ran_label
+    from lora_lab.lab.provenance import CODE_HASH_SCOPE, code_hash
+
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 42}, code_hash="0" * 64, git_commit="abcdef123456")
+    assert ran_label(tmp_path / "01_records_metrics.metrics.json") == "ran abcdef1"
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 42}, code_hash=code_hash(), git_commit="abcdef123456",
+                   code_hash_scope=CODE_HASH_SCOPE)
+    assert ran_label(tmp_path / "01_records_metrics.metrics.json") == "current code"
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 42}, code_hash=code_hash(scope="lora_lab"),
+                   git_commit="abcdef123456")  # a legacy run (no scope) compares in its own scope
+    assert ran_label(tmp_path / "01_records_metrics.metrics.json") == "current code"
+    [row] = grade_predictions([_prediction("<", 50)], "cpu", tmp_path, history=[]).rows
+    assert row.ran == "current code" and "| current code |" in Scoreboard("cpu", [row]).markdown()

@@ -229,7 +229,7 @@ def test_publish_checks_the_run_then_strips_papermill_and_keeps_outputs(batch, t
     assert published.metadata.kernelspec.name == "python3"
     assert sorted(p.name for p in (outputs / "cpu").iterdir()) == [
         "01_line.png", "01_records_metrics.ipynb", "01_records_metrics.metrics.json", "01_records_metrics.txt",
-        "run_summary.json"]
+        "run_history.json", "run_summary.json"]
 
     def refused(only, match):
         with pytest.raises(PublishError, match=match):

@@ -8,6 +8,7 @@ import pytest
 
 from lora_lab.lab.cli import main
 from lora_lab.lab.grading import registered_labels
+from lora_lab.lab.history import write_history
 from lora_lab.lab.provenance import code_hash, code_hash_at
 from lora_lab.lab.verify import GitError, registrations, verify
 
@@ -230,7 +231,10 @@ def test_published_runs_must_match_their_commits_code(repo):
     report = verify(repo.root)
     assert not report.ok
     assert report.checked_runs == 1
-    edited, elsewhere = report.violations
+    head_differs, edited, elsewhere = report.violations
+    # the first run's code is no longer HEAD's, and no run history says which commit ran it (no scope: legacy)
+    assert head_differs.startswith("outputs/cpu/01_demo.metrics.json: its code (lora_lab, hash ")
+    assert "has no entry of 01_demo naming that commit and hash" in head_differs
     assert edited.startswith("outputs/cpu/02_edited.metrics.json: run by code that differs from commit")
     assert (f"differs from commit {ran[:10]} (code hash {edited_code[:12]}, "
             f"the commit's {committed_code[:12]})") in edited
@@ -262,3 +266,79 @@ def test_verify_command_exit_codes(repo, tmp_path, capsys):
     plain = tmp_path / "plain"
     plain.mkdir()
     assert main(["verify", "--repo", str(plain)]) == 2
+
+
+def _package(repo: Repo, answer: int = 42, bench: str = "N = 1\n") -> None:
+    repo.write("pyproject.toml", '[project]\nname = "demo"\n')
+    repo.write("lora_lab/__init__.py", "from lora_lab.core import answer\n")
+    repo.write("lora_lab/core.py", f"def answer():\n    return {answer}\n")
+    repo.write("benchmarks/bench.py", bench)
+
+
+def test_a_run_whose_code_differs_from_head_needs_a_history_entry_naming_its_commit(repo):
+    _package(repo)
+    repo.predictions(A)
+    ran = repo.commit("code, and the prediction its run grades")
+    recorded = code_hash(repo.root / "lora_lab")
+    repo.metrics(loss=0.3, provenance={"git_commit": ran, "code_hash": recorded,
+                                       "code_hash_scope": "lora_lab+benchmarks"})
+    repo.commit("results of the committed code")
+    assert verify(repo.root).ok
+
+    _package(repo, answer=43)
+    repo.commit("the code changes after the run")
+    report = verify(repo.root)
+    assert len(report.violations) == 1 and "01_demo.metrics.json: its code" in report.violations[0]
+
+    run = {"notebook": "01_demo", "git_commit": ran, "code_hash": "0" * 64, "graded": {}}
+    write_history(repo.root / "outputs" / "cpu", "cpu", [run])  # names the commit, but another hash
+    repo.commit("a history entry that does not match")
+    assert not verify(repo.root).ok
+
+    write_history(repo.root / "outputs" / "cpu", "cpu", [{**run, "code_hash": recorded}])
+    repo.commit("the run history says which commit ran it")
+    report = verify(repo.root)
+    assert report.ok, report.text()
+    assert f"outputs/cpu/01_demo.metrics.json: ran {ran[:7]} (code differs from HEAD's; the run history records " \
+           "it)" in report.notes
+
+
+def test_benchmarks_are_hashed_for_new_runs_while_old_runs_keep_their_scope(repo):
+    _package(repo)
+    repo.predictions(A, B)
+    ran = repo.commit("code and benchmarks")
+    new_scope = code_hash(repo.root / "lora_lab")
+    legacy = code_hash(repo.root / "lora_lab", scope="lora_lab")
+    assert new_scope != legacy  # benchmarks/bench.py is in the new scope only
+    assert code_hash_at(repo.root, ran, "lora_lab") == legacy and code_hash_at(repo.root, ran) == new_scope
+    repo.metrics(loss=0.3, provenance={"git_commit": ran, "code_hash": new_scope,
+                                       "code_hash_scope": "lora_lab+benchmarks"})
+    repo.metrics("02_old", error=0.01, provenance={"git_commit": ran, "code_hash": legacy})  # no scope: legacy
+    repo.commit("results")
+    report = verify(repo.root)
+    assert report.ok and report.checked_runs == 2, report.text()
+
+    _package(repo, bench="N = 2\n")  # only a benchmark changes
+    assert code_hash(repo.root / "lora_lab", scope="lora_lab") == legacy
+    assert code_hash(repo.root / "lora_lab") != new_scope
+    repo.commit("a benchmark changes")
+    report = verify(repo.root)
+    assert [violation.split(":")[0] for violation in report.violations] == ["outputs/cpu/01_demo.metrics.json"]
+
+
+def test_label_amendments_are_append_only(repo):
+    repo.predictions(A)
+    amendment = '- amends: p01-a\n  informed_by: "a dev run"\n  reason: "quoted in the rationale"\n'
+    with open(repo.root / "predictions" / "predictions.yaml", "a") as handle:
+        handle.write(amendment)
+    repo.commit("register and amend")
+    assert verify(repo.root).ok
+    text = (repo.root / "predictions" / "predictions.yaml").read_text()
+    (repo.root / "predictions" / "predictions.yaml").write_text(text.replace("a dev run", "nothing"))
+    repo.commit("edit the amendment")
+    report = verify(repo.root)
+    assert any(violation.startswith("label amendment 'amends p01-a #1' was edited in commit")
+               for violation in report.violations), report.text()
+    (repo.root / "predictions" / "predictions.yaml").write_text(text.replace(amendment, ""))
+    report = verify(repo.root)
+    assert "label amendment 'amends p01-a #1' is removed in the working tree (uncommitted)" in report.violations

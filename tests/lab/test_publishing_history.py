@@ -1,0 +1,62 @@
+"""lora-lab publish appends every published run to outputs/<profile>/run_history.json."""
+import json
+import shutil
+from pathlib import Path
+
+import nbformat
+
+from lora_lab.lab.history import load_history
+from lora_lab.lab.provenance import CODE_HASH_SCOPE, code_hash, notebook_hash
+from lora_lab.lab.publishing import publish
+
+FIXTURES = Path(__file__).parent / "fixtures"
+PREDICTION = """\
+- id: p01-answer
+  notebook: 01_records_metrics
+  claim: "the answer is 42"
+  metric: answer
+  comparator: "=="
+  threshold: 42
+  profiles: [cpu]
+  confidence: 0.9
+  rationale: "21 x 2"
+"""
+
+
+def _executed_run(runs: Path, notebooks: Path, answer: int, started: str) -> None:
+    """A run folder as `lora-lab run` leaves it: the executed notebook and its completed metrics."""
+    run_dir = runs / "cpu"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    executed = nbformat.read(str(notebooks / "01_records_metrics.ipynb"), as_version=4)
+    for count, cell in enumerate((cell for cell in executed.cells if cell.cell_type == "code"), 1):
+        cell.execution_count = count
+    nbformat.write(executed, str(run_dir / "01_records_metrics.ipynb"))
+    provenance = {"status": "completed", "runner": True, "parameter_overrides": {}, "code_hash": code_hash(),
+                  "code_hash_scope": CODE_HASH_SCOPE, "git_commit": "a" * 40, "device": "cpu",
+                  "notebook_hash": notebook_hash(notebooks / "01_records_metrics.ipynb"), "started": started,
+                  "finished": started}
+    payload = {"notebook": "01_records_metrics", "profile": "cpu", "parameters": {}, "metrics": {"answer": answer},
+               "notes": {}, "provenance": provenance}
+    (run_dir / "01_records_metrics.metrics.json").write_text(json.dumps(payload))
+
+
+def test_each_publication_is_appended_to_the_run_history(tmp_path):
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURES / "notebooks", notebooks)
+    (tmp_path / "predictions").mkdir()
+    (tmp_path / "predictions" / "predictions.yaml").write_text(PREDICTION)
+    runs, outputs = tmp_path / "runs", tmp_path / "outputs"
+
+    _executed_run(runs, notebooks, 42, "t1")
+    publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)
+    _executed_run(runs, notebooks, 41, "t2")
+    publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)
+    publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)  # same run
+
+    history = load_history(outputs / "cpu")
+    assert [run["started"] for run in history] == ["t1", "t2"]
+    assert [run["graded"]["p01-answer"]["outcome"] for run in history] == ["hit", "miss"]
+    assert history[0]["git_commit"] == "a" * 40 and history[0]["code_hash"] == code_hash()
+    assert history[0]["source"] == "publish" and history[0]["published_in"] is None
+    metrics = json.loads((outputs / "cpu" / "01_records_metrics.metrics.json").read_text())
+    assert metrics["metrics"]["answer"] == 41  # the metrics file holds the last run; the history keeps both

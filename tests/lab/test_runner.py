@@ -212,8 +212,24 @@ def test_progress_bar_follows_tqdm_disable(monkeypatch):
     assert progress_disabled(False) is False
 
 
+COMMITTED = {"git_commit": "1" * 40, "git_dirty": False, "git_source": "repository"}
+
+
+def committed_copy(cpu: Path, runs: Path, **provenance) -> Path:
+    """The batch's run folder copied to ``runs/cpu`` with its provenance saying "run from a clean commit" (the
+    batch itself records the state of the checkout the tests run in, which may hold uncommitted edits), then
+    ``provenance`` on top."""
+    shutil.copytree(cpu, runs / "cpu")
+    for path in (runs / "cpu").glob("*.metrics.json"):
+        payload = json.loads(path.read_text())
+        payload["provenance"].update({**COMMITTED, **provenance})
+        path.write_text(json.dumps(payload))
+    return runs / "cpu"
+
+
 def test_publish_checks_the_run_then_strips_papermill_and_keeps_outputs(batch, tmp_path):
-    _, cpu, _ = batch
+    _, batch_cpu, _ = batch
+    cpu = committed_copy(batch_cpu, tmp_path / "runs")
     notebooks = tmp_path / "notebooks"
     shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
     outputs = tmp_path / "outputs"
@@ -245,7 +261,7 @@ def test_publish_checks_the_run_then_strips_papermill_and_keeps_outputs(batch, t
 def test_publish_refuses_stale_code_overrides_and_half_runs(batch, tmp_path):
     _, cpu, _ = batch
     runs = tmp_path / "runs"
-    shutil.copytree(cpu, runs / "cpu")
+    committed_copy(cpu, runs)
     notebooks = tmp_path / "notebooks"
     shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
     path = runs / "cpu" / "01_records_metrics.metrics.json"
@@ -270,6 +286,30 @@ def test_publish_refuses_stale_code_overrides_and_half_runs(batch, tmp_path):
     nbformat.write(executed, str(runs / "cpu" / "01_records_metrics.ipynb"))
     assert attempt() == 2
     assert not (tmp_path / "out").exists()  # nothing published by any refused attempt
+
+
+@pytest.mark.parametrize("provenance, says", [
+    ({"git_dirty": True}, "run from code with uncommitted changes (provenance git_dirty=True"),
+    ({"git_commit": None, "git_dirty": None, "git_source": None}, "run from code with no git commit"),
+])
+def test_publish_refuses_a_run_of_uncommitted_code(batch, tmp_path, capsys, provenance, says):
+    """Committing the code after the run makes the hashes match; the run's own git state still says it came from
+    an uncommitted tree, and publishing it would name a commit that did not produce it."""
+    _, cpu, _ = batch
+    runs = tmp_path / "runs"
+    committed_copy(cpu, runs, **provenance)
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
+    code = main(["publish", "--profile", "cpu", "--from", str(runs), "--outputs-dir", str(tmp_path / "out"),
+                 "--notebooks-dir", str(notebooks), "--only", "01"])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "commit the code, then run it again" in err
+    assert not (tmp_path / "out").exists()
+    # a copy of a committed tree (commit declared, dirty state unknown: the GPU machine) is accepted
+    committed_copy(cpu, tmp_path / "declared", git_dirty=None, git_source="declared")
+    [done] = publish("cpu", runs_root=tmp_path / "declared", outputs_root=tmp_path / "out2", notebooks_dir=notebooks,
+                     only=["01"])
+    assert done.notebook == "01_records_metrics"
 
 
 def test_scratch_runs_stay_out_of_outputs(tmp_path, monkeypatch):

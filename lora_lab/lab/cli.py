@@ -7,6 +7,7 @@
     lora-lab validate
     lora-lab check-prose
     lora-lab launch   JOB [--nproc 2] [--config JSON] [--out DIR]       torchrun; prints each rank's metrics
+    lora-lab --version
 
 Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify) or prose states
 a number no run recorded (check-prose); 2 bad input (unknown parameter, malformed or uncommitted predictions
@@ -43,8 +44,12 @@ def _paths(parser: argparse.ArgumentParser, *, notebooks=True, outputs=True, pre
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lora_lab import __version__
+
     parser = argparse.ArgumentParser(
         prog="lora-lab", description="Run, grade, verify, validate and publish the pre-registered notebooks.")
+    parser.add_argument("--version", action="version", version=f"lora-lab {__version__}",
+                        help="print the version of the lora_lab package this command runs, and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = commands.add_parser("run", help="execute notebooks with papermill into build/runs/<profile>/ (scratch)")

@@ -21,14 +21,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_lab.lab.provenance import find_repo_root
 from lora_lab.lab.recording import PROFILE_CHOICES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_REPO = "the checkout of the lora_lab package that runs, else the one around cwd"
 
 
 def repo_root() -> Path:
-    return find_repo_root() or Path.cwd().resolve()
+    """The checkout the defaults point into (see :func:`lora_lab.lab.predictions.repository_root`)."""
+    from lora_lab.lab.predictions import repository_root
+
+    return repository_root()
 
 
 def _paths(parser: argparse.ArgumentParser, *, notebooks=True, outputs=True, predictions=False) -> None:
@@ -72,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     _paths(grade, predictions=True)
 
     verify = commands.add_parser("verify", help="check from git history: append-only, predicted before measured")
-    verify.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
+    verify.add_argument("--repo", type=Path, default=None, help=f"repository to check (default: {DEFAULT_REPO})")
     verify.add_argument("--predictions", default="predictions/predictions.yaml",
                         help="predictions file, relative to the repo root")
     verify.add_argument("--outputs", default="outputs", help="outputs root, relative to the repo root")
@@ -91,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prose = commands.add_parser("check-prose",
                                 help="fail on numbers in markdown that no run recorded and no source cites")
-    prose.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
+    prose.add_argument("--repo", type=Path, default=None, help=f"repository to check (default: {DEFAULT_REPO})")
     launch = commands.add_parser("launch", help="run a job module:function on N processes (torchrun), print each "
                                                 "rank's metrics as JSON")
     launch.add_argument("job", help="module:function taking the config dict, e.g. lora_lab.distributed.jobs:train_lora")
@@ -134,7 +137,6 @@ def command_run(args: argparse.Namespace) -> int:
         run,
     )
 
-    root = repo_root()
     overrides = {}
     for name, value in args.parameter:
         if name in overrides:
@@ -146,8 +148,8 @@ def command_run(args: argparse.Namespace) -> int:
             profile=args.profile,
             only=parse_only(args.only),
             overrides=overrides,
-            notebooks_dir=args.notebooks_dir or root / "notebooks",
-            outputs_root=args.outputs_dir or root / DEFAULT_RUNS_DIR,
+            notebooks_dir=args.notebooks_dir or repo_root() / "notebooks",
+            outputs_root=args.outputs_dir or repo_root() / DEFAULT_RUNS_DIR,
             cell_timeout=args.cell_timeout,
             disable_progress=True if args.no_progress else None,
         )
@@ -211,13 +213,12 @@ def command_publish(args: argparse.Namespace) -> int:
     from lora_lab.lab.publishing import PublishError, publish
     from lora_lab.lab.runner import DEFAULT_RUNS_DIR, RunnerError, parse_only
 
-    root = repo_root()
     try:
         done = publish(
             args.profile,
-            runs_root=args.runs_dir or root / DEFAULT_RUNS_DIR,
-            outputs_root=args.outputs_dir or root / "outputs",
-            notebooks_dir=args.notebooks_dir or root / "notebooks",
+            runs_root=args.runs_dir or repo_root() / DEFAULT_RUNS_DIR,
+            outputs_root=args.outputs_dir or repo_root() / "outputs",
+            notebooks_dir=args.notebooks_dir or repo_root() / "notebooks",
             only=parse_only(args.only),
             to_notebooks=args.to_notebooks,
         )
@@ -255,7 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
-    return COMMANDS[args.command](args)
+    from lora_lab.lab.predictions import RepositoryNotFound
+
+    try:
+        return COMMANDS[args.command](args)
+    except RepositoryNotFound as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from typing import Any
 
 from lora_lab.lab.measure import MIN_REPETITIONS
 from lora_lab.lab.predictions import Prediction, PredictionError, format_number, load_predictions, superseded_ids
-from lora_lab.lab.provenance import find_repo_root
 from lora_lab.lab.recording import STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
 
 RUN_SUMMARY_NAME = "run_summary.json"
@@ -449,7 +448,9 @@ def grade(
     Refuses (PredictionError) a predictions file with uncommitted changes: a prediction is registered by
     committing it, and grading against an edit would grade what nobody registered.
     """
-    root = find_repo_root() or Path.cwd().resolve()
+    from lora_lab.lab.predictions import repository_root
+
+    root = repository_root() if predictions_path is None or outputs_root is None else None
     predictions_path = (Path(predictions_path) if predictions_path is not None
                         else root / "predictions" / "predictions.yaml")
     profile_dir = (Path(outputs_root) if outputs_root is not None else root / "outputs") / profile

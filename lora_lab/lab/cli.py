@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--only", default=None, help="comma-separated notebook numbers or stems, e.g. 01,03")
     run.add_argument(
         "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-        help="override a parameters-cell value (Python literal, else text); repeatable",
+        help="override a parameters-cell value (Python literal, else text), checked against its type and its rule "
+             "in lora_lab.lab.notebooks.PARAMETER_RULES before anything runs; repeatable",
     )
     run.add_argument("--cell-timeout", type=float, default=None,
                      help="seconds a single cell may run (default: no limit)")

@@ -434,3 +434,70 @@ def test_a_notebook_that_needs_two_gpus_is_skipped_on_a_smaller_gpu_machine_and_
     nbformat.write(notebook, str(notebooks / "08_needs_two_gpus.ipynb"))
     assert main(["run", "--profile", "cpu", "--notebooks-dir", str(notebooks), "--outputs-dir", str(outputs)]) == 2
     assert "lora_lab.gpus must be a non-negative integer" in capsys.readouterr().err
+
+
+REPO_NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("R", "0", "parameter R = 0 is not an integer >= 1"),  # once a ZeroDivisionError in a cell (ALPHA / R)
+    ("TARGETS", "qproj", "parameter TARGETS = 'qproj' is not comma-separated, distinct names of linear layers, "
+                         "from q_proj, k_proj"),  # once an IndexError in a cell
+    ("TARGETS", "", "parameter TARGETS = '' is not comma-separated"),
+    ("ALPHA", "-16", "parameter ALPHA = -16 is not a number > 0"),
+    ("MODEL", "random:no-such-config", "parameter MODEL = 'random:no-such-config' is not"),
+    ("TOKENS", "0", "parameter TOKENS = 0 is not an integer >= 1"),
+])
+def test_parameter_values_are_checked_against_their_rule_before_anything_runs(tmp_path, capsys, name, text, says):
+    code = main(["run", "--profile", "cpu", "--only", "01", "--notebooks-dir", str(REPO_NOTEBOOKS),
+                 "--outputs-dir", str(tmp_path), "-p", name, text])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "(declared by 01_build_lora_layer)" in err and "nothing was run" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_accepted_values_pass_their_rule():
+    [notebook] = select_notebooks(discover_notebooks(REPO_NOTEBOOKS), ["01"])
+    plan = plan_parameters([notebook], {"R": 4, "ALPHA": 8, "TARGETS": "q_proj,k_proj,v_proj,o_proj",
+                                        "MODEL": "random:tiny-qwen2"}, "cpu")[notebook]
+    assert plan.overrides == {"R": 4, "ALPHA": 8, "TARGETS": "q_proj,k_proj,v_proj,o_proj",
+                              "MODEL": "random:tiny-qwen2"}
+
+
+def test_every_notebook_parameter_has_a_rule_its_default_passes():
+    from lora_lab.lab.notebooks import PARAMETER_RULES, parameter_problem
+
+    notebooks = discover_notebooks(REPO_NOTEBOOKS)
+    assert notebooks
+    for path in notebooks:
+        for name, default in declared_parameters(path).items():
+            assert name in PARAMETER_RULES, f"{path.name}: parameter {name} has no rule in PARAMETER_RULES"
+            assert parameter_problem(name, default) is None, f"{path.name}: the registered {name}={default!r}"
+
+
+def test_overrides_print_no_papermill_parse_warning(tmp_path, caplog, capfd):
+    """A parameters cell whose comment holds "=" (as notebooks 01-03's MODEL line) once made every `-p` print
+    papermill's "Unable to parse line 2 'MODEL = ...'"."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    params = nbformat.v4.new_code_cell('PROFILE = "auto"  # auto | cpu | gpu\n'
+                                       'MODEL = ""  # "" = the profile\'s model\nR = 8  # rank, = 8 by default')
+    params.metadata["tags"] = ["parameters"]
+    body = nbformat.v4.new_code_cell(
+        "from lora_lab.lab.recording import finish_run, record, start_run\n"
+        "start_run('01_parse', PROFILE)\nrecord({'model': MODEL, 'r': R})\nfinish_run()")
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nbformat.v4.new_notebook(cells=[params, body], metadata={"kernelspec": kernelspec}),
+                   str(notebooks / "01_parse.ipynb"))
+    printed = io.StringIO()
+    with caplog.at_level(logging.WARNING, logger="papermill"):
+        code = run(profile="cpu", overrides={"MODEL": "random:tiny-qwen2", "R": 4}, notebooks_dir=notebooks,
+                   outputs_root=tmp_path / "runs", disable_progress=True, stream=printed)
+    assert code == 0, printed.getvalue()
+    logged = caplog.text + "".join(capfd.readouterr())
+    assert "Unable to parse" not in logged and "unknown parameter" not in logged.lower()
+    recorded = metrics(tmp_path / "runs" / "cpu", "01_parse")
+    assert recorded["metrics"] == {"model": "random:tiny-qwen2", "r": 4}
+    assert recorded["provenance"]["parameter_overrides"] == {"MODEL": "random:tiny-qwen2", "R": 4}
+    executed = nbformat.read(str(tmp_path / "runs" / "cpu" / "01_parse.ipynb"), as_version=4)
+    assert [cell.metadata.get("tags") for cell in executed.cells][:2] == [["parameters"], ["injected-parameters"]]

@@ -9,10 +9,14 @@
     lora-lab launch   JOB [--nproc 2] [--config JSON] [--out DIR]       torchrun; prints each rank's metrics
     lora-lab --version
 
-Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify) or prose states
-a number no run recorded (check-prose); 2 bad input (unknown parameter, malformed or uncommitted predictions
-file, not a git repository, a run that cannot be published, ...); 130 interrupted (Ctrl-C).
+Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify), prose states
+a number no run recorded or there was nothing to check (check-prose); 2 bad input (unknown parameter or a value
+its rule refuses, malformed or uncommitted predictions file, not a git repository, no lora_lab checkout, a run
+that cannot be published, ...); 130 interrupted (Ctrl-C).
 Grading exits 0 whatever the hit rate: a miss is a finding, not a failure.
+
+Paths not given on the command line are taken from the checkout the running ``lora_lab`` package lives in, else
+from the one around the current directory (:func:`lora_lab.lab.predictions.repository_root`).
 """
 
 from __future__ import annotations

@@ -7,11 +7,16 @@
     lora-lab validate
     lora-lab check-prose
     lora-lab launch   JOB [--nproc 2] [--config JSON] [--out DIR]       torchrun; prints each rank's metrics
+    lora-lab --version
 
-Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify) or prose states
-a number no run recorded (check-prose); 2 bad input (unknown parameter, malformed or uncommitted predictions
-file, not a git repository, a run that cannot be published, ...); 130 interrupted (Ctrl-C).
+Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify), prose states
+a number no run recorded or there was nothing to check (check-prose); 2 bad input (unknown parameter or a value
+its rule refuses, malformed or uncommitted predictions file, not a git repository, no lora_lab checkout, a run
+that cannot be published, ...); 130 interrupted (Ctrl-C).
 Grading exits 0 whatever the hit rate: a miss is a finding, not a failure.
+
+Paths not given on the command line are taken from the checkout the running ``lora_lab`` package lives in, else
+from the one around the current directory (:func:`lora_lab.lab.predictions.repository_root`).
 """
 
 from __future__ import annotations
@@ -20,14 +25,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from lora_lab.lab.provenance import find_repo_root
 from lora_lab.lab.recording import PROFILE_CHOICES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+DEFAULT_REPO = "the checkout of the lora_lab package that runs, else the one around cwd"
 
 
 def repo_root() -> Path:
-    return find_repo_root() or Path.cwd().resolve()
+    """The checkout the defaults point into (see :func:`lora_lab.lab.predictions.repository_root`)."""
+    from lora_lab.lab.predictions import repository_root
+
+    return repository_root()
 
 
 def _paths(parser: argparse.ArgumentParser, *, notebooks=True, outputs=True, predictions=False) -> None:
@@ -43,8 +51,12 @@ def _paths(parser: argparse.ArgumentParser, *, notebooks=True, outputs=True, pre
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from lora_lab import __version__
+
     parser = argparse.ArgumentParser(
         prog="lora-lab", description="Run, grade, verify, validate and publish the pre-registered notebooks.")
+    parser.add_argument("--version", action="version", version=f"lora-lab {__version__}",
+                        help="print the version of the lora_lab package this command runs, and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     run = commands.add_parser("run", help="execute notebooks with papermill into build/runs/<profile>/ (scratch)")
@@ -52,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--only", default=None, help="comma-separated notebook numbers or stems, e.g. 01,03")
     run.add_argument(
         "-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-        help="override a parameters-cell value (Python literal, else text); repeatable",
+        help="override a parameters-cell value (Python literal, else text), checked against its type and its rule "
+             "in lora_lab.lab.notebooks.PARAMETER_RULES before anything runs; repeatable",
     )
     run.add_argument("--cell-timeout", type=float, default=None,
                      help="seconds a single cell may run (default: no limit)")
@@ -67,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _paths(grade, predictions=True)
 
     verify = commands.add_parser("verify", help="check from git history: append-only, predicted before measured")
-    verify.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
+    verify.add_argument("--repo", type=Path, default=None, help=f"repository to check (default: {DEFAULT_REPO})")
     verify.add_argument("--predictions", default="predictions/predictions.yaml",
                         help="predictions file, relative to the repo root")
     verify.add_argument("--outputs", default="outputs", help="outputs root, relative to the repo root")
@@ -86,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     prose = commands.add_parser("check-prose",
                                 help="fail on numbers in markdown that no run recorded and no source cites")
-    prose.add_argument("--repo", type=Path, default=None, help="repository to check (default: the one around cwd)")
+    prose.add_argument("--repo", type=Path, default=None, help=f"repository to check (default: {DEFAULT_REPO})")
     launch = commands.add_parser("launch", help="run a job module:function on N processes (torchrun), print each "
                                                 "rank's metrics as JSON")
     launch.add_argument("job", help="module:function taking the config dict, e.g. lora_lab.distributed.jobs:train_lora")
@@ -129,7 +142,6 @@ def command_run(args: argparse.Namespace) -> int:
         run,
     )
 
-    root = repo_root()
     overrides = {}
     for name, value in args.parameter:
         if name in overrides:
@@ -141,8 +153,8 @@ def command_run(args: argparse.Namespace) -> int:
             profile=args.profile,
             only=parse_only(args.only),
             overrides=overrides,
-            notebooks_dir=args.notebooks_dir or root / "notebooks",
-            outputs_root=args.outputs_dir or root / DEFAULT_RUNS_DIR,
+            notebooks_dir=args.notebooks_dir or repo_root() / "notebooks",
+            outputs_root=args.outputs_dir or repo_root() / DEFAULT_RUNS_DIR,
             cell_timeout=args.cell_timeout,
             disable_progress=True if args.no_progress else None,
         )
@@ -206,13 +218,12 @@ def command_publish(args: argparse.Namespace) -> int:
     from lora_lab.lab.publishing import PublishError, publish
     from lora_lab.lab.runner import DEFAULT_RUNS_DIR, RunnerError, parse_only
 
-    root = repo_root()
     try:
         done = publish(
             args.profile,
-            runs_root=args.runs_dir or root / DEFAULT_RUNS_DIR,
-            outputs_root=args.outputs_dir or root / "outputs",
-            notebooks_dir=args.notebooks_dir or root / "notebooks",
+            runs_root=args.runs_dir or repo_root() / DEFAULT_RUNS_DIR,
+            outputs_root=args.outputs_dir or repo_root() / "outputs",
+            notebooks_dir=args.notebooks_dir or repo_root() / "notebooks",
             only=parse_only(args.only),
             to_notebooks=args.to_notebooks,
         )
@@ -250,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return EXIT_BAD_INPUT
-    return COMMANDS[args.command](args)
+    from lora_lab.lab.predictions import RepositoryNotFound
+
+    try:
+        return COMMANDS[args.command](args)
+    except RepositoryNotFound as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

@@ -436,16 +436,40 @@ def apply_amendments(predictions: list[Prediction], amendments: list[tuple[int, 
 # --------------------------------------------------------------------------------------------
 
 
-def repo_root_or_cwd() -> Path:
-    return find_repo_root() or Path.cwd().resolve()
+class RepositoryNotFound(ValueError):
+    """No lora_lab checkout around the given path, the imported package or the current directory."""
+
+
+def _package_dir() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+def repository_root(start: Path | str | None = None) -> Path:
+    """The lora_lab checkout to read predictions, notebooks and outputs from.
+
+    The first of: the checkout at or above ``start`` (e.g. a notebook's path), the checkout the imported
+    ``lora_lab`` package lives in (so the code that runs reads its own checkout's files wherever it is started
+    from), the checkout at or above the current directory (a package installed elsewhere, run inside a clone).
+    A checkout is a directory holding ``pyproject.toml`` and ``lora_lab/``. None of them: RepositoryNotFound.
+    """
+    candidates = ([Path(start)] if start is not None else []) + [_package_dir(), Path.cwd()]
+    for candidate in candidates:
+        root = find_repo_root(candidate)
+        if root is not None:
+            return root
+    looked = ", ".join(str(Path(candidate).resolve()) for candidate in candidates)
+    raise RepositoryNotFound(
+        f"no lora_lab repository found (a directory with pyproject.toml and lora_lab/) at or above {looked}: "
+        "run inside a clone of the repository, or give the paths explicitly (--predictions, --notebooks-dir, "
+        "--outputs-dir)")
 
 
 def default_predictions_path() -> Path:
-    return repo_root_or_cwd() / DEFAULT_PREDICTIONS_PATH
+    return repository_root() / DEFAULT_PREDICTIONS_PATH
 
 
 def default_notebooks_dir() -> Path:
-    return repo_root_or_cwd() / DEFAULT_NOTEBOOKS_DIR
+    return repository_root() / DEFAULT_NOTEBOOKS_DIR
 
 
 def known_notebooks(notebooks_dir: Path | str | None = None) -> set[str]:

@@ -91,14 +91,23 @@ class ProseReport:
     violations: list[Violation] = field(default_factory=list)
     checked: int = 0  # numbers that were not structure, cited or not
     files: int = 0
+    repo: str = ""  # the directory checked, named when nothing was found there
 
     @property
     def ok(self) -> bool:
-        return not self.violations
+        """No violation, and something was checked: a check that found no file proves nothing."""
+        return not self.violations and self.files > 0
 
     def text(self) -> str:
         lines = [violation.text() for violation in self.violations]
-        if self.ok:
+        if self.files == 0:
+            where = Path(self.repo) if self.repo else Path(".")
+            missing = "" if where.is_dir() else " (no such directory)"
+            lines.append(
+                f"check-prose FAILED: nothing to check in {where}{missing}: no notebooks/NN_*.ipynb, "
+                f"{' or '.join(READMES)}. Run it inside a lora_lab checkout or name one with --repo."
+            )
+        elif self.ok:
             lines.append(f"check-prose OK: {self.checked} numbers checked in {self.files} files")
         else:
             files = len({violation.path for violation in self.violations})
@@ -332,10 +341,15 @@ def _check_file(report: ProseReport, path: str, cells: list[tuple[int | None, st
 
 
 def check_prose(repo: Path) -> ProseReport:
-    """Every number in the notebooks' markdown cells and the two READMEs that is not recorded, cited or structure."""
+    """Every number in the notebooks' markdown cells and the two READMEs that is not recorded, cited or structure.
+
+    A ``repo`` holding none of those files (a wrong ``--repo``, a run outside the checkout) checks nothing, and
+    the report is not ok: passing on nothing would hide the mistake."""
     repo = Path(repo)
+    if not repo.is_dir():
+        return ProseReport(repo=str(repo))
     configs, predictions = _shared_numbers(repo)
-    report, union = ProseReport(), [*configs, *_run_numbers(repo, predictions)]
+    report, union = ProseReport(repo=str(repo)), [*configs, *_run_numbers(repo, predictions)]
     for path in sorted((repo / "notebooks").glob("*.ipynb")):
         if not NOTEBOOK_NAME.fullmatch(path.name):
             continue

@@ -7,7 +7,10 @@ single problem publishes nothing:
 * the executed notebook ran to the end: every code cell has an execution count and no error output;
 * its metrics file says ``completed``, was written by the runner with the registered parameters (no
   overrides), and its **code hash** and **notebook hash** equal those of the working tree — the published
-  outputs belong to the code published with them.
+  outputs belong to the code published with them;
+* it was run from committed code: its provenance names a git commit and does not say ``git_dirty: true``
+  (committing the same code afterwards does not make such a run reproducible from a commit; a copy of a
+  committed tree, whose commit is declared and whose dirty state is unknown, is accepted).
 
 The published notebook keeps every cell's source, outputs and execution count; it loses what papermill
 added (the injected-parameters cell, error banners, papermill and timing metadata), so that its parameters
@@ -126,6 +129,11 @@ def check_run(executed_path: Path, notebooks_dir: Path, current_code: str | dict
                         "with the registered ones")
     if isinstance(current_code, dict):
         current_code = current_code.get(code_hash_scope_of(provenance), "?")
+    if provenance.get("git_dirty") is True or not provenance.get("git_commit"):
+        state = "uncommitted changes" if provenance.get("git_dirty") is True else "no git commit"
+        problems.append(f"{stem}: run from code with {state} (provenance git_dirty="
+                        f"{provenance.get('git_dirty')}, git_commit={provenance.get('git_commit')}): commit the code, "
+                        "then run it again; a published run must name the commit that produced it")
     if provenance.get("code_hash") != current_code:
         problems.append(f"{stem}: run by other code (code hash {str(provenance.get('code_hash'))[:12]}, working tree "
                         f"{current_code[:12]}): run it again")

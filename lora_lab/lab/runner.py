@@ -3,7 +3,8 @@
 For each selected ``notebooks/NN_name.ipynb`` the runner
 
 - validates every ``-p NAME VALUE`` against the notebook's ``parameters`` cell *before anything runs*
-  (unknown name, or a value whose type does not fit the default -> error);
+  (unknown name, a value whose type does not fit the default, or a value its rule in
+  :data:`lora_lab.lab.notebooks.PARAMETER_RULES` refuses, such as ``R 0`` -> error naming the rule);
 - hands the notebook's kernel **one context** (the environment variable ``LORA_LAB_RUN``, JSON): the
   notebook's stem, the resolved profile, the output folder and the effective parameters, with the ones
   that differ from the parameters cell marked as overrides; papermill injects only those overrides;
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab.notebooks import NOTEBOOK_NAME, NotebookError, discover_notebooks, required_gpus
+from lora_lab.lab.notebooks import NOTEBOOK_NAME, NotebookError, discover_notebooks, parameter_problem, required_gpus
 from lora_lab.lab.notebooks import declared_parameters as _declared_parameters
 from lora_lab.lab.recording import (
     RUN_CONTEXT_ENV,
@@ -177,13 +178,15 @@ def plan_parameters(notebooks: list[Path], overrides: dict[str, Any], profile: s
             problems.append(
                 f"unknown parameter {name!r}: no selected notebook declares it in its parameters cell ({listing})"
             )
-        for path in owners:
+        misfits = [path for path in owners if not fits_default(value, declared[path][name])]
+        for path in misfits:
             default = declared[path][name]
-            if not fits_default(value, default):
-                problems.append(
-                    f"{path.stem}: parameter {name!r} defaults to {type(default).__name__} {default!r}; "
-                    f"got {type(value).__name__} {value!r}"
-                )
+            problems.append(
+                f"{path.stem}: parameter {name!r} defaults to {type(default).__name__} {default!r}; "
+                f"got {type(value).__name__} {value!r}"
+            )
+        if owners and not misfits and (problem := parameter_problem(name, value)) is not None:
+            problems.append(f"{problem} (declared by {', '.join(path.stem for path in owners)})")
     if problems:
         raise RunnerError("; ".join(problems) if len(problems) == 1 else "\n  - " + "\n  - ".join(problems))
     plans = {}
@@ -365,6 +368,25 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
+def inject_overrides(path: Path, overrides: dict[str, Any], executed_path: Path) -> Path:
+    """Write ``path`` with papermill's ``injected-parameters`` cell for ``overrides`` to ``executed_path``; the
+    runner then executes that file in place.
+
+    Why not ``papermill.execute_notebook(parameters=...)``: given parameters, papermill first re-reads the
+    parameters cell with a line parser that takes any line holding two ``=`` for an unparsable one, and so warns
+    "Unable to parse line 2 'MODEL = ""  # "" = the profile's model ...'" (the ``=`` is in the comment) and, with
+    ``-p MODEL ...``, "Passed unknown parameter: MODEL" — about names this runner has already checked against
+    the cell with Python's own parser (:func:`plan_parameters`). The injected cell is papermill's, unchanged.
+    """
+    from papermill.iorw import load_notebook_node, write_ipynb
+    from papermill.parameterize import parameterize_notebook
+
+    notebook = parameterize_notebook(load_notebook_node(str(path)), dict(overrides), kernel_name=KERNEL_NAME,
+                                     language="python")
+    write_ipynb(notebook, str(executed_path))
+    return executed_path
+
+
 def run_notebook(
     plan: NotebookPlan,
     profile: str,
@@ -391,10 +413,11 @@ def run_notebook(
     unset = ("MPLBACKEND",) if os.environ.get("MPLBACKEND", "").lower() == "agg" else ()
     status, error_details = "ok", None
     try:
+        source = inject_overrides(path, plan.overrides, executed_path) if plan.overrides else path
         papermill.execute_notebook(
-            str(path),
+            str(source),
             str(executed_path),
-            parameters=plan.overrides,
+            parameters=None,  # injected above: papermill's own injection re-parses the parameters cell (see there)
             kernel_name=KERNEL_NAME,
             progress_bar={"leave": False, "position": 1, "desc": stem} if show_cell_progress else False,
             log_output=False,

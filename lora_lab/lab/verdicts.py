@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from lora_lab.lab.grading import RUN_SUMMARY_NAME, GradedRow, grade_row, read_json, uncommitted_change
-from lora_lab.lab.predictions import load_predictions, superseded_ids
+from lora_lab.lab.predictions import load_predictions, repository_root, superseded_ids
 from lora_lab.lab.provenance import find_repo_root
 from lora_lab.lab.recording import last_run
 
@@ -22,7 +22,8 @@ _ORDER = {"miss": 0, "inconclusive": 1, "void": 2, "hit": 3}
 def notebook_verdicts(notebook: str, profile: str, metrics_file: Path | str,
                       predictions_path: Path | str | None = None) -> tuple[list[GradedRow], list[str]]:
     """(rows graded for ``profile``, notes) for the live (not superseded) predictions of ``notebook``."""
-    root = find_repo_root() or Path.cwd()
+    # the notebook's folder (Jupyter and the runner start the kernel there), else the package's checkout
+    root = find_repo_root() or repository_root()
     predictions_path = Path(predictions_path or root / "predictions" / "predictions.yaml")
     notes = []
     change = uncommitted_change(predictions_path)

@@ -205,3 +205,17 @@ def test_cli_exit_codes(tmp_path, capsys):
     clean = make_repo(tmp_path / "clean", "PEFT costs 2.41×.")
     assert main(["check-prose", "--repo", str(clean)]) == 0
     assert "check-prose OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["empty", "missing"])
+def test_checking_nothing_fails_and_names_the_directory(tmp_path, capsys, where):
+    """A bogus --repo (or a run outside the checkout) once printed "OK: 0 numbers checked in 0 files"."""
+    repo = tmp_path / where
+    if where == "empty":
+        repo.mkdir()
+    report = check_prose(repo)
+    assert not report.ok and report.files == 0
+    assert main(["check-prose", "--repo", str(repo)]) == 1
+    out = capsys.readouterr().out
+    assert f"nothing to check in {repo}" in out and "OK" not in out
+    assert ("no such directory" in out) == (where == "missing")

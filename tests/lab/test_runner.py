@@ -212,8 +212,24 @@ def test_progress_bar_follows_tqdm_disable(monkeypatch):
     assert progress_disabled(False) is False
 
 
+COMMITTED = {"git_commit": "1" * 40, "git_dirty": False, "git_source": "repository"}
+
+
+def committed_copy(cpu: Path, runs: Path, **provenance) -> Path:
+    """The batch's run folder copied to ``runs/cpu`` with its provenance saying "run from a clean commit" (the
+    batch itself records the state of the checkout the tests run in, which may hold uncommitted edits), then
+    ``provenance`` on top."""
+    shutil.copytree(cpu, runs / "cpu")
+    for path in (runs / "cpu").glob("*.metrics.json"):
+        payload = json.loads(path.read_text())
+        payload["provenance"].update({**COMMITTED, **provenance})
+        path.write_text(json.dumps(payload))
+    return runs / "cpu"
+
+
 def test_publish_checks_the_run_then_strips_papermill_and_keeps_outputs(batch, tmp_path):
-    _, cpu, _ = batch
+    _, batch_cpu, _ = batch
+    cpu = committed_copy(batch_cpu, tmp_path / "runs")
     notebooks = tmp_path / "notebooks"
     shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
     outputs = tmp_path / "outputs"
@@ -245,7 +261,7 @@ def test_publish_checks_the_run_then_strips_papermill_and_keeps_outputs(batch, t
 def test_publish_refuses_stale_code_overrides_and_half_runs(batch, tmp_path):
     _, cpu, _ = batch
     runs = tmp_path / "runs"
-    shutil.copytree(cpu, runs / "cpu")
+    committed_copy(cpu, runs)
     notebooks = tmp_path / "notebooks"
     shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
     path = runs / "cpu" / "01_records_metrics.metrics.json"
@@ -270,6 +286,30 @@ def test_publish_refuses_stale_code_overrides_and_half_runs(batch, tmp_path):
     nbformat.write(executed, str(runs / "cpu" / "01_records_metrics.ipynb"))
     assert attempt() == 2
     assert not (tmp_path / "out").exists()  # nothing published by any refused attempt
+
+
+@pytest.mark.parametrize("provenance, says", [
+    ({"git_dirty": True}, "run from code with uncommitted changes (provenance git_dirty=True"),
+    ({"git_commit": None, "git_dirty": None, "git_source": None}, "run from code with no git commit"),
+])
+def test_publish_refuses_a_run_of_uncommitted_code(batch, tmp_path, capsys, provenance, says):
+    """Committing the code after the run makes the hashes match; the run's own git state still says it came from
+    an uncommitted tree, and publishing it would name a commit that did not produce it."""
+    _, cpu, _ = batch
+    runs = tmp_path / "runs"
+    committed_copy(cpu, runs, **provenance)
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURE_NOTEBOOKS, notebooks)
+    code = main(["publish", "--profile", "cpu", "--from", str(runs), "--outputs-dir", str(tmp_path / "out"),
+                 "--notebooks-dir", str(notebooks), "--only", "01"])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "commit the code, then run it again" in err
+    assert not (tmp_path / "out").exists()
+    # a copy of a committed tree (commit declared, dirty state unknown: the GPU machine) is accepted
+    committed_copy(cpu, tmp_path / "declared", git_dirty=None, git_source="declared")
+    [done] = publish("cpu", runs_root=tmp_path / "declared", outputs_root=tmp_path / "out2", notebooks_dir=notebooks,
+                     only=["01"])
+    assert done.notebook == "01_records_metrics"
 
 
 def test_scratch_runs_stay_out_of_outputs(tmp_path, monkeypatch):
@@ -394,3 +434,70 @@ def test_a_notebook_that_needs_two_gpus_is_skipped_on_a_smaller_gpu_machine_and_
     nbformat.write(notebook, str(notebooks / "08_needs_two_gpus.ipynb"))
     assert main(["run", "--profile", "cpu", "--notebooks-dir", str(notebooks), "--outputs-dir", str(outputs)]) == 2
     assert "lora_lab.gpus must be a non-negative integer" in capsys.readouterr().err
+
+
+REPO_NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+@pytest.mark.parametrize("name, text, says", [
+    ("R", "0", "parameter R = 0 is not an integer >= 1"),  # once a ZeroDivisionError in a cell (ALPHA / R)
+    ("TARGETS", "qproj", "parameter TARGETS = 'qproj' is not comma-separated, distinct names of linear layers, "
+                         "from q_proj, k_proj"),  # once an IndexError in a cell
+    ("TARGETS", "", "parameter TARGETS = '' is not comma-separated"),
+    ("ALPHA", "-16", "parameter ALPHA = -16 is not a number > 0"),
+    ("MODEL", "random:no-such-config", "parameter MODEL = 'random:no-such-config' is not"),
+    ("TOKENS", "0", "parameter TOKENS = 0 is not an integer >= 1"),
+])
+def test_parameter_values_are_checked_against_their_rule_before_anything_runs(tmp_path, capsys, name, text, says):
+    code = main(["run", "--profile", "cpu", "--only", "01", "--notebooks-dir", str(REPO_NOTEBOOKS),
+                 "--outputs-dir", str(tmp_path), "-p", name, text])
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and "(declared by 01_build_lora_layer)" in err and "nothing was run" in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_accepted_values_pass_their_rule():
+    [notebook] = select_notebooks(discover_notebooks(REPO_NOTEBOOKS), ["01"])
+    plan = plan_parameters([notebook], {"R": 4, "ALPHA": 8, "TARGETS": "q_proj,k_proj,v_proj,o_proj",
+                                        "MODEL": "random:tiny-qwen2"}, "cpu")[notebook]
+    assert plan.overrides == {"R": 4, "ALPHA": 8, "TARGETS": "q_proj,k_proj,v_proj,o_proj",
+                              "MODEL": "random:tiny-qwen2"}
+
+
+def test_every_notebook_parameter_has_a_rule_its_default_passes():
+    from lora_lab.lab.notebooks import PARAMETER_RULES, parameter_problem
+
+    notebooks = discover_notebooks(REPO_NOTEBOOKS)
+    assert notebooks
+    for path in notebooks:
+        for name, default in declared_parameters(path).items():
+            assert name in PARAMETER_RULES, f"{path.name}: parameter {name} has no rule in PARAMETER_RULES"
+            assert parameter_problem(name, default) is None, f"{path.name}: the registered {name}={default!r}"
+
+
+def test_overrides_print_no_papermill_parse_warning(tmp_path, caplog, capfd):
+    """A parameters cell whose comment holds "=" (as notebooks 01-03's MODEL line) once made every `-p` print
+    papermill's "Unable to parse line 2 'MODEL = ...'"."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    params = nbformat.v4.new_code_cell('PROFILE = "auto"  # auto | cpu | gpu\n'
+                                       'MODEL = ""  # "" = the profile\'s model\nR = 8  # rank, = 8 by default')
+    params.metadata["tags"] = ["parameters"]
+    body = nbformat.v4.new_code_cell(
+        "from lora_lab.lab.recording import finish_run, record, start_run\n"
+        "start_run('01_parse', PROFILE)\nrecord({'model': MODEL, 'r': R})\nfinish_run()")
+    kernelspec = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nbformat.v4.new_notebook(cells=[params, body], metadata={"kernelspec": kernelspec}),
+                   str(notebooks / "01_parse.ipynb"))
+    printed = io.StringIO()
+    with caplog.at_level(logging.WARNING, logger="papermill"):
+        code = run(profile="cpu", overrides={"MODEL": "random:tiny-qwen2", "R": 4}, notebooks_dir=notebooks,
+                   outputs_root=tmp_path / "runs", disable_progress=True, stream=printed)
+    assert code == 0, printed.getvalue()
+    logged = caplog.text + "".join(capfd.readouterr())
+    assert "Unable to parse" not in logged and "unknown parameter" not in logged.lower()
+    recorded = metrics(tmp_path / "runs" / "cpu", "01_parse")
+    assert recorded["metrics"] == {"model": "random:tiny-qwen2", "r": 4}
+    assert recorded["provenance"]["parameter_overrides"] == {"MODEL": "random:tiny-qwen2", "R": 4}
+    executed = nbformat.read(str(tmp_path / "runs" / "cpu" / "01_parse.ipynb"), as_version=4)
+    assert [cell.metadata.get("tags") for cell in executed.cells][:2] == [["parameters"], ["injected-parameters"]]

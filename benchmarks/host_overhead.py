@@ -6,20 +6,21 @@ For each form: the host's time to launch one forward + backward step (50 steps, 
 wall time per step including the final synchronisation, and a cProfile of 20 steps (top functions by cumulative
 time). Run from the repository root on a CUDA machine:
 
-    python outputs/gpu/session_logs/issue15_profile/host_overhead.py
+    python benchmarks/host_overhead.py
+
+(Until issue #26 it lived in outputs/gpu/session_logs/issue15_profile/, beside the log of its run 3.) Not a
+benchmark in the sense of benchmarks/README.md: one run, no repetitions, no CSV; its numbers say where host time
+goes, never whether a target is met.
 """
 import cProfile
 import pstats
 import sys
 import time
-from pathlib import Path
 
 import torch
+from bench_lora_linear import FUSED_CONFIGS  # this folder is on sys.path when the script runs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[4] / "benchmarks"))
-from bench_lora_linear import FUSED_CONFIGS  # noqa: E402
-
-from lora_lab.kernels import KernelConfig, fused_lora_linear  # noqa: E402
+from lora_lab.kernels import KernelConfig, fused_lora_linear
 
 M, K, N, r = 8192, 4096, 4096, 16
 dev, dt = "cuda", torch.bfloat16

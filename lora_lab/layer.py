@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_lab.dtypes import as_float_dtype
+
 __all__ = [
     "AdapterLinear",
     "LoRALinear",
@@ -214,12 +216,13 @@ class LoRALinear(AdapterLinear):
         return (self.magnitude.to(compute_dtype) / torch.linalg.norm(v, dim=1)).view(-1, 1) * v
 
     @torch.no_grad()
-    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:
+    def merge(self, compute_dtype: torch.dtype | str = torch.float32) -> nn.Linear:
         """Return a plain ``nn.Linear`` with the merged weight (:meth:`merged_weight`; LoRA: ``W + s B A``).
 
-        The weight is formed in ``compute_dtype`` (fp32 by default) and rounded once to W's dtype.
-        Raises if the merged weight is not finite (nothing is modified then).
+        The weight is formed in ``compute_dtype`` (fp32 by default; a dtype or a name such as "bf16") and rounded
+        once to W's dtype. Raises if the merged weight is not finite (nothing is modified then).
         """
+        compute_dtype = as_float_dtype(compute_dtype, "compute_dtype")
         w = self.base.weight
         merged_w = self.merged_weight(compute_dtype).to(w.dtype)
         if not torch.isfinite(merged_w).all():
@@ -528,9 +531,13 @@ def add_lora(
     return model
 
 
-def merge_lora(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+def merge_lora(model: nn.Module, compute_dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """Replace every LoRALinear with its merged nn.Linear (``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``),
-    and every VeRALinear with its own merge. In place; returns model."""
+    and every VeRALinear with its own merge. In place; returns model.
+
+    ``compute_dtype``: the dtype the merged weight is formed in before its one rounding to W's dtype; a
+    ``torch.dtype`` or a name as :func:`lora_lab.load_model` takes them ("fp32", "bf16", "float16", ...)."""
+    compute_dtype = as_float_dtype(compute_dtype, "compute_dtype")
     layers = adapter_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} carries no LoRA layer: nothing to merge")

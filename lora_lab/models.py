@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lora_lab.dtypes import FLOAT_DTYPES, as_float_dtype
+
 __all__ = [
     "ModelNotFoundError",
     "SUPPORTED_DTYPES",
@@ -65,22 +67,13 @@ def model_config(name: str):
     return AutoConfig.for_model(model_type, **data)
 
 
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SUPPORTED_DTYPES = FLOAT_DTYPES
 
 
 def _as_dtype(dtype) -> torch.dtype:
     """A dtype the model's layers compute in; anything else (int, bool, float8, complex, ...) is refused here,
     before a model is built, rather than by a cast or a matmul later."""
-    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in SUPPORTED_DTYPES:
-        return dtype
-    raise ValueError(
-        f"unsupported dtype {dtype!r}; load_model builds models in "
-        + ", ".join(str(d) for d in SUPPORTED_DTYPES) + f" (or by name: {', '.join(_DTYPE_NAMES)})"
-    )
+    return as_float_dtype(dtype, "dtype")
 
 
 def _as_device(device) -> torch.device:

@@ -164,3 +164,26 @@ def test_an_invalid_regex_target_is_named():
     with pytest.raises(ValueError, match=r"targets '\.\*\(q_proj' is not a valid regular expression"):
         add_lora(model, targets=".*(q_proj")
     assert not lora_lab.lora_layers(model)
+
+
+@pytest.mark.parametrize("name, dtype", [("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16),
+                                         ("bfloat16", torch.bfloat16), ("fp16", torch.float16),
+                                         ("float64", torch.float64)])
+def test_merge_lora_takes_the_dtype_names_load_model_takes(name, dtype):
+    """merge_lora(compute_dtype="fp32") used to fail with torch's "Invalid device string: 'fp32'"."""
+    def merged(compute_dtype):
+        torch.manual_seed(0)
+        model = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8)
+        lora_lab.fill_lora_B(model, 0.05, generator=torch.Generator().manual_seed(1))
+        return merge_lora(model, compute_dtype=compute_dtype).model.layers[0].self_attn.q_proj.weight
+
+    assert torch.equal(merged(name), merged(dtype))
+    assert lora_lab.load_model("random:tiny-qwen2", dtype=name).dtype == dtype  # the same spellings
+
+
+@pytest.mark.parametrize("bad", ["cpu", "fp8", "int8", torch.int8, 32])
+def test_merge_lora_refuses_a_non_float_compute_dtype_by_name(bad):
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8)
+    with pytest.raises(ValueError, match=r"unsupported compute_dtype .*expected one of torch\.float32.*by name: fp32"):
+        merge_lora(model, compute_dtype=bad)
+    assert lora_lab.lora_layers(model)  # nothing merged

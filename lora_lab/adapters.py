@@ -27,6 +27,10 @@ CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 LEGACY_WEIGHTS_NAME = "adapter_model.bin"
 PREFIX = "base_model.model."
+# LoRA-FA (A frozen) has no LoraConfig field (PEFT does it in an optimizer, create_lorafa_optimizer): lora_lab writes
+# it under its own key, true for every layer or a list of module names, which PEFT's config loader drops (with a
+# warning about an unexpected key) and load_adapter restores.
+LORA_FA_KEY = "lora_lab_lora_fa"
 
 
 class AdapterError(ValueError):
@@ -129,7 +133,8 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
     ``use_rslora``, ``use_dora`` and ``init_lora_weights`` must be the same for every layer (PEFT stores one value
     each). A PiSSA adapter (``init_lora_weights="pissa"``) loads on the original base model, whose weights PEFT
     and ``load_adapter`` turn into the same residual. A directory that already holds an adapter is refused unless
-    ``overwrite=True``. A model with VeRA layers (:func:`lora_lab.vera.add_vera`) is saved as PEFT's VeRA adapter
+    ``overwrite=True``. LoRA-FA layers (A frozen) are recorded under the key ``lora_lab_lora_fa``, which PEFT's
+    loader ignores and :func:`load_adapter` restores. A model with VeRA layers (:func:`lora_lab.vera.add_vera`) is saved as PEFT's VeRA adapter
     (``peft_type`` VERA, the shared projections included: ``save_projection=True``).
     """
     return _save_adapter(model, path, overwrite, lambda t: t.detach().contiguous().cpu())
@@ -172,6 +177,9 @@ def _save_adapter(model: nn.Module, path: str | Path, overwrite: bool, value_of)
     config = _peft_config(r, alpha, first.dropout_p, targets, exclude, base_name, use_rslora=first.use_rslora,
                           use_dora=first.use_dora, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
                           init_lora_weights=first.init_lora_weights)
+    frozen_a = [name for name, layer in layers if layer.lora_fa]
+    if frozen_a:
+        config[LORA_FA_KEY] = True if len(frozen_a) == len(layers) else frozen_a
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -209,7 +217,7 @@ _BASE_CHANGING_INITS = {
 # Every other field must hold its "off" value (None, False, empty, bias "none"), or the adapter is refused.
 _IMPLEMENTED = {
     "peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "init_lora_weights",
-    "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
+    "use_rslora", "use_dora", "rank_pattern", "alpha_pattern", LORA_FA_KEY,
 }
 _NO_EFFECT = {
     "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version",
@@ -312,6 +320,11 @@ def _read_config(path: Path) -> dict:
     alpha_pattern = _check_pattern_dict(cfg_file, "alpha_pattern", cfg.get("alpha_pattern"),
                                         lambda v: _is_number(v) and v > 0, "positive alphas")
 
+    lora_fa = cfg.get(LORA_FA_KEY, False)
+    if not (isinstance(lora_fa, bool) or isinstance(lora_fa, list) and all(isinstance(n, str) for n in lora_fa)):
+        raise AdapterError(f"invalid adapter config {cfg_file}: {LORA_FA_KEY}={lora_fa!r}; expected true, false or a "
+                           "list of module names (the layers whose A is frozen)")
+
     bad = [f"{k}={v!r}" for k, v in cfg.items() if k not in _IMPLEMENTED | _NO_EFFECT and not _is_off(k, v)]
     if bad:
         raise AdapterError(
@@ -319,7 +332,7 @@ def _read_config(path: Path) -> dict:
         )
     return {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": targets,
             "exclude_modules": exclude, "init_lora_weights": init, "rank_pattern": rank_pattern,
-            "alpha_pattern": alpha_pattern, **flags}
+            "alpha_pattern": alpha_pattern, "lora_fa": lora_fa, **flags}
 
 
 def _check_pattern_dict(cfg_file: Path, field: str, value, valid, what: str) -> dict:
@@ -341,6 +354,17 @@ def _check_pattern_dict(cfg_file: Path, field: str, value, valid, what: str) -> 
     return value
 
 
+def _check_finite(tensors: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """``tensors``, after checking that none holds a NaN or an infinity (PEFT loads such an adapter silently, and
+    the model's outputs turn into NaN)."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise AdapterError(f"{source}: tensor {key!r} holds non-finite values ({nan} NaN, {inf} inf of "
+                               f"{t.numel()}); refusing to load a broken adapter")
+    return tensors
+
+
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     weights = path / WEIGHTS_NAME
     if weights.is_file():
@@ -348,9 +372,10 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(weights))
+            tensors = load_file(str(weights))
         except (SafetensorError, OSError, ValueError) as exc:
             raise AdapterError(f"{weights} is not a readable safetensors file (truncated or corrupt?): {exc}") from exc
+        return _check_finite(tensors, weights)
     legacy = path / LEGACY_WEIGHTS_NAME
     if legacy.is_file():
         import pickle
@@ -361,7 +386,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             raise AdapterError(f"{legacy} is not a readable torch checkpoint (truncated or corrupt?): {exc}") from exc
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise AdapterError(f"{legacy} does not hold a dict of tensors")
-        return tensors
+        return _check_finite(tensors, legacy)
     raise AdapterNotFoundError(f"{path} holds neither {WEIGHTS_NAME} nor {LEGACY_WEIGHTS_NAME}")
 
 
@@ -397,7 +422,9 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     is refused by name (``modules_to_save``, ``lora_bias``, pissa_niter_*/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...).
     A PiSSA adapter turns the targeted base weights into PiSSA's residual, as PEFT's reload does, so give it
     the original base model.
-    A MiCA adapter (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it. A VeRA adapter
+    A MiCA adapter (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it; a LoRA-FA adapter
+    (saved from ``add_lora(..., lora_fa=True)``: the ``lora_lab_lora_fa`` key) with A frozen. A tensor holding a
+    NaN or an infinity is refused by name. A VeRA adapter
     (``peft_type`` VERA) loads into a model without adapters as :class:`~lora_lab.vera.VeRALinear` layers.
     Every tensor's module and shape is checked before anything is changed, so a failing call leaves the
     model as it was.
@@ -468,6 +495,11 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         if not t.is_floating_point():
             raise AdapterError(f"{source}: {key} holds {t.dtype} values, not floating point")
         found.setdefault(name, {})[which] = t
+    lora_fa = cfg["lora_fa"]
+    unknown = [n for n in lora_fa if n not in planned] if isinstance(lora_fa, list) else []
+    if unknown:
+        raise AdapterError(f"{source.parent / CONFIG_NAME}: {LORA_FA_KEY} names {unknown[0]}, which the adapter has no "
+                           "LoRA layer at")
     need = {"A", "B", "M"} if use_dora else {"A", "B"}
     missing = [n for n in planned if set(found.get(n, {})) != need]
     if missing:
@@ -494,6 +526,8 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
             layer.magnitude.copy_(tensors_of["M"].to(layer.magnitude.dtype))
         if cfg["init_lora_weights"] == "mica":
             layer.lora_B.requires_grad_(False)
+        if lora_fa is True or isinstance(lora_fa, list) and name in lora_fa:
+            layer.freeze_A()
     return model
 
 

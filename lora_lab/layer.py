@@ -117,6 +117,7 @@ class LoRALinear(AdapterLinear):
         # rsLoRA (Kalajdzievski 2023): alpha / sqrt(r) keeps the update's scale stable as r grows.
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.dropout_p = float(dropout)
+        self.lora_fa = False  # LoRA-FA: A frozen at its initialisation (set by add_lora/load_adapter, saved with it)
         self.in_features = base.in_features
         self.out_features = base.out_features
         w = base.weight
@@ -151,6 +152,12 @@ class LoRALinear(AdapterLinear):
         self.lora_B.copy_(b)
         # (s * B) @ A: PEFT's order of operations, so that its reload rebuilds the same residual bits
         w.data = (w.to(torch.float32) - self.scaling * b @ a).to(w.dtype)
+
+    def freeze_A(self) -> None:
+        """LoRA-FA (Zhang et al. 2023): A stays at its current value, only B (and a DoRA magnitude) train.
+        Recorded as ``lora_fa`` so that ``save_adapter`` writes it and ``load_adapter`` restores it."""
+        self.lora_A.requires_grad_(False)
+        self.lora_fa = True
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """The low-rank branch without scaling: (dropout(x) @ A^T) @ B^T."""
@@ -242,7 +249,7 @@ class LoRALinear(AdapterLinear):
         return out
 
     def extra_repr(self) -> str:
-        variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora") if getattr(self, n))
+        variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora", "lora_fa") if getattr(self, n))
         if self.init_lora_weights == "pissa":
             variants += ", init_lora_weights='pissa'"
         return (
@@ -410,7 +417,7 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     _install(model, wrapped)
     if lora_fa:
         for _, layer in wrapped:
-            layer.lora_A.requires_grad_(False)
+            layer.freeze_A()
 
 
 def _install(model: nn.Module, wrapped: list[tuple[str, AdapterLinear]]) -> None:

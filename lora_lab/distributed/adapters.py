@@ -159,4 +159,8 @@ def load_sharded_adapter(model: nn.Module, path: str | Path) -> nn.Module:
             local.copy_(shard)
         else:
             p.copy_(full.to(p.dtype))
+    lora_fa = cfg.get("lora_fa", False)  # LoRA-FA: A frozen, as save_adapter recorded it
+    for name, layer in layers:
+        if lora_fa is True or isinstance(lora_fa, list) and name in lora_fa:
+            layer.freeze_A()
     return model

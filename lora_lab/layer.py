@@ -55,8 +55,9 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name} must be True or False, got {name}={value!r}")
 
 
-# what LoRALinear can start from: PEFT's default (A Kaiming-uniform, B zero) or PiSSA
-INITS = (True, "pissa")
+# what LoRALinear can start from, in PEFT 0.21's meanings: True (A Kaiming-uniform, B zero), False (A and B both
+# nn.Linear's default init: the layer does not start as the base layer), "gaussian" (A ~ N(0, 1/r^2), B zero), PiSSA
+INITS = (True, False, "gaussian", "pissa")
 
 
 def _check_init(init) -> None:
@@ -125,8 +126,16 @@ class LoRALinear(AdapterLinear):
         self.lora_B = nn.Parameter(torch.empty(base.out_features, r, device=w.device, dtype=w.dtype))
         # PEFT's default init of A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        # B = 0 through nn.init, not torch.zeros: a write that lora_lab.distributed.MetaInit can see and replay
-        nn.init.zeros_(self.lora_B)
+        if init_lora_weights is False:
+            # PEFT's init_lora_weights=False leaves both factors at nn.Linear's default init (drawn in this order,
+            # A then B): B ~ U(-1/sqrt(r), 1/sqrt(r)), so the fresh layer already changes the output.
+            nn.init.kaiming_uniform_(self.lora_B, a=math.sqrt(5))
+        else:
+            if init_lora_weights == "gaussian":
+                # PEFT's "gaussian": A ~ N(0, std = 1/r) in place of the Kaiming draw
+                nn.init.normal_(self.lora_A, std=1 / r)
+            # B = 0 through nn.init, not torch.zeros: a write that lora_lab.distributed.MetaInit can see and replay
+            nn.init.zeros_(self.lora_B)
         for p in self.base.parameters():
             p.requires_grad_(False)
         if init_lora_weights == "pissa":
@@ -250,8 +259,8 @@ class LoRALinear(AdapterLinear):
 
     def extra_repr(self) -> str:
         variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora", "lora_fa") if getattr(self, n))
-        if self.init_lora_weights == "pissa":
-            variants += ", init_lora_weights='pissa'"
+        if self.init_lora_weights is not True:
+            variants += f", init_lora_weights={self.init_lora_weights!r}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
             f"alpha={self.alpha}, scaling={self.scaling:g}, dropout={self.dropout_p}{variants}"
@@ -510,7 +519,10 @@ def add_lora(
     freezes A at its initialisation so only B (and a DoRA magnitude) train (LoRA-FA's frozen A; PEFT's
     ``create_lorafa_optimizer`` also reshapes B's gradient, which this does not); ``init_lora_weights="pissa"``
     starts each layer from its weight's principal singular vectors and turns its base weight into the residual
-    (PEFT's ``init_lora_weights="pissa"``; it changes the model's base weights in place).
+    (PEFT's ``init_lora_weights="pissa"``; it changes the model's base weights in place). The other starts, as in
+    PEFT: ``init_lora_weights=True`` (default) A Kaiming-uniform and B = 0, so the model computes what it did;
+    ``"gaussian"`` A ~ N(0, 1/r^2) and B = 0; ``False`` A and B both drawn as nn.Linear's default weights (B not
+    zero: the model's output changes at once; PEFT's setting for tests).
 
     ``targets`` and ``exclude`` follow PEFT's ``target_modules``/``exclude_modules``: a list matches a
     module whose name equals an entry or ends with ``.entry``; a string is a regex matched against the

@@ -17,7 +17,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lora_lab.layer import LoRALinear, _install, _lora_internals, _matches, _wrap, lora_layers
+from lora_lab.layer import (
+    LoRALinear,
+    _install,
+    _lora_internals,
+    _matches,
+    _refuse_peft_layers,
+    _select,
+    _wrap,
+    lora_layers,
+)
 from lora_lab.vera import VeRALinear, vera_layers, vera_projections
 
 __all__ = ["save_adapter", "load_adapter", "AdapterError", "AdapterNotFoundError", "AdapterExistsError",
@@ -134,8 +143,8 @@ def save_adapter(model: nn.Module, path: str | Path, overwrite: bool = False) ->
     each). A PiSSA adapter (``init_lora_weights="pissa"``) loads on the original base model, whose weights PEFT
     and ``load_adapter`` turn into the same residual. A directory that already holds an adapter is refused unless
     ``overwrite=True``. LoRA-FA layers (A frozen) are recorded under the key ``lora_lab_lora_fa``, which PEFT's
-    loader ignores and :func:`load_adapter` restores. A model with VeRA layers (:func:`lora_lab.vera.add_vera`) is saved as PEFT's VeRA adapter
-    (``peft_type`` VERA, the shared projections included: ``save_projection=True``).
+    loader ignores and :func:`load_adapter` restores. A model with VeRA layers (:func:`lora_lab.vera.add_vera`) is
+    saved as PEFT's VeRA adapter (``peft_type`` VERA, the shared projections included: ``save_projection=True``).
     """
     return _save_adapter(model, path, overwrite, lambda t: t.detach().contiguous().cpu())
 
@@ -289,11 +298,6 @@ def _read_config(path: Path) -> dict:
         raise AdapterError(f"invalid adapter config {cfg_file}: lora_dropout={dropout!r}; expected a number in [0, 1)")
     targets = _check_patterns_field(cfg_file, "target_modules", cfg.get("target_modules"), required=True)
     exclude = _check_patterns_field(cfg_file, "exclude_modules", cfg.get("exclude_modules"), required=False)
-    if isinstance(targets, str) and targets.lower() == "all-linear":
-        raise AdapterError(
-            f"{cfg_file}: target_modules='all-linear' is PEFT's shorthand, which lora_lab does not expand; "
-            "list the module names instead"
-        )
 
     init = cfg.get("init_lora_weights", True)
     if not isinstance(init, (bool, str)):
@@ -433,6 +437,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     cfg = _read_config(path)
     tensors = _read_tensors(path)
     source = path / WEIGHTS_NAME if (path / WEIGHTS_NAME).is_file() else path / LEGACY_WEIGHTS_NAME
+    _refuse_peft_layers(model, "load_adapter", AdapterError)
     if cfg["peft_type"] == "VERA":
         return _load_vera(model, cfg, tensors, source)
     if vera_layers(model):
@@ -460,8 +465,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
                 raise AdapterError(f"{n} has init_lora_weights={m.init_lora_weights!r} but the adapter has "
                                    f"init_lora_weights={cfg['init_lora_weights']!r}: the base weights do not fit")
     else:
-        modules = [(n, m) for n, m in model.named_modules()
-                   if n and _matches(n, targets) and not (exclude and _matches(n, exclude))]
+        modules = _select(model, targets, exclude)  # "all-linear" expanded as PEFT does
         bad = [(n, type(m).__name__) for n, m in modules if not isinstance(m, nn.Linear)]
         if bad:
             raise AdapterError(f"adapter targets {bad[0][0]}, a {bad[0][1]}; only nn.Linear targets are supported")
@@ -562,9 +566,6 @@ def _read_vera_config(cfg_file: Path, cfg: dict) -> dict:
     if not _is_number(d_initial):
         raise AdapterError(f"invalid adapter config {cfg_file}: d_initial={d_initial!r} is not a number")
     targets = _check_patterns_field(cfg_file, "target_modules", cfg.get("target_modules"), required=True)
-    if isinstance(targets, str) and targets.lower() == "all-linear":
-        raise AdapterError(f"{cfg_file}: target_modules='all-linear' is PEFT's shorthand, which lora_lab does not "
-                           "expand; list the module names instead")
     bad = [f"{k}={v!r}" for k, v in cfg.items()
            if k not in _VERA_IMPLEMENTED | _VERA_NO_EFFECT and not _is_off(k, v)]
     if bad:
@@ -616,7 +617,7 @@ def _load_vera(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tensor], so
         raise AdapterError(f"{type(model).__name__} already carries adapter layers; a VeRA adapter loads into a "
                            "model without them")
     r, targets = cfg["r"], cfg["target_modules"]
-    modules = [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    modules = _select(model, targets)  # "all-linear" expanded as PEFT does
     bad = [(n, type(m).__name__) for n, m in modules if not isinstance(m, nn.Linear)]
     if bad:
         raise AdapterError(f"adapter targets {bad[0][0]}, a {bad[0][1]}; only nn.Linear targets are supported")

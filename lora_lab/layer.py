@@ -43,6 +43,8 @@ __all__ = [
     "count_parameters",
     "lora_layers",
     "find_target_linears",
+    "all_linear",
+    "peft_layers",
     "replace_module",
     "fill_lora_B",
     "SingleChild",
@@ -275,9 +277,60 @@ def _matches(name: str, targets: Sequence[str] | str) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+ALL_LINEAR = "all-linear"
+
+
+def _is_all_linear(targets) -> bool:
+    """PEFT's shorthand ``target_modules="all-linear"`` (any case)."""
+    return isinstance(targets, str) and targets.lower() == ALL_LINEAR
+
+
+def all_linear(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """What PEFT's ``target_modules="all-linear"`` selects: every ``nn.Linear`` except the output head (the
+    module ``model.get_output_embeddings()`` returns, e.g. ``lm_head``) and the linears inside adapter layers."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    internals = _lora_internals(model)
+    return [(n, m) for n, m in model.named_modules()
+            if n and isinstance(m, nn.Linear) and m is not head and n not in internals]
+
+
+def _select(model: nn.Module, targets, exclude=None) -> list[tuple[str, nn.Module]]:
+    """The modules PEFT would wrap for ``target_modules=targets, exclude_modules=exclude``, in model order."""
+    if _is_all_linear(targets):
+        candidates = all_linear(model)
+    else:
+        candidates = [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    return [(n, m) for n, m in candidates if not (exclude is not None and _matches(n, exclude))]
+
+
 def find_target_linears(model: nn.Module, targets: Sequence[str] | str) -> list[tuple[str, nn.Module]]:
-    """Modules whose names match ``targets`` (PEFT's matching rule), in model order."""
-    return [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    """Modules whose names match ``targets`` (PEFT's matching rule, ``"all-linear"`` included), in model order."""
+    return _select(model, targets)
+
+
+def peft_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The PEFT adapter layers (subclasses of peft's ``BaseTunerLayer``: ``lora.Linear``, ...) in ``model``;
+    found by class name, so that peft need not be imported."""
+    return [(n, m) for n, m in model.named_modules()
+            if any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.") for c in type(m).__mro__)]
+
+
+def _refuse_peft_layers(model: nn.Module, action: str, error: type[Exception] = ValueError) -> None:
+    """A clear error for lora_lab's layers on top of PEFT's: say what the model carries and how to get a base."""
+    found = peft_layers(model)
+    if found:
+        name, layer = found[0]
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        raise error(
+            f"{type(model).__name__} already carries PEFT adapter layers ({name} is a peft "
+            f"{type(layer).__module__.rsplit('.', 1)[-1]}.{type(layer).__name__}{more}); {action} works on a "
+            "model of plain nn.Linear layers. Take the base model back from PEFT first: "
+            "model = peft_model.merge_and_unload() (the PEFT adapter merged into the weights) or "
+            "model = peft_model.unload() (the adapter dropped); or save the PEFT adapter with "
+            "peft_model.save_pretrained(path) and load it into the plain base model with "
+            "lora_lab.load_adapter(base, path)"
+        )
 
 
 def fill_lora_B(model: nn.Module, std: float, generator: torch.Generator | None = None) -> int:
@@ -377,6 +430,15 @@ def _check_patterns(model: nn.Module, names: Sequence[str], patterns, what: str)
     linears = f"its linear layers are named: {', '.join(linear_names) or '(none)'}"
     if isinstance(patterns, str):
         if not any(_matches(n, patterns) for n in names):
+            ends = [n for n in names if _matches(n, (patterns,))]
+            if ends:  # a module name given as a string: PEFT reads it as a regex over the whole name, too
+                regex = ".*\\." + patterns
+                raise ValueError(
+                    f"{what}={patterns!r} is a string, which lora_lab (like PEFT's target_modules) reads as one "
+                    f"regular expression that must match a whole module name, such as {ends[0]!r}; it matches none. "
+                    f"To select every module whose name ends in {patterns!r}, pass a list: {what}=[{patterns!r}] "
+                    f"(or the regex {what}=r'{regex}')"
+                )
             raise ValueError(f"{what} {patterns!r} match no module of {type(model).__name__}; {linears}")
         return
     missing = [t for t in patterns if not any(_matches(n, (t,)) for n in names)]
@@ -445,16 +507,19 @@ def _matched_linears(model: nn.Module, targets, exclude, what: str):
     """(targets, exclude, [(name, nn.Linear)]) for PEFT-style ``targets``/``exclude``, after every check: each
     entry matches some module, no target already carries an adapter or lies inside one, every target is an
     ``nn.Linear`` (else a TypeError saying ``what`` only wraps linear layers), something is left to wrap."""
+    _refuse_peft_layers(model, what)
     targets = _as_patterns(targets, "targets")
     exclude = _as_patterns(exclude, "exclude", allow_none=True)
     names = [n for n, _ in model.named_modules() if n]
-    _check_patterns(model, names, targets, "targets")
+    if _is_all_linear(targets):
+        if not all_linear(model):
+            raise ValueError(f"targets={targets!r}: {type(model).__name__} has no nn.Linear outside its output head "
+                             "and its adapter layers")
+    else:
+        _check_patterns(model, names, targets, "targets")
     if exclude is not None:
         _check_patterns(model, names, exclude, "exclude")
-    matched = [
-        (n, m) for n, m in model.named_modules()
-        if n and _matches(n, targets) and not (exclude is not None and _matches(n, exclude))
-    ]
+    matched = _select(model, targets, exclude)
     already = [(n, m.kind) for n, m in matched if isinstance(m, AdapterLinear)]
     if already:
         raise ValueError(
@@ -485,7 +550,8 @@ def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets,
         "r": r,
         "alpha": alpha,
         "dropout": dropout,
-        "targets": targets if isinstance(targets, str) else list(targets),
+        # "all-linear": save_adapter writes the names it selected (PEFT's expansion depends on the model's class)
+        "targets": None if _is_all_linear(targets) else targets if isinstance(targets, str) else list(targets),
         "exclude": exclude if exclude is None or isinstance(exclude, str) else list(exclude),
     }
     old = getattr(model, "_lora_lab_config", None)
@@ -526,10 +592,13 @@ def add_lora(
 
     ``targets`` and ``exclude`` follow PEFT's ``target_modules``/``exclude_modules``: a list matches a
     module whose name equals an entry or ends with ``.entry``; a string is a regex matched against the
-    whole name. Each entry of a list must match some module (a typo is an error naming the nearest
-    module names). Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers
-    of the earlier calls as they are (still trainable); wrapping a module that already carries LoRA
-    is an error. All checks run before anything changes, so a failing call leaves the model as it was.
+    whole name (so ``"q_proj"`` matches no module of a transformers model: pass ``["q_proj"]``), and
+    ``"all-linear"`` selects every ``nn.Linear`` but the output head. Each entry of a list must match some
+    module (a typo is an error naming the nearest module names). A model with PEFT's layers is refused (take
+    its base back with ``merge_and_unload()``/``unload()``, or load its saved adapter with ``load_adapter``).
+    Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers of the earlier calls as they
+    are (still trainable); wrapping a module that already carries LoRA is an error. All checks run before anything
+    changes, so a failing call leaves the model as it was.
     Returns the model (modified in place).
     """
     _check_rank_alpha(r, alpha)

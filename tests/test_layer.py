@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -187,3 +188,74 @@ def test_merge_lora_refuses_a_non_float_compute_dtype_by_name(bad):
     with pytest.raises(ValueError, match=r"unsupported compute_dtype .*expected one of torch\.float32.*by name: fp32"):
         merge_lora(model, compute_dtype=bad)
     assert lora_lab.lora_layers(model)  # nothing merged
+
+
+# --- targets: a plain string, "all-linear"; a PEFT model -----------------------------------------------------------
+
+
+def test_a_module_name_given_as_a_string_explains_the_regex_rule():
+    """PEFT 0.21 reads target_modules="q_proj" as a regex over the whole name (it wraps nothing and raises): so do
+    we, with an error that says so and gives the list form, instead of "q_proj matches nothing ... q_proj"."""
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ValueError, match="not found in the base model"):
+        peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules="q_proj"))
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(ValueError, match=r"targets='q_proj' is a string, which .* reads as one regular expression "
+                                         r"that must match a whole module name, such as 'model\.layers\.0\.self_attn"
+                                         r"\.q_proj'.*pass a list: targets=\['q_proj'\]"):
+        add_lora(model, targets="q_proj")
+    assert not lora_lab.lora_layers(model)
+    add_lora(model, targets=r".*\.q_proj")  # the regex the message suggests works
+    assert [n for n, _ in lora_lab.lora_layers(model)] == [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+
+
+def test_all_linear_selects_what_peft_selects():
+    peft = pytest.importorskip("peft")
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets="all-linear")
+    theirs = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules="all-linear"))
+    names = [n for n, _ in lora_lab.lora_layers(ours)]
+    assert sorted(names) == sorted(lora_lab.adapters.peft_lora_pairs(theirs))
+    assert len(names) == 14 and "lm_head" not in names  # 7 linears x 2 layers; the output head is left alone
+    assert [n for n, _ in lora_lab.find_target_linears(lora_lab.load_model("random:tiny-qwen2"), "ALL-LINEAR")] == names
+    excluded = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets="all-linear", exclude=["down_proj"])
+    assert len(lora_lab.lora_layers(excluded)) == 12
+
+
+def test_all_linear_adapter_saves_and_loads_both_ways(tmp_path):
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets="all-linear")
+    lora_lab.fill_lora_B(ours, 0.02, generator=torch.Generator().manual_seed(1))
+    lora_lab.save_adapter(ours, tmp_path / "ours")
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path / "ours"))
+    pm = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules="all-linear"))
+    lora_lab.fill_lora_B(pm, 0.02, generator=torch.Generator().manual_seed(2))
+    pm.save_pretrained(str(tmp_path / "peft"))
+    # PEFT writes the names it expanded "all-linear" to; an adapter_config.json that says "all-linear" (written by
+    # hand, or by another tool) is expanded again on load, by PEFT and by load_adapter alike
+    cfg_file = tmp_path / "peft" / "adapter_config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "target_modules": "all-linear"}))
+    loaded = lora_lab.load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path / "peft")
+    reloaded = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path / "peft"))
+    assert len(lora_lab.lora_layers(loaded)) == 14
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+        assert torch.equal(pm(ids).logits, loaded(ids).logits)
+        assert torch.equal(reloaded(ids).logits, loaded(ids).logits)
+
+
+def test_add_lora_on_a_peft_model_says_what_to_do(tmp_path):
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules=["q_proj"]))
+    want = (r"PeftModel already carries PEFT adapter layers \(base_model\.model\.model\.layers\.0\.self_attn\.q_proj "
+            r"is a peft layer\.Linear and \d+ more\); {}.*merge_and_unload\(\).*unload\(\).*lora_lab\.load_adapter")
+    with pytest.raises(ValueError, match=want.format("LoRALinear")):
+        add_lora(pm, targets=["q_proj"])
+    with pytest.raises(ValueError, match=want.format("VeRALinear")):
+        lora_lab.add_vera(pm, targets=["v_proj"])
+    save = tmp_path / "a"
+    lora_lab.save_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2")), save)
+    with pytest.raises(lora_lab.AdapterError, match=want.format("load_adapter")):
+        lora_lab.load_adapter(pm, save)
+    assert not lora_lab.lora_layers(pm)
+    add_lora(pm.merge_and_unload(), targets=["q_proj"])  # the way out the message gives

@@ -193,3 +193,35 @@ def test_random_fill_of_a_meta_build_gives_each_kind_its_values_and_is_seeded():
         with MetaInit(record=False) as meta:
             layer = nn.Linear(2, 2)
         meta.plan(layer)
+
+
+def test_the_distributed_modules_import_each_other_without_a_circle():
+    """adapters -> training -> sharding -> adapters was a circle (closed by an import inside shard_model); every
+    import between lora_lab.distributed's modules, at module level or inside a function, now runs one way."""
+    import ast
+    from pathlib import Path
+
+    import lora_lab.distributed
+
+    package = Path(lora_lab.distributed.__file__).parent
+    graph = {}
+    for path in package.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lora_lab.distributed."):
+                imported.add(node.module.rsplit(".", 1)[-1])
+        graph[path.stem] = imported
+
+    def circle_from(start, path=()):
+        if start in path:
+            return path[path.index(start):] + (start,)
+        for nxt in sorted(graph.get(start, ())):
+            found = circle_from(nxt, path + (start,))
+            if found:
+                return found
+        return None
+
+    circles = [c for c in (circle_from(m) for m in sorted(graph)) if c]
+    assert not circles, " -> ".join(circles[0])

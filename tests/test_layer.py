@@ -259,3 +259,25 @@ def test_add_lora_on_a_peft_model_says_what_to_do(tmp_path):
         lora_lab.load_adapter(pm, save)
     assert not lora_lab.lora_layers(pm)
     add_lora(pm.merge_and_unload(), targets=["q_proj"])  # the way out the message gives
+
+
+# --- the library's top level ----------------------------------------------------------------------------------------
+
+LAB_HARNESS = ("start_run", "record", "finish_run", "output_dir", "resolve_profile", "environment_report",
+               "show_verdicts")
+
+
+def test_the_top_level_holds_the_library_not_the_lab_harness():
+    """The notebook harness lives in lora_lab.lab (``from lora_lab import lab``); ``import lora_lab`` neither
+    exports it nor imports the lab at all."""
+    import subprocess
+    import sys
+
+    from lora_lab import lab
+
+    assert not [n for n in LAB_HARNESS if n in lora_lab.__all__ or hasattr(lora_lab, n)]
+    assert all(callable(getattr(lab, n)) for n in LAB_HARNESS) and set(LAB_HARNESS) <= set(lab.__all__)
+    script = "import sys, lora_lab; print(sorted(m for m in sys.modules if m.startswith('lora_lab.lab')))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]"

@@ -225,3 +225,16 @@ def test_the_distributed_modules_import_each_other_without_a_circle():
 
     circles = [c for c in (circle_from(m) for m in sorted(graph)) if c]
     assert not circles, " -> ".join(circles[0])
+
+
+def test_load_sharded_adapter_restores_lora_fa(tmp_path):
+    """One process, no process group: the loader's LoRA-FA step (A frozen, as save_adapter recorded it)."""
+    import lora_lab
+
+    saved = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2"), r=2, alpha=4, lora_fa=True)
+    lora_lab.save_adapter(saved, tmp_path)
+    model = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2"), r=2, alpha=4)
+    assert all(layer.lora_A.requires_grad for _, layer in lora_lab.lora_layers(model))
+    load_sharded_adapter(model, tmp_path)
+    assert all(not layer.lora_A.requires_grad and layer.lora_B.requires_grad and layer.lora_fa
+               for _, layer in lora_lab.lora_layers(model))

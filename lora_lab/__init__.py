@@ -6,6 +6,8 @@ The three layers of the package, a folder each:
 * the library — this package's top level, :mod:`lora_lab.memory` and :mod:`lora_lab.kernels` (Triton; imported
   on demand, so ``import lora_lab`` does not import Triton);
 * :mod:`lora_lab.lab` — predictions, the notebook runner, recording, grading, verification, publishing, the CLI;
+  a notebook's harness (``start_run``, ``record``, ``finish_run``, ``show_verdicts``, ...) is imported from there
+  (``from lora_lab import lab``), not from this top level, which holds the library only;
 * :mod:`lora_lab.experiments` — code that one notebook uses, a module named after its notebook.
 """
 from lora_lab.adapters import (
@@ -18,8 +20,6 @@ from lora_lab.adapters import (
     save_adapter,
 )
 from lora_lab.determinism import deterministic, seed_everything
-from lora_lab.lab.recording import environment_report, finish_run, output_dir, record, resolve_profile, start_run
-from lora_lab.lab.verdicts import show_verdicts
 from lora_lab.layer import (
     LoRALinear,
     ParameterCount,
@@ -55,7 +55,6 @@ __version__ = "0.1.0"
 __all__ = [
     "train_steps",
     "text_batch",
-    "show_verdicts",
     "peft_lora_model",
     "model_logits",
     "copy_adapters_to_peft",
@@ -78,11 +77,9 @@ __all__ = [
     "cosine",
     "count_parameters",
     "deterministic",
-    "environment_report",
     "error_stats",
     "fill_lora_B",
     "find_target_linears",
-    "finish_run",
     "load_adapter",
     "load_model",
     "load_tokenizer",
@@ -92,14 +89,10 @@ __all__ = [
     "max_abs_diff",
     "merge_lora",
     "model_config",
-    "output_dir",
     "random_model_names",
-    "record",
     "rel_l2",
     "remove_lora",
     "replace_module",
-    "resolve_profile",
     "save_adapter",
     "seed_everything",
-    "start_run",
 ]

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_lab.dtypes import as_float_dtype
+
 __all__ = [
     "AdapterLinear",
     "LoRALinear",
@@ -41,6 +43,8 @@ __all__ = [
     "count_parameters",
     "lora_layers",
     "find_target_linears",
+    "all_linear",
+    "peft_layers",
     "replace_module",
     "fill_lora_B",
     "SingleChild",
@@ -53,8 +57,9 @@ def _check_flags(**flags) -> None:
             raise TypeError(f"{name} must be True or False, got {name}={value!r}")
 
 
-# what LoRALinear can start from: PEFT's default (A Kaiming-uniform, B zero) or PiSSA
-INITS = (True, "pissa")
+# what LoRALinear can start from, in PEFT 0.21's meanings: True (A Kaiming-uniform, B zero), False (A and B both
+# nn.Linear's default init: the layer does not start as the base layer), "gaussian" (A ~ N(0, 1/r^2), B zero), PiSSA
+INITS = (True, False, "gaussian", "pissa")
 
 
 def _check_init(init) -> None:
@@ -115,6 +120,7 @@ class LoRALinear(AdapterLinear):
         # rsLoRA (Kalajdzievski 2023): alpha / sqrt(r) keeps the update's scale stable as r grows.
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
         self.dropout_p = float(dropout)
+        self.lora_fa = False  # LoRA-FA: A frozen at its initialisation (set by add_lora/load_adapter, saved with it)
         self.in_features = base.in_features
         self.out_features = base.out_features
         w = base.weight
@@ -122,8 +128,16 @@ class LoRALinear(AdapterLinear):
         self.lora_B = nn.Parameter(torch.empty(base.out_features, r, device=w.device, dtype=w.dtype))
         # PEFT's default init of A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
-        # B = 0 through nn.init, not torch.zeros: a write that lora_lab.distributed.MetaInit can see and replay
-        nn.init.zeros_(self.lora_B)
+        if init_lora_weights is False:
+            # PEFT's init_lora_weights=False leaves both factors at nn.Linear's default init (drawn in this order,
+            # A then B): B ~ U(-1/sqrt(r), 1/sqrt(r)), so the fresh layer already changes the output.
+            nn.init.kaiming_uniform_(self.lora_B, a=math.sqrt(5))
+        else:
+            if init_lora_weights == "gaussian":
+                # PEFT's "gaussian": A ~ N(0, std = 1/r) in place of the Kaiming draw
+                nn.init.normal_(self.lora_A, std=1 / r)
+            # B = 0 through nn.init, not torch.zeros: a write that lora_lab.distributed.MetaInit can see and replay
+            nn.init.zeros_(self.lora_B)
         for p in self.base.parameters():
             p.requires_grad_(False)
         if init_lora_weights == "pissa":
@@ -149,6 +163,12 @@ class LoRALinear(AdapterLinear):
         self.lora_B.copy_(b)
         # (s * B) @ A: PEFT's order of operations, so that its reload rebuilds the same residual bits
         w.data = (w.to(torch.float32) - self.scaling * b @ a).to(w.dtype)
+
+    def freeze_A(self) -> None:
+        """LoRA-FA (Zhang et al. 2023): A stays at its current value, only B (and a DoRA magnitude) train.
+        Recorded as ``lora_fa`` so that ``save_adapter`` writes it and ``load_adapter`` restores it."""
+        self.lora_A.requires_grad_(False)
+        self.lora_fa = True
 
     def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
         """The low-rank branch without scaling: (dropout(x) @ A^T) @ B^T."""
@@ -214,12 +234,13 @@ class LoRALinear(AdapterLinear):
         return (self.magnitude.to(compute_dtype) / torch.linalg.norm(v, dim=1)).view(-1, 1) * v
 
     @torch.no_grad()
-    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:
+    def merge(self, compute_dtype: torch.dtype | str = torch.float32) -> nn.Linear:
         """Return a plain ``nn.Linear`` with the merged weight (:meth:`merged_weight`; LoRA: ``W + s B A``).
 
-        The weight is formed in ``compute_dtype`` (fp32 by default) and rounded once to W's dtype.
-        Raises if the merged weight is not finite (nothing is modified then).
+        The weight is formed in ``compute_dtype`` (fp32 by default; a dtype or a name such as "bf16") and rounded
+        once to W's dtype. Raises if the merged weight is not finite (nothing is modified then).
         """
+        compute_dtype = as_float_dtype(compute_dtype, "compute_dtype")
         w = self.base.weight
         merged_w = self.merged_weight(compute_dtype).to(w.dtype)
         if not torch.isfinite(merged_w).all():
@@ -239,9 +260,9 @@ class LoRALinear(AdapterLinear):
         return out
 
     def extra_repr(self) -> str:
-        variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora") if getattr(self, n))
-        if self.init_lora_weights == "pissa":
-            variants += ", init_lora_weights='pissa'"
+        variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora", "lora_fa") if getattr(self, n))
+        if self.init_lora_weights is not True:
+            variants += f", init_lora_weights={self.init_lora_weights!r}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, r={self.r}, "
             f"alpha={self.alpha}, scaling={self.scaling:g}, dropout={self.dropout_p}{variants}"
@@ -256,9 +277,60 @@ def _matches(name: str, targets: Sequence[str] | str) -> bool:
     return any(name == t or name.endswith("." + t) for t in targets)
 
 
+ALL_LINEAR = "all-linear"
+
+
+def _is_all_linear(targets) -> bool:
+    """PEFT's shorthand ``target_modules="all-linear"`` (any case)."""
+    return isinstance(targets, str) and targets.lower() == ALL_LINEAR
+
+
+def all_linear(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """What PEFT's ``target_modules="all-linear"`` selects: every ``nn.Linear`` except the output head (the
+    module ``model.get_output_embeddings()`` returns, e.g. ``lm_head``) and the linears inside adapter layers."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    internals = _lora_internals(model)
+    return [(n, m) for n, m in model.named_modules()
+            if n and isinstance(m, nn.Linear) and m is not head and n not in internals]
+
+
+def _select(model: nn.Module, targets, exclude=None) -> list[tuple[str, nn.Module]]:
+    """The modules PEFT would wrap for ``target_modules=targets, exclude_modules=exclude``, in model order."""
+    if _is_all_linear(targets):
+        candidates = all_linear(model)
+    else:
+        candidates = [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    return [(n, m) for n, m in candidates if not (exclude is not None and _matches(n, exclude))]
+
+
 def find_target_linears(model: nn.Module, targets: Sequence[str] | str) -> list[tuple[str, nn.Module]]:
-    """Modules whose names match ``targets`` (PEFT's matching rule), in model order."""
-    return [(n, m) for n, m in model.named_modules() if n and _matches(n, targets)]
+    """Modules whose names match ``targets`` (PEFT's matching rule, ``"all-linear"`` included), in model order."""
+    return _select(model, targets)
+
+
+def peft_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The PEFT adapter layers (subclasses of peft's ``BaseTunerLayer``: ``lora.Linear``, ...) in ``model``;
+    found by class name, so that peft need not be imported."""
+    return [(n, m) for n, m in model.named_modules()
+            if any(c.__name__ == "BaseTunerLayer" and c.__module__.startswith("peft.") for c in type(m).__mro__)]
+
+
+def _refuse_peft_layers(model: nn.Module, action: str, error: type[Exception] = ValueError) -> None:
+    """A clear error for lora_lab's layers on top of PEFT's: say what the model carries and how to get a base."""
+    found = peft_layers(model)
+    if found:
+        name, layer = found[0]
+        more = f" and {len(found) - 1} more" if len(found) > 1 else ""
+        raise error(
+            f"{type(model).__name__} already carries PEFT adapter layers ({name} is a peft "
+            f"{type(layer).__module__.rsplit('.', 1)[-1]}.{type(layer).__name__}{more}); {action} works on a "
+            "model of plain nn.Linear layers. Take the base model back from PEFT first: "
+            "model = peft_model.merge_and_unload() (the PEFT adapter merged into the weights) or "
+            "model = peft_model.unload() (the adapter dropped); or save the PEFT adapter with "
+            "peft_model.save_pretrained(path) and load it into the plain base model with "
+            "lora_lab.load_adapter(base, path)"
+        )
 
 
 def fill_lora_B(model: nn.Module, std: float, generator: torch.Generator | None = None) -> int:
@@ -358,6 +430,15 @@ def _check_patterns(model: nn.Module, names: Sequence[str], patterns, what: str)
     linears = f"its linear layers are named: {', '.join(linear_names) or '(none)'}"
     if isinstance(patterns, str):
         if not any(_matches(n, patterns) for n in names):
+            ends = [n for n in names if _matches(n, (patterns,))]
+            if ends:  # a module name given as a string: PEFT reads it as a regex over the whole name, too
+                regex = ".*\\." + patterns
+                raise ValueError(
+                    f"{what}={patterns!r} is a string, which lora_lab (like PEFT's target_modules) reads as one "
+                    f"regular expression that must match a whole module name, such as {ends[0]!r}; it matches none. "
+                    f"To select every module whose name ends in {patterns!r}, pass a list: {what}=[{patterns!r}] "
+                    f"(or the regex {what}=r'{regex}')"
+                )
             raise ValueError(f"{what} {patterns!r} match no module of {type(model).__name__}; {linears}")
         return
     missing = [t for t in patterns if not any(_matches(n, (t,)) for n in names)]
@@ -407,7 +488,7 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     _install(model, wrapped)
     if lora_fa:
         for _, layer in wrapped:
-            layer.lora_A.requires_grad_(False)
+            layer.freeze_A()
 
 
 def _install(model: nn.Module, wrapped: list[tuple[str, AdapterLinear]]) -> None:
@@ -426,16 +507,19 @@ def _matched_linears(model: nn.Module, targets, exclude, what: str):
     """(targets, exclude, [(name, nn.Linear)]) for PEFT-style ``targets``/``exclude``, after every check: each
     entry matches some module, no target already carries an adapter or lies inside one, every target is an
     ``nn.Linear`` (else a TypeError saying ``what`` only wraps linear layers), something is left to wrap."""
+    _refuse_peft_layers(model, what)
     targets = _as_patterns(targets, "targets")
     exclude = _as_patterns(exclude, "exclude", allow_none=True)
     names = [n for n, _ in model.named_modules() if n]
-    _check_patterns(model, names, targets, "targets")
+    if _is_all_linear(targets):
+        if not all_linear(model):
+            raise ValueError(f"targets={targets!r}: {type(model).__name__} has no nn.Linear outside its output head "
+                             "and its adapter layers")
+    else:
+        _check_patterns(model, names, targets, "targets")
     if exclude is not None:
         _check_patterns(model, names, exclude, "exclude")
-    matched = [
-        (n, m) for n, m in model.named_modules()
-        if n and _matches(n, targets) and not (exclude is not None and _matches(n, exclude))
-    ]
+    matched = _select(model, targets, exclude)
     already = [(n, m.kind) for n, m in matched if isinstance(m, AdapterLinear)]
     if already:
         raise ValueError(
@@ -466,7 +550,8 @@ def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets,
         "r": r,
         "alpha": alpha,
         "dropout": dropout,
-        "targets": targets if isinstance(targets, str) else list(targets),
+        # "all-linear": save_adapter writes the names it selected (PEFT's expansion depends on the model's class)
+        "targets": None if _is_all_linear(targets) else targets if isinstance(targets, str) else list(targets),
         "exclude": exclude if exclude is None or isinstance(exclude, str) else list(exclude),
     }
     old = getattr(model, "_lora_lab_config", None)
@@ -500,14 +585,20 @@ def add_lora(
     freezes A at its initialisation so only B (and a DoRA magnitude) train (LoRA-FA's frozen A; PEFT's
     ``create_lorafa_optimizer`` also reshapes B's gradient, which this does not); ``init_lora_weights="pissa"``
     starts each layer from its weight's principal singular vectors and turns its base weight into the residual
-    (PEFT's ``init_lora_weights="pissa"``; it changes the model's base weights in place).
+    (PEFT's ``init_lora_weights="pissa"``; it changes the model's base weights in place). The other starts, as in
+    PEFT: ``init_lora_weights=True`` (default) A Kaiming-uniform and B = 0, so the model computes what it did;
+    ``"gaussian"`` A ~ N(0, 1/r^2) and B = 0; ``False`` A and B both drawn as nn.Linear's default weights (B not
+    zero: the model's output changes at once; PEFT's setting for tests).
 
     ``targets`` and ``exclude`` follow PEFT's ``target_modules``/``exclude_modules``: a list matches a
     module whose name equals an entry or ends with ``.entry``; a string is a regex matched against the
-    whole name. Each entry of a list must match some module (a typo is an error naming the nearest
-    module names). Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers
-    of the earlier calls as they are (still trainable); wrapping a module that already carries LoRA
-    is an error. All checks run before anything changes, so a failing call leaves the model as it was.
+    whole name (so ``"q_proj"`` matches no module of a transformers model: pass ``["q_proj"]``), and
+    ``"all-linear"`` selects every ``nn.Linear`` but the output head. Each entry of a list must match some
+    module (a typo is an error naming the nearest module names). A model with PEFT's layers is refused (take
+    its base back with ``merge_and_unload()``/``unload()``, or load its saved adapter with ``load_adapter``).
+    Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers of the earlier calls as they
+    are (still trainable); wrapping a module that already carries LoRA is an error. All checks run before anything
+    changes, so a failing call leaves the model as it was.
     Returns the model (modified in place).
     """
     _check_rank_alpha(r, alpha)
@@ -528,9 +619,13 @@ def add_lora(
     return model
 
 
-def merge_lora(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
+def merge_lora(model: nn.Module, compute_dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """Replace every LoRALinear with its merged nn.Linear (``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``),
-    and every VeRALinear with its own merge. In place; returns model."""
+    and every VeRALinear with its own merge. In place; returns model.
+
+    ``compute_dtype``: the dtype the merged weight is formed in before its one rounding to W's dtype; a
+    ``torch.dtype`` or a name as :func:`lora_lab.load_model` takes them ("fp32", "bf16", "float16", ...)."""
+    compute_dtype = as_float_dtype(compute_dtype, "compute_dtype")
     layers = adapter_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} carries no LoRA layer: nothing to merge")

@@ -7,6 +7,7 @@ exactly the rounding of the fp32 one). Any other spec is handed to ``from_pretra
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from lora_lab.dtypes import FLOAT_DTYPES, as_float_dtype
 
 __all__ = [
     "ModelNotFoundError",
@@ -64,22 +67,13 @@ def model_config(name: str):
     return AutoConfig.for_model(model_type, **data)
 
 
-_DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-                "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SUPPORTED_DTYPES = FLOAT_DTYPES
 
 
 def _as_dtype(dtype) -> torch.dtype:
     """A dtype the model's layers compute in; anything else (int, bool, float8, complex, ...) is refused here,
     before a model is built, rather than by a cast or a matmul later."""
-    if isinstance(dtype, str) and dtype in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype]
-    if isinstance(dtype, torch.dtype) and dtype in SUPPORTED_DTYPES:
-        return dtype
-    raise ValueError(
-        f"unsupported dtype {dtype!r}; load_model builds models in "
-        + ", ".join(str(d) for d in SUPPORTED_DTYPES) + f" (or by name: {', '.join(_DTYPE_NAMES)})"
-    )
+    return as_float_dtype(dtype, "dtype")
 
 
 def _as_device(device) -> torch.device:
@@ -137,6 +131,21 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     return bool(result and result[0])
 
 
+@contextlib.contextmanager
+def _hub_offline():
+    """huggingface_hub in offline mode for the duration (its ``HF_HUB_OFFLINE``, read once at import, set and then
+    restored). ``local_files_only`` alone is not enough: building the headers of a request that is never sent still
+    fetches huggingface_hub's agent registry from the hub (a 3 s timeout when the network is down)."""
+    from huggingface_hub import constants
+
+    before = constants.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE = before
+
+
 def load_model(
     spec: str,
     dtype: torch.dtype | str = torch.float32,
@@ -177,10 +186,12 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **kwargs)
         return model.to(device).eval()
     # The local cache first, with no network at all: local_files_only alone still lets transformers ask the
-    # hub for an adapter_config.json (with huggingface_hub's retries, ~25 s offline); adapter_kwargs stops that.
+    # hub for an adapter_config.json (with huggingface_hub's retries, ~25 s offline); adapter_kwargs stops that,
+    # and _hub_offline() the user-agent lookup that huggingface_hub makes when it builds any request's headers.
     offline = {"local_files_only": True, "adapter_kwargs": {"local_files_only": True}}
     try:
-        model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **offline, **kwargs)
+        with _hub_offline():
+            model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **offline, **kwargs)
         return model.to(device).eval()
     except OSError:
         pass
@@ -254,7 +265,8 @@ def load_tokenizer(spec: str):
             if path.exists():
                 tok = AutoTokenizer.from_pretrained(str(path))
             else:
-                tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+                with _hub_offline():
+                    tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
         except (OSError, ValueError, TypeError):
             tok = None
     # transformers can build an empty tokenizer from a config alone; that is no tokenizer at all

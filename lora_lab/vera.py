@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_lab.dtypes import as_float_dtype
 from lora_lab.layer import AdapterLinear, _install, _matched_linears
 
 __all__ = ["VeRALinear", "add_vera", "vera_layers", "vera_projections"]
@@ -77,8 +78,10 @@ class VeRALinear(AdapterLinear):
         return result + self.lambda_b * F.linear(self.lambda_d * F.linear(x, a), b)
 
     @torch.no_grad()
-    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:
-        """A plain ``nn.Linear`` with W' = W + (lambda_b * B_s) (lambda_d * A_s), formed in ``compute_dtype``."""
+    def merge(self, compute_dtype: torch.dtype | str = torch.float32) -> nn.Linear:
+        """A plain ``nn.Linear`` with W' = W + (lambda_b * B_s) (lambda_d * A_s), formed in ``compute_dtype`` (a dtype
+        or a name such as "fp32")."""
+        compute_dtype = as_float_dtype(compute_dtype, "compute_dtype")
         w = self.base.weight
         a = self.vera_A[:, : self.in_features].to(compute_dtype)
         b = self.vera_B[: self.out_features, :].to(compute_dtype)

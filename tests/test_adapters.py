@@ -450,3 +450,70 @@ def test_copy_adapters_to_peft_carries_dora_and_checks_the_scale():
             r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **kwargs))
         with pytest.raises(ValueError, match=re.escape(problem)):
             lora_lab.copy_adapters_to_peft(ours, other)
+
+
+# --- LoRA-FA survives a save and a load; non-finite tensors are refused -------------------------------------------
+
+
+def test_lora_fa_frozen_A_survives_save_and_load_and_peft_still_loads_it(tmp_path):
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8, lora_fa=True)
+    _randomize_b(ours)
+    save_adapter(ours, tmp_path)
+    assert json.loads((tmp_path / "adapter_config.json").read_text())["lora_lab_lora_fa"] is True
+    loaded = load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
+    layers = lora_lab.lora_layers(loaded)
+    assert layers and all(not layer.lora_A.requires_grad and layer.lora_B.requires_grad for _, layer in layers)
+    assert all(layer.lora_fa for _, layer in layers)
+    # into a model that already carries (trainable-A) LoRA too
+    existing = load_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8), tmp_path)
+    assert not any(layer.lora_A.requires_grad for _, layer in lora_lab.lora_layers(existing))
+    # PEFT drops the key it does not know (with a warning) and builds the same model
+    with pytest.warns(UserWarning, match="lora_lab_lora_fa"):
+        theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(ours(_ids()).logits, theirs(_ids()).logits)
+
+
+def test_lora_fa_on_some_layers_is_saved_by_name(tmp_path):
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets=["q_proj"], lora_fa=True)
+    add_lora(model, targets=["v_proj"])
+    save_adapter(model, tmp_path)
+    frozen = json.loads((tmp_path / "adapter_config.json").read_text())["lora_lab_lora_fa"]
+    assert sorted(frozen) == [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+    loaded = load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
+    assert {n: layer.lora_A.requires_grad for n, layer in lora_lab.lora_layers(loaded)} == {
+        n: not n.endswith("q_proj") for n, _ in lora_lab.lora_layers(model)}
+    plain = tmp_path / "plain"
+    save_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2")), plain)
+    assert "lora_lab_lora_fa" not in json.loads((plain / "adapter_config.json").read_text())  # PEFT: no warning
+
+
+@pytest.mark.parametrize("value", ["yes", 1, [1]])
+def test_invalid_lora_fa_key_is_named(tmp_path, value):
+    save_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2")), tmp_path)
+    _edit_config(tmp_path, lora_lab_lora_fa=value)
+    with pytest.raises(AdapterError, match=r"lora_lab_lora_fa=.*expected true, false or a list of module names"):
+        load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_non_finite_adapter_tensor_is_refused_by_name(tmp_path, bad, legacy):
+    from safetensors.torch import load_file
+
+    save_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2")), tmp_path)
+    weights = tmp_path / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    tensors[key][3, 1] = bad
+    if legacy:
+        weights.unlink()
+        torch.save(tensors, tmp_path / "adapter_model.bin")
+    else:
+        from safetensors.torch import save_file
+
+        save_file(tensors, str(weights))
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(AdapterError, match=re.escape(key) + r".* holds non-finite values"):
+        load_adapter(model, tmp_path)
+    assert not lora_lab.lora_layers(model)

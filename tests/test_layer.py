@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -164,3 +165,119 @@ def test_an_invalid_regex_target_is_named():
     with pytest.raises(ValueError, match=r"targets '\.\*\(q_proj' is not a valid regular expression"):
         add_lora(model, targets=".*(q_proj")
     assert not lora_lab.lora_layers(model)
+
+
+@pytest.mark.parametrize("name, dtype", [("fp32", torch.float32), ("float32", torch.float32), ("bf16", torch.bfloat16),
+                                         ("bfloat16", torch.bfloat16), ("fp16", torch.float16),
+                                         ("float64", torch.float64)])
+def test_merge_lora_takes_the_dtype_names_load_model_takes(name, dtype):
+    """merge_lora(compute_dtype="fp32") used to fail with torch's "Invalid device string: 'fp32'"."""
+    def merged(compute_dtype):
+        torch.manual_seed(0)
+        model = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8)
+        lora_lab.fill_lora_B(model, 0.05, generator=torch.Generator().manual_seed(1))
+        return merge_lora(model, compute_dtype=compute_dtype).model.layers[0].self_attn.q_proj.weight
+
+    assert torch.equal(merged(name), merged(dtype))
+    assert lora_lab.load_model("random:tiny-qwen2", dtype=name).dtype == dtype  # the same spellings
+
+
+@pytest.mark.parametrize("bad", ["cpu", "fp8", "int8", torch.int8, 32])
+def test_merge_lora_refuses_a_non_float_compute_dtype_by_name(bad):
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8)
+    with pytest.raises(ValueError, match=r"unsupported compute_dtype .*expected one of torch\.float32.*by name: fp32"):
+        merge_lora(model, compute_dtype=bad)
+    assert lora_lab.lora_layers(model)  # nothing merged
+
+
+# --- targets: a plain string, "all-linear"; a PEFT model -----------------------------------------------------------
+
+
+def test_a_module_name_given_as_a_string_explains_the_regex_rule():
+    """PEFT 0.21 reads target_modules="q_proj" as a regex over the whole name (it wraps nothing and raises): so do
+    we, with an error that says so and gives the list form, instead of "q_proj matches nothing ... q_proj"."""
+    peft = pytest.importorskip("peft")
+    with pytest.raises(ValueError, match="not found in the base model"):
+        peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules="q_proj"))
+    model = lora_lab.load_model("random:tiny-qwen2")
+    with pytest.raises(ValueError, match=r"targets='q_proj' is a string, which .* reads as one regular expression "
+                                         r"that must match a whole module name, such as 'model\.layers\.0\.self_attn"
+                                         r"\.q_proj'.*pass a list: targets=\['q_proj'\]"):
+        add_lora(model, targets="q_proj")
+    assert not lora_lab.lora_layers(model)
+    add_lora(model, targets=r".*\.q_proj")  # the regex the message suggests works
+    assert [n for n, _ in lora_lab.lora_layers(model)] == [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+
+
+def test_all_linear_selects_what_peft_selects():
+    peft = pytest.importorskip("peft")
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets="all-linear")
+    theirs = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules="all-linear"))
+    names = [n for n, _ in lora_lab.lora_layers(ours)]
+    assert sorted(names) == sorted(lora_lab.adapters.peft_lora_pairs(theirs))
+    assert len(names) == 14 and "lm_head" not in names  # 7 linears x 2 layers; the output head is left alone
+    assert [n for n, _ in lora_lab.find_target_linears(lora_lab.load_model("random:tiny-qwen2"), "ALL-LINEAR")] == names
+    excluded = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets="all-linear", exclude=["down_proj"])
+    assert len(lora_lab.lora_layers(excluded)) == 12
+
+
+def test_all_linear_adapter_saves_and_loads_both_ways(tmp_path):
+    peft = pytest.importorskip("peft")
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets="all-linear")
+    lora_lab.fill_lora_B(ours, 0.02, generator=torch.Generator().manual_seed(1))
+    lora_lab.save_adapter(ours, tmp_path / "ours")
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path / "ours"))
+    pm = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules="all-linear"))
+    lora_lab.fill_lora_B(pm, 0.02, generator=torch.Generator().manual_seed(2))
+    pm.save_pretrained(str(tmp_path / "peft"))
+    # PEFT writes the names it expanded "all-linear" to; an adapter_config.json that says "all-linear" (written by
+    # hand, or by another tool) is expanded again on load, by PEFT and by load_adapter alike
+    cfg_file = tmp_path / "peft" / "adapter_config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), "target_modules": "all-linear"}))
+    loaded = lora_lab.load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path / "peft")
+    reloaded = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path / "peft"))
+    assert len(lora_lab.lora_layers(loaded)) == 14
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+        assert torch.equal(pm(ids).logits, loaded(ids).logits)
+        assert torch.equal(reloaded(ids).logits, loaded(ids).logits)
+
+
+def test_add_lora_on_a_peft_model_says_what_to_do(tmp_path):
+    peft = pytest.importorskip("peft")
+    pm = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(target_modules=["q_proj"]))
+    want = (r"PeftModel already carries PEFT adapter layers \(base_model\.model\.model\.layers\.0\.self_attn\.q_proj "
+            r"is a peft layer\.Linear and \d+ more\); {}.*merge_and_unload\(\).*unload\(\).*lora_lab\.load_adapter")
+    with pytest.raises(ValueError, match=want.format("LoRALinear")):
+        add_lora(pm, targets=["q_proj"])
+    with pytest.raises(ValueError, match=want.format("VeRALinear")):
+        lora_lab.add_vera(pm, targets=["v_proj"])
+    save = tmp_path / "a"
+    lora_lab.save_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2")), save)
+    with pytest.raises(lora_lab.AdapterError, match=want.format("load_adapter")):
+        lora_lab.load_adapter(pm, save)
+    assert not lora_lab.lora_layers(pm)
+    add_lora(pm.merge_and_unload(), targets=["q_proj"])  # the way out the message gives
+
+
+# --- the library's top level ----------------------------------------------------------------------------------------
+
+LAB_HARNESS = ("start_run", "record", "finish_run", "output_dir", "resolve_profile", "environment_report",
+               "show_verdicts")
+
+
+def test_the_top_level_holds_the_library_not_the_lab_harness():
+    """The notebook harness lives in lora_lab.lab (``from lora_lab import lab``); ``import lora_lab`` neither
+    exports it nor imports the lab at all."""
+    import subprocess
+    import sys
+
+    from lora_lab import lab
+
+    assert not [n for n in LAB_HARNESS if n in lora_lab.__all__ or hasattr(lora_lab, n)]
+    assert all(callable(getattr(lab, n)) for n in LAB_HARNESS) and set(LAB_HARNESS) <= set(lab.__all__)
+    script = "import sys, lora_lab; print(sorted(m for m in sys.modules if m.startswith('lora_lab.lab')))"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[]"

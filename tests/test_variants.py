@@ -231,7 +231,8 @@ def test_pissa_model_merges_and_refuses_remove_lora():
 
 @pytest.mark.parametrize("kwargs, error, problem", [
     ({"init_lora_weights": "olora"}, ValueError, r"init_lora_weights='olora' is not supported"),
-    ({"init_lora_weights": False}, ValueError, r"init_lora_weights=False is not supported"),
+    ({"init_lora_weights": "Gauss"}, ValueError, r"init_lora_weights='Gauss' is not supported"),
+    ({"init_lora_weights": 0}, ValueError, r"init_lora_weights=0 is not supported"),
     ({"init_lora_weights": "pissa", "r": 40}, ValueError, r"PiSSA needs r <= min\(in, out\); .*k_proj is 64 -> 32"),
 ])
 def test_bad_init_is_named(kwargs, error, problem):
@@ -240,6 +241,67 @@ def test_bad_init_is_named(kwargs, error, problem):
     with pytest.raises(error, match=problem):
         add_lora(model, **{"targets": ("q_proj", "k_proj"), **kwargs})
     assert not lora_lab.lora_layers(model) and torch.equal(model.model.layers[0].self_attn.q_proj.weight, weight)
+
+
+# --- init_lora_weights=False and "gaussian", as PEFT 0.21 draws them ---------------------------------------------
+
+
+def test_init_false_draws_A_and_B_as_peft_does():
+    """PEFT's init_lora_weights=False keeps nn.Linear's default init for both factors (A then B, per layer): with the
+    same seed the factors are the same bits, and B is not zero, so the fresh adapter changes the output."""
+    peft = pytest.importorskip("peft")
+    ours, base = lora_lab.load_model("random:tiny-qwen2"), lora_lab.load_model("random:tiny-qwen2")
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = ours(ids).logits
+    torch.manual_seed(11)
+    add_lora(ours, r=4, alpha=8, targets=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(11)
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    pairs = lora_lab.adapters.peft_lora_pairs(theirs)
+    for name, layer in lora_lab.lora_layers(ours):
+        assert torch.equal(layer.lora_A, pairs[name][0]) and torch.equal(layer.lora_B, pairs[name][1])
+        assert torch.count_nonzero(layer.lora_B) == layer.lora_B.numel()
+        assert layer.lora_B.abs().max() <= 1 / math.sqrt(4)  # U(-1/sqrt(r), 1/sqrt(r))
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+        assert not torch.allclose(ours(ids).logits, before)
+
+
+def test_init_gaussian_matches_peft_in_distribution():
+    """PEFT's "gaussian": A ~ N(0, std = 1/r), B = 0 (the model still computes what it did)."""
+    peft = pytest.importorskip("peft")
+    r, targets = 8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    torch.manual_seed(5)
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=r, alpha=16, targets=targets,
+                    init_lora_weights="gaussian")
+    theirs = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"),
+                                 peft.LoraConfig(r=r, lora_alpha=16, target_modules=targets,
+                                                 init_lora_weights="gaussian"))
+    a_ours = torch.cat([layer.lora_A.flatten() for _, layer in lora_lab.lora_layers(ours)])
+    a_theirs = torch.cat([a.flatten() for a, _ in lora_lab.adapters.peft_lora_pairs(theirs).values()])
+    assert a_ours.numel() == a_theirs.numel() > 8000
+    for a in (a_ours, a_theirs):  # within 4 (std) and 5 (mean) standard errors of N(0, 1/r^2)
+        assert abs(a.std().item() * r - 1) < 4 / math.sqrt(2 * a.numel())
+        assert abs(a.mean().item()) < 5 / r / math.sqrt(a.numel())
+    # Kaiming-uniform (the default) would be bounded by 1/sqrt(in) = 0.125 here; a Gaussian of std 1/8 is not
+    assert a_ours.abs().max() > 1 / math.sqrt(64)
+    assert all(torch.count_nonzero(layer.lora_B) == 0 for _, layer in lora_lab.lora_layers(ours))
+
+
+@pytest.mark.parametrize("init", [False, "gaussian"])
+def test_init_false_and_gaussian_save_and_load_both_ways(tmp_path, init):
+    peft = pytest.importorskip("peft")
+    ours = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8, init_lora_weights=init)
+    lora_lab.fill_lora_B(ours, 0.02, generator=torch.Generator().manual_seed(3))
+    lora_lab.save_adapter(ours, tmp_path)
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path))
+    again = lora_lab.load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, theirs(ids).logits)
+        assert torch.equal(ours(ids).logits, again(ids).logits)
 
 
 # --- LoRA+ ----------------------------------------------------------------------------------------------------------

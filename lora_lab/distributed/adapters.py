@@ -7,62 +7,21 @@ process. Loading reads the files on every rank and copies each rank's rows of ev
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lora_lab.adapters import (
-    CONFIG_NAME,
-    LEGACY_WEIGHTS_NAME,
-    PREFIX,
-    WEIGHTS_NAME,
-    AdapterError,
-    AdapterExistsError,
-    _read_config,
-    _read_tensors,
-    _save_adapter,
-)
-from lora_lab.distributed.training import rank_and_world
+from lora_lab.adapters.errors import AdapterError, AdapterExistsError
+from lora_lab.adapters.peft_config import _read_config
+from lora_lab.adapters.peft_files import CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, _read_tensors
+from lora_lab.adapters.saving import _save_adapter
+from lora_lab.distributed.lora_factors import adapter_key, lora_parameters
+from lora_lab.distributed.process_group import rank_and_world
 from lora_lab.layer import lora_layers
 
 __all__ = ["lora_parameters", "adapter_key", "gather_lora_state", "save_sharded_adapter", "load_sharded_adapter"]
-
-_LORA_LAB_PARAM = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])$")
-_PEFT_PARAM = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.(?P<adapter>[^.]+)\.weight$")
-
-
-def adapter_key(param_name: str) -> str | None:
-    """The key a LoRA factor has in ``adapter_model.safetensors``, or None for a parameter that is no LoRA factor.
-
-    lora_lab's ``<module>.lora_A`` -> ``base_model.model.<module>.lora_A.weight``; PEFT's
-    ``base_model.model.<module>.lora_A.<adapter>.weight`` -> ``base_model.model.<module>.lora_A.weight``.
-    """
-    m = _PEFT_PARAM.match(param_name)
-    if m and param_name.startswith(PREFIX):
-        return f"{m['module']}.lora_{m['which']}.weight"
-    m = _LORA_LAB_PARAM.match(param_name)
-    if m:
-        return f"{PREFIX}{m['module']}.lora_{m['which']}.weight"
-    return None
-
-
-def lora_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
-    """``{adapter key: (parameter name, parameter)}`` of every LoRA factor, in ``named_parameters`` order."""
-    found = {}
-    for name, p in model.named_parameters():
-        key = adapter_key(name)
-        if key is not None:
-            if key in found:
-                raise AdapterError(f"{name} and {found[key][0]} map to the same adapter key {key} (several PEFT "
-                                   "adapters in one model are not supported here)")
-            found[key] = (name, p)
-    if not found:
-        raise AdapterError(f"{type(model).__name__} carries no LoRA factor: nothing to save or load")
-    return found
-
 
 def _full(p: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
@@ -159,4 +118,8 @@ def load_sharded_adapter(model: nn.Module, path: str | Path) -> nn.Module:
             local.copy_(shard)
         else:
             p.copy_(full.to(p.dtype))
+    lora_fa = cfg.get("lora_fa", False)  # LoRA-FA: A frozen, as save_adapter recorded it
+    for name, layer in layers:
+        if lora_fa is True or isinstance(lora_fa, list) and name in lora_fa:
+            layer.freeze_A()
     return model

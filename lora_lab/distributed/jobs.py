@@ -127,7 +127,8 @@ def train_lora(config: dict[str, Any]) -> dict[str, Any]:
     """Train LoRA on the sample sentences, sharded over the job's ranks (or not); returns the metrics."""
     import lora_lab
     from lora_lab.distributed.adapters import save_sharded_adapter
-    from lora_lab.distributed.training import rank_and_world, sharded_train_steps
+    from lora_lab.distributed.process_group import rank_and_world
+    from lora_lab.distributed.training import sharded_train_steps
 
     cfg = _job_config(config, TRAIN_LORA_DEFAULTS, "train_lora")
     rank, world = rank_and_world()
@@ -189,8 +190,9 @@ def step_throughput(config: dict[str, Any]) -> dict[str, Any]:
     and variant: the median step (ms) of each round, global tokens/s per round, the peak memory (CUDA) over its
     rounds and the losses; plus the memory after the build and the trainable parameter count."""
     import lora_lab
+    from lora_lab.distributed.process_group import rank_and_world
     from lora_lab.distributed.sharding import unwrap_peft
-    from lora_lab.distributed.training import rank_and_world, train_step
+    from lora_lab.distributed.training import train_step
     from lora_lab.kernels import patch_model, unpatch_model
 
     cfg = _job_config(config, STEP_THROUGHPUT_DEFAULTS, "step_throughput")

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lora_lab.distributed.lora_factors import adapter_key
+
 __all__ = ["LOSS_METHOD", "decoder_layers", "shard_model", "is_sharded", "unwrap_peft", "device_mesh"]
 
 LOSS_METHOD = "lora_lab_causal_lm_loss"  # the root's loss method, run under FSDP's pre/post-forward hooks
@@ -113,8 +115,6 @@ def shard_model(
 
     if is_sharded(model):
         raise ValueError(f"{type(model).__name__} is already sharded (fully_shard was applied)")
-    from lora_lab.distributed.adapters import adapter_key
-
     if not any(adapter_key(n) is not None and p.requires_grad for n, p in model.named_parameters()):
         raise ValueError(f"{type(model).__name__} has no trainable LoRA factor: add LoRA (lora_lab.add_lora or "
                          "peft.get_peft_model) before sharding")

@@ -14,19 +14,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lora_lab.distributed.process_group import rank_and_world
 from lora_lab.distributed.sharding import LOSS_METHOD, is_sharded, unwrap_peft
 from lora_lab.loss import causal_lm_loss, shift_labels
 
 __all__ = ["LOSS_KINDS", "rank_and_world", "local_rows", "local_loss_sum", "train_step", "sharded_train_steps"]
 
 LOSS_KINDS = ("standard", "chunked", "fused")
-
-
-def rank_and_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group; (0, 1) without one."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def local_rows(batch: Mapping[str, torch.Tensor], rank: int | None = None, world: int | None = None) -> dict:

@@ -193,3 +193,48 @@ def test_random_fill_of_a_meta_build_gives_each_kind_its_values_and_is_seeded():
         with MetaInit(record=False) as meta:
             layer = nn.Linear(2, 2)
         meta.plan(layer)
+
+
+def test_the_distributed_modules_import_each_other_without_a_circle():
+    """adapters -> training -> sharding -> adapters was a circle (closed by an import inside shard_model); every
+    import between lora_lab.distributed's modules, at module level or inside a function, now runs one way."""
+    import ast
+    from pathlib import Path
+
+    import lora_lab.distributed
+
+    package = Path(lora_lab.distributed.__file__).parent
+    graph = {}
+    for path in package.glob("*.py"):
+        if path.stem == "__init__":
+            continue
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lora_lab.distributed."):
+                imported.add(node.module.rsplit(".", 1)[-1])
+        graph[path.stem] = imported
+
+    def circle_from(start, path=()):
+        if start in path:
+            return path[path.index(start):] + (start,)
+        for nxt in sorted(graph.get(start, ())):
+            found = circle_from(nxt, path + (start,))
+            if found:
+                return found
+        return None
+
+    circles = [c for c in (circle_from(m) for m in sorted(graph)) if c]
+    assert not circles, " -> ".join(circles[0])
+
+
+def test_load_sharded_adapter_restores_lora_fa(tmp_path):
+    """One process, no process group: the loader's LoRA-FA step (A frozen, as save_adapter recorded it)."""
+    import lora_lab
+
+    saved = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2"), r=2, alpha=4, lora_fa=True)
+    lora_lab.save_adapter(saved, tmp_path)
+    model = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2"), r=2, alpha=4)
+    assert all(layer.lora_A.requires_grad for _, layer in lora_lab.lora_layers(model))
+    load_sharded_adapter(model, tmp_path)
+    assert all(not layer.lora_A.requires_grad and layer.lora_B.requires_grad and layer.lora_fa
+               for _, layer in lora_lab.lora_layers(model))

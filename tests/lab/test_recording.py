@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import lora_lab
+from lora_lab import lab
 from lora_lab.lab import recording
 from lora_lab.lab.recording import RecordingError
 
@@ -25,9 +25,9 @@ def read(directory, stem="01_demo"):
     return json.loads((directory / f"{stem}.metrics.json").read_text())
 
 
-def test_public_names_are_exported_by_the_package():
+def test_public_names_are_exported_by_the_lab_package():
     for name in ("resolve_profile", "start_run", "record", "finish_run", "output_dir", "environment_report"):
-        assert getattr(lora_lab, name) is getattr(recording, name)
+        assert getattr(lab, name) is getattr(recording, name)
 
 
 def test_resolve_profile():
@@ -47,7 +47,7 @@ def test_gpu_profile_without_cuda_is_an_error():
 
 
 def test_run_writes_metrics_at_every_record_and_finishes(out_dir):
-    run = lora_lab.start_run("01_demo", profile="cpu", parameters={"SEQ": np.int64(8), "NAME": "x"})
+    run = lab.start_run("01_demo", profile="cpu", parameters={"SEQ": np.int64(8), "NAME": "x"})
     payload = read(out_dir)
     assert run.path == out_dir / "01_demo.metrics.json"
     assert payload["notebook"] == "01_demo" and payload["profile"] == "cpu"
@@ -60,13 +60,13 @@ def test_run_writes_metrics_at_every_record_and_finishes(out_dir):
     assert provenance["device"] and provenance["started"]
     assert "git_commit" in provenance
 
-    lora_lab.record("loss", 0.25)
+    lab.record("loss", 0.25)
     assert read(out_dir)["metrics"] == {"loss": 0.25}  # partial results survive a later crash
-    lora_lab.record({"steps": 3, "ok": True})
+    lab.record({"steps": 3, "ok": True})
     with pytest.raises(RecordingError, match="'loss' already recorded"):
-        lora_lab.record("loss", 0.5)  # two cells measuring the same thing is a mistake...
-    lora_lab.record("loss", 0.125, overwrite=True)  # ...unless said so
-    path = lora_lab.finish_run()
+        lab.record("loss", 0.5)  # two cells measuring the same thing is a mistake...
+    lab.record("loss", 0.125, overwrite=True)  # ...unless said so
+    path = lab.finish_run()
     assert (path.stat().st_mode & 0o777) == 0o644  # readable by others, not 0600 like a temp file
     payload = read(out_dir)
     assert payload["metrics"] == {"loss": 0.125, "steps": 3, "ok": True}
@@ -76,8 +76,8 @@ def test_run_writes_metrics_at_every_record_and_finishes(out_dir):
 
 
 def test_numpy_and_torch_values_become_python(out_dir):
-    lora_lab.start_run("01_demo", profile="cpu")
-    lora_lab.record(
+    lab.start_run("01_demo", profile="cpu")
+    lab.record(
         {
             "np_float": np.float32(0.5),
             "np_int": np.int16(7),
@@ -104,52 +104,52 @@ def test_numpy_and_torch_values_become_python(out_dir):
 
 
 def test_nan_and_inf_are_stored_as_null_with_a_note(out_dir):
-    lora_lab.start_run("01_demo", profile="cpu")
-    lora_lab.record("loss", float("nan"))
-    lora_lab.record("curve", [1.0, math.inf, torch.tensor(float("nan"))])
+    lab.start_run("01_demo", profile="cpu")
+    lab.record("loss", float("nan"))
+    lab.record("curve", [1.0, math.inf, torch.tensor(float("nan"))])
     payload = read(out_dir)
     assert payload["metrics"] == {"loss": None, "curve": [1.0, None, None]}
     assert "nan" in payload["notes"]["loss"]
     assert "curve[1]=inf" in payload["notes"]["curve"]
-    lora_lab.record("loss", 1.0, overwrite=True)  # a finite value clears the note
+    lab.record("loss", 1.0, overwrite=True)  # a finite value clears the note
     assert "loss" not in read(out_dir)["notes"]
 
 
 def test_values_that_are_not_json_are_rejected_naming_the_key(out_dir):
-    lora_lab.start_run("01_demo", profile="cpu")
-    lora_lab.record("kept", 1)
+    lab.start_run("01_demo", profile="cpu")
+    lab.record("kept", 1)
     with pytest.raises(RecordingError, match=r"cannot record 'model'.*builtins.object"):
-        lora_lab.record("model", object())
+        lab.record("model", object())
     with pytest.raises(RecordingError, match=r"cannot record 'table'.*dict key 3"):
-        lora_lab.record("table", {3: "x"})
+        lab.record("table", {3: "x"})
     with pytest.raises(RecordingError, match=r"cannot record 'b': b\[1\] is a builtins.set"):
-        lora_lab.record({"a": 1, "b": [1, {2}]})
+        lab.record({"a": 1, "b": [1, {2}]})
     with pytest.raises(RecordingError, match="non-empty string"):
-        lora_lab.record("", 1)
+        lab.record("", 1)
     with pytest.raises(TypeError, match="needs a value"):
-        lora_lab.record("forgot")
+        lab.record("forgot")
     assert read(out_dir)["metrics"] == {"kept": 1}  # a rejected dict stores nothing
 
 
 def test_record_before_start_and_finish_twice_are_errors(out_dir):
     with pytest.raises(RuntimeError, match="start_run"):
-        lora_lab.record("x", 1)
-    lora_lab.start_run("01_demo", profile="cpu")
-    lora_lab.finish_run()
+        lab.record("x", 1)
+    lab.start_run("01_demo", profile="cpu")
+    lab.finish_run()
     with pytest.raises(RuntimeError, match="no run in progress"):
-        lora_lab.finish_run()
+        lab.finish_run()
 
 
 def test_start_run_checks_the_stem(out_dir, monkeypatch):
     with pytest.raises(ValueError, match="without '.ipynb'"):
-        lora_lab.start_run("01_demo.ipynb", profile="cpu")
+        lab.start_run("01_demo.ipynb", profile="cpu")
     with pytest.raises(ValueError, match="file stem"):
-        lora_lab.start_run("notebooks/01_demo", profile="cpu")
+        lab.start_run("notebooks/01_demo", profile="cpu")
     context = {"notebook": "02_other", "profile": "cpu", "output_dir": str(out_dir), "parameters": {}}
     monkeypatch.setenv(recording.RUN_CONTEXT_ENV, json.dumps(context))
     with pytest.raises(ValueError, match="inside notebook '02_other'"):
-        lora_lab.start_run("01_demo", profile="cpu")
-    run = lora_lab.start_run("02_other")  # the runner's profile, folder and parameters
+        lab.start_run("01_demo", profile="cpu")
+    run = lab.start_run("02_other")  # the runner's profile, folder and parameters
     assert (run.profile, run.directory, run.provenance["runner"]) == ("cpu", out_dir.resolve(), True)
 
 
@@ -173,34 +173,34 @@ def test_parameters_come_from_the_parameters_cell_and_overrides_are_marked(bare_
     cell.metadata["tags"] = ["parameters"]
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), str(repo / "notebooks" / "01_demo.ipynb"))
     monkeypatch.chdir(repo / "notebooks")
-    run = lora_lab.start_run("01_demo", "cpu", namespace={"PROFILE": "auto", "R": 8, "NAME": "x", "other": 1})
+    run = lab.start_run("01_demo", "cpu", namespace={"PROFILE": "auto", "R": 8, "NAME": "x", "other": 1})
     assert run.parameters == {"PROFILE": "auto", "R": 8, "NAME": "x"} and run.provenance["parameter_overrides"] == {}
     assert run.directory == repo.resolve() / "build" / "scratch" / "cpu"  # never the committed outputs/
-    run = lora_lab.start_run("01_demo", "cpu", namespace={"PROFILE": "auto", "R": 4, "NAME": "x"})
+    run = lab.start_run("01_demo", "cpu", namespace={"PROFILE": "auto", "R": 4, "NAME": "x"})
     assert run.provenance["parameter_overrides"] == {"R": 4}
     assert len(run.provenance["notebook_hash"]) == 64
-    lora_lab.finish_run()
+    lab.finish_run()
 
 
 def test_output_dir_is_scratch_outside_the_runner(bare_repo, tmp_path, monkeypatch):
     repo = bare_repo
     monkeypatch.chdir(repo / "notebooks")
-    assert lora_lab.output_dir("cpu") == repo.resolve() / "build" / "scratch" / "cpu"
-    run = lora_lab.start_run("01_demo", profile="cpu", parameters={})
+    assert lab.output_dir("cpu") == repo.resolve() / "build" / "scratch" / "cpu"
+    run = lab.start_run("01_demo", profile="cpu", parameters={})
     assert run.path == repo.resolve() / "build" / "scratch" / "cpu" / "01_demo.metrics.json"
-    assert lora_lab.output_dir() == run.directory
-    lora_lab.finish_run()
+    assert lab.output_dir() == run.directory
+    lab.finish_run()
     assert not (repo / "outputs").exists()
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    assert not str(lora_lab.output_dir("cpu")).startswith(str(elsewhere))  # a temporary folder, not cwd
+    assert not str(lab.output_dir("cpu")).startswith(str(elsewhere))  # a temporary folder, not cwd
 
 
 def test_mark_run_ended_keeps_what_was_recorded(out_dir):
-    lora_lab.start_run("01_demo", profile="cpu")
-    lora_lab.record("before", 1.0)
+    lab.start_run("01_demo", profile="cpu")
+    lab.record("before", 1.0)
     error = {"cell_index": 4, "ename": "ValueError", "evalue": "boom"}
     assert recording.mark_run_ended(out_dir / "01_demo.metrics.json", "failed", error)
     payload = read(out_dir)
@@ -212,7 +212,7 @@ def test_mark_run_ended_keeps_what_was_recorded(out_dir):
 
 
 def test_environment_report_prints_versions_and_device(capsys):
-    report = lora_lab.environment_report()
+    report = lab.environment_report()
     printed = capsys.readouterr().out
     for key in ("python", "torch", "triton", "transformers", "peft", "device"):
         assert key in report

@@ -82,7 +82,7 @@ def test_a_failing_notebook_is_reported_and_the_others_survive(batch):
     assert len(provenance["notebook_hash"]) == 64 and "git_commit" in provenance
     for stem in sorted(entries):
         assert (cpu / f"{stem}.ipynb").is_file()
-    assert (cpu / "01_records_metrics.txt").read_text() == "profile=cpu\n"  # lora_lab.output_dir() is the run folder
+    assert (cpu / "01_records_metrics.txt").read_text() == "profile=cpu\n"  # lab.output_dir() is the run folder
     assert (cpu / "01_line.png").is_file()
 
 
@@ -335,9 +335,9 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     notebooks.mkdir()
     params = nbformat.v4.new_code_cell('PROFILE = "auto"')
     params.metadata["tags"] = ["parameters"]
-    cells = [params, nbformat.v4.new_code_cell("import lora_lab, time\nrun = lora_lab.start_run('01_sleeps', PROFILE)\n"
-                                               "lora_lab.record('before', 1)"),
-             nbformat.v4.new_code_cell("time.sleep(120)"), nbformat.v4.new_code_cell("lora_lab.finish_run()")]
+    cells = [params, nbformat.v4.new_code_cell("import time\nfrom lora_lab import lab\n"
+                                               "run = lab.start_run('01_sleeps', PROFILE)\nlab.record('before', 1)"),
+             nbformat.v4.new_code_cell("time.sleep(120)"), nbformat.v4.new_code_cell("lab.finish_run()")]
     nbformat.write(nbformat.v4.new_notebook(cells=cells), str(notebooks / "01_sleeps.ipynb"))
     command = [sys.executable, "-m", "lora_lab", "run", "--profile", "cpu", "--notebooks-dir", str(notebooks),
                "--outputs-dir", str(tmp_path / "runs")]

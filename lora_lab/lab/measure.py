@@ -4,7 +4,7 @@
   ``triton.testing.do_bench`` when Triton is there); one *timed loop*.
 * :func:`repeat` — a timing verdict never rests on one loop: it runs the whole side-by-side comparison
   ``n`` times (independent loops, variants interleaved) and :func:`summarize` gives the median and a 95%
-  bootstrap interval of each quantity — what :func:`lora_lab.record` stores and grading reads.
+  bootstrap interval of each quantity — what :func:`lora_lab.lab.record` stores and grading reads.
 * :func:`event_ms` — milliseconds of each of a few calls by CUDA events around each: for calls too long for
   ``do_bench``'s estimate loop (a training step, a Python loop over experts).
 * :func:`write_csv` / :func:`read_csv` — every row carries the code hash of the package that wrote it, and
@@ -157,7 +157,7 @@ def bootstrap_median_ci(samples: Sequence[float], level: float = 0.95, n_boot: i
 def summarize(samples: Iterable[float]) -> dict:
     """``{"median", "ci95": [low, high], "level", "min", "max", "n", "samples"}`` of repeated measurements.
 
-    This is the form of a repeated metric: :func:`lora_lab.record` stores it as is, grading compares the
+    This is the form of a repeated metric: :func:`lora_lab.lab.record` stores it as is, grading compares the
     interval with a prediction's threshold (an interval that straddles it grades *inconclusive*).
     """
     values = [float(v) for v in samples]

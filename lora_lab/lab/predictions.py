@@ -5,7 +5,7 @@ The file is an append-only YAML list. One entry::
     - id: p05-fused-fwd-cosine        # stable, unique, never reused
       notebook: 05_fused_lora_kernels # stem of a notebook in notebooks/
       claim: "Fused forward matches the fp32 reference with cosine >= 0.99999 in bf16"
-      metric: fwd_cosine_bf16          # a key the notebook records with lora_lab.record
+      metric: fwd_cosine_bf16          # a key the notebook records with lora_lab.lab.record
       comparator: ">="                 # < <= > >= == in_range   (quote it: a bare > starts a YAML block)
       threshold: 0.99999               # a number; [lo, hi] for in_range; true/false allowed for ==
       profiles: [gpu]                  # non-empty subset of [cpu, gpu]

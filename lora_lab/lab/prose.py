@@ -113,7 +113,7 @@ class ProseReport:
             files = len({violation.path for violation in self.violations})
             lines.append(
                 f"check-prose: {len(self.violations)} unchecked number(s) in {files} file(s); {self.checked} numbers "
-                "checked. Prose must not restate a result by hand: record the number in the run (lora_lab.record) "
+                "checked. Prose must not restate a result by hand: record the number in the run (lora_lab.lab.record) "
                 "and let a code cell print it, cite it ([label] in its sentence plus a line "
                 '`[label]: URL "source"` in the same file), or drop it.'
             )

@@ -2,11 +2,11 @@
 
 A notebook calls, in this order::
 
-    run = lora_lab.start_run("05_fused_lora_kernels", PROFILE)   # profile, output folder, parameters
-    lora_lab.record("fwd_cosine_bf16", cosine)                   # or lora_lab.record({"a": 1, "b": 2})
-    lora_lab.record("time_vs_base", summarize(samples))          # a repeated measurement: median + interval
-    lora_lab.finish_run()
-    lora_lab.show_verdicts()                                      # this notebook's predictions, graded
+    run = lora_lab.lab.start_run("05_fused_lora_kernels", PROFILE)   # profile, output folder, parameters
+    lora_lab.lab.record("fwd_cosine_bf16", cosine)                   # or lora_lab.lab.record({"a": 1, "b": 2})
+    lora_lab.lab.record("time_vs_base", summarize(samples))          # a repeated measurement: median + interval
+    lora_lab.lab.finish_run()
+    lora_lab.lab.show_verdicts()                                      # this notebook's predictions, graded
 
 and the run lands in ``<output folder>/<notebook>.metrics.json``::
 
@@ -344,7 +344,7 @@ def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, A
 
 def current_run() -> Run:
     if _current is None:
-        raise RuntimeError("no run in progress: call lora_lab.start_run(notebook_stem, PROFILE) first")
+        raise RuntimeError("no run in progress: call lora_lab.lab.start_run(notebook_stem, PROFILE) first")
     return _current
 
 
@@ -396,7 +396,7 @@ def last_run() -> Run:
     """The run in progress, else the one finished last in this process."""
     run = _current or _last_finished
     if run is None:
-        raise RuntimeError("no run in this process: call lora_lab.start_run(...) first")
+        raise RuntimeError("no run in this process: call lora_lab.lab.start_run(...) first")
     return run
 
 

@@ -440,12 +440,12 @@ def run_notebook(
     if status != "ok":
         mark_run_ended(metrics_file, STATUS_INTERRUPTED if status == "interrupted" else STATUS_FAILED, error_details)
     elif not metrics_file.is_file():
-        warnings.append(f"no {metrics_file.name}: the notebook never called lora_lab.start_run({stem!r}, ...)")
+        warnings.append(f"no {metrics_file.name}: the notebook never called lora_lab.lab.start_run({stem!r}, ...)")
     else:
         recorded = read_metrics(metrics_file).get("provenance", {}).get("status")
         if recorded != "completed":
             warnings.append(f"{metrics_file.name} has status {recorded!r}: "
-                            "the notebook did not call lora_lab.finish_run()")
+                            "the notebook did not call lora_lab.lab.finish_run()")
     return NotebookResult(
         notebook=stem,
         status=status,

@@ -75,12 +75,15 @@ def time_call(step, args, calls: int | None = None) -> dict:
 
     if args.calls < 1 or args.warmup < 0:
         raise SystemExit(f"--calls must be >= 1 and --warmup >= 0 (got {args.calls}, {args.warmup})")
-    times = measure.loop_ms(step, calls=calls or args.calls, warmup=args.warmup)
+    calls = calls or args.calls
+    smoke = getattr(args, "smoke", False)  # the interpreter: the code path with as few calls as it takes
+    times = measure.loop_ms(step, calls=min(calls, 2) if smoke else calls, warmup=0 if smoke else args.warmup)
     row = {"ms": statistics.median(times), "ms_each": " ".join(f"{t:.4f}" for t in times), "timing": "loop"}
     if "kernel" in args.secondary:
-        row["kernel_ms"] = measure.kernel_ms(step, calls=min(calls or args.calls, 3), warmup=0)
-    if "back_to_back" in args.secondary:
-        row["back_to_back_ms"] = measure.kernel_loop_ms(step, args.warmup_ms, args.rep_ms)
+        row["kernel_ms"] = measure.kernel_ms(step, calls=1 if smoke else min(calls, 3), warmup=0)
+    if "back_to_back" in args.secondary:  # do_bench needs CUDA: no such column on a CPU
+        row["back_to_back_ms"] = (measure.kernel_loop_ms(step, args.warmup_ms, args.rep_ms)
+                                  if torch.cuda.is_available() else None)
     return row
 
 

@@ -82,6 +82,10 @@ SMOKE_GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096"], "ranks": [16]}
 SMOKE_DIVISORS = {"M": 512, "KN": 128, "r": 4}
 
 
+# measure.loop_ms per variant and repetition (the primary figure: the median); smoke: the code path only
+LOOP = {False: dict(calls=10, warmup=3), True: dict(calls=2, warmup=0)}
+
+
 def cell_label(M: int, K: int, N: int, r: int) -> str:
     return f"{M // 1024}k_{K}x{N}_r{r}"
 
@@ -198,10 +202,11 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
     for rep in range(args.repetitions):
         for name in measure.rotation(variants, rep):
             row = {**base, "variant": name, "rep": rep, "status": "ok",
-                   "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], calls=10, warmup=3)),
-                   "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms)}
+                   "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **LOOP[smoke])),
+                   "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms) if cuda
+                   else None}
             if args.forward:
-                row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], calls=10, warmup=3))
+                row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], **LOOP[smoke]))
             row.update(peak_bytes=peaks[name][0], resident_bytes=peaks[name][1], config=variants[name][2])
             rows.append(row)
     comp_rows = []

@@ -43,6 +43,7 @@ __all__ = [
     "repeat_in_processes",
     "pool_sessions",
     "sessions_in",
+    "pool_csv_sessions",
     "ratio_summary",
     "MIN_SESSIONS",
     "rotation",
@@ -325,6 +326,26 @@ def pool_sessions(sessions: Sequence[Sequence[dict]]) -> list[dict]:
             pooled.append(new)
         offset += (max(reps) + 1) if reps else 0
     return pooled
+
+
+def pool_csv_sessions(parts: Sequence[Path | str], out: Path | str, names: Sequence[str]) -> dict[str, int]:
+    """Pool the CSVs ``names`` that one benchmark wrote into each of the ``parts`` folders (one per session: the
+    script run once per process) into ``out`` (:func:`pool_sessions`; rows without ``rep`` keep theirs). A name
+    missing from every part is skipped; one missing from only some is an error. Returns {name: pooled rows}."""
+    out = Path(out)
+    written = {}
+    for name in names:
+        found = [Path(p) / name for p in parts]
+        have = [f.is_file() for f in found]
+        if not any(have):
+            continue
+        if not all(have):
+            missing = [str(f) for f, h in zip(found, have) if not h]
+            raise FileNotFoundError(f"{name}: written by only some sessions ({missing} missing)")
+        rows = pool_sessions([read_csv(f) for f in found])
+        write_csv(rows, out / name)
+        written[name] = len(rows)
+    return written
 
 
 def sessions_in(rows: Iterable[dict]) -> int:

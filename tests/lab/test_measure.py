@@ -139,3 +139,16 @@ def test_session_main_runs_in_this_interpreter(tmp_path, monkeypatch):
 
     assert json.loads(out.read_text())["runs"] == [{"x": 1.0}, {"x": 1.0}]
     assert sys.modules.get("session_target_mod") is not None
+
+
+def test_pool_csv_sessions_pools_each_csv(tmp_path):
+    for k in range(2):
+        measure.write_csv([{"variant": v, "rep": r, "ms": 1.0 + k} for r in range(2) for v in "ab"],
+                          tmp_path / f"s{k}" / "bench.csv")
+    measure.write_csv([{"x": 1}], tmp_path / "s0" / "only_one.csv")
+    parts = [tmp_path / "s0", tmp_path / "s1"]
+    assert measure.pool_csv_sessions(parts, tmp_path / "pooled", ["bench.csv", "absent.csv"]) == {"bench.csv": 8}
+    rows = measure.read_csv(tmp_path / "pooled" / "bench.csv")
+    assert measure.sessions_in(rows) == 2 and sorted({r["rep"] for r in rows}) == [0, 1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="only some sessions"):
+        measure.pool_csv_sessions(parts, tmp_path / "pooled", ["only_one.csv"])

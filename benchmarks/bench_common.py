@@ -3,6 +3,10 @@
 * :func:`check_device` — CUDA, or for ``--smoke`` the CPU with Triton's interpreter;
 * :func:`add_common_arguments` / :func:`chosen_variants` — ``--out``, ``--repetitions``, ``--smoke`` and
   ``--variants`` the same way in every script;
+* :func:`add_timing_arguments` / :func:`time_call` — the primary figure, the same way in every script: the median of
+  ``measure.loop_ms`` (CUDA events around each whole call, synchronised after each, so host time counts), with
+  labelled secondary columns: ``kernel_ms`` (``measure.kernel_ms``, profiler device time per call) and
+  ``back_to_back_ms`` (``measure.kernel_loop_ms``, ``do_bench``'s unsynchronised loop);
 * :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides);
 * :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash);
 * :func:`error_text` — an exception as the one-line text an ``error`` row records.
@@ -46,6 +50,41 @@ def add_common_arguments(ap: argparse.ArgumentParser, all_variants, default_vari
                     help=f"what to time besides {', '.join(default_variants)} (always), 'all' for every one: "
                          + " ".join(all_variants))
     ap.add_argument("--smoke", action="store_true", help=smoke_help + " (CPU: set TRITON_INTERPRET=1); no peak memory")
+
+
+SECONDARY = ("kernel", "back_to_back")
+
+
+def add_timing_arguments(ap: argparse.ArgumentParser, calls: int = 10, warmup: int = 3,
+                         secondary=SECONDARY) -> None:
+    """``--calls``/``--warmup`` of the primary loop and ``--secondary``: which labelled secondary columns."""
+    ap.add_argument("--calls", type=int, default=calls,
+                    help="measure.loop_ms: timed calls per variant and repetition; the primary figure is their median")
+    ap.add_argument("--warmup", type=int, default=warmup, help="measure.loop_ms: untimed calls before them")
+    ap.add_argument("--secondary", nargs="*", default=list(secondary), choices=list(SECONDARY),
+                    help="labelled secondary columns: kernel = kernel_ms (torch.profiler device time per call), "
+                         "back_to_back = back_to_back_ms (triton do_bench, calls queued without synchronisation)")
+    ap.add_argument("--rep-ms", type=float, default=50.0, help="back_to_back: milliseconds of do_bench's timed calls")
+    ap.add_argument("--warmup-ms", type=float, default=10.0, help="back_to_back: milliseconds of do_bench's warm-up")
+
+
+def time_call(step, args, calls: int | None = None) -> dict:
+    """One variant's timing in one repetition: ``ms`` (median of ``measure.loop_ms``, the primary figure),
+    ``ms_each`` (every timed call) and, as ``args.secondary`` asks, ``kernel_ms`` / ``back_to_back_ms``."""
+    import statistics
+
+    if args.calls < 1 or args.warmup < 0:
+        raise SystemExit(f"--calls must be >= 1 and --warmup >= 0 (got {args.calls}, {args.warmup})")
+    calls = calls or args.calls
+    smoke = getattr(args, "smoke", False)  # the interpreter: the code path with as few calls as it takes
+    times = measure.loop_ms(step, calls=min(calls, 2) if smoke else calls, warmup=0 if smoke else args.warmup)
+    row = {"ms": statistics.median(times), "ms_each": " ".join(f"{t:.4f}" for t in times), "timing": "loop"}
+    if "kernel" in args.secondary:
+        row["kernel_ms"] = measure.kernel_ms(step, calls=1 if smoke else min(calls, 3), warmup=0)
+    if "back_to_back" in args.secondary:  # do_bench needs CUDA: no such column on a CPU
+        row["back_to_back_ms"] = (measure.kernel_loop_ms(step, args.warmup_ms, args.rep_ms)
+                                  if torch.cuda.is_available() else None)
+    return row
 
 
 def chosen_variants(ap: argparse.ArgumentParser, args, all_variants, default_variants) -> list[str]:

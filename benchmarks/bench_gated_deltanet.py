@@ -15,8 +15,11 @@ Variants (same layer weights, X, C and output gradients; default: base, peft, fu
   fused_fp32_adapters  the same with PEFT's default fp32 adapters (A, B cast per call, never X)
   fused_*_base[_overlap]  the patched layer with KernelConfig(base_gemm=triton|cublas, overlap=off|on)
 
-Repetitions: ``--repetitions N`` complete side-by-side loops, each timing every variant once (``measure.cuda_ms``,
-order rotating). Peak memory (``measure.peak_bytes``) and the bytes saved for backward (deduplicated by storage,
+Repetitions: ``--repetitions N`` complete side-by-side loops, each timing every variant once, order rotating:
+``fwd_bwd_ms`` is the primary figure, the median of ``--calls`` calls of the step in the user's loop
+(``measure.loop_ms``: CUDA events around each call, synchronised after it, so host time counts); ``kernel_ms``
+(profiler device time per call) and ``back_to_back_ms`` (``do_bench``) stand beside it as labelled secondary columns
+(``--secondary``). Peak memory (``measure.peak_bytes``) and the bytes saved for backward (deduplicated by storage,
 parameters excluded) are measured once per variant. ``--check-seq N`` also compares the whole patched layer
 (core included) with the unpatched PEFT layer at sequence N.
 
@@ -34,7 +37,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, repetition_dots
+from bench_common import (
+    add_common_arguments,
+    add_timing_arguments,
+    check_device,
+    chosen_variants,
+    device_line,
+    repetition_dots,
+    time_call,
+)
 from torch import nn
 
 from lora_lab.lab import measure
@@ -200,8 +211,7 @@ def main(argv=None):
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--rep-ms", type=float, default=50.0, help="measure.cuda_ms: milliseconds of timed calls")
-    ap.add_argument("--warmup-ms", type=float, default=10.0, help="measure.cuda_ms: milliseconds of warm-up")
+    add_timing_arguments(ap)
     ap.add_argument("--check-seq", type=int, default=0, help="sequence of the whole-layer check (0: none)")
     args = ap.parse_args(argv)
     names = chosen_variants(ap, args, ALL_VARIANTS, DEFAULT_VARIANTS)
@@ -235,10 +245,10 @@ def main(argv=None):
     rows = []
     for rep in range(args.repetitions):
         for name in measure.rotation(variants, rep):
+            timed = time_call(steps[name], args)
             rows.append({"variant": name, "rep": rep, "seq": seq, "hidden": hidden, "rank": args.rank,
                          "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke,
-                         "fwd_bwd_ms": measure.cuda_ms(steps[name], args.warmup_ms, args.rep_ms),
-                         **once[name], "config": variants[name][3]})
+                         "fwd_bwd_ms": timed.pop("ms"), **timed, **once[name], "config": variants[name][3]})
     measure.write_csv(rows, out / CSV)
     summary = summary_rows(rows)
     measure.write_csv(summary, out / SUMMARY_CSV)

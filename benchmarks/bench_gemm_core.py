@@ -2,7 +2,8 @@
 
 Cells: M ∈ {8192, 32768} tokens × (K, N) ∈ {4096×4096, 4096×12288, 12288×4096} (bench_lora_linear.py's grid), bf16,
 two GEMMs per cell: the forward ``Y = X Wᵀ`` and the backward's ``dX = dY W``. Implementations, timed side by side
-in one process, the order rotating over ``--repetitions`` loops (``measure.cuda_ms`` each):
+in one process, the order rotating over ``--repetitions`` loops (``measure.kernel_loop_ms`` each:
+kernel time of calls queued back to back — a GEMM kernel figure, not a user's step):
 
 * ``cublas`` — ``torch.matmul`` (what the frozen layer runs);
 * ``tma`` — ``lora_gemm`` with ``gemm_loads="tma"``: one program per output tile (the kernel the fused LoRA
@@ -109,7 +110,7 @@ def bench_cell(label: str, M, K, N, variants, args, dtype, device) -> list[dict]
         del refs
         for rep in range(args.repetitions):
             for v in measure.rotation(list(fns), rep):
-                ms = measure.cuda_ms(fns[v], args.warmup_ms, args.rep_ms)
+                ms = measure.kernel_loop_ms(fns[v], args.warmup_ms, args.rep_ms)
                 rows.append(dict(base, gemm=gemm, variant=v, rep=rep, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
                                  **once[v]))
             rows += [dict(base, gemm=gemm, variant=v, rep=rep, ms=None, tflops=None, **once[v])
@@ -185,8 +186,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", default=GRID["tokens"], help="values of M")
     ap.add_argument("--shapes", nargs="+", default=GRID["shapes"], help="KxN of the weight (N x K)")
     ap.add_argument("--rank", type=int, default=16, help="rank of the folded LoRA term (the +lora variants)")
-    ap.add_argument("--rep-ms", type=float, default=100.0, help="measure.cuda_ms: milliseconds of timed calls")
-    ap.add_argument("--warmup-ms", type=float, default=25.0, help="measure.cuda_ms: milliseconds of warm-up")
+    ap.add_argument("--rep-ms", type=float, default=100.0, help="measure.kernel_loop_ms: milliseconds of timed calls")
+    ap.add_argument("--warmup-ms", type=float, default=25.0, help="measure.kernel_loop_ms: milliseconds of warm-up")
     ap.set_defaults(variants=DEFAULT_VARIANTS)
     args = ap.parse_args(argv)
     variants = chosen_variants(ap, args, VARIANTS, ["cublas"])

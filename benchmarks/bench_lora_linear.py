@@ -15,9 +15,13 @@ Variants, on the same X, dY and frozen weight (default: base, peft, fused; ``--v
                 dA/dB on a side stream, Q and dB in one pass, the big GEMM by cuBLAS onto a Triton rank-r term
 
 Repetitions: ``--repetitions N`` (default measure.MIN_REPETITIONS) complete side-by-side loops per cell; each
-times every variant once (``measure.cuda_ms``), the order rotating from one repetition to the next. Peak memory
+times every variant once, the order rotating from one repetition to the next. Peak memory
 (``measure.peak_bytes`` of one step, everything the step needs already allocated) is measured once per cell and
-variant. Notebook 05 reads the per-repetition rows through ``fused_lora_kernels.benchmark_metrics``.
+variant. ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
+synchronised after it, so host time counts); ``back_to_back_ms``: ``measure.kernel_loop_ms`` (``do_bench``, calls
+queued unsynchronised), a labelled secondary column, as are the components' ``ms``. Notebook 05 reads the
+per-repetition rows
+through ``fused_lora_kernels.benchmark_metrics``.
 
 Writes into --out: 05_lora_linear.csv (one row per cell, variant and repetition), 05_lora_linear_summary.csv
 (medians and 95% intervals), 05_lora_linear_components.csv (with --components: where the fused step's time goes,
@@ -30,6 +34,7 @@ next to cuBLAS for the same GEMMs), 05_lora_linear_ratio.png and 05_lora_linear_
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -75,6 +80,10 @@ GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x40
 # interpreter runs the whole code path in seconds
 SMOKE_GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096"], "ranks": [16]}
 SMOKE_DIVISORS = {"M": 512, "KN": 128, "r": 4}
+
+
+# measure.loop_ms per variant and repetition (the primary figure: the median); smoke: the code path only
+LOOP = {False: dict(calls=10, warmup=3), True: dict(calls=2, warmup=0)}
 
 
 def cell_label(M: int, K: int, N: int, r: int) -> str:
@@ -193,9 +202,11 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
     for rep in range(args.repetitions):
         for name in measure.rotation(variants, rep):
             row = {**base, "variant": name, "rep": rep, "status": "ok",
-                   "fwd_bwd_ms": measure.cuda_ms(steps[name], args.warmup_ms, args.rep_ms)}
+                   "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **LOOP[smoke])),
+                   "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms) if cuda
+                   else None}
             if args.forward:
-                row["fwd_ms"] = measure.cuda_ms(forwards[name], args.warmup_ms, args.rep_ms)
+                row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], **LOOP[smoke]))
             row.update(peak_bytes=peaks[name][0], resident_bytes=peaks[name][1], config=variants[name][2])
             rows.append(row)
     comp_rows = []
@@ -211,7 +222,7 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
         for rep in range(args.repetitions):
             for name in measure.rotation(working, rep):
                 comp_rows.append({**base, "component": name, "rep": rep,
-                                  "ms": measure.cuda_ms(working[name], args.warmup_ms, args.rep_ms)})
+                                  "ms": measure.kernel_loop_ms(working[name], args.warmup_ms, args.rep_ms)})
     return rows, comp_rows
 
 
@@ -320,8 +331,8 @@ def parse_args(argv=None):
     ap.add_argument("--tokens", type=int, nargs="+", help=f"values of M (default {GRID['tokens']})")
     ap.add_argument("--shapes", nargs="+", help=f"K x N (default {GRID['shapes']})")
     ap.add_argument("--ranks", type=int, nargs="+", help=f"LoRA ranks (default {GRID['ranks']})")
-    ap.add_argument("--rep-ms", type=float, default=50.0, help="measure.cuda_ms: milliseconds of timed calls")
-    ap.add_argument("--warmup-ms", type=float, default=10.0, help="measure.cuda_ms: milliseconds of warm-up")
+    ap.add_argument("--rep-ms", type=float, default=50.0, help="back_to_back_ms: do_bench milliseconds of timed calls")
+    ap.add_argument("--warmup-ms", type=float, default=10.0, help="back_to_back_ms: do_bench milliseconds of warm-up")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone")
     ap.add_argument("--components", choices=["none", "target", "all"], default="none",
                     help="per-kernel breakdown of the target cell (M=32768, 4096x4096, r=16), of every cell, or none")

@@ -15,8 +15,9 @@ Variants (default: peft, fused; ``--variants all``), each from the same adapter 
   peft_nocast        PEFT with bf16 adapters;  fused_bf16: bf16 adapters, patched
 
 Repetitions: ``--repetitions N`` side-by-side loops per model. In each, every variant (order rotating) gets its
-adapters reset, a fresh optimizer, one untimed warm-up step, then ``--steps`` steps timed by CUDA events
-(``measure.event_ms``); its tokens/s is the median step's. Peak memory (``measure.peak_bytes`` of one more
+adapters reset, a fresh optimizer, one untimed warm-up step, then ``--steps`` whole optimizer steps in the user's loop
+(``measure.loop_ms``: CUDA events around each step, synchronised after it, so host time counts); its tokens/s is the
+median step's. Peak memory (``measure.peak_bytes`` of one more
 untimed step) is measured in the first repetition.
 
 Writes into --out: 05_train_step.csv (one row per model, variant and repetition), 05_train_step_summary.csv and

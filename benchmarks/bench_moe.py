@@ -17,8 +17,12 @@ init, bf16, sdpa), batch 4 × 2048: forward, backward, AdamW step, zero_grad; ``
 is PEFT LoRA on q_proj/v_proj plus the expert parameters. Eager runs end to end only in ``--e2e-eager-modes``.
 
 Repetitions: ``--repetitions N`` side-by-side loops per cell (per mode end to end), each timing every
-implementation once, order rotating: ``measure.cuda_ms`` for layer calls, ``measure.event_ms`` (CUDA events,
-``--e2e-steps`` steps) for eager calls and training steps. Peak memory (``measure.peak_bytes``: peak and resident
+implementation once, order rotating. The primary figure is the user's loop (``measure.loop_ms``: CUDA events around
+each whole call, synchronised after it, so host time — e.g. Liger's ``.item()`` sync or our launches — counts): the
+median of ``--calls`` layer calls (``ms``; ``--eager-calls`` for the eager loop) and of ``--e2e-steps`` training
+steps (``step_ms``). Layer cells also carry labelled secondary columns (``--secondary``): ``kernel_ms`` (profiler
+device time per call) and ``back_to_back_ms`` (``do_bench``, calls queued without synchronisation — the figure
+notebook 06 published before issue #27). Peak memory (``measure.peak_bytes``: peak and resident
 bytes of one untimed call) is measured once per cell and implementation. Notebook 06 reads the per-repetition
 rows through ``fused_moe.benchmark_metrics``.
 
@@ -40,7 +44,15 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
+from bench_common import (
+    add_common_arguments,
+    add_timing_arguments,
+    check_device,
+    chosen_variants,
+    device_line,
+    error_text,
+    time_call,
+)
 
 from lora_lab.experiments.fused_moe import (
     E2E_CSV,
@@ -124,11 +136,13 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
     for rep in range(args.repetitions):
         for impl in measure.rotation(ok, rep):
             set_implementation(holder, experts, impl, cfg)
-            if impl == "eager":  # a Python loop over experts: a few long calls, not do_bench's estimate loop
-                ms = statistics.median(measure.event_ms(step, calls=args.eager_calls))
+            if impl == "eager":  # a Python loop over experts: a few long calls, no secondary columns
+                times = measure.loop_ms(step, calls=args.eager_calls, warmup=0)
+                timed = dict(ms=statistics.median(times), ms_each=" ".join(f"{t:.4f}" for t in times), timing="loop")
             else:
-                ms = measure.cuda_ms(step, args.warmup_ms, args.rep_ms)
-            rows.append(dict(base, impl=impl, rep=rep, ms=ms, tflops=flops / (ms * 1e-3) / 1e12,
+                timed = time_call(step, args)
+            ms = timed["ms"]
+            rows.append(dict(base, impl=impl, rep=rep, **timed, tflops=flops / (ms * 1e-3) / 1e12,
                              fraction_of_peak=flops / (ms * 1e-3) / (H200_DENSE_BF16_TFLOPS * 1e12),
                              **once[impl], config=repr(ours_config(impl, cfg)) if impl.startswith("ours") else ""))
         rows += [dict(base, impl=i, rep=rep, ms=None, **once[i]) for i in impls if i not in ok]
@@ -223,7 +237,7 @@ def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
     for rep in range(args.repetitions):
         for impl in measure.rotation(ok, rep):
             use(impl)
-            times = measure.event_ms(step, calls=args.e2e_steps)
+            times = measure.loop_ms(step, calls=args.e2e_steps, warmup=0)  # warmed up above (optimizer state)
             ms = statistics.median(times)
             rows.append(dict(mode=mode, impl=impl, rep=rep, batch=batch, seq_len=seq,
                              layers=model.config.num_hidden_layers, smoke=args.smoke, step_ms=ms,
@@ -300,8 +314,7 @@ def main(argv=None):
     ap.add_argument("--eager-tokens", type=int, nargs="*", default=[8192],
                     help="T at which the eager loop is also timed (empty: every T)")
     ap.add_argument("--eager-calls", type=int, default=1, help="timed eager calls per repetition")
-    ap.add_argument("--rep-ms", type=float, default=50.0, help="measure.cuda_ms: milliseconds of timed calls")
-    ap.add_argument("--warmup-ms", type=float, default=10.0, help="measure.cuda_ms: milliseconds of warm-up")
+    add_timing_arguments(ap)
     ap.add_argument("--graded-only", action="store_true",
                     help="only the layer cells notebook 06's metrics read (" + ", ".join(GRADED_CELLS) + ")")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training steps")

@@ -13,9 +13,11 @@ Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the 
 
 Each (case, implementation) runs a few warm-up steps, then ``--repetitions`` steps under the profiler. Every GPU
 kernel's device time is summed over those steps and divided by their number; a row gives the kernel's name,
-launches per step, microseconds per step and its share of the step's kernel time. The kernels that account for
-most of the time, and whether they are GEMMs or memory-bound passes, say where a target is lost. With
-``--smoke`` (CPU, Triton's interpreter, tiny shapes) the rows are the CPU operators instead: the code path only.
+launches per step, microseconds per step and its share of the step's kernel time; ``loop_ms_per_step`` beside
+it is the step in the user's loop (``measure.loop_ms``, unprofiled, synchronised per call: host time included).
+The kernels that account for most of the time, and whether they are GEMMs or memory-bound passes, say where a
+target is lost. With ``--smoke`` (CPU, Triton's interpreter, tiny shapes) the rows are the CPU operators instead:
+the code path only.
 
 Writes into --out: profile_kernels.csv, profile_kernels.png (the largest kernels of each case as stacked bars) and,
 on a GPU, profile_kernels_compiled.csv: every lora_lab Triton kernel the run compiled (autotuning candidates
@@ -29,6 +31,7 @@ the occupancy those allow on one SM; and profile_kernels_picks.csv: the settings
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -133,14 +136,17 @@ def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
     return top
 
 
-def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float]:
-    """(kernel rows, wall milliseconds per profiled step) of ``steps`` profiled calls after the warm-up."""
+def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float, float]:
+    """(kernel rows, wall milliseconds per profiled step, the user's-loop milliseconds per step) of ``steps``
+    profiled calls after the warm-up; the last is the median of ``steps`` unprofiled calls by ``measure.loop_ms``
+    (CUDA events, synchronised after each call) — kernel time and host time side by side."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(WARMUP_STEPS):
         step()
     if cuda:
         torch.cuda.synchronize()
+    loop_ms = statistics.median(measure.loop_ms(step, calls=steps, warmup=0))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     start = time.perf_counter()
     with profile(activities=activities) as prof:
@@ -149,7 +155,7 @@ def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float]:
         if cuda:
             torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    return kernel_rows(prof, cuda, steps), wall_ms
+    return kernel_rows(prof, cuda, steps), wall_ms, loop_ms
 
 
 # one Hopper SM (H100 / H200): the limits that decide how many copies of a kernel's program it holds at once
@@ -296,17 +302,17 @@ def main(argv=None) -> None:
             base = {"case": case, "impl": impl, "shape": where, "smoke": args.smoke}
             try:
                 prepare()
-                kernels, wall_ms = profile_step(step, args.repetitions, cuda)
+                kernels, wall_ms, loop_ms = profile_step(step, args.repetitions, cuda)
             except Exception as err:  # one implementation that cannot run must not lose the others' profiles
                 rows.append({**base, "status": "error", "error": error_text(err)})
                 print(f"{case} {impl}: failed: {rows[-1]['error'][:200]}", flush=True)
             else:
                 total_ms = sum(k["us_per_step"] for k in kernels) / 1e3
-                rows += [{**base, "status": "ok", "wall_ms_per_step": wall_ms, "kernel_ms_per_step": total_ms, **k}
-                         for k in kernels]
+                rows += [{**base, "status": "ok", "wall_ms_per_step": wall_ms, "loop_ms_per_step": loop_ms,
+                          "kernel_ms_per_step": total_ms, **k} for k in kernels]
                 top = ", ".join(f"{k['kernel'][:40]} {k['share']:.0%}" for k in kernels[:4])
-                print(f"{case} {impl} ({where}): {total_ms:.3f} ms of kernels per step ({wall_ms:.3f} ms wall); "
-                      f"{top}", flush=True)
+                print(f"{case} {impl} ({where}): {total_ms:.3f} ms of kernels per step, {loop_ms:.3f} ms per step "
+                      f"in the user's loop ({wall_ms:.3f} ms wall under the profiler); {top}", flush=True)
                 for k in kernels:  # the whole table in the log too
                     print(f"    {k['us_per_step']:10.1f} us {k['calls_per_step']:5.1f} calls {k['share']:6.1%}  "
                           f"{k['kernel'][:100]}", flush=True)

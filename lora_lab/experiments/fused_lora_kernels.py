@@ -161,7 +161,7 @@ def _rows(path: Path, allow_smoke: bool) -> list[dict]:
 
 
 def _ratio(rows, value, numerator: dict, denominator: dict) -> dict:
-    return measure.summarize(measure.repetition_ratios(rows, value, numerator, denominator))
+    return measure.ratio_summary(rows, value, numerator, denominator)
 
 
 def _memory_ratio(rows, column, numerator: dict, denominator: dict):
@@ -179,14 +179,15 @@ def _tflops(rows, cell: str, variant: str) -> dict:
     first = next(r for r in rows if r["cell"] == cell)
     flops = 4.0 * first["M"] * first["K"] * first["N"]
     times = measure.by_repetition(rows, "fwd_bwd_ms", cell=cell, variant=variant)
-    return measure.summarize(flops / (ms * 1e-3) / 1e12 for _, ms in sorted(times.items()))
+    return measure.summarize((flops / (ms * 1e-3) / 1e12 for _, ms in sorted(times.items())),
+                             sessions=measure.sessions_in(rows))
 
 
 def _worst_cell(rows, cells, variant: str) -> dict:
     """Per repetition, the largest time ratio of ``variant`` over the frozen layer across ``cells``."""
     per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": variant},
                                           {"cell": c, "variant": "base"}) for c in cells]
-    return measure.summarize(max(reps) for reps in zip(*per_cell))
+    return measure.summarize((max(reps) for reps in zip(*per_cell)), sessions=measure.sessions_in(rows))
 
 
 def core_variant_metrics(rows, cells) -> dict:

@@ -528,22 +528,22 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
 
     for cell, base in GRADED_SPEEDUPS:
         if timed(layer, cell=cell, impl=base) and timed(layer, cell=cell, impl="ours"):
-            out[f"{cell}_speedup_vs_{base}"] = measure.summarize(measure.repetition_ratios(
-                layer, "ms", {"cell": cell, "impl": base}, {"cell": cell, "impl": "ours"}))
+            out[f"{cell}_speedup_vs_{base}"] = measure.ratio_summary(
+                layer, "ms", {"cell": cell, "impl": base}, {"cell": cell, "impl": "ours"})
     for cell in PERSISTENT_CELLS:  # the persistent form against ours, where the benchmark timed it
         for impl in OURS_PERSISTENT:
             if timed(layer, cell=cell, impl=impl) and timed(layer, cell=cell, impl="ours"):
-                out[f"{cell}_{impl}_speedup_vs_ours"] = measure.summarize(measure.repetition_ratios(
-                    layer, "ms", {"cell": cell, "impl": "ours"}, {"cell": cell, "impl": impl}))
+                out[f"{cell}_{impl}_speedup_vs_ours"] = measure.ratio_summary(
+                    layer, "ms", {"cell": cell, "impl": "ours"}, {"cell": cell, "impl": impl})
     for cell in TFLOPS_CELLS:
         for impl in ("ours", "grouped_mm", LIGER, *OURS_PERSISTENT):
             mine = [r for r in layer if r["cell"] == cell and r["impl"] == impl and r["ms"] is not None]
             if mine:
                 tflops = [r["gemm_flops"] / (r["ms"] * 1e-3) / 1e12 for r in mine]
-                out[f"{cell}_{impl}_tflops"] = measure.summarize(tflops)
+                out[f"{cell}_{impl}_tflops"] = measure.summarize(tflops, sessions=measure.sessions_in(mine))
                 if impl == "ours":
-                    out[f"{cell}_ours_fraction_of_peak"] = measure.summarize(t / H200_DENSE_BF16_TFLOPS
-                                                                             for t in tflops)
+                    out[f"{cell}_ours_fraction_of_peak"] = measure.summarize(
+                        [t / H200_DENSE_BF16_TFLOPS for t in tflops], sessions=measure.sessions_in(mine))
     for cell in GRADED_PEAKS:
         extra = {}
         for impl in ("ours", "grouped_mm"):
@@ -559,8 +559,8 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         _refuse_smoke(e2e, path, allow_smoke)
         for mode, base in GRADED_E2E:
             if timed(e2e, mode=mode, impl=base) and timed(e2e, mode=mode, impl="ours"):
-                out[f"e2e_{mode}_speedup_vs_{base}"] = measure.summarize(measure.repetition_ratios(
-                    e2e, "samples_per_s", {"mode": mode, "impl": "ours"}, {"mode": mode, "impl": base}))
+                out[f"e2e_{mode}_speedup_vs_{base}"] = measure.ratio_summary(
+                    e2e, "samples_per_s", {"mode": mode, "impl": "ours"}, {"mode": mode, "impl": base})
     return out
 
 

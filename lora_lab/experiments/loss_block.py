@@ -212,11 +212,11 @@ def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
         ok = [r for r in steps if r["status"] == "ok"]
         variants = {r["variant"] for r in ok}
         if {"fused", "chunked"} <= variants:
-            out["step_speedup_vs_chunked"] = measure.summarize(measure.repetition_ratios(
-                ok, "tokens_per_s", {"variant": "fused"}, {"variant": "chunked"}))
+            out["step_speedup_vs_chunked"] = measure.ratio_summary(
+                ok, "tokens_per_s", {"variant": "fused"}, {"variant": "chunked"})
         if {"fused", "peft_liger"} <= variants:
-            out["step_speedup_vs_peft_liger"] = measure.summarize(measure.repetition_ratios(
-                ok, "tokens_per_s", {"variant": "fused"}, {"variant": "peft_liger"}))
+            out["step_speedup_vs_peft_liger"] = measure.ratio_summary(
+                ok, "tokens_per_s", {"variant": "fused"}, {"variant": "peft_liger"})
         peaks = {r["variant"]: float(r["peak_gib"]) for r in ok if int(r["rep"]) == 0 and r.get("peak_gib")
                  is not None}
         if "fused" in peaks:

@@ -313,7 +313,7 @@ def _install(module, kind, config: KernelConfig):
 
 
 def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True,
-                config: KernelConfig | None = None, fused_loss: bool = False) -> dict:
+                config: KernelConfig | None = None, fused_loss: bool | str = False) -> dict:
     """Route every supported LoRA linear of ``model`` through the fused Triton kernels (idempotent).
 
     ``config`` sets how the kernels run (:class:`~lora_lab.kernels.KernelConfig`; None: the defaults, seeded
@@ -322,13 +322,21 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
     ``fused_loss=True`` also routes ``model(..., labels=...)`` through the fused linear cross-entropy
     (:func:`~lora_lab.kernels.loss.patch_causal_lm_loss`: no logits are built when labels are given).
 
+    With Liger-Kernel applied to the model (before or after this call; :mod:`lora_lab.kernels.liger`), the LoRA
+    projections inside Liger's modules are fused all the same. When both offer a loss (``fused_loss=True`` and
+    Liger's fused linear CE), :func:`lora_lab.kernels.liger.choose_loss` picks the faster by head shape (Liger's where
+    unmeasured); ``fused_loss="lora_lab"`` / ``"liger"`` forces one.
+
     Returns a summary: ``{"lora_layers": n, "shared_input_groups": g, "frozen_members": f, "moe_experts": e,
-    "fused_loss": bool, "skipped": [reasons]}``. Raises :class:`UnsupportedLoRAError` (and patches nothing) when
+    "fused_loss": bool (lora_lab's loss runs), "loss": "lora_lab" | "liger" | None (the model's own),
+    "liger": the composition report (``LigerComposition.as_dict()``) or None without Liger, "skipped": [reasons]}``.
+    Raises :class:`UnsupportedLoRAError` (and patches nothing) when
     ``strict`` and any LoRA layer is unsupported; with ``strict=False`` those layers keep their own forward.
     """
     config = resolve_config(config)
-    if not isinstance(fused_loss, bool):
-        raise TypeError(f"fused_loss must be True or False; got {fused_loss!r}")
+    if not isinstance(fused_loss, bool) and fused_loss not in ("lora_lab", "liger"):
+        raise TypeError(f"fused_loss must be True or False (or 'lora_lab' / 'liger' to force whose fused loss runs "
+                        f"when Liger-Kernel's is applied too); got {fused_loss!r}")
     found = _lora_modules(model)
     bad = [(n, why) for n, _, _, why in found if why is not None]
     if bad and strict:
@@ -341,8 +349,11 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
             "members' weights from one concatenated buffer, which FSDP's all-gathered weights are not. Pass "
             "fuse_shared_inputs=False (each LoRA linear gets its own fused op, inside its FSDP unit's forward)"
         )
-    if fused_loss:
+    liger = _liger_loss_plan(model, fused_loss)  # Liger-Kernel composition: refusals before anything is patched
+    if liger["install_loss"]:
         patch_causal_lm_loss(model)  # checks the head first: a refusal leaves the model untouched
+    elif liger["loss"] == "liger":
+        _liger_module().step_aside_for_liger_loss(model)  # a former fused_loss=True chose lora_lab's: Liger's now
     if bad:
         warnings.warn(f"patch_model: leaving {len(bad)} unsupported LoRA layer(s) unfused", RuntimeWarning,
                       stacklevel=2)
@@ -391,7 +402,42 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
 
     moe = moe_patch.patch_moe_experts(model, config=config)
     return {"lora_layers": patched, "shared_input_groups": groups, "frozen_members": frozen, "moe_experts": moe,
-            "fused_loss": fused_loss, "skipped": [why for _, why in bad]}
+            "fused_loss": liger["install_loss"], "loss": liger["loss"], "liger": _liger_summary(model, liger, moe),
+            "skipped": [why for _, why in bad]}
+
+
+def _liger_module():
+    from lora_lab.kernels import liger
+
+    return liger
+
+
+def _liger_loss_plan(model: nn.Module, fused_loss) -> dict:
+    """Whose fused loss runs (:mod:`lora_lab.kernels.liger`); raises ``UnsupportedLoRAError`` on a composition with
+    Liger-Kernel that would compute something else."""
+    from lora_lab.kernels import liger
+
+    detected = liger.detect_liger(model)
+    install, loss, why = liger._loss_plan(model, fused_loss, detected)
+    problems = liger._refusals(model, detected, loss == "liger")
+    if problems:
+        raise UnsupportedLoRAError("patch_model: unsupported composition with Liger-Kernel:\n  "
+                                   + "\n  ".join(problems))
+    return {"install_loss": install, "loss": loss, "reason": why, "detected": detected}
+
+
+def _liger_summary(model: nn.Module, plan: dict, moe_patched: int) -> dict | None:
+    """The composition report after patching (None without Liger), logged at INFO on ``lora_lab.kernels``."""
+    from lora_lab.kernels import liger
+
+    if not plan["detected"].found:
+        return None
+    replaced = plan["detected"].experts if moe_patched else []
+    report = liger.composition_report(model, plan["loss"], plan["reason"], replaced)
+    liger.log.info("patch_model with Liger-Kernel: loss %s (%s); %d Liger SwiGLU MLPs, %d LoRA projections in them "
+                   "fused; experts replaced: %s", report.loss, report.loss_reason, report.swiglu_mlps,
+                   report.swiglu_lora_fused, report.experts_replaced or "none")
+    return report.as_dict()
 
 
 def _is_fsdp_sharded(model: nn.Module) -> bool:

@@ -1,15 +1,22 @@
 """Timing, repetitions and benchmark CSVs: one module for every benchmark and notebook that measures speed.
 
-* :func:`cuda_ms` — milliseconds per call of a function, by CUDA events after a warm-up (the median of
-  ``triton.testing.do_bench`` when Triton is there); one *timed loop*.
+The primary figure of every timed comparison is what a user's loop pays (DESIGN.md, "Measuring"):
+
+* :func:`loop_ms` — milliseconds of each of ``calls`` calls of the whole call a user makes (fwd + bwd, or a whole
+  optimizer step): CUDA events around each call and ``torch.cuda.synchronize()`` after it, so the call's host time
+  (Python, launches, an op's own syncs) counts; warm-up first. Without CUDA, ``time.perf_counter`` per call.
+* :func:`kernel_ms` — a second, labelled figure: device time of the kernels one call launches (``torch.profiler``,
+  summed over the calls, divided by their number). Host time is not in it.
+* :func:`kernel_loop_ms` — the old back-to-back figure (``triton.testing.do_bench``: calls queued with no
+  synchronisation, so an op's host time hides behind its own GPU work). Only as a labelled secondary column.
 * :func:`repeat` — a timing verdict never rests on one loop: it runs the whole side-by-side comparison
-  ``n`` times (independent loops, variants interleaved) and :func:`summarize` gives the median and a 95%
-  bootstrap interval of each quantity — what :func:`lora_lab.lab.record` stores and grading reads.
-* :func:`event_ms` — milliseconds of each of a few calls by CUDA events around each: for calls too long for
-  ``do_bench``'s estimate loop (a training step, a Python loop over experts).
+  ``n`` times (independent loops, variants in :func:`rotation` order) and :func:`summarize` gives the median and a
+  95% bootstrap interval of each quantity — what :func:`lora_lab.lab.record` stores and grading reads.
+* :func:`repeat_in_processes` — the same, the repetitions split over ``n_sessions`` separate Python processes
+  (``python -m lora_lab.lab.measure``, one after another) and pooled: an interval then spans session-to-session
+  spread too. Every summary carries ``"sessions"``: how many processes its samples came from.
 * :func:`write_csv` / :func:`read_csv` — every row carries the code hash of the package that wrote it, and
   ``read_csv`` refuses rows written by other code.
-* :func:`rotation` — the order of the variants within one repetition of a side-by-side loop.
 * :func:`by_repetition` / :func:`repetition_ratios` — a benchmark CSV holds one row per (cell, variant,
   repetition); these pair the rows of two variants repetition by repetition (the samples of a ratio).
 """
@@ -26,11 +33,19 @@ from pathlib import Path
 
 __all__ = [
     "MIN_REPETITIONS",
-    "cuda_ms",
+    "loop_ms",
+    "kernel_ms",
+    "kernel_loop_ms",
     "event_ms",
     "peak_bytes",
     "training_step_ms",
     "repeat",
+    "repeat_in_processes",
+    "pool_sessions",
+    "sessions_in",
+    "pool_csv_sessions",
+    "ratio_summary",
+    "MIN_SESSIONS",
     "rotation",
     "summarize",
     "bootstrap_median_ci",
@@ -42,6 +57,7 @@ __all__ = [
 ]
 
 MIN_REPETITIONS = 5  # a time or throughput prediction is graded on at least this many independent loops
+MIN_SESSIONS = 2  # a speed ratio's interval spans at least this many separate processes
 
 
 class StaleResultError(RuntimeError):
@@ -54,32 +70,22 @@ def _cuda():
     return torch if torch.cuda.is_available() else None
 
 
-def cuda_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
-    """Median milliseconds per call of ``fn`` over about ``rep_ms`` of calls (CUDA events; L2 flushed by
-    ``triton.testing.do_bench``). Without CUDA, the median wall time of a few calls (CPU smoke runs)."""
-    torch = _cuda()
-    if torch is None:
-        fn()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
-    import triton.testing
+def loop_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[float]:
+    """Milliseconds of each of ``calls`` calls of ``fn`` after ``warmup`` untimed ones: the user's loop.
 
-    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def event_ms(fn: Callable[[], object], calls: int = 1, warmup: int = 0) -> list[float]:
-    """Milliseconds of each of ``calls`` consecutive calls of ``fn`` after ``warmup`` untimed ones (CUDA events
-    around each call, synchronised after it). For long calls, where ``cuda_ms``'s estimate loop would spend
-    seconds of device time. Without CUDA, the wall time of each call (CPU smoke runs)."""
+    On CUDA each call sits between two CUDA events and is followed by ``torch.cuda.synchronize()``, so the next
+    call starts on an idle device and everything the call costs — host time, launches, its own syncs, GPU work —
+    is inside its interval. Without CUDA, ``time.perf_counter`` around each call (CPU smoke runs).
+    """
     if calls < 1:
-        raise ValueError(f"event_ms needs calls >= 1, got {calls}")
+        raise ValueError(f"loop_ms needs calls >= 1, got {calls}")
+    if warmup < 0:
+        raise ValueError(f"loop_ms needs warmup >= 0, got {warmup}")
+    torch = _cuda()
     for _ in range(warmup):
         fn()
-    torch = _cuda()
+        if torch is not None:
+            torch.cuda.synchronize()
     times = []
     if torch is None:
         for _ in range(calls):
@@ -96,6 +102,64 @@ def event_ms(fn: Callable[[], object], calls: int = 1, warmup: int = 0) -> list[
         torch.cuda.synchronize()
         times.append(float(start.elapsed_time(end)))
     return times
+
+
+def event_ms(fn: Callable[[], object], calls: int = 1, warmup: int = 0) -> list[float]:
+    """:func:`loop_ms` with the defaults of its older name (one call, no warm-up): kept for callers that use it."""
+    return loop_ms(fn, calls=calls, warmup=warmup)
+
+
+def kernel_ms(fn: Callable[[], object], calls: int = 5, warmup: int = 2) -> float:
+    """Kernel-only milliseconds per call of ``fn``: the device time of every kernel the calls launched
+    (``torch.profiler``, summed), divided by ``calls``. A second column beside :func:`loop_ms`, labelled as kernel
+    time: host time and gaps between kernels are not in it. Without CUDA, the CPU operators' self time instead
+    (the code path only)."""
+    if calls < 1:
+        raise ValueError(f"kernel_ms needs calls >= 1, got {calls}")
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return _profiled_us(prof, cuda) / 1e3 / calls
+
+
+def _profiled_us(prof, cuda: bool) -> float:
+    """Microseconds of device kernels (CUDA) or of CPU operators' self time (no CUDA) in a profile."""
+    import torch
+
+    total = 0.0
+    for event in prof.key_averages():
+        if cuda:
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(event, "self_device_time_total", None)
+            total += us if us is not None else event.self_cuda_time_total
+        else:
+            total += event.self_cpu_time_total
+    return float(total)
+
+
+def kernel_loop_ms(fn: Callable[[], object], warmup_ms: float = 25.0, rep_ms: float = 100.0) -> float:
+    """The back-to-back figure: median milliseconds per call of ``fn`` by ``triton.testing.do_bench`` (calls queued
+    without synchronisation, L2 flushed between them). An op's host time hides behind its own GPU work here unless
+    the op synchronises, so this is never a primary figure — only a labelled secondary column. Without CUDA, the
+    median wall time of a few calls."""
+    torch = _cuda()
+    if torch is None:
+        return statistics.median(loop_ms(fn, calls=3, warmup=1))
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def peak_bytes(fn: Callable[[], object]) -> tuple[int, int]:
@@ -118,7 +182,7 @@ def training_step_ms(model, loss_fn: Callable[[object], object], steps: int, lr:
     """Time training steps of ``model``: ``loss_fn(model)`` → backward → AdamW (a fresh one over the trainable
     parameters, torch defaults besides ``lr``). One untimed warm-up step (optimizer state; compile / autotune the
     first time), with ``measure_peak`` (CUDA) one more untimed step for :func:`peak_bytes`, then ``steps`` steps
-    timed by :func:`event_ms`. Returns (milliseconds of each timed step, the loss of every step, peak bytes or
+    timed by :func:`loop_ms`. Returns (milliseconds of each timed step, the loss of every step, peak bytes or
     None)."""
     import torch
 
@@ -134,7 +198,7 @@ def training_step_ms(model, loss_fn: Callable[[object], object], steps: int, lr:
 
     step()
     peak = peak_bytes(step)[0] if measure_peak else None
-    times = event_ms(step, calls=steps)
+    times = loop_ms(step, calls=steps, warmup=0)
     return times, [float(v) for v in losses], peak
 
 
@@ -154,8 +218,10 @@ def bootstrap_median_ci(samples: Sequence[float], level: float = 0.95, n_boot: i
     return low, high
 
 
-def summarize(samples: Iterable[float]) -> dict:
-    """``{"median", "ci95": [low, high], "level", "min", "max", "n", "samples"}`` of repeated measurements.
+def summarize(samples: Iterable[float], sessions: int = 1) -> dict:
+    """``{"median", "ci95": [low, high], "level", "min", "max", "n", "samples", "sessions"}`` of repeated
+    measurements; ``sessions`` is how many separate processes the samples came from (one unless pooled by
+    :func:`repeat_in_processes` / :func:`pool_sessions`).
 
     This is the form of a repeated metric: :func:`lora_lab.lab.record` stores it as is, grading compares the
     interval with a prediction's threshold (an interval that straddles it grades *inconclusive*).
@@ -163,21 +229,129 @@ def summarize(samples: Iterable[float]) -> dict:
     values = [float(v) for v in samples]
     if not values or not all(math.isfinite(v) for v in values):
         raise ValueError(f"summarize needs finite samples, got {values!r}")
+    if isinstance(sessions, bool) or not isinstance(sessions, int) or sessions < 1:
+        raise ValueError(f"summarize needs sessions >= 1 (separate processes), got {sessions!r}")
     low, high = bootstrap_median_ci(values, level=0.95)
     return {"median": statistics.median(values), "ci95": [low, high], "level": 0.95, "min": min(values),
-            "max": max(values), "n": len(values), "samples": values}
+            "max": max(values), "n": len(values), "samples": values, "sessions": sessions}
 
 
 def repeat(measure_once: Callable[[], dict], n: int = MIN_REPETITIONS, progress: str | None = None) -> dict:
-    """Run ``measure_once()`` — one complete side-by-side loop returning ``{quantity: value}`` — ``n`` times and
-    summarise each quantity over the repetitions (``{quantity: summarize(...)}``)."""
+    """Run ``measure_once()`` — one complete side-by-side loop returning ``{quantity: value}`` — ``n`` times in
+    this process and summarise each quantity over the repetitions (``{quantity: summarize(...)}``, one session)."""
     if n < 1:
         raise ValueError(f"repeat needs n >= 1, got {n}")
     from tqdm.auto import tqdm
 
     runs = [measure_once() for _ in tqdm(range(n), desc=progress or "repetitions", disable=progress is None)]
-    keys = list(dict.fromkeys(k for run in runs for k in run))
-    return {k: summarize(run[k] for run in runs if k in run) for k in keys}
+    return _summarize_runs([runs])
+
+
+def _summarize_runs(sessions: list[list[dict]]) -> dict:
+    """``{quantity: summarize(...)}`` over the runs of every session; ``sessions`` counts those that had it."""
+    keys = list(dict.fromkeys(k for runs in sessions for run in runs for k in run))
+    out = {}
+    for k in keys:
+        values = [run[k] for runs in sessions for run in runs if k in run]
+        had = sum(1 for runs in sessions if any(k in run for run in runs))
+        out[k] = summarize(values, sessions=had)
+    return out
+
+
+def _import_target(target: str):
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"target must be 'package.module:function', got {target!r}")
+    import importlib
+
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def repeat_in_processes(target: str, n_sessions: int = MIN_SESSIONS, n: int = MIN_REPETITIONS,
+                        kwargs: dict | None = None, python: str | None = None, sys_path: Sequence[str] = (),
+                        timeout_s: float | None = None, env: dict | None = None) -> dict:
+    """:func:`repeat` with its repetitions run in ``n_sessions`` separate Python processes, one after another
+    (never at once: they would share the device), and pooled.
+
+    ``target`` is ``"package.module:function"``; in each process ``function(**kwargs)`` builds what it measures and
+    returns ``measure_once`` (one complete side-by-side loop → ``{quantity: value}``), which runs ``n`` times. The
+    child is ``python -m lora_lab.lab.measure`` (``sys_path``: folders put first on its import path, e.g.
+    ``benchmarks``); it writes its runs as JSON. Returns ``{quantity: summarize(...)}`` over the ``n_sessions × n``
+    runs, each with ``"sessions"`` (processes that measured it). A failing session raises, with its stderr.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if n_sessions < 1 or n < 1:
+        raise ValueError(f"repeat_in_processes needs n_sessions >= 1 and n >= 1, got {n_sessions}, {n}")
+    if target.count(":") != 1 or not all(target.partition(":")[::2]):
+        raise ValueError(f"target must be 'package.module:function', got {target!r}")
+    payload = json.dumps(kwargs or {})  # fails here, not in a child, when kwargs are not JSON
+    child_env = dict(os.environ if env is None else env)
+    paths = [str(Path(p).resolve()) for p in sys_path]
+    if paths:
+        child_env["PYTHONPATH"] = os.pathsep.join([*paths, child_env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    sessions = []
+    with tempfile.TemporaryDirectory(prefix="lora_lab_sessions_") as tmp:
+        for k in range(n_sessions):
+            out = Path(tmp) / f"session{k}.json"
+            cmd = [python or sys.executable, "-m", "lora_lab.lab.measure", "--target", target, "--n", str(n),
+                   "--kwargs", payload, "--out", str(out)]
+            done = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout_s)
+            if done.returncode != 0 or not out.is_file():
+                raise RuntimeError(f"session {k} of {target} failed (exit {done.returncode}):\n"
+                                   f"{done.stderr[-4000:]}")
+            sessions.append(json.loads(out.read_text())["runs"])
+    return _summarize_runs(sessions)
+
+
+def pool_sessions(sessions: Sequence[Sequence[dict]]) -> list[dict]:
+    """Benchmark rows of several sessions (separate processes) as one table: each row gets ``session`` (its
+    process, 0-based) and its ``rep`` renumbered to stay unique across sessions (``rep + session × reps``), so
+    :func:`repetition_ratios` pairs rows within a repetition as before. :func:`sessions_in` counts them back."""
+    pooled = []
+    offset = 0
+    for k, rows in enumerate(sessions):
+        reps = [int(r["rep"]) for r in rows if r.get("rep") is not None]
+        for row in rows:
+            new = {**row, "session": k}
+            if row.get("rep") is not None:
+                new["rep"] = int(row["rep"]) + offset
+            pooled.append(new)
+        offset += (max(reps) + 1) if reps else 0
+    return pooled
+
+
+def pool_csv_sessions(parts: Sequence[Path | str], out: Path | str, names: Sequence[str]) -> dict[str, int]:
+    """Pool the CSVs ``names`` that one benchmark wrote into each of the ``parts`` folders (one per session: the
+    script run once per process) into ``out`` (:func:`pool_sessions`; rows without ``rep`` keep theirs). A name
+    missing from every part is skipped; one missing from only some is an error. Returns {name: pooled rows}."""
+    out = Path(out)
+    written = {}
+    for name in names:
+        found = [Path(p) / name for p in parts]
+        have = [f.is_file() for f in found]
+        if not any(have):
+            continue
+        if not all(have):
+            missing = [str(f) for f, h in zip(found, have) if not h]
+            raise FileNotFoundError(f"{name}: written by only some sessions ({missing} missing)")
+        rows = pool_sessions([read_csv(f) for f in found])
+        write_csv(rows, out / name)
+        written[name] = len(rows)
+    return written
+
+
+def sessions_in(rows: Iterable[dict]) -> int:
+    """How many sessions (separate processes) the rows came from: distinct ``session`` values, 1 without any."""
+    found = {row.get("session") for row in rows if row.get("session") is not None}
+    return max(len(found), 1)
 
 
 def rotation(names: Sequence, rep: int) -> list:
@@ -267,3 +441,33 @@ def repetition_ratios(rows: Iterable[dict], value: str, numerator: dict, denomin
         raise ValueError(f"{value}: repetitions of {numerator} ({sorted(top)}) and {denominator} "
                          f"({sorted(bottom)}) do not pair up")
     return [top[rep] / bottom[rep] for rep in sorted(top)]
+
+
+
+def ratio_summary(rows: Iterable[dict], value: str, numerator: dict, denominator: dict) -> dict:
+    """:func:`summarize` of :func:`repetition_ratios`, with ``sessions`` counted from the rows (pooled by
+    :func:`pool_sessions`) of the two variants."""
+    rows = list(rows)
+    used = [r for r in rows if all(r.get(k) == v for k, v in numerator.items())
+            or all(r.get(k) == v for k, v in denominator.items())]
+    return summarize(repetition_ratios(rows, value, numerator, denominator), sessions=sessions_in(used))
+
+def _session_main(argv=None) -> None:
+    """One session of :func:`repeat_in_processes`: build with the target, run ``n`` repetitions, write JSON."""
+    import argparse
+    import json
+    import os
+
+    ap = argparse.ArgumentParser(description="one session (process) of lora_lab.lab.measure.repeat_in_processes")
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--n", type=int, required=True)
+    ap.add_argument("--kwargs", default="{}")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+    measure_once = _import_target(args.target)(**json.loads(args.kwargs))
+    runs = [measure_once() for _ in range(args.n)]
+    Path(args.out).write_text(json.dumps({"runs": runs, "pid": os.getpid()}))
+
+
+if __name__ == "__main__":
+    _session_main()

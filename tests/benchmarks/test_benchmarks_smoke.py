@@ -434,7 +434,8 @@ def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(mon
 
     monkeypatch.setattr(bench, "set_implementation", refusing)
     shape = fused_moe.LAYER_SHAPES["qwen3_30b_a3b"].scaled(**bench.SMOKE_SHAPES["qwen3_30b_a3b"])
-    args = argparse.Namespace(repetitions=2, eager_calls=1, warmup_ms=1.0, rep_ms=2.0, smoke=True)
+    args = argparse.Namespace(repetitions=2, eager_calls=1, warmup_ms=1.0, rep_ms=2.0, smoke=True, calls=2, warmup=0,
+                              secondary=["kernel", "back_to_back"])
     refused = {"ours_persistent"}
     rows = bench.bench_layer_cell(shape, 8, 8192, "full", ["grouped_mm", "ours", "ours_persistent"], args, None,
                                   torch.device("cpu"), torch.float32)
@@ -449,3 +450,23 @@ def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(mon
     with pytest.raises(RuntimeError, match="made-up failure of ours"):
         bench.bench_layer_cell(shape, 8, 8192, "full", ["grouped_mm", "ours"], args, None, torch.device("cpu"),
                                torch.float32)
+
+
+@pytest.mark.slow
+def test_primary_figure_is_the_users_loop_with_labelled_secondary_columns(smoke_dir):
+    """Issue #27: the timed rows carry the synchronised loop's figure (``timing`` = loop, every timed call in
+    ``ms_each``) and kernel time only as a separate, labelled column; no do_bench column without CUDA."""
+    for name, value in (("06_moe_layer.csv", "ms"), ("05_gated_deltanet.csv", "fwd_bwd_ms")):
+        rows = [r for r in measure.read_csv(smoke_dir / name) if r.get(value) is not None]
+        assert rows, name
+        for r in rows:
+            assert r["timing"] == "loop", name
+            each = [float(t) for t in str(r["ms_each"]).split()]
+            assert r[value] == pytest.approx(sorted(each)[len(each) // 2] if len(each) % 2 else
+                                             (sorted(each)[len(each) // 2 - 1] + sorted(each)[len(each) // 2]) / 2,
+                                             rel=1e-3, abs=1e-3)
+            if r.get("impl") != "eager":
+                assert r["kernel_ms"] > 0, name
+            assert r.get("back_to_back_ms") is None or torch.cuda.is_available()
+    profile = [r for r in measure.read_csv(smoke_dir / "profile_kernels.csv") if r["status"] == "ok"]
+    assert profile and all(r["loop_ms_per_step"] > 0 for r in profile)

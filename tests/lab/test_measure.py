@@ -1,0 +1,154 @@
+"""measure: the user's loop (synchronised per call), kernel time, rotation, sessions pooled across processes."""
+import math
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from lora_lab.lab import measure
+
+
+class _FakeCuda:
+    """Stands in for ``torch`` with a CUDA device: counts synchronize() calls and logs events in order."""
+
+    def __init__(self):
+        self.log = []
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self):
+                outer.log.append("record")
+                self.at = len(outer.log)
+
+            def elapsed_time(self, other):
+                return float(other.at - self.at)
+
+        self.cuda = SimpleNamespace(Event=Event, synchronize=lambda: outer.log.append("sync"))
+
+
+def test_loop_ms_synchronises_after_every_timed_call(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(measure, "_cuda", lambda: fake)
+    times = measure.loop_ms(lambda: fake.log.append("call"), calls=4, warmup=2)
+    assert len(times) == 4
+    timed = fake.log[fake.log.index("record"):]
+    # each timed call: event, the call, event, synchronize — nothing queued behind an unsynchronised call
+    assert timed == ["record", "call", "record", "sync"] * 4
+    # warm-up calls are synchronised too, and the loop starts on an idle device
+    assert fake.log[:fake.log.index("record")] == ["call", "sync", "call", "sync", "sync"]
+
+
+def test_loop_ms_on_cpu_times_each_call():
+    calls = []
+    times = measure.loop_ms(lambda: calls.append(1), calls=3, warmup=1)
+    assert len(times) == 3 and len(calls) == 4
+    assert all(t >= 0 and math.isfinite(t) for t in times)
+    with pytest.raises(ValueError, match="calls >= 1"):
+        measure.loop_ms(lambda: None, calls=0)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        measure.loop_ms(lambda: None, warmup=-1)
+
+
+def test_event_ms_keeps_its_old_defaults(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(measure, "_cuda", lambda: fake)
+    assert len(measure.event_ms(lambda: fake.log.append("call"))) == 1
+    assert fake.log.count("call") == 1
+
+
+def test_kernel_ms_profiles_the_calls_on_cpu():
+    import torch
+
+    a = torch.randn(64, 64)
+    ms = measure.kernel_ms(lambda: a @ a, calls=3, warmup=1)
+    assert ms > 0 and math.isfinite(ms)
+    with pytest.raises(ValueError, match="calls >= 1"):
+        measure.kernel_ms(lambda: None, calls=0)
+
+
+def test_rotation_puts_every_variant_first_once_per_cycle():
+    names = ["a", "b", "c"]
+    orders = [measure.rotation(names, rep) for rep in range(3)]
+    assert [o[0] for o in orders] == names
+    assert all(sorted(o) == names for o in orders)
+    assert measure.rotation(names, 3) == names
+
+
+def test_summarize_records_sessions():
+    one = measure.summarize([1.0, 2.0, 3.0])
+    assert one["sessions"] == 1 and one["n"] == 3 and one["median"] == 2.0
+    assert measure.summarize([1.0, 2.0], sessions=2)["sessions"] == 2
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="sessions"):
+            measure.summarize([1.0], sessions=bad)
+    assert measure.repeat(lambda: {"x": 1.0}, n=2)["x"]["sessions"] == 1
+
+
+def _write_target(tmp_path, body: str) -> str:
+    (tmp_path / "session_target_mod.py").write_text(body)
+    return "session_target_mod:setup"
+
+
+def test_repeat_in_processes_pools_two_processes(tmp_path):
+    target = _write_target(tmp_path, (
+        "import os\n"
+        "def setup(scale):\n"
+        "    count = [0]\n"
+        "    def once():\n"
+        "        count[0] += 1\n"
+        "        return {'pid': float(os.getpid()), 'value': scale * count[0]}\n"
+        "    return once\n"))
+    out = measure.repeat_in_processes(target, n_sessions=2, n=3, kwargs={"scale": 2.0}, sys_path=[tmp_path],
+                                      timeout_s=300)
+    assert out["value"]["sessions"] == 2 and out["value"]["n"] == 6
+    assert sorted(out["value"]["samples"]) == [2.0, 2.0, 4.0, 4.0, 6.0, 6.0]
+    pids = set(out["pid"]["samples"])
+    assert len(pids) == 2 and float(os.getpid()) not in pids  # two separate processes, neither this one
+
+
+def test_repeat_in_processes_reports_a_failing_session(tmp_path):
+    target = _write_target(tmp_path, "def setup():\n    raise RuntimeError('no device here')\n")
+    with pytest.raises(RuntimeError, match="no device here"):
+        measure.repeat_in_processes(target, n_sessions=2, n=1, sys_path=[tmp_path], timeout_s=300)
+    with pytest.raises(ValueError, match="package.module:function"):
+        measure.repeat_in_processes("no_colon", n_sessions=1, n=1)
+
+
+def test_pool_sessions_renumbers_repetitions_and_counts_sessions():
+    s0 = [{"variant": v, "rep": r, "ms": 1.0 + r} for r in range(2) for v in ("a", "b")]
+    s1 = [{"variant": v, "rep": r, "ms": 2.0 + r} for r in range(2) for v in ("a", "b")]
+    rows = measure.pool_sessions([s0, s1])
+    assert sorted({r["rep"] for r in rows}) == [0, 1, 2, 3]
+    assert {r["session"] for r in rows} == {0, 1}
+    assert measure.sessions_in(rows) == 2 and measure.sessions_in(s0) == 1
+    ratio = measure.ratio_summary(rows, "ms", {"variant": "a"}, {"variant": "b"})
+    assert ratio["n"] == 4 and ratio["sessions"] == 2 and ratio["median"] == 1.0
+
+
+def test_session_main_runs_in_this_interpreter(tmp_path, monkeypatch):
+    target = _write_target(tmp_path, "def setup():\n    return lambda: {'x': 1.0}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "s.json"
+    measure._session_main(["--target", target, "--n", "2", "--out", str(out)])
+    import json
+
+    assert json.loads(out.read_text())["runs"] == [{"x": 1.0}, {"x": 1.0}]
+    assert sys.modules.get("session_target_mod") is not None
+
+
+def test_pool_csv_sessions_pools_each_csv(tmp_path):
+    for k in range(2):
+        measure.write_csv([{"variant": v, "rep": r, "ms": 1.0 + k} for r in range(2) for v in "ab"],
+                          tmp_path / f"s{k}" / "bench.csv")
+    measure.write_csv([{"x": 1}], tmp_path / "s0" / "only_one.csv")
+    parts = [tmp_path / "s0", tmp_path / "s1"]
+    assert measure.pool_csv_sessions(parts, tmp_path / "pooled", ["bench.csv", "absent.csv"]) == {"bench.csv": 8}
+    rows = measure.read_csv(tmp_path / "pooled" / "bench.csv")
+    assert measure.sessions_in(rows) == 2 and sorted({r["rep"] for r in rows}) == [0, 1, 2, 3]
+    with pytest.raises(FileNotFoundError, match="only some sessions"):
+        measure.pool_csv_sessions(parts, tmp_path / "pooled", ["only_one.csv"])

@@ -56,7 +56,7 @@ ifeq ($(CHAIN),1)
 endif
 	$(if $(filter 0,$(CHAIN)),$(PIP) install -q --upgrade pip)
 	$(if $(PINS),$(PIP) install -q $(PINS) torch triton)
-	$(PIP) install -q $(INDEX) $(PINS) -e '.[kernels,notebooks,test]'
+	$(PIP) install -q $(INDEX) $(PINS) -e '.[kernels,liger,notebooks,test]'
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pyproject_requirements():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = list(data["dependencies"])
-    for extra in ("kernels", "notebooks", "test"):
+    for extra in ("kernels", "liger", "notebooks", "test"):
         reqs += data["optional-dependencies"][extra]
     return reqs
 
@@ -20,7 +20,7 @@ def test_environment_yml_matches_pyproject():
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
     listed = [r for r in pip_section if not r.startswith("-e ")]
     assert sorted(listed) == sorted(_pyproject_requirements()), "environment.yml drifted from pyproject.toml"
-    assert "-e .[kernels,notebooks,test]" in pip_section
+    assert "-e .[kernels,liger,notebooks,test]" in pip_section
 
 
 def test_requirement_ranges_admit_the_gpu_machine():

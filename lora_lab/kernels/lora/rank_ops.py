@@ -13,6 +13,7 @@ import triton.language as tl
 
 from lora_lab.kernels.lora.tuning import autotune, skinny_configs
 from lora_lab.kernels.triton_helpers import (
+    check_interpreter_dtype,
     check_kernel_device,
     dot_precision,
     rank_block,
@@ -175,6 +176,7 @@ def rank_projection(inp: torch.Tensor, mat: torch.Tensor, scale: float, out: tor
                     dropout_p: float = 0.0, seed: int | None = None,
                     col_scale: torch.Tensor | None = None, tune: bool = True) -> torch.Tensor:
     """out[M, r] = scale · drop(inp)[M, D] @ mat[D, r] [· col_scale[r]] (``mat`` may be a transposed view)."""
+    check_interpreter_dtype(inp, op="rank_projection")
     M, D = inp.shape
     R = mat.shape[1]
     if out is None:
@@ -208,6 +210,7 @@ def _num_row_splits(M: int, D: int, R: int, block_r: int) -> int:
 
 def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, tune: bool = True):
     """(Q = scale · dY B in dY's dtype, fp32 dBᵀ = Pᵀ dY) from one pass over dY (atomic adds for dB)."""
+    check_interpreter_dtype(dy, op="q_and_db")
     M, D = dy.shape
     R = b.shape[1]
     q = torch.empty((M, R), device=dy.device, dtype=dy.dtype)
@@ -232,6 +235,7 @@ def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, t
 def rank_reduction(l: torch.Tensor, inp: torch.Tensor, dropout_p: float = 0.0,
                    seed: int | None = None, tune: bool = True) -> torch.Tensor:
     """fp32 out[r, D] = l[M, r]ᵀ @ drop(inp)[M, D], summed over M in a few deterministic slices."""
+    check_interpreter_dtype(inp, op="rank_reduction")
     M, R = l.shape
     D = inp.shape[1]
     if M == 0 or R == 0 or D == 0:

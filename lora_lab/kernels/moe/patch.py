@@ -24,6 +24,7 @@ from torch import nn
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.experts import fused_moe_experts
 from lora_lab.kernels.moe.lora import EXPERT_PARAMETERS, ExpertLoRA, peft_expert_factors
+from lora_lab.kernels.triton_helpers import interpreter_reason
 
 # Experts classes whose forward is exactly the SiLU-gated per-expert MLP over (hidden, top_k_index,
 # top_k_weights) with gate_up_proj (E, 2I, H) = [gate; up] and down_proj (E, H, I).
@@ -93,7 +94,7 @@ def unsupported_reason(experts: nn.Module) -> str | None:
                 "do not fit (E, 2I, H) / (E, H, I)")
     if gate_up.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"weights of dtype {gate_up.dtype} (quantized?) are not supported"
-    return None
+    return interpreter_reason(gate_up, "experts")
 
 
 def _fused_experts_forward(self, hidden_states, top_k_index, top_k_weights):

@@ -153,10 +153,19 @@ class KernelConfig:
         return dataclasses.replace(self, **changes)
 
 
+_FROM_ENV_CACHE: dict = {}
+
+
 def resolve_config(config: KernelConfig | None) -> KernelConfig:
-    """``config`` itself, or (None) the defaults seeded from the environment at the time of the call."""
+    """``config`` itself, or (None) the defaults seeded from the environment at the time of the call (the
+    ``KernelConfig`` built for the same values of the ``LORA_LAB_*`` variables is reused: an op called with
+    ``config=None`` does not rebuild and re-validate it on every call)."""
     if config is None:
-        return KernelConfig.from_env()
+        key = tuple(os.environ.get(variable) for variable in ENV_VARIABLES.values())
+        cached = _FROM_ENV_CACHE.get(key)
+        if cached is None:
+            cached = _FROM_ENV_CACHE[key] = KernelConfig.from_env()
+        return cached
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a lora_lab.kernels.KernelConfig or None; got {type(config).__name__}")
     return config

@@ -23,7 +23,7 @@ import triton.language as tl
 
 __all__ = ["running_in_interpreter", "kernels_interpreted", "dot_precision", "rank_block", "row_bucket",
            "check_kernel_device", "check_interpreter_dtype", "InterpreterDtypeError", "interpreter_reason",
-           "accumulate_matmul", "tile_coords", "num_sms"]
+           "accumulate_matmul", "tile_coords", "num_sms", "cdiv", "next_power_of_2"]
 
 
 def running_in_interpreter() -> bool:
@@ -40,13 +40,24 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side grids and sizes. ``triton.cdiv`` is a constexpr function whose host call costs
+    microseconds (argument unwrapping); a LoRA linear's forward + backward computes a couple of dozen of these."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (0 for n <= 0, as ``triton.next_power_of_2``), on the host (see :func:`cdiv`)."""
+    return 0 if n <= 0 else 1 << (int(n) - 1).bit_length()
+
+
 def rank_block(rank: int, cap: int | None = None) -> int:
     """Width of a rank tile: a power of two, at least 16 (the smallest tl.dot), at most ``cap`` if given.
 
     With a cap, a kernel covers larger ranks with several tiles (a grid axis or a loop); without one the
     whole rank is one tile.
     """
-    width = max(16, triton.next_power_of_2(max(int(rank), 1)))
+    width = max(16, next_power_of_2(max(int(rank), 1)))
     return min(width, cap) if cap is not None else width
 
 

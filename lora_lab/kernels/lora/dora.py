@@ -28,6 +28,7 @@ import triton.language as tl
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.lora.linear import fused_lora_linear
 from lora_lab.kernels.triton_helpers import (
+    cdiv,
     check_interpreter_dtype,
     check_kernel_device,
     dot_precision,
@@ -104,7 +105,7 @@ def dora_row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
         return dora_row_norm_reference(weight, lora_A, lora_B, scale)
     block_o, block_i = (16, 32) if running_in_interpreter() else (64, 128)
     try:
-        _dora_row_norm_kernel[(triton.cdiv(out_f, block_o),)](
+        _dora_row_norm_kernel[(cdiv(out_f, block_o),)](
             weight, weight.stride(0), weight.stride(1), lora_A, lora_A.stride(0), lora_A.stride(1),
             lora_B, lora_B.stride(0), lora_B.stride(1), out, out_f, in_f, r, float(scale),
             PRECISION=dot_precision(weight.dtype), BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_R=rank_block(r),

@@ -28,6 +28,7 @@ from lora_lab.kernels.lora.rank_ops import dropout_args, rank_projection
 from lora_lab.kernels.lora.tuning import autotune, gemm_configs
 from lora_lab.kernels.triton_helpers import (
     accumulate_matmul,
+    cdiv,
     check_interpreter_dtype,
     dot_precision,
     num_sms,
@@ -303,11 +304,15 @@ def _input_row_major(inp) -> bool:
     return inp.stride(1) == 1 and _rows_ok(inp, inp.stride(0))
 
 
+try:  # TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
+    TensorDescriptor = None
+
+
 def _tma_layout(segments):
     """'nk' / 'kn' when every (in, mat) pair can be read through TMA descriptors, else None."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (imported to probe: triton >= 3.4)
-    except ImportError:
+    if TensorDescriptor is None:
         return None
 
     rows_ok = _rows_ok
@@ -374,7 +379,7 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
                  BLOCK_R=rank_block(R, cap=64))
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
     config = resolve_config(config)
     impl = config.gemm_loads
@@ -423,8 +428,6 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
 
 def _descriptors(segments, layout: str, M: int, N: int) -> list:
     """TMA descriptors (block shapes set per config by the pre-hook) and depth of each segment, padded to 4."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     descs = []
     for inp, mat in segments:
         d_in = TensorDescriptor(inp, [M, inp.shape[1]], [inp.stride(0), 1], [16, 16])
@@ -458,7 +461,7 @@ def _persistent_gemm(out, segments, layout, tail, flags, config, project=None) -
     num_sms_ = num_sms(out.device)
 
     def grid(meta):
-        return (min(num_sms_, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(num_sms_, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
 
     if project is not None:
         proj, proj_scale, _ = project

@@ -40,6 +40,7 @@ from lora_lab.kernels.moe.launch import (
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import launch_grid, row_descriptor, schedule_flags
 from lora_lab.kernels.triton_helpers import (
+    cdiv,
     check_interpreter_dtype,
     dot_precision,
     tile_coords,
@@ -204,7 +205,7 @@ def expert_weight_grad(
     )
 
     def grid_of(block_m, block_n):
-        return launch_grid(flags, (triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n), num_experts))
+        return launch_grid(flags, (cdiv(m_dim, block_m) * cdiv(n_dim, block_n), num_experts))
 
     narrow = min(m_dim, n_dim) <= 128  # LoRA factor gradients: rank-sized side, fixed tiles
     if tune and autotune_enabled(config) and not narrow:

@@ -29,7 +29,7 @@ from lora_lab.kernels.moe.launch import (
     narrow_block_size,
     set_expert_block_shape,
 )
-from lora_lab.kernels.triton_helpers import num_sms
+from lora_lab.kernels.triton_helpers import cdiv, num_sms
 
 # ---------------------------------------------------------------- device side (inlined)
 
@@ -239,7 +239,7 @@ def launch_row_tiles(
             pass
 
     def grid_of(block_n):
-        return launch_grid(flags, (triton.cdiv(num_cols, block_n), num_tiles))
+        return launch_grid(flags, (cdiv(num_cols, block_n), num_tiles))
 
     if tune and autotune_enabled(config) and not narrow:
         tuned[lambda meta: grid_of(meta["BLOCK_N"])](*args, **flags)

@@ -439,3 +439,30 @@ def test_gpu_bf16_cublas_engine(adapter_dtype):
     x, w, b, A, B = make_case(1000, 1030, 2051, 16, torch.bfloat16, adapter_dtype=adapter_dtype, device="cuda")
     y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=TRITON.replace(dispatch="cublas"))
     assert cosine(y, yr) >= 0.99999
+
+
+@pytest.mark.parametrize("fold,want", [(False, 6), (True, 4)], ids=["separate-passes", "folded"])
+def test_triton_launches_per_forward_and_backward(fold, want, monkeypatch):
+    """Issue 27 item 5's count, checked without a GPU: the kernels replaced by stubs that record each launch. The
+    shipped Triton path launches P and the GEMM forward, Q, dB, dA and the dX GEMM backward (six); folding P and Q
+    into the persistent GEMMs leaves four."""
+    import lora_lab.kernels.lora.gemm as gemm
+    import lora_lab.kernels.lora.rank_ops as rank_ops
+
+    launches = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    for module, names in ((gemm, ["_lora_gemm_kernel", "_lora_gemm_tma_kernel", "_lora_gemm_persistent_kernel"]),
+                          (rank_ops, ["_rank_projection_kernel", "_rank_reduction_kernel", "_q_and_db_kernel"])):
+        for name in names:
+            monkeypatch.setattr(module, name, Stub(name))
+    x, w, b, A, B = make_case(40, 64, 48, 8, torch.float32)
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=fold)
+    fused_lora_linear(x.requires_grad_(), w, b, A, B, 0.5, config=config).sum().backward()
+    assert len(launches) == want, launches

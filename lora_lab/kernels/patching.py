@@ -21,13 +21,13 @@ differs from the weights, autocast.
 from __future__ import annotations
 
 import copy
-import types
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from lora_lab.kernels.bound_forward import BoundForward
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.dora import fused_dora_linear
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
@@ -121,8 +121,8 @@ def _original_forward(module):
 
 
 def _fused_forward(module, x, *args, **kwargs):
-    """The patched forward, installed as a method bound to ``module`` (not a closure over it): ``copy.deepcopy``
-    of a bound method binds the copy to the copied module, so a deep-copied model runs on its own parameters."""
+    """The patched forward, installed as ``BoundForward(_fused_forward, module)`` (not a closure over the module):
+    a deep copy or a pickled copy of the model calls it with its own module, so it runs on its own parameters."""
     st = getattr(module, _STATE_ATTR)
     parts = None if (args or kwargs) else _LayerState.parts(module)
     if parts is None or not _fusable_call(x, parts[0]):
@@ -338,7 +338,7 @@ def _install(module, kind, config: KernelConfig):
     state = _LayerState(kind=kind, original_forward_in_dict=module.__dict__.get("forward"), had_forward_attr=had,
                         config=config)
     setattr(module, _STATE_ATTR, state)
-    module.forward = types.MethodType(_fused_forward, module)
+    module.forward = BoundForward(_fused_forward, module)
 
 
 def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True,

@@ -446,3 +446,23 @@ def test_state_dict_round_trips_of_a_patched_model_are_independent():
             _zero_lora_B(other)
             assert rel_l2(other(input_ids=ids).logits, want) > 1e-3
             assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_saved_and_loaded_patched_model_runs_on_its_own_parameters(tmp_path):
+    # the patched forward is a BoundForward object, not a closure (torch.save failed) nor a bound method (pickle
+    # stores those by name, so torch.load failed): a whole-model save/load gives a working, independent copy
+    model = peft_tiny(targets=["q_proj", "k_proj", "v_proj"])
+    patch_model(model)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert patched_layers(loaded) == patched_layers(model)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+        _zero_lora_B(loaded)
+        assert rel_l2(loaded(input_ids=ids).logits, want) > 1e-3
+        assert torch.equal(model(input_ids=ids).logits, want)
+    loaded(input_ids=ids, labels=ids).loss.backward()
+    assert lora_grads(loaded) and not lora_grads(model)

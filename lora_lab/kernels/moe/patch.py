@@ -16,11 +16,10 @@ another parameter, several active adapters. ``unpatch_moe_experts`` restores the
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
+from lora_lab.kernels.bound_forward import BoundForward
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.experts import fused_moe_experts
 from lora_lab.kernels.moe.lora import EXPERT_PARAMETERS, ExpertLoRA, peft_expert_factors
@@ -201,7 +200,7 @@ def patch_moe_experts(model: nn.Module, config: KernelConfig | None = None) -> i
                 raise NotImplementedError(f"cannot fuse MoE experts at {name!r}: {reason}")
             plan.append((module, _fused_experts_forward))
     for module, forward in plan:
-        module.forward = types.MethodType(forward, module)
+        module.forward = BoundForward(forward, module)
         setattr(module, _PATCH_FLAG, config)
     return len(plan)
 

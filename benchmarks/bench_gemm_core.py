@@ -8,8 +8,8 @@ kernel time of calls queued back to back — a GEMM kernel figure, not a user's 
 * ``cublas`` — ``torch.matmul`` (what the frozen layer runs);
 * ``tma`` — ``lora_gemm`` with ``gemm_loads="tma"``: one program per output tile (the kernel the fused LoRA
   linear uses on Hopper today);
-* ``persistent`` / ``persistent_ws`` — ``lora_gemm`` with the persistent TMA kernel, without / with warp
-  specialisation (only where this Triton's ``tl.range`` has it);
+* ``persistent`` — ``lora_gemm`` with the persistent TMA kernel (its warp-specialised form was removed: it failed
+  to compile on the H200);
 * ``<kernel>+lora`` — the same Triton kernels with the rank-``--rank`` term folded in (``+ (X Aᵀ)(s B)ᵀ`` in the
   forward, ``+ (dY B)(s A)`` in dX, the small factors precomputed): what a LoRA layer's GEMM costs over the frozen
   GEMM.
@@ -38,12 +38,12 @@ import torch
 from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
 
 from lora_lab.kernels import KernelConfig
-from lora_lab.kernels.lora.gemm import lora_gemm, warp_specialization_available
+from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.lab import measure
 from lora_lab.numerics import rel_l2
 
 CSV, SUMMARY_CSV = "gemm_core.csv", "gemm_core_summary.csv"
-KERNELS = ["tma", "persistent", "persistent_ws"]
+KERNELS = ["tma", "persistent"]
 VARIANTS = ["cublas", *KERNELS, *(f"{k}+lora" for k in KERNELS)]
 DEFAULT_VARIANTS = ["cublas", "tma", "persistent", "tma+lora", "persistent+lora"]
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"]}
@@ -191,13 +191,6 @@ def main(argv=None):
     ap.set_defaults(variants=DEFAULT_VARIANTS)
     args = ap.parse_args(argv)
     variants = chosen_variants(ap, args, VARIANTS, ["cublas"])
-    if not warp_specialization_available():
-        dropped = [v for v in variants if v.startswith("persistent_ws")]
-        if dropped:
-            import triton
-
-            print(f"{', '.join(dropped)}: triton {triton.__version__}'s tl.range has no warp_specialize; skipped")
-        variants = [v for v in variants if v not in dropped]
     device = check_device(args.smoke)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     out = Path(args.out)

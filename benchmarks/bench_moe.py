@@ -5,7 +5,7 @@ Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``: Qwen3
 Qwen1.5-MoE-like), forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
-the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` / ``ours_persistent_ws`` are ours
+the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` is ours
 with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
@@ -76,7 +76,7 @@ from lora_lab.experiments.fused_moe import (
 from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
-# Liger: full fine-tuning only, when installed; ours_persistent(_ws): ours with KernelConfig.moe_loads set
+# Liger: full fine-tuning only, when installed; ours_persistent: ours with KernelConfig.moe_loads set
 ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, LIGER]
 # --smoke: tiny stand-ins of the two layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {"qwen3_30b_a3b": dict(hidden=32, num_experts=4, top_k=2, intermediate=16),

@@ -32,9 +32,9 @@ for s in $STEPS; do
              -o addopts="-ra" "$HERE/../tests/kernels" ;;
     gemm) step gemm "$PY" "$HERE/bench_gemm_core.py" --out "$OUT" --variants all $SMOKE_FLAG ;;
     linear) step linear "$PY" "$HERE/bench_lora_linear.py" --out "$OUT" --tokens 32768 --ranks 16 \
-              --variants fused_persistent fused_persistent_ws fused_fold fused_fold_ws $SMOKE_FLAG ;;
+              --variants fused_persistent fused_fold $SMOKE_FLAG ;;
     moe) step moe "$PY" "$HERE/bench_moe.py" --out "$OUT" --no-e2e \
-           --variants ours_persistent ours_persistent_ws liger $SMOKE_FLAG ;;
+           --variants ours_persistent liger $SMOKE_FLAG ;;
     profile) step profile "$PY" "$HERE/profile_kernels.py" --out "$OUT" --variants all $SMOKE_FLAG ;;
     *) echo "unknown step $s (tests gemm linear moe profile)"; status=2 ;;
   esac

@@ -232,7 +232,7 @@ def peft_roundtrip_check(device="cpu", seed=0) -> dict:
 H200_DENSE_BF16_TFLOPS = 989.5  # NVIDIA H200 SXM: 1,979 TFLOP/s bf16 with 2:4 sparsity, half of it dense
 IMPLEMENTATIONS = ("eager", "grouped_mm", "ours")
 # ours with the persistent form of the row kernels (KernelConfig.moe_loads), timed when a benchmark asks for them
-OURS_PERSISTENT = {"ours_persistent": "persistent", "ours_persistent_ws": "persistent_ws"}
+OURS_PERSISTENT = {"ours_persistent": "persistent"}  # (the warp-specialised form was removed in issue 26)
 
 
 def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:
@@ -498,7 +498,7 @@ GRADED_SPEEDUPS = [
 TFLOPS_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full"]
 GRADED_PEAKS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t8192_lora"]
 GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm"), ("full", LIGER)]
-# cells where the persistent form (ours_persistent, ours_persistent_ws; bench_moe --variants) is compared with ours
+# cells where the persistent form (ours_persistent; bench_moe --variants) is compared with ours
 PERSISTENT_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full", "qwen3_30b_a3b_t8192_lora"]
 GRADED_CELLS = list(dict.fromkeys([cell for cell, _ in GRADED_SPEEDUPS] + GRADED_PEAKS + PERSISTENT_CELLS))
 

@@ -1,7 +1,8 @@
 """Fused Triton kernels for LoRA training, and the switch that puts them into a model.
 
 * :mod:`.lora`      — one LoRA linear (:func:`fused_lora_linear`), several projections of one input
-                      (:func:`fused_shared_input_lora`), and the chained-cuBLAS baseline
+                      (:func:`fused_shared_input_lora`), DoRA (:func:`fused_dora_linear`, :func:`dora_row_norm`),
+                      and the chained-cuBLAS baseline
 * :mod:`.moe`       — MoE experts with optional LoRA on them (:func:`fused_moe_experts`)
 * :mod:`.loss`      — cross-entropy from hidden states without logits (:func:`linear_cross_entropy`)
 * :mod:`.patching`  — :func:`patch_model` / :func:`unpatch_model` for PEFT and lora_lab models
@@ -12,6 +13,7 @@ Triton's interpreter.
 """
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.lora.chained import ChainedLoRALinearFunction, chained_lora_linear
+from lora_lab.kernels.lora.dora import dora_row_norm, fused_dora_linear
 from lora_lab.kernels.lora.linear import (
     FusedLoRALinearFunction,
     fused_lora_linear,
@@ -44,7 +46,9 @@ __all__ = [
     "SharedInputLoRAFunction",
     "UnsupportedLoRAError",
     "chained_lora_linear",
+    "dora_row_norm",
     "dropout_keep_mask",
+    "fused_dora_linear",
     "fused_lora_linear",
     "fused_moe_experts",
     "fused_shared_input_lora",

@@ -21,12 +21,12 @@ field              variable                meaning
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
                                            ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
-                                           ``auto`` (TMA when the layout allows it); ``persistent`` /
-                                           ``persistent_ws``: TMA in a persistent kernel (one program per
-                                           SM walking the tiles), without / with warp specialisation
+                                           ``auto`` (TMA when the layout allows it); ``persistent``: TMA
+                                           in a persistent kernel (one program per SM walking the tiles;
+                                           inputs TMA cannot read are copied, or run on ``auto``)
 ``fuse_q_db``      ``LORA_LAB_FUSE_QDB``   Q and dB in one pass over dY (fp32 atomics: dB's summation
                                            order is then not deterministic)
-``fold_projection`` ``LORA_LAB_FOLD_P``    with a persistent ``gemm_loads``: P = s·X Aᵀ computed inside the
+``fold_projection`` ``LORA_LAB_FOLD_P``    with ``gemm_loads="persistent"``: P = s·X Aᵀ computed inside the
                                            forward GEMM's K loop and Q = s·dY B inside dX's (r <= 64, no
                                            dropout), instead of separate passes over X and dY
 ``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first
@@ -35,11 +35,15 @@ field              variable                meaning
 ``moe_block_m``    ``LORA_LAB_MOE_BLOCK_M``   rows per MoE row tile (power of two >= 16); None: by load
 ``moe_loads``      ``LORA_LAB_MOE_LOADS``     the MoE kernels (gate/up + SiLU, down, dX, down backward, weight
                                            gradients): ``pointer`` (one program per tile, pointer loads), or
-                                           ``persistent`` / ``persistent_ws``: one program per SM walking
-                                           the tiles in grouped order, expert weights and sorted rows read
-                                           through TMA descriptors where aligned (token rows are still
-                                           gathered by pointer), without / with warp specialisation
+                                           ``persistent``: one program per SM walking the tiles in grouped
+                                           order, expert weights and sorted rows read through TMA
+                                           descriptors where aligned (token rows are still gathered by
+                                           pointer)
 =================  ======================  ==============================================================
+
+The warp-specialised persistent forms (``persistent_ws`` for ``gemm_loads`` and ``moe_loads``) were removed: on the
+H200 their build failed to compile (``PassManager::run failed``); asking for them is an error naming the values
+that exist.
 """
 from __future__ import annotations
 
@@ -54,9 +58,19 @@ CHOICES = {
     "dispatch": ("auto", "triton", "cublas"),
     "base_gemm": ("auto", "triton", "cublas"),
     "overlap": ("auto", "on", "off"),
-    "gemm_loads": ("auto", "tma", "pointer", "persistent", "persistent_ws"),
-    "moe_loads": ("pointer", "persistent", "persistent_ws"),
+    "gemm_loads": ("auto", "tma", "pointer", "persistent"),
+    "moe_loads": ("pointer", "persistent"),
 }
+# values that existed once, and why they are gone (named in the error)
+REMOVED = {
+    "persistent_ws": "the warp-specialised persistent form was removed (its build failed to compile on the H200); "
+                     "use 'persistent'",
+}
+
+
+def _removed_note(value) -> str:
+    return f" ({REMOVED[value]})" if isinstance(value, str) and value in REMOVED else ""
+
 ENV_VARIABLES = {
     "dispatch": "LORA_LAB_DISPATCH",
     "base_gemm": "LORA_LAB_BASE_GEMM",
@@ -78,7 +92,8 @@ def _parse_env(field: str, text: str):
     if field in CHOICES:
         value = {"1": "on", "0": "off"}.get(value, value) if field == "overlap" else value
         if value not in CHOICES[field]:
-            raise ValueError(f"{variable}={text!r}: expected one of {', '.join(CHOICES[field])}")
+            allowed = ", ".join(CHOICES[field])
+            raise ValueError(f"{variable}={text!r}: expected one of {allowed}{_removed_note(value)}")
         return value
     if field == "moe_block_m":
         try:
@@ -111,7 +126,8 @@ class KernelConfig:
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
-                raise ValueError(f"KernelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}")
+                raise ValueError(f"KernelConfig.{name} must be one of {', '.join(allowed)}; got {value!r}"
+                                 f"{_removed_note(value)}")
         for name in ("fuse_q_db", "fold_projection", "autotune", "moe_autotune"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"KernelConfig.{name} must be True or False; got {getattr(self, name)!r}")
@@ -137,10 +153,19 @@ class KernelConfig:
         return dataclasses.replace(self, **changes)
 
 
+_FROM_ENV_CACHE: dict = {}
+
+
 def resolve_config(config: KernelConfig | None) -> KernelConfig:
-    """``config`` itself, or (None) the defaults seeded from the environment at the time of the call."""
+    """``config`` itself, or (None) the defaults seeded from the environment at the time of the call (the
+    ``KernelConfig`` built for the same values of the ``LORA_LAB_*`` variables is reused: an op called with
+    ``config=None`` does not rebuild and re-validate it on every call)."""
     if config is None:
-        return KernelConfig.from_env()
+        key = tuple(os.environ.get(variable) for variable in ENV_VARIABLES.values())
+        cached = _FROM_ENV_CACHE.get(key)
+        if cached is None:
+            cached = _FROM_ENV_CACHE[key] = KernelConfig.from_env()
+        return cached
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config must be a lora_lab.kernels.KernelConfig or None; got {type(config).__name__}")
     return config

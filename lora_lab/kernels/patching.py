@@ -20,19 +20,21 @@ differs from the weights, autocast.
 """
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from lora_lab.kernels.bound_forward import BoundForward
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.dora import fused_dora_linear
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
 from lora_lab.kernels.lora.shared_input import MAX_SEGMENTS, fused_shared_input_lora
 from lora_lab.kernels.loss.patch import patch_causal_lm_loss, unpatch_causal_lm_loss
 from lora_lab.kernels.moe import patch as moe_patch
-from lora_lab.kernels.triton_helpers import running_in_interpreter
+from lora_lab.kernels.triton_helpers import interpreter_reason, running_in_interpreter
 
 __all__ = ["patch_model", "unpatch_model", "UnsupportedLoRAError", "patched_layers", "SHARED_INPUT_GROUPS"]
 
@@ -118,25 +120,24 @@ def _original_forward(module):
     return type(module).forward.__get__(module, type(module))
 
 
-def _make_forward(module):
-    def fused_forward(x, *args, **kwargs):
-        st = getattr(module, _STATE_ATTR)
-        parts = None if (args or kwargs) else _LayerState.parts(module)
-        if parts is None or not _fusable_call(x, parts[0]):
-            return _original_forward(module)(x, *args, **kwargs)
-        base, a, b, s, p = parts
-        if st.group is not None and p == 0.0:
-            y = st.group.output_for(st.index, x)
-            if y is not None:
-                return y
-        if a is None:  # a frozen plain linear outside its group's fast path
-            return _original_forward(module)(x)
-        if st.kind == "lora_lab" and module.magnitude is not None:
-            return fused_dora_linear(x, base.weight, base.bias, a, b, s, module.magnitude, config=st.config)
-        return fused_lora_linear(x, base.weight, base.bias, a, b, s, dropout_p=p, training=module.training,
-                                 config=st.config)
-
-    return fused_forward
+def _fused_forward(module, x, *args, **kwargs):
+    """The patched forward, installed as ``BoundForward(_fused_forward, module)`` (not a closure over the module):
+    a deep copy or a pickled copy of the model calls it with its own module, so it runs on its own parameters."""
+    st = getattr(module, _STATE_ATTR)
+    parts = None if (args or kwargs) else _LayerState.parts(module)
+    if parts is None or not _fusable_call(x, parts[0]):
+        return _original_forward(module)(x, *args, **kwargs)
+    base, a, b, s, p = parts
+    if st.group is not None and p == 0.0:
+        y = st.group.output_for(st.index, x)
+        if y is not None:
+            return y
+    if a is None:  # a frozen plain linear outside its group's fast path
+        return _original_forward(module)(x)
+    if st.kind == "lora_lab" and module.magnitude is not None:
+        return fused_dora_linear(x, base.weight, base.bias, a, b, s, module.magnitude, config=st.config)
+    return fused_lora_linear(x, base.weight, base.bias, a, b, s, dropout_p=p, training=module.training,
+                             config=st.config)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,16 +145,44 @@ def _make_forward(module):
 # ----------------------------------------------------------------------------------------------
 class _SharedInputGroup:
     """One fused op for sibling projections of the same input; the first member called computes all outputs,
-    the others pick theirs up (matched by tensor identity and version of the input)."""
+    the others pick theirs up (matched by tensor identity and version of the input).
+
+    The members' frozen weights are views of one concatenated buffer. When they stop being views — a deep copy
+    of the model (``nn.Parameter`` deep-copies by cloning), ``load_state_dict(assign=True)``, ``model.to(...)`` —
+    the next call concatenates the members' current weights into a new buffer and makes them views of it again,
+    so the group always computes with its own members' weights.
+    """
 
     MAX_UNUSED = 3  # after this many computed-but-never-collected outputs the group turns itself off
 
     def __init__(self, members, config: KernelConfig):
-        self.members = members
-        self.config = config  # list of modules, in call order of SHARED_INPUT_GROUPS
+        self.members = members  # list of modules, in call order of SHARED_INPUT_GROUPS
+        self.config = config
         self.splits = [self._base(m).out_features for m in members]
-        bases = [self._base(m) for m in members]
+        self._bind_views()
+        self._pending = None
+        self.unused = 0
+        self.enabled = True
+
+    def __deepcopy__(self, memo):
+        # the members are deep-copied through the memo (the copied model's modules); the copied members'
+        # weights are clones, not views of a buffer: the first call of the copy binds them (_bind_views)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.members = copy.deepcopy(self.members, memo)
+        new.config, new.splits = self.config, list(self.splits)
+        new.weight_cat = new.bias_cat = None
+        new._pending, new.unused, new.enabled = None, 0, self.enabled
+        return new
+
+    def _bind_views(self) -> bool:
+        """Concatenate the members' current weights (and biases) into one buffer and make each a view of it;
+        False (nothing changed) when they cannot share one (different in_features, dtypes or devices)."""
+        bases = [self._base(m) for m in self.members]
         w0 = bases[0].weight
+        if len({(b.weight.shape[1], b.weight.dtype, b.weight.device) for b in bases}) != 1 or \
+                [b.weight.shape[0] for b in bases] != self.splits:
+            return False
         with torch.no_grad():
             self.weight_cat = torch.cat([b.weight.detach() for b in bases], 0)
             has_bias = [b.bias is not None for b in bases]
@@ -170,9 +199,7 @@ class _SharedInputGroup:
                 if b.bias is not None:
                     b.bias.data = self.bias_cat[off:off + n]
                 off += n
-        self._pending = None
-        self.unused = 0
-        self.enabled = True
+        return True
 
     @staticmethod
     def _base(m):
@@ -185,6 +212,8 @@ class _SharedInputGroup:
         return m
 
     def _weights_still_views(self) -> bool:
+        if self.weight_cat is None:
+            return False
         off = 0
         ptr0 = self.weight_cat.data_ptr()
         es = self.weight_cat.element_size() * self.weight_cat.shape[1]
@@ -215,10 +244,12 @@ class _SharedInputGroup:
                               "input; running them one by one", RuntimeWarning, stacklevel=3)
                 return None
         parts = [_LayerState.parts(m) for m in self.members]
-        if any(p is None or p[4] != 0.0 for p in parts) or not self._weights_still_views():
+        if any(p is None or p[4] != 0.0 for p in parts):
             return None
         if any(self._base(m).weight.requires_grad or (self._base(m).bias is not None and
                                                       self._base(m).bias.requires_grad) for m in self.members):
+            return None
+        if not self._weights_still_views() and not self._bind_views():
             return None
         outs = fused_shared_input_lora(x, self.weight_cat, self.bias_cat, self.splits,
                                        [p[1] for p in parts], [p[2] for p in parts], [p[3] for p in parts],
@@ -247,9 +278,7 @@ def _why_unsupported_base(base, where) -> str | None:
                 "not a plain nn.Linear (quantized bases are not supported)")
     if base.weight.dtype not in SUPPORTED_DTYPES:
         return f"{where}: base weight dtype {base.weight.dtype} is not bf16/fp16/fp32 (quantized?)"
-    if base.weight.device.type != "cuda" and not running_in_interpreter():
-        return f"{where}: weights on {base.weight.device}; the Triton kernels need CUDA (or TRITON_INTERPRET=1)"
-    return None
+    return interpreter_reason(base.weight, where)
 
 
 def _why_unsupported_peft(module, name) -> str | None:
@@ -309,7 +338,7 @@ def _install(module, kind, config: KernelConfig):
     state = _LayerState(kind=kind, original_forward_in_dict=module.__dict__.get("forward"), had_forward_attr=had,
                         config=config)
     setattr(module, _STATE_ATTR, state)
-    module.forward = _make_forward(module)
+    module.forward = BoundForward(_fused_forward, module)
 
 
 def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True,

@@ -22,7 +22,7 @@ from lora_lab.lab.provenance import code_hash
 ROOT = Path(__file__).resolve().parents[2]
 REPETITIONS = 2  # the scripts' default is measure.MIN_REPETITIONS; two suffice to check the pairing
 SCRIPTS = {  # longest first: two run at a time
-    "bench_moe.py": ["--graded-only", "--variants", "eager", "ours_persistent", "ours_persistent_ws"],
+    "bench_moe.py": ["--graded-only", "--variants", "eager", "ours_persistent"],
     "bench_lora_train_step.py": [],
     "bench_loss.py": [],
     "bench_lora_linear.py": ["--components", "target"],
@@ -279,16 +279,11 @@ def test_repetition_ratios_pair_rows_by_repetition():
 
 @pytest.mark.slow
 def test_gemm_core_rows(smoke_dir):
-    """Every GEMM-core variant ran (warp specialisation where this Triton has it), right to fp32 rounding, with a
-    per-repetition time ratio to cuBLAS in the summary."""
-    from lora_lab.kernels.lora.gemm import warp_specialization_available
-
+    """Every GEMM-core variant ran, right to fp32 rounding, with a per-repetition time ratio to cuBLAS in the
+    summary."""
     rows = measure.read_csv(smoke_dir / "gemm_core.csv")
     variants = {r["variant"] for r in rows}
-    want = {"cublas", "tma", "persistent", "tma+lora", "persistent+lora"}
-    if warp_specialization_available():
-        want |= {"persistent_ws", "persistent_ws+lora"}
-    assert variants == want
+    assert variants == {"cublas", "tma", "persistent", "tma+lora", "persistent+lora"}
     assert {r["cell"] for r in rows} == {"8k_4096x4096", "8k_4096x12288"} and {r["gemm"] for r in rows} == {
         "forward", "dx"}
     assert all(r["status"] == "ok" and r["rel_l2_vs_fp32"] < FP32_TOLERANCE for r in rows)

@@ -367,3 +367,102 @@ def test_moe_expert_wrappers_are_left_to_the_moe_patcher():
     summary = patch_model(model)  # strict by default
     assert summary["skipped"] == [] and summary["lora_layers"] == 2 and summary["moe_experts"] >= 1
     assert unpatch_model(model) >= 3
+
+
+def _zero_lora_B(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+
+
+@pytest.mark.parametrize("kind", ["peft", "lora_lab"])
+def test_deep_copy_of_a_patched_model_is_independent(kind):
+    # issue 26: the patched forward closed over the original module, so a deep copy ran on the original's
+    # parameters and sent its gradients there
+    if kind == "peft":
+        model = peft_tiny(targets=["q_proj", "k_proj", "v_proj", "down_proj"])
+    else:
+        model = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", device=DEVICE), r=4, alpha=8,
+                                  targets=["q_proj", "k_proj", "v_proj", "down_proj"])
+        lora_lab.fill_lora_B(model, 0.05, generator=torch.Generator().manual_seed(3))
+    summary = patch_model(model)
+    assert summary["shared_input_groups"] == 2  # q/k/v in each layer: the group path is exercised too
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    twin = copy.deepcopy(model)
+    assert patched_layers(twin) == patched_layers(model)
+    with torch.no_grad():
+        assert torch.equal(twin(input_ids=ids).logits, before)
+    _zero_lora_B(twin)
+    with torch.no_grad():
+        after_twin, after_orig = twin(input_ids=ids).logits, model(input_ids=ids).logits
+    assert rel_l2(after_twin, before) > 1e-3  # the copy runs on its own (zeroed) lora_B
+    assert torch.equal(after_orig, before)  # the original is untouched
+    twin(input_ids=ids, labels=ids).loss.backward()
+    twin_grads = lora_grads(twin)
+    assert any("lora_A" in n for n in twin_grads) and any("lora_B" in n for n in twin_grads)
+    assert not lora_grads(model)  # no gradient reached the original
+    # the copy's group computes with the copy's frozen weights: its members are views of the copy's own buffer
+    layer = twin.get_submodule(("base_model.model." if kind == "peft" else "") + "model.layers.0.self_attn")
+    orig_layer = model.get_submodule(("base_model.model." if kind == "peft" else "") + "model.layers.0.self_attn")
+
+    def weight(m):
+        return m.base_layer.weight if kind == "peft" else m.base.weight
+
+    storage = {weight(getattr(layer, n)).untyped_storage().data_ptr() for n in ("q_proj", "k_proj", "v_proj")}
+    assert len(storage) == 1
+    assert storage != {weight(orig_layer.q_proj).untyped_storage().data_ptr()}
+    with torch.no_grad():
+        weight(layer.k_proj).mul_(0.5)
+        assert not torch.equal(twin(input_ids=ids).logits, after_twin)
+        assert torch.equal(model(input_ids=ids).logits, before)
+    assert unpatch_model(twin) == unpatch_model(model)
+
+
+def test_state_dict_round_trips_of_a_patched_model_are_independent():
+    model = peft_tiny(targets=["q_proj", "k_proj", "v_proj"])
+    fresh = copy.deepcopy(model)  # never patched: the target of a plain load
+    patch_model(model)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    state = model.state_dict()
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        assert rel_l2(fresh(input_ids=ids).logits, want) < 1e-6
+        _zero_lora_B(fresh)
+        assert torch.equal(model(input_ids=ids).logits, want)
+    # load into a patched model, copying (the group's buffer is written through its views) and assigning
+    # (new tensors: the group binds them on the next call)
+    for assign in (False, True):
+        other = peft_tiny(targets=["q_proj", "k_proj", "v_proj"])
+        _zero_lora_B(other)
+        patch_model(other)
+        other.load_state_dict({k: v.clone() for k, v in state.items()}, assign=assign)
+        with torch.no_grad():
+            assert rel_l2(other(input_ids=ids).logits, want) < 1e-6, assign
+            _zero_lora_B(other)
+            assert rel_l2(other(input_ids=ids).logits, want) > 1e-3
+            assert torch.equal(model(input_ids=ids).logits, want)
+
+
+def test_saved_and_loaded_patched_model_runs_on_its_own_parameters(tmp_path):
+    # the patched forward is a BoundForward object, not a closure (torch.save failed) nor a bound method (pickle
+    # stores those by name, so torch.load failed): a whole-model save/load gives a working, independent copy
+    model = peft_tiny(targets=["q_proj", "k_proj", "v_proj"])
+    patch_model(model)
+    ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert patched_layers(loaded) == patched_layers(model)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, want)
+        _zero_lora_B(loaded)
+        assert rel_l2(loaded(input_ids=ids).logits, want) > 1e-3
+        assert torch.equal(model(input_ids=ids).logits, want)
+    loaded(input_ids=ids, labels=ids).loss.backward()
+    assert lora_grads(loaded) and not lora_grads(model)

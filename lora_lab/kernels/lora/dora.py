@@ -27,7 +27,14 @@ import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.lora.linear import fused_lora_linear
-from lora_lab.kernels.triton_helpers import check_kernel_device, dot_precision, rank_block, running_in_interpreter
+from lora_lab.kernels.triton_helpers import (
+    cdiv,
+    check_interpreter_dtype,
+    check_kernel_device,
+    dot_precision,
+    rank_block,
+    running_in_interpreter,
+)
 
 __all__ = ["dora_row_norm", "dora_row_norm_reference", "fused_dora_linear"]
 
@@ -90,6 +97,7 @@ def dora_row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
         raise ValueError(f"dora_row_norm: W {tuple(weight.shape)}, A {tuple(lora_A.shape)} and B "
                          f"{tuple(lora_B.shape)} do not fit (W [out, in], A [r, in], B [out, r])")
     check_kernel_device(weight, "the DoRA weight")
+    check_interpreter_dtype(weight, op="dora_row_norm")  # A is read in W's dtype, B in fp32
     out = torch.empty(out_f, dtype=torch.float32, device=weight.device)
     if out_f == 0:
         return out
@@ -97,7 +105,7 @@ def dora_row_norm(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tens
         return dora_row_norm_reference(weight, lora_A, lora_B, scale)
     block_o, block_i = (16, 32) if running_in_interpreter() else (64, 128)
     try:
-        _dora_row_norm_kernel[(triton.cdiv(out_f, block_o),)](
+        _dora_row_norm_kernel[(cdiv(out_f, block_o),)](
             weight, weight.stride(0), weight.stride(1), lora_A, lora_A.stride(0), lora_A.stride(1),
             lora_B, lora_B.stride(0), lora_B.stride(1), out, out_f, in_f, r, float(scale),
             PRECISION=dot_precision(weight.dtype), BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_R=rank_block(r),
@@ -123,6 +131,7 @@ def fused_dora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if magnitude.shape != (weight.shape[0],):
         raise ValueError(f"magnitude must have one entry per output row ({weight.shape[0]}), got "
                          f"{tuple(magnitude.shape)}")
+    check_interpreter_dtype(x, weight, op="fused_dora_linear")
     norm = dora_row_norm(weight, lora_A, lora_B, scale)
     g = magnitude / norm.to(magnitude.dtype)
     y = fused_lora_linear(x, weight, None, lora_A, lora_B, scale, config=config)

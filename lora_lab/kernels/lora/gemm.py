@@ -7,11 +7,13 @@
 
 Three kernels compute it: one reading its operands through pointers (any strides), one through TMA descriptors
 (Hopper's bulk tensor copies; row-major, 16-byte aligned operands — the usual case), and a persistent form of the
-TMA kernel (``gemm_loads="persistent"`` / ``"persistent_ws"``): one program per SM walks the output tiles in the
-same grouped order, so tile set-up and the launch tail are paid once per SM instead of once per tile, and with
-warp specialisation (where Triton supports it) producer warps issue the next tile's loads while consumer warps
-run the current tile's MMAs. The persistent kernel is opt-in until the benchmarks say where it wins
-(``benchmarks/bench_gemm_core.py``).
+TMA kernel (``gemm_loads="persistent"``): one program per SM walks the output tiles in the same grouped order, so
+tile set-up and the launch tail are paid once per SM instead of once per tile. The persistent kernel is opt-in
+until the benchmarks say where it wins (``benchmarks/bench_gemm_core.py``); it takes every input the default form
+takes: an input TMA cannot read as it is (an expanded gradient such as ``y.sum()``'s, a transposed view) is copied
+into a packed row-major buffer first, and operands no copy makes readable (rows whose byte width is not a multiple
+of 16, an unusual weight layout, a Triton without descriptors) run on the default form instead.
+(A warp-specialised variant, ``persistent_ws``, was removed: its build failed to compile on the H200.)
 """
 from __future__ import annotations
 
@@ -22,19 +24,20 @@ import triton
 import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.lora.rank_ops import dropout_args
+from lora_lab.kernels.lora.rank_ops import dropout_args, rank_projection
 from lora_lab.kernels.lora.tuning import autotune, gemm_configs
 from lora_lab.kernels.triton_helpers import (
     accumulate_matmul,
+    cdiv,
+    check_interpreter_dtype,
     dot_precision,
     num_sms,
     rank_block,
     row_bucket,
     tile_coords,
-    warp_specialization_available,
 )
 
-__all__ = ["lora_gemm", "warp_specialization_available"]
+__all__ = ["lora_gemm"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,9 +239,8 @@ def _accumulate_segment_tma_fold(acc, p_acc, in_desc, mat_desc, D, off_m, off_n,
 
 
 # The TMA GEMM as a persistent kernel: NUM_SMS programs, each walking tiles start, start + NUM_SMS, ... The body
-# is the TMA kernel's (main loop(s), then the shared epilogue). WARP_SPECIALIZE asks Triton to split the loop
-# into producer (TMA loads) and consumer (MMA) warp groups; it is a tl.range option (Triton >= 3.3 spells it).
-# Its tiles are the TMA kernel's (gemm_configs, with the descriptors' block shapes set per config).
+# is the TMA kernel's (main loop(s), then the shared epilogue). Its tiles are the TMA kernel's (gemm_configs, with
+# the descriptors' block shapes set per config).
 @autotune(_tma_gemm_configs(), key=["M_BUCKET", "N", "D0", "D1", "D2", "D3", "R", "TUNE", "NUM_SMS"])
 @triton.jit
 def _lora_gemm_persistent_kernel(
@@ -249,7 +251,7 @@ def _lora_gemm_persistent_kernel(
     rank_lo_ptr, rank_hi_ptr, bias_ptr,
     seed, p_drop, keep_scale,
     proj_ptr, stride_pk, stride_pr, proj_scale,
-    NUM_SMS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FOLD_P: tl.constexpr,
+    NUM_SMS: tl.constexpr, FOLD_P: tl.constexpr,
     NUM_SEG: tl.constexpr, MAT_NK: tl.constexpr, HAS_LOWRANK: tl.constexpr, HAS_RANK_RANGE: tl.constexpr,
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -257,7 +259,7 @@ def _lora_gemm_persistent_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+    for tile_id in tl.range(tl.program_id(0), num_tiles, NUM_SMS):
         pid_m, pid_n = tile_coords(tile_id, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -293,19 +295,30 @@ def _lora_gemm_persistent_kernel(
 _TMA_STATE: dict = {}
 
 
+def _rows_ok(t, stride) -> bool:
+    """Rows TMA can read: a 16-byte aligned base and a positive, 16-byte aligned row stride."""
+    return t.data_ptr() % 16 == 0 and (stride * t.element_size()) % 16 == 0 and stride > 0
+
+
+def _input_row_major(inp) -> bool:
+    return inp.stride(1) == 1 and _rows_ok(inp, inp.stride(0))
+
+
+try:  # TMA descriptors: triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the pointer kernel only
+    TensorDescriptor = None
+
+
 def _tma_layout(segments):
     """'nk' / 'kn' when every (in, mat) pair can be read through TMA descriptors, else None."""
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (imported to probe: triton >= 3.4)
-    except ImportError:
+    if TensorDescriptor is None:
         return None
 
-    def rows_ok(t, stride):  # row-major rows: 16-byte aligned base and row stride
-        return t.data_ptr() % 16 == 0 and (stride * t.element_size()) % 16 == 0 and stride > 0
-
+    rows_ok = _rows_ok
     layouts = set()
     for inp, mat in segments:
-        if inp.stride(1) != 1 or not rows_ok(inp, inp.stride(0)):
+        if not _input_row_major(inp):
             return None
         if mat.stride(0) == 1 and mat.shape[1] > 1 and rows_ok(mat, mat.stride(1)):
             layouts.add("nk")  # mat = Wᵀ of a row-major W (N×D)
@@ -330,6 +343,7 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
     'tma' (descriptor loads; needs row-major, 16-byte aligned operands), 'pointer', or 'auto' (TMA when the
     layout allows it; 16-bit types only, fp32 being the correctness path).
     """
+    check_interpreter_dtype(out, op="lora_gemm")
     M, N = out.shape
     if project is not None:
         proj, proj_scale, low = project
@@ -365,14 +379,21 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
                  BLOCK_R=rank_block(R, cap=64))
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+        return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
     config = resolve_config(config)
     impl = config.gemm_loads
-    if project is not None and impl not in ("persistent", "persistent_ws"):
-        raise ValueError(f"lora_gemm: project= needs gemm_loads='persistent' or 'persistent_ws', got {impl!r}")
-    if impl in ("persistent", "persistent_ws"):
-        return _persistent_gemm(out, segments, impl == "persistent_ws", tail, flags, config, project)
+    if project is not None and impl != "persistent":
+        raise ValueError(f"lora_gemm: project= needs gemm_loads='persistent', got {impl!r}")
+    if impl == "persistent":
+        readable = _persistent_operands(segments)
+        if readable is not None:
+            return _persistent_gemm(out, *readable, tail, flags, config, project)
+        # operands TMA cannot read even after a copy: the default form, with the projection as its own pass
+        if project is not None:
+            proj, proj_scale, low = project
+            rank_projection(segments[0][0], proj, proj_scale, out=low, tune=config.autotune)
+        impl = "auto"
     broken = _TMA_STATE.get(out.dtype)
     # auto: TMA for 16-bit types only (fp32 is the correctness path; its tiles are the pointer kernel's)
     want_tma = impl == "tma" or (impl == "auto" and out.dtype != torch.float32)
@@ -407,8 +428,6 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
 
 def _descriptors(segments, layout: str, M: int, N: int) -> list:
     """TMA descriptors (block shapes set per config by the pre-hook) and depth of each segment, padded to 4."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     descs = []
     for inp, mat in segments:
         d_in = TensorDescriptor(inp, [M, inp.shape[1]], [inp.stride(0), 1], [16, 16])
@@ -422,20 +441,27 @@ def _descriptors(segments, layout: str, M: int, N: int) -> list:
     return descs
 
 
-def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config, project=None) -> torch.Tensor:
-    """The persistent TMA kernel (asked for explicitly: no fallback, a clear error instead)."""
+def _persistent_operands(segments):
+    """(segments, layout) the persistent kernel reads through TMA, or None (the caller uses the default form).
+
+    An input that is not packed row-major with 16-byte aligned rows — the stride-0 gradient of ``y.sum()``, a
+    transposed or offset view — is copied into a fresh row-major buffer (one pass over an M×D operand the GEMM
+    reads anyway); that makes it readable whenever its row width in bytes is a multiple of 16. Weights are not
+    copied per call: a weight layout TMA cannot read means the default form.
+    """
+    fixed = [(inp if _input_row_major(inp) else inp.clone(memory_format=torch.contiguous_format), mat)
+             for inp, mat in segments]
+    layout = _tma_layout(fixed)
+    return None if layout is None else (fixed, layout)
+
+
+def _persistent_gemm(out, segments, layout, tail, flags, config, project=None) -> torch.Tensor:
+    """The persistent TMA kernel on operands :func:`_persistent_operands` made readable."""
     M, N = out.shape
-    layout = _tma_layout(segments)
-    if layout is None:
-        raise ValueError("lora_gemm: gemm_loads='persistent' reads through TMA descriptors and needs row-major, "
-                         "16-byte aligned operands (triton >= 3.4); use 'auto' for other layouts")
-    if warp_specialize and not warp_specialization_available():
-        raise ValueError(f"lora_gemm: gemm_loads='persistent_ws' needs tl.range(warp_specialize=...), which "
-                         f"triton {triton.__version__} lacks; use 'persistent'")
     num_sms_ = num_sms(out.device)
 
     def grid(meta):
-        return (min(num_sms_, triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])),)
+        return (min(num_sms_, cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])),)
 
     if project is not None:
         proj, proj_scale, _ = project
@@ -446,6 +472,6 @@ def _persistent_gemm(out, segments, warp_specialize: bool, tail, flags, config, 
         fold = [out, 0, 0, 0.0]
     _lora_gemm_persistent_kernel[grid](out, out.stride(0), out.stride(1), M, N, row_bucket(M),
                                        int(config.autotune), *_descriptors(segments, layout, M, N), *tail, *fold,
-                                       NUM_SMS=num_sms_, WARP_SPECIALIZE=warp_specialize, FOLD_P=project is not None,
+                                       NUM_SMS=num_sms_, FOLD_P=project is not None,
                                        MAT_NK=layout == "nk", **flags)
     return out

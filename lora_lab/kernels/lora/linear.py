@@ -32,7 +32,7 @@ from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
-from lora_lab.kernels.triton_helpers import check_kernel_device
+from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
 __all__ = [
     "FusedLoRALinearFunction",
@@ -74,13 +74,13 @@ def check_lora_args(x, weight, bias, lora_A, lora_B, name="fused_lora_linear"):
         if t is not None and t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name}: {what} dtype {t.dtype} not supported")
     check_kernel_device(x, "the input")
-
+    check_interpreter_dtype(x, op=name)  # LoRA factors are cast to x's dtype: x's is the one the kernels see
 
 
 def _folds(config: KernelConfig, dropout_p: float, rank: int) -> bool:
     """Whether P (forward) and Q (dX) are computed inside the GEMMs (``config.fold_projection``): the persistent
     kernel on the Triton base-GEMM route, no dropout (the mask applies to X's tiles), rank <= 64 (registers)."""
-    return (config.fold_projection and config.gemm_loads in ("persistent", "persistent_ws")
+    return (config.fold_projection and config.gemm_loads == "persistent"
             and base_gemm_engine(config) == "triton" and dropout_p == 0.0 and rank <= 64)
 
 

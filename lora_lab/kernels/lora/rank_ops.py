@@ -13,11 +13,13 @@ import triton.language as tl
 
 from lora_lab.kernels.lora.tuning import autotune, skinny_configs
 from lora_lab.kernels.triton_helpers import (
+    cdiv,
+    check_interpreter_dtype,
     check_kernel_device,
     dot_precision,
+    kernels_interpreted,
     rank_block,
     row_bucket,
-    running_in_interpreter,
 )
 
 __all__ = ["rank_projection", "rank_reduction", "q_and_db", "dropout_keep_mask", "dropout_args"]
@@ -175,6 +177,7 @@ def rank_projection(inp: torch.Tensor, mat: torch.Tensor, scale: float, out: tor
                     dropout_p: float = 0.0, seed: int | None = None,
                     col_scale: torch.Tensor | None = None, tune: bool = True) -> torch.Tensor:
     """out[M, r] = scale · drop(inp)[M, D] @ mat[D, r] [· col_scale[r]] (``mat`` may be a transposed view)."""
+    check_interpreter_dtype(inp, op="rank_projection")
     M, D = inp.shape
     R = mat.shape[1]
     if out is None:
@@ -185,7 +188,7 @@ def rank_projection(inp: torch.Tensor, mat: torch.Tensor, scale: float, out: tor
     block_r = rank_block(R, cap=128)
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(R, block_r))
+        return (cdiv(M, meta["BLOCK_M"]), cdiv(R, block_r))
     _rank_projection_kernel[grid](
         inp, inp.stride(0), inp.stride(1),
         mat, mat.stride(0), mat.stride(1),
@@ -199,15 +202,16 @@ def rank_projection(inp: torch.Tensor, mat: torch.Tensor, scale: float, out: tor
 
 def _num_row_splits(M: int, D: int, R: int, block_r: int) -> int:
     # enough programs to fill the GPU (≈ 2 waves of 132 SMs) without a large partial buffer
-    if running_in_interpreter():
+    if kernels_interpreted():
         return 2 if M >= 32 else 1
-    programs_per_split = triton.cdiv(D, 64) * triton.cdiv(R, block_r)
-    splits = triton.cdiv(264, max(programs_per_split, 1))
-    return int(max(1, min(splits, 32, triton.cdiv(M, 128))))
+    programs_per_split = cdiv(D, 64) * cdiv(R, block_r)
+    splits = cdiv(264, max(programs_per_split, 1))
+    return int(max(1, min(splits, 32, cdiv(M, 128))))
 
 
 def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, tune: bool = True):
     """(Q = scale · dY B in dY's dtype, fp32 dBᵀ = Pᵀ dY) from one pass over dY (atomic adds for dB)."""
+    check_interpreter_dtype(dy, op="q_and_db")
     M, D = dy.shape
     R = b.shape[1]
     q = torch.empty((M, R), device=dy.device, dtype=dy.dtype)
@@ -219,7 +223,7 @@ def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, t
         raise ValueError("q_and_db handles r <= 128")
 
     def grid(meta):
-        return (triton.cdiv(M, meta["BLOCK_M"]),)
+        return (cdiv(M, meta["BLOCK_M"]),)
     _q_and_db_kernel[grid](
         dy, dy.stride(0), dy.stride(1), b, b.stride(0), b.stride(1), p, p.stride(0), p.stride(1),
         q, q.stride(0), q.stride(1), dbt, dbt.stride(0), dbt.stride(1),
@@ -232,6 +236,7 @@ def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, t
 def rank_reduction(l: torch.Tensor, inp: torch.Tensor, dropout_p: float = 0.0,
                    seed: int | None = None, tune: bool = True) -> torch.Tensor:
     """fp32 out[r, D] = l[M, r]ᵀ @ drop(inp)[M, D], summed over M in a few deterministic slices."""
+    check_interpreter_dtype(inp, op="rank_reduction")
     M, R = l.shape
     D = inp.shape[1]
     if M == 0 or R == 0 or D == 0:
@@ -239,13 +244,13 @@ def rank_reduction(l: torch.Tensor, inp: torch.Tensor, dropout_p: float = 0.0,
     dropout, seed_, p_, keep_scale = dropout_args(dropout_p, seed)
     block_r = rank_block(R, cap=64)
     splits = _num_row_splits(M, D, R, block_r)
-    rows_per_split = triton.cdiv(triton.cdiv(M, splits), 128) * 128 if not running_in_interpreter() \
-        else triton.cdiv(M, splits)
-    splits = triton.cdiv(M, rows_per_split)
+    rows_per_split = cdiv(cdiv(M, splits), 128) * 128 if not kernels_interpreted() \
+        else cdiv(M, splits)
+    splits = cdiv(M, rows_per_split)
     partial = torch.empty((splits, R, D), device=inp.device, dtype=torch.float32)
 
     def grid(meta):
-        return (triton.cdiv(D, meta["BLOCK_D"]), triton.cdiv(R, block_r), splits)
+        return (cdiv(D, meta["BLOCK_D"]), cdiv(R, block_r), splits)
     _rank_reduction_kernel[grid](
         l, l.stride(0), l.stride(1),
         inp, inp.stride(0), inp.stride(1),
@@ -269,5 +274,5 @@ def dropout_keep_mask(seed: int, rows: int, cols: int, p: float, device) -> torc
     n = rows * cols
     if n:
         check_kernel_device(out, "the mask")
-        _dropout_mask_kernel[(triton.cdiv(n, 1024),)](out, rows, cols, int(seed), float(p), BLOCK=1024)
+        _dropout_mask_kernel[(cdiv(n, 1024),)](out, rows, cols, int(seed), float(p), BLOCK=1024)
     return out.bool()

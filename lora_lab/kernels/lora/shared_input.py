@@ -35,7 +35,7 @@ from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_si
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES
 from lora_lab.kernels.lora.rank_ops import rank_projection, rank_reduction
-from lora_lab.kernels.triton_helpers import check_kernel_device
+from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
 __all__ = [
     "SharedInputLoRAFunction",
@@ -330,6 +330,7 @@ def fused_shared_input_lora(x: torch.Tensor, weight_cat: torch.Tensor, bias_cat:
         ranks.append(r)
         params += [a, b]
     check_kernel_device(x, "the input")
+    check_interpreter_dtype(x, op="fused_shared_input_lora")
     return SharedInputLoRAFunction.apply(x, weight_cat, bias_cat, tuple(int(n) for n in splits), tuple(ranks),
                                          tuple(float(s) for s in scalings), resolve_config(config), *params)
 

@@ -36,7 +36,7 @@ from lora_lab.kernels.moe.tiles import (
     rows_times_expert_matrix,
     with_even_k,
 )
-from lora_lab.kernels.triton_helpers import dot_precision, tile_coords
+from lora_lab.kernels.triton_helpers import check_interpreter_dtype, dot_precision, tile_coords
 
 
 @triton.jit
@@ -115,14 +115,14 @@ def _down_backward_silu_kernel(
     sorted_slot_ptr, sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
     I, K, R, lora_scale, num_experts, num_tiles,
     HAS_LORA: tl.constexpr, COMPUTE_DW: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    PERSISTENT: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
     NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     if PERSISTENT:
         # one program per SM walks the (row tile, column block) pairs in grouped order
         num_pid_n = tl.cdiv(I, BLOCK_N)
-        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS):
             tile, pid_n = tile_coords(work, num_tiles, num_pid_n, GROUP_M)
             _down_backward_silu_tile(
                 pid_n, tile, dout_ptr, stride_d_tok, stride_d_k, w_ptr, stride_w_e, stride_w_k, stride_w_n,
@@ -147,7 +147,7 @@ _down_backward_kernel = with_even_k(_down_backward_silu_kernel)
 _down_backward_kernel_unspecialized = with_even_k(unspecialized_twin(_down_backward_silu_kernel))
 _down_backward_kernel_tuned = triton.autotune(
     configs=autotune_configs("down_backward"),
-    key=["I", "K", "HAS_LORA", "COMPUTE_DW", "BLOCK_M", "PERSISTENT", "WARP_SPECIALIZE"],
+    key=["I", "K", "HAS_LORA", "COMPUTE_DW", "BLOCK_M", "PERSISTENT"],
     reset_to_zero=["dw_ptr"],
 )(_down_backward_kernel)
 
@@ -168,6 +168,7 @@ def down_backward_silu(
 
     ``lora = (Q2 (S, R), A2 (E, R, I), scale)`` adds the LoRA path of the down projection.
     """
+    check_interpreter_dtype(grad_out, op="down_backward_silu")
     num_experts, hidden, inter = down_proj.shape
     num_rows = routing.num_assignments
     if grad_out.shape != (routing.num_tokens, hidden):

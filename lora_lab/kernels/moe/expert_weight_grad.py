@@ -16,7 +16,7 @@ Uses (W1 = gate_up_proj (E, 2I, H), W2 = down_proj (E, H, I), dGU: (S, 2I), h = 
 
 An expert that received no token gets an exact zero gradient (the loop runs zero times).
 
-``KernelConfig.moe_loads`` 'persistent' / 'persistent_ws': one program per SM walks expert by expert, each
+``KernelConfig.moe_loads='persistent'``: one program per SM walks expert by expert, each
 expert's (M, N) tiles in grouped order, and a sorted operand (not gathered by token) is read through a TMA
 descriptor where its rows are 16-byte aligned (its rows past the expert's end are zeroed after the load).
 """
@@ -40,6 +40,8 @@ from lora_lab.kernels.moe.launch import (
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import launch_grid, row_descriptor, schedule_flags
 from lora_lab.kernels.triton_helpers import (
+    cdiv,
+    check_interpreter_dtype,
     dot_precision,
     tile_coords,
 )
@@ -119,7 +121,7 @@ def _expert_weight_grad_kernel(
     row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, expert_offsets_ptr,
     M, N, scale, num_experts,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    PERSISTENT: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -128,7 +130,7 @@ def _expert_weight_grad_kernel(
     if PERSISTENT:
         # one program per SM walks expert by expert, each expert's tiles in grouped order (its rows stay in L2)
         tiles = num_m * num_n
-        for work in tl.range(tl.program_id(0), num_experts * tiles, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+        for work in tl.range(tl.program_id(0), num_experts * tiles, NUM_SMS):
             pid_m, pid_n = tile_coords(work % tiles, num_m, num_n, GROUP_M)
             _expert_weight_grad_tile(
                 pid_m, pid_n, work // tiles, a_ptr, stride_a_row, stride_a_m, b_ptr, stride_b_row, stride_b_n,
@@ -149,7 +151,7 @@ def _expert_weight_grad_kernel(
 _expert_weight_grad_kernel_unspecialized = unspecialized_twin(_expert_weight_grad_kernel)
 _weight_grad_kernel_tuned = triton.autotune(
     configs=autotune_configs("weight_grad"),
-    key=["M", "N", "GATHER_A", "GATHER_B", "ROW_WEIGHT", "PERSISTENT", "WARP_SPECIALIZE", "A_TMA", "B_TMA"],
+    key=["M", "N", "GATHER_A", "GATHER_B", "ROW_WEIGHT", "PERSISTENT", "A_TMA", "B_TMA"],
 )(_expert_weight_grad_kernel)
 
 
@@ -175,6 +177,7 @@ def expert_weight_grad(
         expected = routing.num_tokens if gathered else routing.num_assignments
         if t.shape[0] != expected:
             raise ValueError(f"{name} has {t.shape[0]} rows, expected {expected} (gather={gathered})")
+    check_interpreter_dtype(a, op="expert_weight_grad")
     m_dim, n_dim = a.shape[1], b.shape[1]
     num_experts = routing.num_experts
     out = torch.empty(num_experts, m_dim, n_dim, device=a.device, dtype=out_dtype or a.dtype)
@@ -202,7 +205,7 @@ def expert_weight_grad(
     )
 
     def grid_of(block_m, block_n):
-        return launch_grid(flags, (triton.cdiv(m_dim, block_m) * triton.cdiv(n_dim, block_n), num_experts))
+        return launch_grid(flags, (cdiv(m_dim, block_m) * cdiv(n_dim, block_n), num_experts))
 
     narrow = min(m_dim, n_dim) <= 128  # LoRA factor gradients: rank-sized side, fixed tiles
     if tune and autotune_enabled(config) and not narrow:

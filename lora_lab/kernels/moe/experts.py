@@ -40,7 +40,7 @@ from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
 from lora_lab.kernels.moe.launch import row_block_size
 from lora_lab.kernels.moe.lora import ExpertLoRA, moe_experts_reference
 from lora_lab.kernels.moe.routing import ExpertRouting, route_experts
-from lora_lab.kernels.triton_helpers import running_in_interpreter
+from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
 __all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA"]
 
@@ -165,12 +165,8 @@ def _validate(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
     devices = {t.device for t in (x, top_k_index, top_k_weights, gate_up_proj, down_proj)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
-    device = x.device
-    if device.type != "cuda" and not (device.type == "cpu" and running_in_interpreter()):
-        raise RuntimeError(
-            f"fused MoE experts need CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before importing "
-            "triton to run the kernels in Triton's interpreter (correctness only)"
-        )
+    check_kernel_device(x, "the hidden states")
+    check_interpreter_dtype(x, op="fused_moe_experts")
 
 
 def _validate_lora(lora: ExpertLoRA, gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:

@@ -34,7 +34,7 @@ from lora_lab.kernels.moe.tiles import (
     rows_of_tile,
     with_even_k,
 )
-from lora_lab.kernels.triton_helpers import dot_precision, tile_coords
+from lora_lab.kernels.triton_helpers import check_interpreter_dtype, dot_precision, tile_coords
 
 
 @triton.jit
@@ -117,14 +117,14 @@ def _gate_up_silu_kernel(
     sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
     I, K, R, lora_scale, num_experts, num_tiles,
     HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    PERSISTENT: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
     NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     if PERSISTENT:
         # one program per SM walks the (row tile, column block) pairs in grouped order
         num_pid_n = tl.cdiv(I, BLOCK_N)
-        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS):
             tile, pid_n = tile_coords(work, num_tiles, num_pid_n, GROUP_M)
             _gate_up_silu_tile(
                 pid_n, tile, x_ptr, stride_x_tok, stride_x_k, w_ptr, stride_w_e, stride_w_n, stride_w_k,
@@ -148,7 +148,7 @@ def _gate_up_silu_kernel(
 _gate_up_kernel = with_even_k(_gate_up_silu_kernel)
 _gate_up_kernel_unspecialized = with_even_k(unspecialized_twin(_gate_up_silu_kernel))
 _gate_up_kernel_tuned = triton.autotune(
-    configs=autotune_configs("gate_up"), key=["I", "K", "HAS_LORA", "BLOCK_M", "PERSISTENT", "WARP_SPECIALIZE"],
+    configs=autotune_configs("gate_up"), key=["I", "K", "HAS_LORA", "BLOCK_M", "PERSISTENT"],
 )(_gate_up_kernel)
 
 
@@ -165,6 +165,7 @@ def gate_up_silu(
     if x.dim() != 2 or gate_up_proj.dim() != 3:
         raise ValueError("need X (T, H) and gate_up_proj (E, 2I, H); "
                          f"got {tuple(x.shape)}, {tuple(gate_up_proj.shape)}")
+    check_interpreter_dtype(x, op="gate_up_silu")
     num_experts, two_i, hidden = gate_up_proj.shape
     if two_i % 2:
         raise ValueError(f"gate_up_proj dim 1 must be 2·intermediate (even), got {two_i}")

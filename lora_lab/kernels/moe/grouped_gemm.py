@@ -40,7 +40,7 @@ from lora_lab.kernels.moe.tiles import (
     rows_times_expert_matrix,
     with_even_k,
 )
-from lora_lab.kernels.triton_helpers import dot_precision, tile_coords
+from lora_lab.kernels.triton_helpers import check_interpreter_dtype, dot_precision, tile_coords
 
 
 @triton.jit
@@ -116,14 +116,14 @@ def _grouped_rows_gemm_kernel(
     N, K, R, lora_scale, num_experts, num_tiles,
     GATHER_A: tl.constexpr, HAS_LORA: tl.constexpr, ROW_WEIGHT: tl.constexpr, SCATTER_ADD: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PERSISTENT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
+    PERSISTENT: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
     NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     if PERSISTENT:
         # one program per SM walks the (row tile, column block) pairs in grouped order
         num_pid_n = tl.cdiv(N, BLOCK_N)
-        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS, warp_specialize=WARP_SPECIALIZE):
+        for work in tl.range(tl.program_id(0), num_tiles * num_pid_n, NUM_SMS):
             tile, pid_n = tile_coords(work, num_tiles, num_pid_n, GROUP_M)
             _grouped_rows_gemm_tile(
                 pid_n, tile, a_ptr, stride_a_row, stride_a_k, b_ptr, stride_b_e, stride_b_k, stride_b_n,
@@ -148,7 +148,7 @@ _rows_kernel = with_even_k(_grouped_rows_gemm_kernel)
 _rows_kernel_unspecialized = with_even_k(unspecialized_twin(_grouped_rows_gemm_kernel))
 _rows_kernel_tuned = triton.autotune(
     configs=autotune_configs("rows"),
-    key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M", "PERSISTENT", "WARP_SPECIALIZE"],
+    key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M", "PERSISTENT"],
     reset_to_zero=["out_ptr"],
 )(_rows_kernel)
 
@@ -185,6 +185,7 @@ def grouped_rows_gemm(
     L (E, R, N), scale)``; ``scatter_into``: fp32 (T, N) accumulated in place (then returned);
     ``row_weight``: (S,) routing weights in assignment order (only with ``scatter_into``).
     """
+    check_interpreter_dtype(a, op="grouped_rows_gemm")
     _check_operands(a, b, routing, gather_rows)
     num_experts, k_dim, n_dim = b.shape
     num_rows = routing.num_assignments

@@ -16,7 +16,7 @@ import inspect
 import triton
 
 from lora_lab.kernels.config import KernelConfig
-from lora_lab.kernels.triton_helpers import rank_block, running_in_interpreter
+from lora_lab.kernels.triton_helpers import next_power_of_2, rank_block, running_in_interpreter
 
 
 def autotune_enabled(config: KernelConfig) -> bool:
@@ -54,7 +54,7 @@ def narrow_block_size(size: int, config: KernelConfig) -> int:
     side is at least 64, so the many small shapes of the correctness checks share compiled variants.
     """
     floor = 16 if running_in_interpreter() or autotune_enabled(config) else 64
-    return max(floor, triton.next_power_of_2(size))
+    return max(floor, next_power_of_2(size))
 
 
 def row_block_size(num_assignments: int, num_experts: int, config: KernelConfig) -> int:

@@ -16,14 +16,14 @@ another parameter, several active adapters. ``unpatch_moe_experts`` restores the
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
+from lora_lab.kernels.bound_forward import BoundForward
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.experts import fused_moe_experts
 from lora_lab.kernels.moe.lora import EXPERT_PARAMETERS, ExpertLoRA, peft_expert_factors
+from lora_lab.kernels.triton_helpers import interpreter_reason
 
 # Experts classes whose forward is exactly the SiLU-gated per-expert MLP over (hidden, top_k_index,
 # top_k_weights) with gate_up_proj (E, 2I, H) = [gate; up] and down_proj (E, H, I).
@@ -93,7 +93,7 @@ def unsupported_reason(experts: nn.Module) -> str | None:
                 "do not fit (E, 2I, H) / (E, H, I)")
     if gate_up.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return f"weights of dtype {gate_up.dtype} (quantized?) are not supported"
-    return None
+    return interpreter_reason(gate_up, "experts")
 
 
 def _fused_experts_forward(self, hidden_states, top_k_index, top_k_weights):
@@ -200,7 +200,7 @@ def patch_moe_experts(model: nn.Module, config: KernelConfig | None = None) -> i
                 raise NotImplementedError(f"cannot fuse MoE experts at {name!r}: {reason}")
             plan.append((module, _fused_experts_forward))
     for module, forward in plan:
-        module.forward = types.MethodType(forward, module)
+        module.forward = BoundForward(forward, module)
         setattr(module, _PATCH_FLAG, config)
     return len(plan)
 

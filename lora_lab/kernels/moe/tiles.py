@@ -29,7 +29,7 @@ from lora_lab.kernels.moe.launch import (
     narrow_block_size,
     set_expert_block_shape,
 )
-from lora_lab.kernels.triton_helpers import num_sms, warp_specialization_available
+from lora_lab.kernels.triton_helpers import cdiv, num_sms
 
 # ---------------------------------------------------------------- device side (inlined)
 
@@ -199,15 +199,9 @@ def row_descriptor(rows: torch.Tensor):
 
 
 def schedule_flags(config: KernelConfig, device: torch.device) -> dict:
-    """The launch flags every MoE kernel takes for ``config.moe_loads``: PERSISTENT, WARP_SPECIALIZE, NUM_SMS and
-    GROUP_M; a clear error when warp specialisation is asked for and this Triton lacks it."""
-    persistent = config.moe_loads != "pointer"
-    warp_specialize = config.moe_loads == "persistent_ws"
-    if warp_specialize and not warp_specialization_available():
-        raise ValueError(f"moe_loads='persistent_ws' needs tl.range(warp_specialize=...), which triton "
-                         f"{triton.__version__} lacks; use 'persistent'")
-    return dict(PERSISTENT=persistent, WARP_SPECIALIZE=warp_specialize, NUM_SMS=num_sms(device) if persistent else 1,
-                GROUP_M=GROUP_M)
+    """The launch flags every MoE kernel takes for ``config.moe_loads``: PERSISTENT, NUM_SMS and GROUP_M."""
+    persistent = config.moe_loads == "persistent"
+    return dict(PERSISTENT=persistent, NUM_SMS=num_sms(device) if persistent else 1, GROUP_M=GROUP_M)
 
 
 def launch_grid(flags: dict, one_tile_grid: tuple[int, int]) -> tuple[int, ...]:
@@ -226,7 +220,7 @@ def launch_row_tiles(
     """Launch a row-tiled kernel: one program per (column block, row tile), or the persistent form.
 
     One program per tile: the grid (cdiv(num_cols, BLOCK_N), num_tiles). Persistent (``config.moe_loads``
-    'persistent' / 'persistent_ws'): one program per SM walking the (row tile, column block) pairs in grouped
+    'persistent'): one program per SM walking the (row tile, column block) pairs in grouped
     order (:func:`schedule_flags`, :func:`launch_grid`), the expert matrix ``weight = (position in args, its
     (E, K, N) view)`` read through a TMA descriptor where TMA can read it, through pointers otherwise.
     Autotuned (``tuned``) when ``tune`` and ``config`` enables tuning, else with the fixed config of ``kind``.
@@ -245,7 +239,7 @@ def launch_row_tiles(
             pass
 
     def grid_of(block_n):
-        return launch_grid(flags, (triton.cdiv(num_cols, block_n), num_tiles))
+        return launch_grid(flags, (cdiv(num_cols, block_n), num_tiles))
 
     if tune and autotune_enabled(config) and not narrow:
         tuned[lambda meta: grid_of(meta["BLOCK_N"])](*args, **flags)

@@ -164,8 +164,8 @@ def test_bad_inputs_are_named():
         fused_lora_linear(x, w, b, A, B, 1.0, dropout_p=1.0)
 
 
-# The persistent TMA GEMM (opt-in: gemm_loads="persistent" / "persistent_ws"): forward and every gradient through
-# it (the base GEMM and dX), on row-major operands with 16-byte aligned rows (TMA's condition) and odd M.
+# The persistent TMA GEMM (opt-in: gemm_loads="persistent"): forward and every gradient through it (the base GEMM
+# and dX), on row-major operands with 16-byte aligned rows (TMA's condition) and odd M.
 PERSISTENT_CASES = [
     (37, 48, 56, 8, True, 0.0),
     (1, 32, 40, 1, False, 0.0),
@@ -173,14 +173,10 @@ PERSISTENT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("loads", ["persistent"])
 @pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
 @pytest.mark.parametrize("M,K,N,r,bias,p", PERSISTENT_CASES)
 def test_persistent_gemm_matches_reference(M, K, N, r, bias, p, dtype, loads):
-    from lora_lab.kernels.lora.gemm import warp_specialization_available
-
-    if loads == "persistent_ws" and not warp_specialization_available():
-        pytest.skip("this Triton's tl.range has no warp_specialize")
     x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
     config = TRITON.replace(gemm_loads=loads, base_gemm="triton")
     run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[dtype], config=config)
@@ -210,11 +206,96 @@ def test_folded_projection_falls_back_where_it_cannot_fold(r, p):
     run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[torch.float32], config=config)
 
 
-def test_persistent_gemm_refuses_what_tma_cannot_read():
-    # fp32 rows of 45 values are 180 bytes: not 16-byte aligned, so no TMA descriptor
+# Issue 26: the persistent forms take every input the default form takes. An input TMA cannot read as it is (the
+# stride-0 gradient of y.sum(), a transposed view) is copied into a packed row-major buffer; operands no copy makes
+# readable (rows of a byte width not a multiple of 16) run on the default form. Results equal the default form's.
+def _persistent_calls(monkeypatch):
+    """Spy on the persistent kernel's launcher: how many GEMMs ran on it."""
+    import lora_lab.kernels.lora.gemm as gemm
+
+    calls = []
+    real = gemm._persistent_gemm
+
+    def spy(out, segments, *args, **kwargs):
+        calls.append([tuple(inp.stride()) for inp, _ in segments])
+        return real(out, segments, *args, **kwargs)
+
+    monkeypatch.setattr(gemm, "_persistent_gemm", spy)
+    return calls
+
+
+def _forward_backward(x, w, b, A, B, config, grad):
+    """(y, dx, dA, dB) of one call; ``grad``: 'sum' (y.sum().backward(): an expanded, stride-0 gradient) or a
+    tensor."""
+    x = x.detach().requires_grad_()
+    A.grad = B.grad = None
+    y = fused_lora_linear(x, w, b, A, B, 0.5, config=config)
+    if isinstance(grad, str):
+        y.sum().backward()
+    else:
+        y.backward(grad)
+    return y.detach(), x.grad, A.grad.clone(), B.grad.clone()
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["persistent", "folded"])
+@pytest.mark.parametrize("grad", ["sum", "transposed"])
+def test_persistent_gemm_takes_an_expanded_or_transposed_gradient(grad, fold, monkeypatch):
+    x, w, b, A, B = make_case(37, 48, 56, 8, torch.float32)
+    if grad == "transposed":  # a real gradient, column-major
+        grad = torch.randn(56, 37, generator=torch.Generator().manual_seed(3)).t()
+    default = _forward_backward(x, w, b, A, B, TRITON.replace(base_gemm="triton"), grad)
+    calls = _persistent_calls(monkeypatch)
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=fold)
+    mine = _forward_backward(x, w, b, A, B, config, grad)
+    assert len(calls) == 2  # forward and dX both on the persistent kernel (dX on a packed copy of dY)
+    assert calls[1] == [(56, 1)]
+    for name, got, want in zip(["y", "dx", "dA", "dB"], mine, default):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["persistent", "folded"])
+def test_persistent_gemm_runs_the_default_form_where_tma_cannot_read(fold, monkeypatch):
+    # fp32 rows of 45 values are 180 bytes: not a multiple of 16, no copy helps; the default form runs instead
     x, w, b, A, B = make_case(9, 45, 24, 4, torch.float32)
-    with pytest.raises(ValueError, match="persistent.*16-byte aligned"):
-        fused_lora_linear(x, w, b, A, B, 0.5, config=TRITON.replace(gemm_loads="persistent", base_gemm="triton"))
+    calls = _persistent_calls(monkeypatch)
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=fold)
+    _, _, errs = run_and_compare(x, w, b, A, B, 0.5, tol=TOL[torch.float32], config=config)
+    assert calls == []  # X (forward) and W (dX) have 180-byte rows: neither GEMM can go through TMA
+    default = _forward_backward(x, w, b, A, B, TRITON.replace(base_gemm="triton"), "sum")
+    mine = _forward_backward(x, w, b, A, B, config, "sum")
+    for name, got, want in zip(["y", "dx", "dA", "dB"], mine, default):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fold", [False, True], ids=["persistent", "folded"])
+@pytest.mark.parametrize("grad", ["sum", "random"])
+@pytest.mark.parametrize("M,K,N", [(4101, 1024, 2048), (1000, 1024, 1030)], ids=["aligned", "n-1030"])
+def test_gpu_persistent_gemm_bf16_with_sum_and_random_gradients(M, K, N, grad, fold):
+    """Issue 26's H200 failures at a moderate shape: y.sum().backward() (a stride-0 gradient, refused before) and
+    a random gradient, bf16, against the fp64 reference; N = 1030 (2060-byte rows) runs dX on the default form."""
+    x, w, b, A, B = make_case(M, K, N, 16, torch.bfloat16, device="cuda")
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=fold)
+    g = "sum" if grad == "sum" else torch.randn(M, N, generator=torch.Generator().manual_seed(5)).to("cuda",
+                                                                                                     torch.bfloat16)
+    y, dx, dA, dB = _forward_backward(x, w, b, A, B, config, g)
+    xr, Ar, Br = (t.detach().double().requires_grad_() for t in (x, A, B))
+    yr = lora_linear_reference(xr, w, b, Ar, Br, 0.5, dtype=torch.float64)
+    yr.backward(torch.ones_like(yr) if grad == "sum" else g.double())
+    tol = TOL[torch.bfloat16]
+    for name, got, want in (("y", y, yr), ("dx", dx, xr.grad), ("dA", dA, Ar.grad), ("dB", dB, Br.grad)):
+        assert rel_l2(got, want) <= tol[name], (name, rel_l2(got, want))
+
+
+def test_warp_specialised_gemm_form_is_refused_naming_the_supported_values(monkeypatch):
+    # issue 26: gemm_loads="persistent_ws" failed to compile on the H200 (PassManager::run failed); removed
+    with pytest.raises(ValueError, match=r"gemm_loads must be one of auto, tma, pointer, persistent; got "
+                                         r"'persistent_ws' \(the warp-specialised persistent form was removed"):
+        KernelConfig(gemm_loads="persistent_ws")
+    monkeypatch.setenv("LORA_LAB_GEMM", "persistent_ws")
+    with pytest.raises(ValueError, match="LORA_LAB_GEMM='persistent_ws': expected one of auto, tma, pointer, "
+                                         "persistent"):
+        KernelConfig.from_env()
 
 
 # ------------------------------------------------------------------------------------------- GPU
@@ -235,13 +316,9 @@ def test_gpu_folded_projection_bf16(r):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("loads", ["persistent"])
 @pytest.mark.parametrize("M,K,N,r,bias,p", [(1000, 1024, 2056, 16, True, 0.0), (777, 512, 384, 1, False, 0.1)])
 def test_gpu_persistent_gemm_bf16(M, K, N, r, bias, p, loads):
-    from lora_lab.kernels.lora.gemm import warp_specialization_available
-
-    if loads == "persistent_ws" and not warp_specialization_available():
-        pytest.skip("this Triton's tl.range has no warp_specialize")
     x, w, b, A, B = make_case(M, K, N, r, torch.bfloat16, bias=bias)
     config = TRITON.replace(gemm_loads=loads, base_gemm="triton")
     run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[torch.bfloat16], config=config)
@@ -362,3 +439,30 @@ def test_gpu_bf16_cublas_engine(adapter_dtype):
     x, w, b, A, B = make_case(1000, 1030, 2051, 16, torch.bfloat16, adapter_dtype=adapter_dtype, device="cuda")
     y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=TRITON.replace(dispatch="cublas"))
     assert cosine(y, yr) >= 0.99999
+
+
+@pytest.mark.parametrize("fold,want", [(False, 6), (True, 4)], ids=["separate-passes", "folded"])
+def test_triton_launches_per_forward_and_backward(fold, want, monkeypatch):
+    """Issue 27 item 5's count, checked without a GPU: the kernels replaced by stubs that record each launch. The
+    shipped Triton path launches P and the GEMM forward, Q, dB, dA and the dX GEMM backward (six); folding P and Q
+    into the persistent GEMMs leaves four."""
+    import lora_lab.kernels.lora.gemm as gemm
+    import lora_lab.kernels.lora.rank_ops as rank_ops
+
+    launches = []
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(self.name)
+
+    for module, names in ((gemm, ["_lora_gemm_kernel", "_lora_gemm_tma_kernel", "_lora_gemm_persistent_kernel"]),
+                          (rank_ops, ["_rank_projection_kernel", "_rank_reduction_kernel", "_q_and_db_kernel"])):
+        for name in names:
+            monkeypatch.setattr(module, name, Stub(name))
+    x, w, b, A, B = make_case(40, 64, 48, 8, torch.float32)
+    config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=fold)
+    fused_lora_linear(x.requires_grad_(), w, b, A, B, 0.5, config=config).sum().backward()
+    assert len(launches) == want, launches

@@ -192,10 +192,10 @@ def test_fused_matches_reference_fp32(T, H, I, E, K, rank, routing):
     assert_close_all(got, ref)
 
 
-# The persistent form (moe_loads="persistent" / "persistent_ws"): one program per SM walks the row tiles; expert
-# weights through TMA descriptors where their rows are 16-byte aligned, through pointers otherwise.
+# The persistent form (moe_loads="persistent"): one program per SM walks the row tiles; expert weights through TMA
+# descriptors where their rows are 16-byte aligned, through pointers otherwise.
 @interpreter
-@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("loads", ["persistent"])
 @pytest.mark.parametrize(
     "T,H,I,E,K,rank,routing,tma",
     [
@@ -209,10 +209,7 @@ def test_persistent_moe_matches_reference_fp32(T, H, I, E, K, rank, routing, tma
     from lora_lab.kernels.config import KernelConfig
     from lora_lab.kernels.moe import expert_weight_grad as weight_grad_module
     from lora_lab.kernels.moe import tiles
-    from lora_lab.kernels.triton_helpers import warp_specialization_available
 
-    if loads == "persistent_ws" and not warp_specialization_available():
-        pytest.skip("this triton's tl.range has no warp_specialize")
     descriptors = []
 
     def spy(weight_kn):
@@ -269,14 +266,16 @@ def test_weight_grad_never_reads_the_next_experts_rows(loads, dtype):
         torch.testing.assert_close(got[[0, 2]].float(), ref[[0, 2]].float(), rtol=tol, atol=tol)
 
 
-@interpreter
-def test_persistent_moe_is_refused_without_warp_specialization(monkeypatch):
+def test_warp_specialised_moe_form_is_refused_naming_the_supported_values(monkeypatch):
+    # issue 26: the warp-specialised persistent forms failed to compile on the H200 and were removed
     from lora_lab.kernels.config import KernelConfig
-    from lora_lab.kernels.moe import tiles
 
-    monkeypatch.setattr(tiles, "warp_specialization_available", lambda: False)
-    with pytest.raises(ValueError, match="persistent_ws.*warp_specialize"):
-        run_both(*make_problem(9, 32, 16, 4, 2), config=KernelConfig(moe_loads="persistent_ws"))
+    with pytest.raises(ValueError, match=r"moe_loads must be one of pointer, persistent; got 'persistent_ws' "
+                                         r"\(the warp-specialised persistent form was removed"):
+        KernelConfig(moe_loads="persistent_ws")
+    monkeypatch.setenv("LORA_LAB_MOE_LOADS", "persistent_ws")
+    with pytest.raises(ValueError, match="LORA_LAB_MOE_LOADS='persistent_ws': expected one of pointer, persistent"):
+        KernelConfig.from_env()
 
 
 def test_expert_descriptor_names_what_tma_cannot_read():
@@ -449,15 +448,12 @@ def test_fused_bf16_gpu_against_fp32_reference(T, H, I, E, K, rank):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("loads", ["persistent", "persistent_ws"])
+@pytest.mark.parametrize("loads", ["persistent"])
 @pytest.mark.parametrize("rank", [0, 16])
 def test_persistent_moe_bf16_gpu_against_fp32_reference(loads, rank):
     """The persistent form on the GPU: expert weights through TMA (264·2 and 136·2 byte rows are aligned)."""
     from lora_lab.kernels.config import KernelConfig
-    from lora_lab.kernels.triton_helpers import warp_specialization_available
 
-    if loads == "persistent_ws" and not warp_specialization_available():
-        pytest.skip("this triton's tl.range has no warp_specialize")
     assert_bf16_matches_fp32(make_problem(1000, 264, 136, 16, 4, rank=rank, device="cuda", dtype=torch.bfloat16),
                              config=KernelConfig(moe_loads=loads, moe_autotune=False))
 

@@ -197,3 +197,25 @@ def test_patched_peft_model_bf16_gpu_close_to_fp32_eager():
     for (n, p), (_, q) in zip(fused.named_parameters(), ref.named_parameters()):
         if p.grad is not None and "lora" in n:
             assert cos(p.grad.float().flatten(), q.grad.float().flatten(), dim=0) >= 0.99, n
+
+
+@interpreter
+def test_deep_copy_of_a_patched_moe_model_is_independent():
+    # issue 26: a deep copy's patched forward must run on the copy's experts and send gradients there
+    model = tiny_qwen3_moe()
+    patch_moe_experts(model)
+    x = ids()
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    twin = copy.deepcopy(model)
+    assert all(is_moe_patched(layer.mlp.experts) for layer in twin.model.layers)
+    with torch.no_grad():
+        assert torch.equal(twin(input_ids=x).logits, want)
+        for layer in twin.model.layers:
+            layer.mlp.experts.down_proj.zero_()
+        assert not torch.allclose(twin(input_ids=x).logits, want)
+        assert torch.equal(model(input_ids=x).logits, want)
+    model.zero_grad(set_to_none=True)
+    twin(input_ids=x, labels=x).loss.backward()
+    assert twin.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+    assert model.model.layers[0].mlp.experts.gate_up_proj.grad is None

@@ -249,6 +249,8 @@ PARAMETER_RULES: dict[str, Rule] = {
     "REPETITIONS": _COUNT,
     "NUMERICS_TOKENS_GPU": _SIZE,
     "ROUNDS": _COUNT,
+    "SESSIONS": _COUNT,
+    "LAYERS": _COUNT,
 }
 
 

@@ -1,0 +1,146 @@
+"""Notebook 10 (the whole step): the recipe lora_lab + Liger-Kernel built on a small model, and the metrics of
+``benchmarks/bench_whole_step.py``.
+
+The *recipe* is what a user writes: Liger-Kernel applied to the transformers model, PEFT's LoRA on every projection,
+then :func:`lora_lab.kernels.patch_model` with ``fused_loss=True`` — which routes every LoRA projection through the
+fused kernels and picks whose fused loss runs (:func:`lora_lab.kernels.liger.choose_loss`). In the benchmark that is
+the variant ``peft_liger_patch`` (at the three heads measured there, the rule picks Liger's loss); the variant
+``peft_liger_patch_lora_lab_loss`` differs from it only in the loss.
+"""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import torch
+
+from lora_lab.lab import measure
+
+__all__ = ["RECIPE", "tiny_llama", "build_variant", "train_losses", "benchmark_metrics", "MODELS"]
+
+RECIPE = "peft_liger_patch"
+MODELS = ("llama", "qwen2", "qwen3_moe")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Liger's RMSNorm and SiLU·mul kernels do not run in Triton's interpreter: on the CPU the recipe applies Liger's RoPE
+# and fused linear cross-entropy only (the GPU applies all of it).
+CPU_LIGER = {"rms_norm": False, "swiglu": False}
+
+
+def tiny_llama(device, dtype, seed: int = 0, vocab: int = 512, hidden: int = 64, layers: int = 2):
+    """A small Llama-family causal LM (random init, untied head, sdpa attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=256,
+                      tie_word_embeddings=False, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
+
+
+def build_variant(device, dtype, liger: bool, fused_loss, seed: int = 0, r: int = 8):
+    """The small model as a variant of the benchmark: (PEFT model, Liger patch or None, patch_model summary or None).
+
+    ``liger``: apply Liger-Kernel first; ``fused_loss``: None = no ``patch_model``, else its ``fused_loss`` argument.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from lora_lab.kernels import liger as liger_mod
+    from lora_lab.kernels import patch_model
+    from lora_lab.layer import fill_lora_B
+
+    base = tiny_llama(device, dtype, seed)
+    patch = None
+    if liger:
+        extra = CPU_LIGER if torch.device(device).type == "cpu" else {}
+        patch = liger_mod.apply_liger(base, keep_globals=False, **extra)
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS))
+    fill_lora_B(model, 0.02)
+    summary = None
+    if fused_loss is not None:
+        with patch.active() if patch is not None else torch.enable_grad():
+            summary = patch_model(model, fused_loss=fused_loss)
+    return model, patch, summary
+
+
+def train_losses(model, patch, ids, steps: int = 3, lr: float = 1e-3) -> list[float]:
+    """Losses of ``steps`` AdamW steps on one batch (labels = ids), Liger's module-level changes active."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for _ in range(steps):
+        with patch.active() if patch is not None else torch.enable_grad():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    return losses
+
+
+def _ratio(rows: list[dict], numerator: str, denominator: str) -> dict | None:
+    have = {r["variant"] for r in rows}
+    if not {numerator, denominator} <= have:
+        return None
+    return measure.ratio_summary(rows, "step_ms", {"variant": numerator}, {"variant": denominator})
+
+
+def _peak(memory: list[dict], variant: str) -> float | None:
+    peaks = [float(r["peak_gib"]) for r in memory if r["variant"] == variant and r.get("status") == "ok"
+             and r.get("peak_gib") not in (None, "")]
+    return statistics.median(peaks) if peaks else None
+
+
+def _first_losses(memory: list[dict], variant: str) -> list[float] | None:
+    for r in memory:
+        if r["variant"] == variant and r.get("status") == "ok" and r.get("losses_first"):
+            return [float(v) for v in str(r["losses_first"]).split()]
+    return None
+
+
+def benchmark_metrics(bench_dir: Path | str) -> dict:
+    """Metrics of one run of ``bench_whole_step.py`` (its CSVs in ``bench_dir``), per model ``m``:
+
+    * ``{m}_recipe_speedup_vs_peft`` / ``_vs_peft_liger``: PEFT's (PEFT + Liger's) step time over the recipe's,
+      repetition by repetition, pooled over sessions (a repeated measurement with ``sessions``);
+    * ``{m}_recipe_peak_vs_peft_liger``: the recipe's peak over PEFT + Liger's (medians over sessions);
+    * ``{m}_fused_loss_speedup_vs_patch``: step time with ``patch_model`` over that with ``patch_model(fused_loss=True)``
+      (lora_lab's fused loss, no Liger): above 1 when the fused loss speeds the step up;
+    * ``{m}_lora_lab_loss_time_vs_liger_loss``: the recipe's step with lora_lab's loss over with Liger's;
+    * ``{m}_losses_max_rel_diff_vs_peft``: the largest relative difference of the first steps' losses of any variant
+      from PEFT's;
+    * ``{m}_{variant}_step_ms`` (median, pooled) and ``{m}_{variant}_peak_gib``.
+    """
+    bench_dir = Path(bench_dir)
+    rows = [r for r in measure.read_csv(bench_dir / "whole_step.csv") if r.get("status") == "ok"]
+    memory = measure.read_csv(bench_dir / "whole_step_memory.csv")
+    metrics: dict = {}
+    for m in dict.fromkeys(r["model"] for r in rows + memory):
+        mine = [r for r in rows if r["model"] == m]
+        mem = [r for r in memory if r["model"] == m]
+        for variant in dict.fromkeys(r["variant"] for r in mine):
+            times = [float(r["step_ms"]) for r in mine if r["variant"] == variant]
+            metrics[f"{m}_{variant}_step_ms"] = statistics.median(times)
+        for variant in dict.fromkeys(r["variant"] for r in mem):
+            metrics[f"{m}_{variant}_peak_gib"] = _peak(mem, variant)
+        for key, (num, den) in {"recipe_speedup_vs_peft": ("peft", RECIPE),
+                                "recipe_speedup_vs_peft_liger": ("peft_liger", RECIPE),
+                                "fused_loss_speedup_vs_patch": ("peft_patch", "peft_patch_fused_loss"),
+                                "lora_lab_loss_time_vs_liger_loss": ("peft_liger_patch_lora_lab_loss", RECIPE)
+                                }.items():
+            ratio = _ratio(mine, num, den)
+            if ratio is not None:
+                metrics[f"{m}_{key}"] = ratio
+        recipe_peak, liger_peak = _peak(mem, RECIPE), _peak(mem, "peft_liger")
+        if recipe_peak is not None and liger_peak:
+            metrics[f"{m}_recipe_peak_vs_peft_liger"] = recipe_peak / liger_peak
+        reference = _first_losses(mem, "peft")
+        if reference:
+            diffs = []
+            for variant in dict.fromkeys(r["variant"] for r in mem):
+                got = _first_losses(mem, variant)
+                if got and variant != "peft":
+                    diffs += [abs(a - b) / abs(b) for a, b in zip(got, reference)]
+            if diffs:
+                metrics[f"{m}_losses_max_rel_diff_vs_peft"] = max(diffs)
+    return metrics

@@ -74,7 +74,7 @@ def train_losses(model, patch, ids, steps: int = 3, lr: float = 1e-3) -> list[fl
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return losses
 
 

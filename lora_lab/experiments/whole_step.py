@@ -104,8 +104,8 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
     * ``{m}_recipe_speedup_vs_peft`` / ``_vs_peft_liger``: PEFT's (PEFT + Liger's) step time over the recipe's,
       repetition by repetition, pooled over sessions (a repeated measurement with ``sessions``);
     * ``{m}_recipe_peak_vs_peft_liger``: the recipe's peak over PEFT + Liger's (medians over sessions);
-    * ``{m}_fused_loss_speedup_vs_patch``: step time with ``patch_model`` over that with ``patch_model(fused_loss=True)``
-      (lora_lab's fused loss, no Liger): above 1 when the fused loss speeds the step up;
+    * ``{m}_fused_loss_speedup_vs_patch``: step time with ``patch_model`` over that with
+      ``patch_model(fused_loss=True)`` (lora_lab's fused loss, no Liger): above 1 when the fused loss speeds it up;
     * ``{m}_lora_lab_loss_time_vs_liger_loss``: the recipe's step with lora_lab's loss over with Liger's;
     * ``{m}_losses_max_rel_diff_vs_peft``: the largest relative difference of the first steps' losses of any variant
       from PEFT's;

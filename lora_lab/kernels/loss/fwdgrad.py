@@ -189,8 +189,8 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
         )
         if need_h:
             torch.mm(z, weight, out=dh[r0:r1])  # dH_c = G_c W
+        g_t = z.t()
         if need_w:
-            g_t = z.t()
             if dw is not None and plan.chunks == 1:
                 torch.mm(g_t, h_c, out=dw)  # one chunk: dW = G_cᵀ H_c, rounded once
             elif dw is not None:
@@ -209,7 +209,7 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
             acc.mul_(post_scale)
         elif dw is not None:
             dw.mul_(post_scale)
-    del logits, partial
+    z = g_t = logits = partial = None  # the chunk buffer is freed before dW's fp32 -> input-dtype copy
     if acc is not None:
         dw = acc.to(dtype)
         del acc

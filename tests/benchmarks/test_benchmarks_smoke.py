@@ -230,7 +230,8 @@ def test_loss_train_step_rows(smoke_dir):
     rows = measure.read_csv(smoke_dir / "07_train_step.csv")
     summary = {s["variant"]: s for s in measure.read_csv(smoke_dir / "07_train_step_summary.csv")}
     assert set(TRAIN_STEP_COLUMNS) <= set(rows[0])
-    variants = ["standard", "chunked", "fused", "peft_liger", "peft_standard"]  # --variants all
+    variants = ["standard", "chunked", "fused", "fused_fwdgrad", "fused_recompute", "peft_liger",
+                "peft_standard"]  # --variants all
     assert sorted((r["variant"], r["rep"]) for r in rows) == sorted((v, k) for v in variants
                                                                      for k in range(REPETITIONS))
     for r in rows:
@@ -245,14 +246,16 @@ def test_loss_train_step_rows(smoke_dir):
 
 @pytest.mark.slow
 def test_loss_train_step_fused_rows(smoke_dir):
-    rows = [r for r in measure.read_csv(smoke_dir / "07_train_step.csv") if r["variant"] == "fused"]
+    rows = [r for r in measure.read_csv(smoke_dir / "07_train_step.csv")
+            if r["variant"] in ("fused", "fused_fwdgrad", "fused_recompute")]
     reason = _fused_loss_missing()
     if reason is not None:
         assert {r["status"] for r in rows} == {"skipped"}
         pytest.skip(reason)
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows), rows
     summary = {s["variant"]: s for s in measure.read_csv(smoke_dir / "07_train_step_summary.csv")}
-    assert summary["fused"]["max_loss_rel_diff_vs_standard"] < FP32_TOLERANCE
+    for variant in ("fused", "fused_fwdgrad", "fused_recompute"):
+        assert summary[variant]["max_loss_rel_diff_vs_standard"] < FP32_TOLERANCE
 
 
 def test_read_csv_refuses_an_edited_code_hash(tmp_path):

@@ -370,7 +370,7 @@ FWDGRAD_MIN_HIDDEN = 64     # d below this: the GEMMs are memory-bound and the l
 
 
 def choose_impl(rows: int, hidden: int, vocab: int, *, reduction: str, need_grad: bool, impl: str = "auto",
-                plan_fits: bool = True) -> tuple[str, str]:
+                plan_fits: bool = True, dtype: torch.dtype | None = None) -> tuple[str, str]:
     """Which path computes the loss: ``("fwdgrad" | "recompute", why)``.
 
     The rule, in order:
@@ -382,13 +382,16 @@ def choose_impl(rows: int, hidden: int, vocab: int, *, reduction: str, need_grad
        gradients nobody reads;
     3. ``reduction="none"``: ``recompute`` — each row's incoming gradient is only known in backward, so the
        gradients cannot be formed in forward;
-    4. a small problem (rows·vocab < ``FWDGRAD_MIN_LOGITS`` or hidden < ``FWDGRAD_MIN_HIDDEN``): ``recompute``;
-    5. the fwdgrad chunk plan does not fit in free device memory even at 256 rows per chunk: ``recompute`` (it
+    4. fp16 inputs: ``recompute`` — fwdgrad keeps an fp16 gradient unscaled (1/N would underflow) and scales the
+       GEMMs' results afterwards, so a one-chunk dW (or a ``partial`` product) summed over many rows of one
+       frequent label could overflow fp16's 65504; the recomputing kernels scale inside and accumulate in fp32;
+    5. a small problem (rows·vocab < ``FWDGRAD_MIN_LOGITS`` or hidden < ``FWDGRAD_MIN_HIDDEN``): ``recompute``;
+    6. the fwdgrad chunk plan does not fit in free device memory even at 256 rows per chunk: ``recompute`` (it
        holds O(N) numbers and small fp32 buffers);
-    6. otherwise ``fwdgrad``: three cuBLAS GEMMs (two for a frozen head) and one pass over each logits chunk,
+    7. otherwise ``fwdgrad``: three cuBLAS GEMMs (two for a frozen head) and one pass over each logits chunk,
        against the recomputing path's four (three) GEMM-sized Triton loops.
 
-    The thresholds of 4 are placeholders until the H200 benchmark has timed both paths side by side.
+    The thresholds of 5 are placeholders until the H200 benchmark has timed both paths side by side.
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {', '.join(_IMPLS)}; got {impl!r}")
@@ -398,6 +401,8 @@ def choose_impl(rows: int, hidden: int, vocab: int, *, reduction: str, need_grad
         return "recompute", "no gradient is needed (inference / evaluation)"
     if reduction == "none":
         return "recompute", "reduction='none': per-row incoming gradients are known only in backward"
+    if dtype == torch.float16:
+        return "recompute", "fp16 (range): the recomputing kernels scale the gradient inside"
     if rows * vocab < FWDGRAD_MIN_LOGITS or hidden < FWDGRAD_MIN_HIDDEN:
         return "recompute", "small problem"
     if not plan_fits:
@@ -503,7 +508,8 @@ def _fwdgrad_plan(hidden: torch.Tensor, weight: torch.Tensor, reduction: str, co
     if impl == "recompute" or n == 0:
         return None
     plan, fits = fitting_plan(n, d, vocab, hidden.dtype, need_h, need_w, cfg, hidden.device)
-    choice, _ = choose_impl(n, d, vocab, reduction=reduction, need_grad=need_h or need_w, impl=impl, plan_fits=fits)
+    choice, _ = choose_impl(n, d, vocab, reduction=reduction, need_grad=need_h or need_w, impl=impl, plan_fits=fits,
+                            dtype=hidden.dtype)
     if choice != "fwdgrad":
         return None
     if not fits:

@@ -168,6 +168,8 @@ BIG = {"rows": 16384, "hidden": 4096, "vocab": 128256}
     ({**BIG, "reduction": "mean", "need_grad": False}, "recompute"),  # inference / evaluation
     ({**BIG, "reduction": "none", "need_grad": True}, "recompute"),
     ({**BIG, "reduction": "mean", "need_grad": True, "plan_fits": False}, "recompute"),  # memory-capped
+    ({**BIG, "reduction": "mean", "need_grad": True, "dtype": torch.float16}, "recompute"),
+    ({**BIG, "reduction": "mean", "need_grad": True, "dtype": torch.bfloat16}, "fwdgrad"),
     ({"rows": 8, "hidden": 4096, "vocab": 128256, "reduction": "mean", "need_grad": True}, "recompute"),  # small
     ({"rows": 16384, "hidden": 32, "vocab": 128256, "reduction": "mean", "need_grad": True}, "recompute"),
     ({**BIG, "reduction": "mean", "need_grad": False, "impl": "fwdgrad"}, "fwdgrad"),  # forced

@@ -1,9 +1,14 @@
 """Fused linear cross-entropy: ``cross_entropy(H Wᵀ, y)`` from the hidden states, never holding the logits.
 
 With N rows (tokens), hidden size d and vocabulary V, the logits ``Z = H Wᵀ`` are N·V numbers: 4.6 GiB in bf16 for
-16,384 tokens of a 152k vocabulary, before the fp32 copy the standard loss makes. This op keeps only
-O(N) numbers per row between forward and backward (``lse``) and builds the logits tile by tile in registers
-(:mod:`.kernels`), twice: once for the log-sum-exp, once more in backward for the gradient.
+16,384 tokens of a 152k vocabulary, before the fp32 copy the standard loss makes. Two paths, one contract
+(:func:`choose_impl` picks; ``LossKernelConfig.impl`` or ``LORA_LAB_LOSS_IMPL`` force one):
+
+* ``fwdgrad`` (:mod:`.fwdgrad`): a training step's scalar loss; the gradients are computed in forward on cuBLAS
+  GEMMs over large row chunks, one logits chunk at a time, and backward only scales them;
+* ``recompute`` (this module and :mod:`.kernels`): keeps only O(N) numbers between forward and backward (``lse``)
+  and builds the logits tile by tile in registers, twice: once for the log-sum-exp, once more in backward for the
+  gradient. The rest of this docstring is about this path.
 
 The loss, per row ``i`` with a label (``y_i != ignore_index``), ``p_i = softmax(z_i)``, ``lse_i = log Σ_v exp z_iv``:
 

@@ -44,7 +44,8 @@ MEMORY_PLANS = [(None, None, "one_pass"), (None, None, "two_pass"), (2048, 16384
 
 FWDGRAD_SHAPES = {**SHAPES, "gemma2-2b": (2304, 256_000), "qwen2.5-14b": (5120, 152_064)}
 SOFTMAX_PASS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 32)]  # (ce_block_v, ce_warps)
-FWDGRAD_PLANS = [(2048, "auto"), (4096, "auto"), (8192, "auto"), (4096, "partial")]  # (chunk rows, dw_accumulate)
+FWDGRAD_PLANS = [(2048, "auto"), (4096, "auto"), (8192, "auto"), (4096, "partial"),
+                 (4096, "input_dtype")]  # (chunk rows, dw_accumulate)
 
 
 def _softmax_pass_ms(z0, y, block_v, warps, timed) -> float:

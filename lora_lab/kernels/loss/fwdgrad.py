@@ -19,7 +19,9 @@ trainable head over more than one chunk, an fp32 [V, d] accumulator.
 C matrix in one cuBLAS call (CUDA builds of torch that have ``aten::addmm.dtype_out``); ``"partial"``: the chunk's
 product in the input dtype into a reused [V, d] buffer, then ``acc += partial`` (one more rounding per chunk,
 V·d·2 more bytes); ``"upcast"``: fp32 copies of the chunk's operands and an fp32 GEMM (exact, slow, rows·V·4 more
-bytes); ``"auto"``: ``out_dtype`` where it runs (probed once per device and dtype), else ``partial``.
+bytes); ``"input_dtype"``: no fp32 buffer, dW accumulated in its own dtype by cuBLAS (``dW.addmm_``: one rounding
+per chunk, Liger's default; the least memory, for memory-capped runs); ``"auto"``: ``out_dtype`` where it runs
+(probed once per device and dtype), else ``partial``.
 """
 from __future__ import annotations
 
@@ -104,7 +106,8 @@ def plan_chunks(n: int, d: int, vocab: int, dtype: torch.dtype, need_h: bool, ne
     dw_mode = dw_accumulate_mode(cfg.dw_accumulate, dtype, device) if need_w else None
     accumulator = 0
     if need_w and chunks > 1:
-        accumulator = {"direct": 0, "out_dtype": 4 * vocab * d, "partial": (4 + itemsize) * vocab * d,
+        accumulator = {"direct": 0, "input_dtype": 0, "out_dtype": 4 * vocab * d,
+                       "partial": (4 + itemsize) * vocab * d,
                        "upcast": 4 * vocab * d + 4 * rows * (vocab + d)}[dw_mode]
     grads = (n * d * itemsize if need_h else 0) + (vocab * d * itemsize if need_w else 0)
     return FusedPlan(rows=rows, chunks=chunks, need_h=need_h, need_w=need_w, dw_mode=dw_mode,
@@ -168,7 +171,7 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
     dw = acc = partial = None
     if need_w:
-        if plan.chunks == 1 or plan.dw_mode == "direct":
+        if plan.chunks == 1 or plan.dw_mode in ("direct", "input_dtype"):
             dw = (torch.zeros if plan.chunks > 1 else torch.empty)(weight.shape, dtype=dtype, device=device)
         else:
             acc = torch.zeros(weight.shape, dtype=torch.float32, device=device)
@@ -194,7 +197,7 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
             if dw is not None and plan.chunks == 1:
                 torch.mm(g_t, h_c, out=dw)  # one chunk: dW = G_cᵀ H_c, rounded once
             elif dw is not None:
-                dw.addmm_(g_t, h_c)  # fp32: dW is its own accumulator
+                dw.addmm_(g_t, h_c)  # fp32: dW is its own accumulator (input_dtype: rounded per chunk)
             elif plan.dw_mode == "out_dtype":
                 torch.addmm(acc, g_t, h_c, out_dtype=torch.float32, out=acc)
             elif plan.dw_mode == "partial":

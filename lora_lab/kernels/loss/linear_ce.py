@@ -54,7 +54,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 _ACCUMULATE = {"atomic": 0, "tma": 1}
 _PLANS = ("one_pass", "two_pass")
 _IMPLS = ("auto", "fwdgrad", "recompute")
-_CHOICES = {"impl": _IMPLS, "dw_accumulate": ("auto", "out_dtype", "partial", "upcast")}
+_CHOICES = {"impl": _IMPLS, "dw_accumulate": ("auto", "out_dtype", "partial", "upcast", "input_dtype")}
 IMPL_ENV = "LORA_LAB_LOSS_IMPL"  # forces a path where the config says "auto" (benchmarks of a whole step)
 
 

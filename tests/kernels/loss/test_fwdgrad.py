@@ -85,7 +85,7 @@ def test_weight_gradient_only():
     assert err["loss"] <= 1e-5 and err["dw"] <= 1e-5
 
 
-@pytest.mark.parametrize("dw_accumulate", ["partial", "upcast"])
+@pytest.mark.parametrize("dw_accumulate", ["partial", "upcast", "input_dtype"])
 def test_fp16_accumulates_dw_in_fp32(dw_accumulate):
     h, w, y = loss_inputs(100, 40, 203, torch.float16, DEVICE, weight_scale=0.1)
     cfg = FWD.replace(fwdgrad_chunk_rows=48, dw_accumulate=dw_accumulate)
@@ -93,7 +93,14 @@ def test_fp16_accumulates_dw_in_fp32(dw_accumulate):
     assert err["loss"] <= 1e-3  # the logits are rounded to fp16 by the GEMM
     # the gradient is rounded to fp16 before the GEMMs (as autograd's standard path does): a little above the
     # rounding of the exact result
+    # (input_dtype: dW rounded to fp16 once per chunk, three times here)
     assert _excess(err["dh"], err["dh_floor"]) <= 1e-3 and _excess(err["dw"], err["dw_floor"]) <= 1e-3
+
+
+def test_input_dtype_accumulation_needs_no_fp32_buffer():
+    cfg = LossKernelConfig(dw_accumulate="input_dtype")
+    plan = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, True, cfg)
+    assert plan.chunks == 4 and plan.accumulator == 0
 
 
 def test_fp16_mean_over_many_rows_does_not_underflow():
@@ -293,7 +300,7 @@ def test_tanh_is_accurate_in_fp32():
 # ------------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dw_accumulate", ["auto", "partial"])
+@pytest.mark.parametrize("dw_accumulate", ["auto", "partial"])  # (input_dtype: measured by the benchmark, not held)
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
 def test_gpu_bf16_error_beyond_rounding(trainable, dw_accumulate):
     h, w, y = loss_inputs(6000, 1024, 32_000, torch.bfloat16, "cuda", weight_scale=0.02, ignored=(0, 5, 77))

@@ -106,7 +106,9 @@ METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad"
 PANEL_METHODS = ["lora_lab_fwdgrad", "lora_lab_recompute", "torch_bf16", "liger", "cce", "gemm_floor"]
 OURS = ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem", "lora_lab_recompute", "lora_lab_two_pass")
 LOGIT_BUFFERS = {"torch_fp32": 5, "torch_bf16": 3}  # [N x V] bf16-sized buffers alive at the standard paths' peak
-TRAINABLE_ONLY = {"lora_lab_two_pass": "the plan only changes a trainable head's backward (frozen: same as lora_lab)"}
+TRAINABLE_ONLY = {"lora_lab_two_pass": "the plan only changes a trainable head's backward (frozen: same as lora_lab)",
+                  "lora_lab_fwdgrad_lowmem": "dW's accumulation only matters for a trainable head (frozen: same as "
+                                             "lora_lab_fwdgrad)"}
 EXPECTED_VERSIONS = {"liger-kernel": "0.8.5", "cut-cross-entropy": "25.1.1"}
 
 

@@ -21,26 +21,29 @@ Each case runs on both paths where they apply: ``recompute`` always, ``fwdgrad``
 import pytest
 import torch
 
-from lora_lab.kernels.loss import LossKernelConfig, linear_cross_entropy, linear_cross_entropy_reference
+from lora_lab.kernels.loss import LossKernelConfig, linear_ce, linear_cross_entropy, linear_cross_entropy_reference
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
 FWD = LossKernelConfig(impl="fwdgrad", ce_block_v=1024 if not GPU else 4096)
-REC = LossKernelConfig(impl="recompute") if GPU else None  # None: the interpreter's small tiles
-if not GPU:
-    from lora_lab.kernels.loss.linear_ce import _INTERPRETER_CONFIG
+# the recomputing kernels with the tiles the op picks by itself (the interpreter's small ones on a CPU; fp32's
+# smaller ones on a GPU, where the 16-bit tiles would not fit in shared memory)
+REC = linear_ce._config(None, torch.bfloat16).replace(impl="recompute")
+REC32 = linear_ce._config(None, torch.float32).replace(impl="recompute")
 
-    REC = _INTERPRETER_CONFIG.replace(impl="recompute")
 
-
-def _paths(dtype, reduction="mean", grads=True):
+def _paths(dtype, reduction="mean"):
     """The paths a case runs on here: fwdgrad for a scalar loss; recompute except bf16 in the interpreter."""
     out = []
     if reduction != "none":
         out.append(FWD)
     if GPU or dtype != torch.bfloat16:
-        out.append(REC)
+        out.append(REC32 if dtype == torch.float32 else REC)
     return out
+
+
+def _rec(dtype):
+    return REC32 if dtype == torch.float32 else REC
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -103,7 +106,7 @@ def _liger_params():
 @pytest.mark.parametrize("shape, reduction, dtype, atol, rtol, options", list(_liger_params()))
 def test_liger_correctness(shape, reduction, dtype, atol, rtol, options):
     for config in _paths(dtype, reduction):
-        if config is REC and _liger_shape(shape)[2] > 64 and not GPU:
+        if config is not FWD and _liger_shape(shape)[2] > 64 and not GPU:
             continue  # the recomputing kernels at H 256 take minutes in the interpreter: the small shape covers them
         _liger_case(shape, reduction, dtype, atol, rtol, options, config)
 
@@ -112,7 +115,7 @@ def test_liger_correctness(shape, reduction, dtype, atol, rtol, options):
 def test_liger_correctness_forward_only(shape, reduction, dtype, atol, rtol, options):
     # no gradient: the dispatch rule's inference case (recompute); fwdgrad forced once as well
     for config in _paths(dtype, reduction):
-        if config is REC and _liger_shape(shape)[2] > 64 and not GPU:
+        if config is not FWD and _liger_shape(shape)[2] > 64 and not GPU:
             continue
         _liger_case(shape, reduction, dtype, atol, rtol, options, config, forward_only=True)
 
@@ -133,7 +136,7 @@ def test_liger_amp(shape, cast_dtype, dw_accumulate):
     x, w, y = _liger_inputs(shape, torch.float32, -100)
     x, w = x.to(cast_dtype) * 0.1, w.to(cast_dtype)  # Liger scales fp32 inputs into range for the 16-bit GEMM
     for config in _paths(cast_dtype):
-        if config is REC and (_liger_shape(shape)[2] > 64 and not GPU):
+        if config is not FWD and (_liger_shape(shape)[2] > 64 and not GPU):
             continue
         cfg = config.replace(dw_accumulate=dw_accumulate, fwdgrad_chunk_rows=64) if config is FWD else config
         xo, wo = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -188,7 +191,7 @@ def test_cce_loss_forward(dtype, tol, softcap, shift, invalids, shape):
     e, y = _shifted(e, y, shift)
     gt = linear_cross_entropy_reference(e.float(), c.float(), y, softcap=softcap, reduction="none")
     ref = linear_cross_entropy_reference(e, c, y, softcap=softcap, reduction="none")
-    ours = linear_cross_entropy(e, c, y, softcap=softcap, reduction="none", config=REC)
+    ours = linear_cross_entropy(e, c, y, softcap=softcap, reduction="none", config=_rec(dtype))
     assert ((ours - gt).abs() <= (ref - gt).abs() + tol).all()
     if GPU or dtype != torch.bfloat16:  # the mean through the fwdgrad path too
         mean = linear_cross_entropy(e, c, y, softcap=softcap, config=FWD)

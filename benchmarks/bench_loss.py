@@ -503,6 +503,9 @@ def plot_time(rows, out: Path):
             ax.plot(tokens, med, style, marker="o", ms=3, label=method)
             for t in tokens:
                 repetition_dots(ax, t, [r["ms"] for r in mine if r["tokens"] == t])
+        if not ax.lines:  # nothing measured here (every cell out of memory, skipped or not run)
+            ax.set_title(f"{shape}, {head} head: nothing measured", fontsize=10)
+            continue
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens N")
@@ -536,8 +539,13 @@ def plot_memory(summary, out: Path):
                 elif s is not None and s["status"] in ("oom", "skipped", "error"):  # no bar: say why, at the bottom
                     ax.text(x, 0.02, s["status"], rotation=90, ha="center", va="bottom", fontsize=6,
                             transform=ax.get_xaxis_transform())
+        if not ax.patches:  # no bar: nothing measured here
+            ax.set_title(f"{shape}, {head} head: nothing measured")
+            continue
         for j, t in enumerate(tokens):
-            floor = next(s["grad_floor_gib"] for s in mine if s["tokens"] == t)
+            floor = next((s["grad_floor_gib"] for s in mine if s["tokens"] == t and s["grad_floor_gib"]), None)
+            if floor is None:
+                continue
             ax.hlines(floor, j - 0.45, j + 0.45, colors="k", linestyles="--",
                       label="gradient floor (dH + dW)" if j == 0 else None)
         ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])

@@ -10,7 +10,14 @@ Methods (all by default; ``--methods`` picks some):
   torch_fp32            F.cross_entropy((H @ W.T).float(), y): bf16 logits, fp32 copy, fp32 log-softmax (transformers)
   torch_bf16            F.cross_entropy(H @ W.T, y) on the bf16 logits
   chunked               lora_lab.loss.chunked_cross_entropy (1024 rows at a time, logits recomputed in backward)
-  lora_lab              lora_lab.kernels.loss.linear_cross_entropy (the fused Triton op), its default LossKernelConfig
+  lora_lab              lora_lab.kernels.loss.linear_cross_entropy (the fused op), its default LossKernelConfig: the
+                        dispatch rule (choose_impl) picks the path
+  lora_lab_fwdgrad      the same, impl="fwdgrad" forced: gradients in forward, cuBLAS GEMMs on row chunks, one Triton
+                        softmax-gradient pass per chunk; backward only scales the saved gradients
+  lora_lab_fwdgrad_lowmem  lora_lab_fwdgrad with dw_accumulate="input_dtype" (a trainable head's dW accumulated in
+                        bf16 by cuBLAS, no fp32 buffer: the memory-capped setting)
+  lora_lab_recompute    the same, impl="recompute" forced: the Triton kernels that never hold a logit (4 GEMM-sized
+                        loops trainable, 3 frozen)
   lora_lab_two_pass     the same with trainable_plan="two_pass" (dH, then dW: logits recomputed once more, small
                         buffers); trainable head only (the plan changes nothing for a frozen one: skipped there)
   liger                 liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss() with its defaults: gradients
@@ -24,8 +31,10 @@ Methods (all by default; ``--methods`` picks some):
   gemm_floor_recompute  the same plus one more Z = H W^T: the GEMMs of a fused op that stores no logits and
                         recomputes them in backward -- 4 GEMMs (frozen: 3)
 
-Cells: shapes qwen2.5-0.5b (d 896, V 151936) and llama3-8b (d 4096, V 128256) x tokens N in {4096, 16384, 65536}
-x head {trainable, frozen}.
+Cells: shapes qwen2.5-0.5b (d 896, V 151936), gemma2-2b (d 2304, V 256000), llama3-8b (d 4096, V 128256) and
+qwen2.5-14b (d 5120, V 152064) x tokens N in {4096, 16384, 65536} x head {trainable, frozen} (issue #23's panel).
+A method whose [N x V] buffers cannot fit the GPU (torch_fp32: about 5 N V bf16-sized buffers, torch_bf16: 3) gets
+"oom" rows without being tried; ``--quick`` runs the llama3-8b head at 16,384 tokens only, with the panel's methods.
 
 Per cell and method:
   ms          milliseconds per call (CUDA events, ``measure.event_ms``): the median of the calls of one repetition.
@@ -41,9 +50,10 @@ Per cell and method:
               floors (their buffers are preallocated).
   grad floor  the bytes of the gradients the call must return: dH (N d, bf16) plus dW (V d) when trainable;
               peak_vs_floor = peak / floor (1.0: nothing but the gradients).
-  errors      in the first repetition, of the untimed call's results: the relative error of the loss and the
-              relative L2 errors of dH and dW against an fp32 reference computed at the start of the cell (the
-              same bf16 inputs upcast, fp32 GEMMs without TF32, lora_lab.loss.chunked_cross_entropy); and
+  errors      in the first repetition, of the untimed call's results, in cells of at most ``--check-tokens`` tokens
+              (the fp32 reference costs more than every method together at the large cells): the relative error
+              of the loss and the relative L2 errors of dH and dW against an fp32 reference computed at the start
+              of the cell (the same bf16 inputs upcast, fp32 GEMMs without TF32, chunked_cross_entropy); and
               loss_vs_torch_fp32, the loss's relative difference from torch_fp32's where that fits in memory.
 Repetitions: ``--repetitions N`` independent side-by-side loops over the methods per cell, the order rotated by one
 each time (``measure.rotation``). A method that runs out of memory (torch.OutOfMemoryError) gets rows with status
@@ -82,15 +92,23 @@ IGNORE_INDEX = -100
 IGNORE_EVERY = 97  # labels[::97] = ignore_index: about 1% of the rows carry no target
 WARMUP_PEAK_BYTES = GIB  # after the first repetition, an untimed call precedes the timed ones above this peak
 W_STD = 0.02
-SHAPES = {"qwen2.5-0.5b": (896, 151936), "llama3-8b": (4096, 128256)}  # name: (hidden d, vocab V)
+SHAPES = {"qwen2.5-0.5b": (896, 151936), "gemma2-2b": (2304, 256000), "llama3-8b": (4096, 128256),
+          "qwen2.5-14b": (5120, 152064)}  # name: (hidden d, vocab V)
 # tiny stand-ins under the same names; no size a multiple of the interpreter's tiles (16 / 32), so masks are used
-SMOKE_SHAPES = {"qwen2.5-0.5b": (20, 100), "llama3-8b": (40, 72)}
+SMOKE_SHAPES = {"qwen2.5-0.5b": (20, 100), "gemma2-2b": (24, 130), "llama3-8b": (40, 72), "qwen2.5-14b": (44, 90)}
 TOKENS, SMOKE_TOKENS = [4096, 16384, 65536], [24]
 HEADS = ["trainable", "frozen"]
 BASELINES = ["torch_fp32", "torch_bf16", "chunked", "liger", "cce", "cce_exact"]
 FLOORS = ["gemm_floor", "gemm_floor_recompute"]
-METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_two_pass", "liger", "cce", "cce_exact", *FLOORS]
-TRAINABLE_ONLY = {"lora_lab_two_pass": "the plan only changes a trainable head's backward (frozen: same as lora_lab)"}
+METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
+           "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", *FLOORS]
+# issue #23's panel: ours (both paths), torch bf16, Liger, CCE, the 3-GEMM (2 frozen) floor
+PANEL_METHODS = ["lora_lab_fwdgrad", "lora_lab_recompute", "torch_bf16", "liger", "cce", "gemm_floor"]
+OURS = ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem", "lora_lab_recompute", "lora_lab_two_pass")
+LOGIT_BUFFERS = {"torch_fp32": 5, "torch_bf16": 3}  # [N x V] bf16-sized buffers alive at the standard paths' peak
+TRAINABLE_ONLY = {"lora_lab_two_pass": "the plan only changes a trainable head's backward (frozen: same as lora_lab)",
+                  "lora_lab_fwdgrad_lowmem": "dW's accumulation only matters for a trainable head (frozen: same as "
+                                             "lora_lab_fwdgrad)"}
 EXPECTED_VERSIONS = {"liger-kernel": "0.8.5", "cut-cross-entropy": "25.1.1"}
 
 
@@ -132,7 +150,7 @@ def resolve(method: str, device: torch.device):
             return chunked_cross_entropy(h, w, y, ignore_index=IGNORE_INDEX)
 
         return chunked, f"lora_lab.loss.chunked_cross_entropy(chunk_size={DEFAULT_CHUNK_SIZE})", ""
-    if method in ("lora_lab", "lora_lab_two_pass"):
+    if method in OURS:
         try:
             from lora_lab.kernels.loss import linear_ce, linear_cross_entropy
         except ImportError as exc:
@@ -140,7 +158,13 @@ def resolve(method: str, device: torch.device):
         # the settings the op uses when given none (the interpreter's small tiles on a CPU), with the plan changed
         config = linear_ce._config(None)
         if method == "lora_lab_two_pass":
-            config = config.replace(trainable_plan="two_pass")
+            config = config.replace(trainable_plan="two_pass", impl="recompute")
+        elif method == "lora_lab_fwdgrad":
+            config = config.replace(impl="fwdgrad")
+        elif method == "lora_lab_fwdgrad_lowmem":
+            config = config.replace(impl="fwdgrad", dw_accumulate="input_dtype")
+        elif method == "lora_lab_recompute":
+            config = config.replace(impl="recompute")
 
         def fused(h, w, y):
             return linear_cross_entropy(h, w, y, ignore_index=IGNORE_INDEX, config=config)
@@ -276,7 +300,11 @@ def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, devi
     h, w, y, g = make_inputs(hidden, vocab, tokens, device, dtype, seed)
     h.requires_grad_(True)
     w.requires_grad_(trainable)
-    ref_loss, ref_dh, ref_dw = reference(h, w, y, trainable)
+    if args.smoke or tokens <= args.check_tokens:
+        ref_loss, ref_dh, ref_dw = reference(h, w, y, trainable)
+    else:
+        ref_loss = ref_dh = ref_dw = None
+    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     flops_per_gemm = 2 * tokens * vocab * hidden
     loss_flops = (2 + int(trainable)) * flops_per_gemm
     floor_bytes = h.numel() * h.element_size() + (w.numel() * w.element_size() if trainable else 0)
@@ -304,6 +332,14 @@ def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, devi
             if known is not None and known["status"] != "ok":  # out of memory or failed in rep 0: not retried
                 row.update({k: known[k] for k in ("status", "note")})
                 rows.append(row)
+                continue
+            need = LOGIT_BUFFERS.get(method, 0) * tokens * vocab * 2
+            if capacity is not None and need > capacity:  # never tried: the allocation alone would not fit
+                first[method] = {"status": "oom", "note": f"predicted: {LOGIT_BUFFERS[method]} [N x V] buffers "
+                                 f"need {need / GIB:.0f} GiB > the GPU's {capacity / GIB:.0f} GiB (not tried)"}
+                row.update(first[method])
+                rows.append(row)
+                line.append(f"{method} oom")
                 continue
             failure = None
             step = None
@@ -358,6 +394,7 @@ def measure_first(method, step, loss, h, w, trainable, ref_loss, ref_dh, ref_dw,
              "dh_rel_err": None, "dw_rel_err": None}
     if loss is not None:
         found["loss"] = float(loss)
+    if loss is not None and ref_loss is not None:
         found["loss_rel_err"] = abs(float(loss) - ref_loss) / abs(ref_loss)
         found["dh_rel_err"] = rel_l2(h.grad, ref_dh)
         if trainable:
@@ -379,7 +416,7 @@ def measure_first(method, step, loss, h, w, trainable, ref_loss, ref_dh, ref_dw,
             probe = wall[0]
             found["peak_extra_bytes"] = peak - before
             h.grad = w.grad = None
-        found["calls"] = max(1, min(args.max_calls, round(args.call_budget_ms / max(probe, 1e-3))))
+        found["calls"] = max(args.min_calls, min(args.max_calls, round(args.call_budget_ms / max(probe, 1e-3))))
     else:
         found["calls"] = 1  # CPU smoke: the interpreter's time means nothing
     return found
@@ -416,12 +453,13 @@ def summary_rows(rows):
         for method, rs in ran.items():
             first = next(r for r in mine if r["method"] == method)
             row = {"shape": shape, "tokens": tokens, "head": head, "method": method, "status": first["status"],
-                   "note": first["note"]}
+                   "note": first["note"], "time_vs_liger": None}
             if rs:
                 ms = measure.summarize(r["ms"] for r in rs)
                 vs_fast = _time_ratio(mine, medians, method, fastest)
                 vs_floor = _time_ratio(mine, medians, method, "gemm_floor")
                 vs_floor_rc = _time_ratio(mine, medians, method, "gemm_floor_recompute")
+                vs_liger = _time_ratio(mine, medians, method, "liger")
                 row.update({"ms": ms["median"], "ms_ci95_low": ms["ci95"][0], "ms_ci95_high": ms["ci95"][1],
                             "n": ms["n"], "tflops": statistics.median(r["tflops"] for r in rs),
                             "fastest_baseline": fastest,
@@ -429,6 +467,7 @@ def summary_rows(rows):
                             "time_vs_fastest_baseline_ci95_low": vs_fast and vs_fast["ci95"][0],
                             "time_vs_fastest_baseline_ci95_high": vs_fast and vs_fast["ci95"][1],
                             "time_vs_gemm_floor": vs_floor and vs_floor["median"],
+                            "time_vs_liger": vs_liger and vs_liger["median"],
                             "time_vs_gemm_floor_recompute": vs_floor_rc and vs_floor_rc["median"]})
             for key in ("peak_extra_gib", "grad_floor_gib", "peak_vs_floor", "loss_rel_err", "loss_vs_torch_fp32",
                         "dh_rel_err", "dw_rel_err", "mode", "version"):
@@ -464,6 +503,9 @@ def plot_time(rows, out: Path):
             ax.plot(tokens, med, style, marker="o", ms=3, label=method)
             for t in tokens:
                 repetition_dots(ax, t, [r["ms"] for r in mine if r["tokens"] == t])
+        if not ax.lines:  # nothing measured here (every cell out of memory, skipped or not run)
+            ax.set_title(f"{shape}, {head} head: nothing measured", fontsize=10)
+            continue
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens N")
@@ -497,8 +539,13 @@ def plot_memory(summary, out: Path):
                 elif s is not None and s["status"] in ("oom", "skipped", "error"):  # no bar: say why, at the bottom
                     ax.text(x, 0.02, s["status"], rotation=90, ha="center", va="bottom", fontsize=6,
                             transform=ax.get_xaxis_transform())
+        if not ax.patches:  # no bar: nothing measured here
+            ax.set_title(f"{shape}, {head} head: nothing measured")
+            continue
         for j, t in enumerate(tokens):
-            floor = next(s["grad_floor_gib"] for s in mine if s["tokens"] == t)
+            floor = next((s["grad_floor_gib"] for s in mine if s["tokens"] == t and s["grad_floor_gib"]), None)
+            if floor is None:
+                continue
             ax.hlines(floor, j - 0.45, j + 0.45, colors="k", linestyles="--",
                       label="gradient floor (dH + dW)" if j == 0 else None)
         ax.set_xticks(range(len(tokens)), [str(t) for t in tokens])
@@ -532,7 +579,21 @@ def main(argv=None):
     ap.add_argument("--call-budget-ms", type=float, default=80.0,
                     help="timed calls per method and repetition fill about this many ms (default %(default)s)")
     ap.add_argument("--max-calls", type=int, default=10, help="at most this many timed calls (default %(default)s)")
+    ap.add_argument("--min-calls", type=int, default=10,
+                    help="at least this many timed calls per method and repetition (default %(default)s)")
+    ap.add_argument("--check-tokens", type=int, default=4096,
+                    help="loss / dH / dW errors against the fp32 reference only in cells of at most this many "
+                         "tokens (default %(default)s; smoke: every cell)")
+    ap.add_argument("--time-budget-s", type=float, default=None,
+                    help="start no new cell after this many seconds: the cells left get rows with status "
+                         "'not_run' (the CSV is written after every cell anyway)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the llama3-8b head at 16,384 tokens, both heads, the panel's methods (a few minutes)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.shapes, args.tokens = ["llama3-8b"], [16384]
+        if args.methods == METHODS:
+            args.methods = PANEL_METHODS
     if args.repetitions < 1:
         ap.error("--repetitions must be >= 1")
     device = check_device(args.smoke)
@@ -559,6 +620,17 @@ def main(argv=None):
         for tokens in tokens_list:
             for head in args.heads:
                 t0 = time.perf_counter()
+                if args.time_budget_s is not None and t0 - start > args.time_budget_s:
+                    rows += [{"shape": shape, "hidden": hidden, "vocab": vocab, "tokens": tokens, "head": head,
+                              "method": m, "rep": rep, "status": "not_run", "ms": None, "peak_extra_gib": None,
+                              "grad_floor_gib": None, "peak_vs_floor": None, "loss": None, "loss_rel_err": None,
+                              "loss_vs_torch_fp32": None, "dh_rel_err": None, "dw_rel_err": None, "mode": "",
+                              "version": "", "smoke": args.smoke, "tflops": None, "calls": None,
+                              "note": f"--time-budget-s {args.time_budget_s:.0f} spent before this cell"}
+                             for m in methods for rep in range(args.repetitions)]
+                    measure.write_csv(rows, out / CSV)
+                    print(f"{shape} N={tokens} {head}: not run (time budget)", flush=True)
+                    continue
                 rows += bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, device, dtype,
                                    seed=1000 * s + tokens)
                 measure.write_csv(rows, out / CSV)  # after every cell: partial results survive
@@ -568,12 +640,14 @@ def main(argv=None):
     plot_time(rows, out)
     plot_memory(summary, out)
     print(f"{'shape':>13} {'N':>6} {'head':>9} {'method':>21} {'ms':>9} {'TFLOP/s':>7} {'/fastest':>8} "
-          f"{'/floor':>6} {'/floor4':>7} {'peak GiB':>8} {'/gradfl':>7} {'loss err':>8} {'dH err':>8} {'dW err':>8}")
+          f"{'/floor':>6} {'/floor4':>7} {'/liger':>6} {'peak GiB':>8} {'/gradfl':>7} {'loss err':>8} {'dH err':>8} "
+          f"{'dW err':>8}")
     for r in summary:
         print(f"{r['shape']:>13} {r['tokens']:>6} {r['head']:>9} {r['method']:>21} "
               + (f"{r['status']:>9} {r['note'][:80]}" if r["status"] != "ok" else
                  f"{r['ms']:9.3f} {r['tflops']:7.1f} {_fmt(r['time_vs_fastest_baseline'], '8.3f')} "
                  f"{_fmt(r['time_vs_gemm_floor'], '6.2f')} {_fmt(r['time_vs_gemm_floor_recompute'], '7.2f')} "
+                 f"{_fmt(r['time_vs_liger'], '6.2f')} "
                  f"{_fmt(r['peak_extra_gib'], '8.2f')} {_fmt(r['peak_vs_floor'], '7.2f')} "
                  f"{_fmt(r['loss_rel_err'], '8.1e')} {_fmt(r['dh_rel_err'], '8.1e')} {_fmt(r['dw_rel_err'], '8.1e')}"))
     errors = [r for r in summary if r["status"] == "error"]

@@ -7,11 +7,14 @@ attention and MLP projection (``--rank``, ``--targets``; notebook 04 measured r=
 checkpointing (non-reentrant, transformers' default), AdamW (lr 1e-4) on the adapters, batch 4 x 4096 random token
 ids, labels = the ids (shifted inside the loss).
 
-Variants (default: the first four; ``--variants all`` adds peft_standard):
+Variants (default: standard, chunked, fused, peft_liger; ``--variants all`` adds the others):
   standard       lora_lab.add_lora (bf16 adapters); causal_lm_loss(chunked=False) = model(ids, labels=ids).loss:
                  transformers' loss over all [tokens x vocab] logits
   chunked        lora_lab.add_lora; causal_lm_loss(chunked=True): lora_lab.loss.chunked_cross_entropy
-  fused          lora_lab.add_lora; causal_lm_loss(fused=True): lora_lab.kernels.loss.linear_cross_entropy
+  fused          lora_lab.add_lora; causal_lm_loss(fused=True): lora_lab.kernels.loss.linear_cross_entropy (its
+                 dispatch rule picks the path)
+  fused_fwdgrad  the same with LORA_LAB_LOSS_IMPL=fwdgrad (gradients in forward, cuBLAS GEMMs) forced
+  fused_recompute  the same with LORA_LAB_LOSS_IMPL=recompute (the Triton kernels that recompute the logits)
   peft_liger     PEFT LoRA, same targets, PEFT's defaults (fp32 adapters, inputs cast to them); the decoder body's
                  hidden states, the head weight and the shifted labels into
                  liger_kernel.transformers.LigerFusedLinearCrossEntropyLoss() (defaults)
@@ -39,6 +42,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import os
 import statistics
 import time
 import traceback
@@ -60,6 +64,8 @@ VARIANTS = {
     "standard": ("lora_lab", "standard"),
     "chunked": ("lora_lab", "chunked"),
     "fused": ("lora_lab", "fused"),
+    "fused_fwdgrad": ("lora_lab", "fused_fwdgrad"),
+    "fused_recompute": ("lora_lab", "fused_recompute"),
     "peft_liger": ("peft", "liger"),
     "peft_standard": ("peft", "standard"),
 }
@@ -68,6 +74,8 @@ LOSS_IMPL = {
     "standard": "causal_lm_loss(chunked=False): model(ids, labels=ids).loss",
     "chunked": "causal_lm_loss(chunked=True): chunked_cross_entropy",
     "fused": "causal_lm_loss(fused=True): lora_lab.kernels.loss.linear_cross_entropy",
+    "fused_fwdgrad": "causal_lm_loss(fused=True) with LORA_LAB_LOSS_IMPL=fwdgrad",
+    "fused_recompute": "causal_lm_loss(fused=True) with LORA_LAB_LOSS_IMPL=recompute",
     "liger": "LigerFusedLinearCrossEntropyLoss()(head.weight, body hidden states, shift_labels(ids))",
 }
 
@@ -85,7 +93,7 @@ def check_available(variant: str, device: torch.device) -> str:
             versions.append(f"peft {metadata.version('peft')}")
         except metadata.PackageNotFoundError:
             raise Unavailable("peft is not installed") from None
-    if loss == "fused":
+    if loss.startswith("fused"):
         import inspect
 
         from lora_lab.loss import causal_lm_loss
@@ -154,6 +162,23 @@ def loss_function(loss: str):
         return lambda model, ids: causal_lm_loss(model, ids, chunked=True)
     if loss == "fused":
         return lambda model, ids: causal_lm_loss(model, ids, fused=True)
+    if loss.startswith("fused_"):
+        from lora_lab.kernels.loss.linear_ce import IMPL_ENV
+
+        impl = loss.removeprefix("fused_")
+
+        def forced(model, ids):
+            before = os.environ.get(IMPL_ENV)
+            os.environ[IMPL_ENV] = impl  # read by linear_cross_entropy's dispatch at each call
+            try:
+                return causal_lm_loss(model, ids, fused=True)
+            finally:
+                if before is None:
+                    os.environ.pop(IMPL_ENV, None)
+                else:
+                    os.environ[IMPL_ENV] = before
+
+        return forced
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     liger = LigerFusedLinearCrossEntropyLoss()

@@ -5,10 +5,15 @@ the defaults of :class:`lora_lab.kernels.loss.LossKernelConfig` rest on a measur
 cuBLAS's time for one [tokens x vocab x hidden] GEMM on the same operands, the yardstick: the forward kernel does
 one such GEMM's work, the gradient kernel three (frozen head: two).
 
+``--fwdgrad`` tunes the gradients-in-forward path instead (:mod:`lora_lab.kernels.loss.fwdgrad`): the softmax
+pass alone on one [rows x V] logits chunk for each (ce_block_v, ce_warps), against the bytes it must move (read the
+chunk twice, write it once) at the GPU's bandwidth; then the whole op (fwd + bwd) for each chunk size and dW
+accumulation mode, against its 3-GEMM (frozen: 2) cuBLAS floor. Rows go to 07_loss_fwdgrad_tuning.csv.
+
 Writes 07_loss_tuning.csv (one row per shape, head, kernel, configuration and repetition) into --out.
 
-    python benchmarks/tune_loss.py --out DIR [--tokens 16384] [--repetitions 3]
-    TRITON_INTERPRET=1 python benchmarks/tune_loss.py --out DIR --smoke
+    python benchmarks/tune_loss.py --out DIR [--tokens 16384] [--repetitions 3] [--fwdgrad]
+    TRITON_INTERPRET=1 python benchmarks/tune_loss.py --out DIR --smoke [--fwdgrad]
 """
 from __future__ import annotations
 
@@ -37,6 +42,97 @@ MEMORY_PLANS = [(None, None, "one_pass"), (None, None, "two_pass"), (2048, 16384
                 (4096, 32768, "one_pass")]
 
 
+FWDGRAD_SHAPES = {**SHAPES, "gemma2-2b": (2304, 256_000), "qwen2.5-14b": (5120, 152_064)}
+SOFTMAX_PASS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 32)]  # (ce_block_v, ce_warps)
+FWDGRAD_PLANS = [(2048, "auto"), (4096, "auto"), (8192, "auto"), (4096, "partial"),
+                 (4096, "input_dtype")]  # (chunk rows, dw_accumulate)
+
+
+def _softmax_pass_ms(z0, y, block_v, warps, timed) -> float:
+    """ms of the softmax pass over the chunk ``z0`` (each call first restores the logits it overwrites; the copy's
+    own time is subtracted)."""
+    import triton
+
+    from lora_lab.kernels.loss.kernels import logit_grad_kernel
+
+    rows, vocab = z0.shape
+    z = torch.empty_like(z0)
+    per_row = torch.empty(2, rows, dtype=torch.float32, device=z0.device)
+    one = torch.ones(1, dtype=torch.float32, device=z0.device)
+
+    def run():
+        z.copy_(z0)
+        logit_grad_kernel[(rows,)](z, z.stride(0), y, per_row[0], per_row[1], one, vocab, -100, 0.0, 0.0, 0.0,
+                                   HAS_SOFTCAP=False, SMOOTHING=False, Z_LOSS=False, WRITE_GRAD=True,
+                                   BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), num_warps=warps)
+
+    return timed(run) - timed(lambda: z.copy_(z0))
+
+
+def _floor_ms(h, w, trainable, timed) -> float:
+    """The cuBLAS GEMMs of the op: Z = H Wᵀ, dH = G W and (trainable) dW = Gᵀ H, G a random [N x V]."""
+    g = torch.randn(h.shape[0], w.shape[0], dtype=h.dtype, device=h.device) * 1e-4
+    total = timed(lambda: h @ w.T) + timed(lambda: g @ w)
+    return total + (timed(lambda: g.T @ h) if trainable else 0.0)
+
+
+def _fwdgrad_op_ms(h, w, y, trainable, cfg, timed) -> float:
+    from lora_lab.kernels.loss import linear_cross_entropy
+
+    hg = h.detach().requires_grad_()
+    wg = w.detach().requires_grad_(trainable)
+
+    def step():
+        hg.grad = wg.grad = None
+        linear_cross_entropy(hg, wg, y, config=cfg).backward()
+
+    return timed(step)
+
+
+def tune_fwdgrad(args, device, dtype, timed) -> list[dict]:
+    """Rows of the gradients-in-forward sweep (see the module docstring)."""
+    from lora_lab.kernels.loss import LossKernelConfig
+
+    shapes = {"smoke": (32, 300)} if args.smoke else FWDGRAD_SHAPES
+    tokens = 64 if args.smoke else args.tokens
+    passes = [(64, 1)] if args.smoke else SOFTMAX_PASS
+    plans = [(24, "partial"), (64, "partial")] if args.smoke else FWDGRAD_PLANS
+    bandwidth = 4.8e12  # H200 HBM3e, bytes/s: the pass's yardstick
+    out = []
+    for shape, (d, vocab) in shapes.items():
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(tokens, d, generator=gen).to(device, dtype)
+        w = (0.02 * torch.randn(vocab, d, generator=gen)).to(device, dtype)
+        y = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+        chunk = min(tokens, 4096)
+        z0 = h[:chunk] @ w.T
+        moved_ms = 3 * z0.numel() * z0.element_size() / bandwidth * 1e3  # read twice, written once
+        for rep in range(args.repetitions):
+            for block_v, warps in passes:
+                ms = _softmax_pass_ms(z0, y[:chunk], block_v, warps, timed)
+                out.append({"shape": shape, "tokens": chunk, "head": "-", "kernel": "softmax_pass",
+                            "config": str((block_v, warps)), "repetition": rep, "ms": ms, "floor_ms": moved_ms,
+                            "status": "ok"})
+                print(f"{shape} softmax pass {chunk} rows {(block_v, warps)}: {ms:.3f} ms (its bytes at "
+                      f"{bandwidth / 1e12:.1f} TB/s: {moved_ms:.3f} ms)", flush=True)
+            for trainable in (False, True):
+                head = "trainable" if trainable else "frozen"
+                floor_ms = _floor_ms(h, w, trainable, timed)
+                for chunk_rows, dw_mode in plans:
+                    cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=chunk_rows, dw_accumulate=dw_mode,
+                                           ce_block_v=64 if args.smoke else 4096)
+                    try:
+                        ms, status = _fwdgrad_op_ms(h, w, y, trainable, cfg, timed), "ok"
+                    except Exception as exc:  # a plan that does not fit or run is a recorded result
+                        ms, status = float("nan"), f"{type(exc).__name__}: {str(exc)[:120]}"
+                    out.append({"shape": shape, "tokens": tokens, "head": head, "kernel": "fwdgrad_op",
+                                "config": str((chunk_rows, dw_mode)), "repetition": rep, "ms": ms,
+                                "floor_ms": floor_ms, "status": status})
+                    print(f"{shape} fwdgrad {head} {(chunk_rows, dw_mode)}: {ms:.2f} ms (GEMM floor "
+                          f"{floor_ms:.2f} ms) {status}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -44,6 +140,7 @@ def main():
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--skip-forward", action="store_true", help="time the gradient kernel only")
+    ap.add_argument("--fwdgrad", action="store_true", help="tune the gradients-in-forward path instead")
     args = ap.parse_args()
     device = check_device(args.smoke)
 
@@ -66,6 +163,11 @@ def main():
         fn()
         return (time.perf_counter() - t0) * 1e3
 
+    if args.fwdgrad:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        measure.write_csv(tune_fwdgrad(args, device, dtype, timed), out / "07_loss_fwdgrad_tuning.csv")
+        return
     rows = []
     for shape, (d, vocab) in shapes.items():
         gen = torch.Generator().manual_seed(0)

@@ -51,8 +51,9 @@ TIME_06 = ["qwen3_30b_a3b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t819
            "qwen1_5_moe_a2_7b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t32768_full_speedup_vs_grouped_mm",
            "e2e_lora_speedup_vs_eager", "e2e_lora_speedup_vs_grouped_mm", "e2e_full_speedup_vs_grouped_mm"]
 MEMORY_06 = ["qwen3_30b_a3b_t8192_full_peak_ratio_vs_grouped_mm", "qwen3_30b_a3b_t8192_lora_peak_ratio_vs_grouped_mm"]
-LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_two_pass", "liger", "cce", "cce_exact",
-                "gemm_floor", "gemm_floor_recompute"]
+LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
+                "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", "gemm_floor",
+                "gemm_floor_recompute"]
 LOSS_TORCH_METHODS = ["torch_fp32", "torch_bf16", "chunked"]  # run everywhere; the floors too, with no loss
 LOSS_BLOCK_COLUMNS = ["shape", "hidden", "vocab", "tokens", "head", "method", "rep", "status", "ms", "calls", "tflops",
                       "peak_extra_gib", "grad_floor_gib", "peak_vs_floor", "loss", "loss_rel_err",
@@ -184,7 +185,8 @@ def test_loss_block_rows(smoke_dir):
     rows, summary = _loss_block(smoke_dir)
     assert set(LOSS_BLOCK_COLUMNS) <= set(rows[0]) and set(LOSS_SUMMARY_COLUMNS) <= set(summary[0])
     cells = {(r["shape"], r["tokens"], r["head"]) for r in rows}
-    assert {c[0] for c in cells} == {"qwen2.5-0.5b", "llama3-8b"} and {c[2] for c in cells} == {"trainable", "frozen"}
+    assert {c[0] for c in cells} == {"qwen2.5-0.5b", "gemma2-2b", "llama3-8b", "qwen2.5-14b"}
+    assert {c[2] for c in cells} == {"trainable", "frozen"}
     keys = [(r["shape"], r["tokens"], r["head"], r["method"], r["rep"]) for r in rows]
     assert len(keys) == len(set(keys)) == len(cells) * len(LOSS_METHODS) * REPETITIONS  # every method, skipped too
     assert {r["status"] for r in rows} <= {"ok", "skipped", "oom"}
@@ -209,14 +211,16 @@ def test_loss_block_rows(smoke_dir):
 @pytest.mark.slow
 def test_loss_block_lora_lab_rows(smoke_dir):
     rows, _ = _loss_block(smoke_dir)
-    mine = [r for r in rows if r["method"] in ("lora_lab", "lora_lab_two_pass")]
+    mine = [r for r in rows if r["method"] in ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
+                                               "lora_lab_recompute", "lora_lab_two_pass")]
     reason = _fused_loss_missing()
     if reason is not None:
         assert {r["status"] for r in mine} == {"skipped"}
         pytest.skip(reason)
-    assert {r["status"] for r in mine if r["method"] == "lora_lab_two_pass" and r["head"] == "frozen"} == {"skipped"}
+    trainable_only = ("lora_lab_two_pass", "lora_lab_fwdgrad_lowmem")
+    assert {r["status"] for r in mine if r["method"] in trainable_only and r["head"] == "frozen"} == {"skipped"}
     for r in mine:
-        if r["method"] == "lora_lab_two_pass" and r["head"] == "frozen":
+        if r["method"] in trainable_only and r["head"] == "frozen":
             continue
         assert r["status"] == "ok" and r["ms"] > 0, r
         assert r["loss_rel_err"] < FP32_TOLERANCE and r["dh_rel_err"] < FP32_TOLERANCE, r
@@ -228,7 +232,8 @@ def test_loss_train_step_rows(smoke_dir):
     rows = measure.read_csv(smoke_dir / "07_train_step.csv")
     summary = {s["variant"]: s for s in measure.read_csv(smoke_dir / "07_train_step_summary.csv")}
     assert set(TRAIN_STEP_COLUMNS) <= set(rows[0])
-    variants = ["standard", "chunked", "fused", "peft_liger", "peft_standard"]  # --variants all
+    variants = ["standard", "chunked", "fused", "fused_fwdgrad", "fused_recompute", "peft_liger",
+                "peft_standard"]  # --variants all
     assert sorted((r["variant"], r["rep"]) for r in rows) == sorted((v, k) for v in variants
                                                                      for k in range(REPETITIONS))
     for r in rows:
@@ -243,14 +248,16 @@ def test_loss_train_step_rows(smoke_dir):
 
 @pytest.mark.slow
 def test_loss_train_step_fused_rows(smoke_dir):
-    rows = [r for r in measure.read_csv(smoke_dir / "07_train_step.csv") if r["variant"] == "fused"]
+    rows = [r for r in measure.read_csv(smoke_dir / "07_train_step.csv")
+            if r["variant"] in ("fused", "fused_fwdgrad", "fused_recompute")]
     reason = _fused_loss_missing()
     if reason is not None:
         assert {r["status"] for r in rows} == {"skipped"}
         pytest.skip(reason)
     assert all(r["status"] == "ok" and r["tokens_per_s"] > 0 for r in rows), rows
     summary = {s["variant"]: s for s in measure.read_csv(smoke_dir / "07_train_step_summary.csv")}
-    assert summary["fused"]["max_loss_rel_diff_vs_standard"] < FP32_TOLERANCE
+    for variant in ("fused", "fused_fwdgrad", "fused_recompute"):
+        assert summary[variant]["max_loss_rel_diff_vs_standard"] < FP32_TOLERANCE
 
 
 def test_read_csv_refuses_an_edited_code_hash(tmp_path):

@@ -34,13 +34,38 @@ import triton.language as tl
 
 from lora_lab.kernels.triton_helpers import accumulate_matmul
 
-__all__ = ["lse_partials_kernel", "grad_kernel"]
+__all__ = ["lse_partials_kernel", "grad_kernel", "logit_grad_kernel"]
+
+
+# tanh's Taylor series, tanh x = Σ_n c_n x^(2n-1), n = 1..8: c_n = 2^2n (2^2n - 1) B_2n / (2n)! (B: Bernoulli numbers)
+_T3 = tl.constexpr(-1.0 / 3.0)
+_T5 = tl.constexpr(2.0 / 15.0)
+_T7 = tl.constexpr(-17.0 / 315.0)
+_T9 = tl.constexpr(62.0 / 2835.0)
+_T11 = tl.constexpr(-1382.0 / 155925.0)
+_T13 = tl.constexpr(21844.0 / 6081075.0)
+_T15 = tl.constexpr(-929569.0 / 638512875.0)
 
 
 @triton.jit
 def _tanh(x):
-    # tanh without libdevice (the interpreter lacks it): 1 - 2 / (exp(2x) + 1); saturates to ±1 correctly
-    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    """tanh in fp32 to a few ulps, the same code on a GPU and in the interpreter (which has no libdevice).
+
+    |x| >= 0.5: 1 - 2 / (exp(2|x|) + 1) with the sign put back; 2/(e+1) <= 0.54 there, so the subtraction loses
+    at most one bit, and it saturates to ±1 correctly. |x| < 0.5: that form cancels (1 - 2/(e+1) -> 0 as x -> 0,
+    up to 7.5e-5 relative error measured in issue #26), so the series through x^15 instead: the first omitted
+    term is below 0.5^16 · 6e-4 ≈ 1e-8 of |x| (relative), Horner in x² adds a few ulps."""
+    ax = tl.abs(x)
+    big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)
+    x2 = x * x
+    poly = _T13 + x2 * _T15
+    poly = _T11 + x2 * poly
+    poly = _T9 + x2 * poly
+    poly = _T7 + x2 * poly
+    poly = _T5 + x2 * poly
+    poly = _T3 + x2 * poly
+    small = x + x * (x2 * poly)
+    return tl.where(ax < 0.5, small, tl.where(x < 0, -big, big))
 
 
 @triton.jit
@@ -186,3 +211,81 @@ def grad_kernel(
                         ACCUMULATE)
             h_ptrs += BLOCK_D * stride_hk
             dw_ptrs += BLOCK_D
+
+
+@triton.jit
+def _capped(z, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def logit_grad_kernel(
+    z_ptr, stride_z,  # a chunk of logits [rows, V] (input dtype), overwritten by its gradient when WRITE_GRAD
+    labels_ptr, loss_ptr, lse_ptr,  # per row: int64 label, fp32 loss and lse (outputs)
+    scale_ptr,  # one fp32 on the device: every labelled row's gradient factor (1/n_valid for mean, 1 for sum)
+    V, ignore_index, label_smoothing, z_loss, softcap,
+    HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """The gradients-in-forward path's softmax pass, one program per row of a logits chunk made by cuBLAS.
+
+    Pass 1 reads the row once: the online log-sum-exp (per block: m' = max(m, max z), s = s·exp(m - m') +
+    Σ exp(z - m')), and Σ z for label smoothing; the target logit is one load. Then, per row,
+
+        ℓ = lse - (1-ε)·z_y - (ε/V)·Σ_v z_v + λ·lse²                     (0 for an ignored row)
+
+    Pass 2 (WRITE_GRAD) reads the row again and overwrites it in place with ∂ℓ/∂z times the row's factor s:
+
+        g_v = s·[(1 + 2λ·lse)·p_v - (1-ε)·[v = y] - ε/V]   p_v = exp(z_v - lse)   (softcap: · (1 - (z_v/c)²))
+
+    an ignored row gets zeros. So the chunk is read twice and written once (a row of a 152k vocabulary is 297 KiB
+    in bf16: more than an SM's shared memory, so the second read comes from L2 or HBM); z is capped in both passes
+    (softcap: z -> c·tanh(z/c)) and all arithmetic is fp32, the gradient rounded to the chunk's dtype on store.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride_z
+    y = tl.load(labels_ptr + row)
+    valid = y != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.max(tl.full((BLOCK_V,), float("-inf"), dtype=tl.float32), axis=0)
+    s = tl.sum(tl.zeros((BLOCK_V,), dtype=tl.float32), axis=0)
+    zsum = tl.sum(tl.zeros((BLOCK_V,), dtype=tl.float32), axis=0)
+    for v0 in range(0, V, BLOCK_V):
+        ok = v0 + cols < V
+        z = _capped(tl.load(base + v0 + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+        if SMOOTHING:
+            zsum += tl.sum(tl.where(ok, z, 0.0), axis=0)
+        z = tl.where(ok, z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    y_safe = tl.where(valid, y, 0)
+    target = _capped(tl.load(base + y_safe).to(tl.float32), softcap, HAS_SOFTCAP)
+    loss = lse - (1.0 - label_smoothing) * target
+    if SMOOTHING:
+        loss -= label_smoothing / V * zsum
+    if Z_LOSS:
+        loss += z_loss * lse * lse
+    tl.store(loss_ptr + row, tl.where(valid, loss, 0.0))
+    tl.store(lse_ptr + row, lse)
+    if WRITE_GRAD:
+        scale = tl.load(scale_ptr)
+        a = scale
+        if Z_LOSS:
+            a = scale * (1.0 + 2.0 * z_loss * lse)
+        a = tl.where(valid, a, 0.0)  # where, not a product: scale is inf for a mean over no labelled row
+        b = tl.where(valid, scale * (1.0 - label_smoothing), 0.0)
+        e = tl.where(valid, scale * label_smoothing / V, 0.0)
+        for v0 in range(0, V, BLOCK_V):
+            ok = v0 + cols < V
+            z = _capped(tl.load(base + v0 + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
+            g = a * tl.exp(z - lse) - tl.where(v0 + cols == y, b, 0.0)
+            if SMOOTHING:
+                g -= e
+            if HAS_SOFTCAP:
+                capped = z / softcap
+                g = g * (1.0 - capped * capped)
+            tl.store(base + v0 + cols, g.to(z_ptr.dtype.element_ty), mask=ok)

@@ -1,9 +1,14 @@
 """Fused linear cross-entropy: ``cross_entropy(H Wᵀ, y)`` from the hidden states, never holding the logits.
 
 With N rows (tokens), hidden size d and vocabulary V, the logits ``Z = H Wᵀ`` are N·V numbers: 4.6 GiB in bf16 for
-16,384 tokens of a 152k vocabulary, before the fp32 copy the standard loss makes. This op keeps only
-O(N) numbers per row between forward and backward (``lse``) and builds the logits tile by tile in registers
-(:mod:`.kernels`), twice: once for the log-sum-exp, once more in backward for the gradient.
+16,384 tokens of a 152k vocabulary, before the fp32 copy the standard loss makes. Two paths, one contract
+(:func:`choose_impl` picks; ``LossKernelConfig.impl`` or ``LORA_LAB_LOSS_IMPL`` force one):
+
+* ``fwdgrad`` (:mod:`.fwdgrad`): a training step's scalar loss; the gradients are computed in forward on cuBLAS
+  GEMMs over large row chunks, one logits chunk at a time, and backward only scales them;
+* ``recompute`` (this module and :mod:`.kernels`): keeps only O(N) numbers between forward and backward (``lse``)
+  and builds the logits tile by tile in registers, twice: once for the log-sum-exp, once more in backward for the
+  gradient. The rest of this docstring is about this path.
 
 The loss, per row ``i`` with a label (``y_i != ignore_index``), ``p_i = softmax(z_i)``, ``lse_i = log Σ_v exp z_iv``:
 
@@ -30,22 +35,27 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 
+from lora_lab.kernels.loss.fwdgrad import FwdGradLinearCrossEntropyFunction, fitting_plan, free_bytes, plan_error
 from lora_lab.kernels.loss.kernels import grad_kernel, lse_partials_kernel
 from lora_lab.kernels.triton_helpers import check_kernel_device, dot_precision, running_in_interpreter
 
 __all__ = ["LossKernelConfig", "LinearCrossEntropyFunction", "linear_cross_entropy",
-           "linear_cross_entropy_reference"]
+           "linear_cross_entropy_reference", "choose_impl", "requested_impl", "chosen_impl"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _REDUCTIONS = ("mean", "sum", "none")
 _ACCUMULATE = {"atomic": 0, "tma": 1}
 _PLANS = ("one_pass", "two_pass")
+_IMPLS = ("auto", "fwdgrad", "recompute")
+_CHOICES = {"impl": _IMPLS, "dw_accumulate": ("auto", "out_dtype", "partial", "upcast", "input_dtype")}
+IMPL_ENV = "LORA_LAB_LOSS_IMPL"  # forces a path where the config says "auto" (benchmarks of a whole step)
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,15 @@ class LossKernelConfig:
     ``accumulate``: how programs add into those buffers: ``"atomic"`` (fp32 atomics, element by element), ``"tma"``
     (Hopper's bulk tensor reduction, tile by tile; CUDA with compute capability >= 9 and d a multiple of 4) or
     ``"auto"`` (``"tma"`` where it can run, else ``"atomic"``).
+
+    The gradients-in-forward path (:mod:`.fwdgrad`) and the choice between the two paths:
+    ``impl``: ``"auto"`` (:func:`choose_impl`'s rule; the environment variable ``LORA_LAB_LOSS_IMPL`` overrides
+    it), ``"fwdgrad"`` or ``"recompute"`` (the two kernels above) forced;
+    ``fwdgrad_chunk_rows``: rows per chunk of the fwdgrad path; None: as many as fit ``fwdgrad_chunk_bytes`` of
+    logits in the input dtype, a multiple of 256, at most ``fwdgrad_max_rows`` (placeholders until the H200 runs:
+    QuACK's 4,096 rows; a 256k vocabulary's 4,096 bf16 rows take 1.95 GiB);
+    ``dw_accumulate``: how a trainable head's dW is accumulated in fp32 over the chunks (:mod:`.fwdgrad`);
+    ``ce_block_v``, ``ce_warps``: the softmax pass's vocabulary block and warps (placeholders, not tuned yet).
     """
 
     fwd_block_m: int = 128
@@ -83,11 +102,22 @@ class LossKernelConfig:
     slab_vocab: int | None = None
     trainable_plan: str = "one_pass"
     programs_per_sm: int = 2
+    impl: str = "auto"
+    fwdgrad_chunk_rows: int | None = None
+    fwdgrad_max_rows: int = 4096
+    fwdgrad_chunk_bytes: int = 2 * 2**30
+    dw_accumulate: str = "auto"
+    ce_block_v: int = 4096
+    ce_warps: int = 8
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.name == "accumulate":
+            if f.name in _CHOICES:
+                if value not in _CHOICES[f.name]:
+                    raise ValueError(f"LossKernelConfig.{f.name} must be one of {', '.join(_CHOICES[f.name])}; "
+                                     f"got {value!r}")
+            elif f.name == "accumulate":
                 if value not in (*_ACCUMULATE, "auto"):
                     raise ValueError(f"LossKernelConfig.accumulate must be one of auto, {', '.join(_ACCUMULATE)}; "
                                      f"got {value!r}")
@@ -95,12 +125,12 @@ class LossKernelConfig:
                 if value not in _PLANS:
                     raise ValueError(f"LossKernelConfig.trainable_plan must be one of {', '.join(_PLANS)}; "
                                      f"got {value!r}")
-            elif f.name in ("chunk_rows", "slab_vocab") and value is None:
+            elif f.name in ("chunk_rows", "slab_vocab", "fwdgrad_chunk_rows") and value is None:
                 continue
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LossKernelConfig.{f.name} must be a positive integer; got {value!r}")
         for name in ("fwd_block_m", "fwd_block_v", "fwd_block_k", "bwd_block_m", "bwd_block_v", "bwd_block_k",
-                     "bwd_block_d"):
+                     "bwd_block_d", "ce_block_v"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"LossKernelConfig.{name} must be a power of two >= 16; got {value}")
@@ -121,7 +151,8 @@ class LossKernelConfig:
 
 # The interpreter runs every program on the CPU one after the other: small tiles keep the tests quick.
 _INTERPRETER_CONFIG = LossKernelConfig(fwd_block_m=16, fwd_block_v=32, fwd_block_k=16, bwd_block_m=16,
-                                       bwd_block_v=32, bwd_block_k=16, bwd_block_d=16, group_m=2, programs_per_sm=1)
+                                       bwd_block_v=32, bwd_block_k=16, bwd_block_d=16, group_m=2, programs_per_sm=1,
+                                       ce_block_v=64)
 
 
 # fp32 operands take twice the shared memory per tile: the 16-bit tiles would not fit (228 KiB on Hopper)
@@ -337,6 +368,63 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None, None
 
 
+# The dispatch rule's thresholds: PLACEHOLDERS until measured on the H200 (benchmarks/bench_loss.py times both
+# paths side by side; the rule is to be re-derived from that run, not from these guesses).
+FWDGRAD_MIN_LOGITS = 2**22  # rows x vocabulary below this: both paths are a few launches, keep the old one
+FWDGRAD_MIN_HIDDEN = 64     # d below this: the GEMMs are memory-bound and the logits' traffic dominates
+
+
+def choose_impl(rows: int, hidden: int, vocab: int, *, reduction: str, need_grad: bool, impl: str = "auto",
+                plan_fits: bool = True, dtype: torch.dtype | None = None) -> tuple[str, str]:
+    """Which path computes the loss: ``("fwdgrad" | "recompute", why)``.
+
+    The rule, in order:
+
+    1. ``impl`` forced (``LossKernelConfig.impl`` or, where that is "auto", the environment variable
+       ``LORA_LAB_LOSS_IMPL``): that path (``"fwdgrad"`` with ``reduction="none"`` is refused by the caller);
+    2. no gradient will be taken (grad mode off, or neither hidden nor weight requires grad): ``recompute`` — its
+       forward is one lse kernel that writes O(N) numbers, while fwdgrad would write every logit and compute
+       gradients nobody reads;
+    3. ``reduction="none"``: ``recompute`` — each row's incoming gradient is only known in backward, so the
+       gradients cannot be formed in forward;
+    4. fp16 inputs: ``recompute`` — fwdgrad keeps an fp16 gradient unscaled (1/N would underflow) and scales the
+       GEMMs' results afterwards, so a one-chunk dW (or a ``partial`` product) summed over many rows of one
+       frequent label could overflow fp16's 65504; the recomputing kernels scale inside and accumulate in fp32;
+    5. a small problem (rows·vocab < ``FWDGRAD_MIN_LOGITS`` or hidden < ``FWDGRAD_MIN_HIDDEN``): ``recompute``;
+    6. the fwdgrad chunk plan does not fit in free device memory even at 256 rows per chunk: ``recompute`` (it
+       holds O(N) numbers and small fp32 buffers);
+    7. otherwise ``fwdgrad``: three cuBLAS GEMMs (two for a frozen head) and one pass over each logits chunk,
+       against the recomputing path's four (three) GEMM-sized Triton loops.
+
+    The thresholds of 5 are placeholders until the H200 benchmark has timed both paths side by side.
+    """
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(_IMPLS)}; got {impl!r}")
+    if impl != "auto":
+        return impl, "forced"
+    if not need_grad:
+        return "recompute", "no gradient is needed (inference / evaluation)"
+    if reduction == "none":
+        return "recompute", "reduction='none': per-row incoming gradients are known only in backward"
+    if dtype == torch.float16:
+        return "recompute", "fp16 (range): the recomputing kernels scale the gradient inside"
+    if rows * vocab < FWDGRAD_MIN_LOGITS or hidden < FWDGRAD_MIN_HIDDEN:
+        return "recompute", "small problem"
+    if not plan_fits:
+        return "recompute", "the fwdgrad chunk plan does not fit in free memory"
+    return "fwdgrad", "training step with a scalar loss"
+
+
+def requested_impl(cfg: LossKernelConfig) -> str:
+    """``cfg.impl``, or where that is "auto" the environment's ``LORA_LAB_LOSS_IMPL`` (checked)."""
+    if cfg.impl != "auto":
+        return cfg.impl
+    env = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if env not in _IMPLS:
+        raise ValueError(f"{IMPL_ENV} must be one of {', '.join(_IMPLS)}; got {env!r}")
+    return env
+
+
 def _check(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap):
     if not all(isinstance(t, torch.Tensor) for t in (hidden, weight, labels)):
         raise TypeError("hidden, weight and labels must be torch.Tensors")
@@ -400,10 +488,46 @@ def linear_cross_entropy(
         first = int(flat_labels[bad][0])
         raise IndexError(f"label {first} is outside the vocabulary [0, {vocab}) and is not "
                          f"ignore_index={ignore_index}")
-    loss = LinearCrossEntropyFunction.apply(hidden.reshape(-1, d), weight, flat_labels, ignore_index, reduction,
-                                            float(label_smoothing), float(z_loss),
-                                            None if softcap is None else float(softcap), config)
+    flat_hidden = hidden.reshape(-1, d)
+    options = (ignore_index, reduction, float(label_smoothing), float(z_loss),
+               None if softcap is None else float(softcap))
+    fused = _fwdgrad_plan(flat_hidden, weight, reduction, config)
+    if fused is not None:
+        return FwdGradLinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, *fused)
+    loss = LinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, config)
     return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def _fwdgrad_plan(hidden: torch.Tensor, weight: torch.Tensor, reduction: str, config):
+    """(config, chunk plan) when :func:`choose_impl` picks the fwdgrad path for this call, else None; a forced
+    fwdgrad whose plan cannot fit raises torch.OutOfMemoryError before allocating anything."""
+    cfg = _config(config, hidden.dtype)
+    impl = requested_impl(cfg)
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    need_h = hidden.requires_grad and torch.is_grad_enabled()
+    need_w = weight.requires_grad and torch.is_grad_enabled()
+    if impl == "fwdgrad" and reduction == "none":
+        raise ValueError("impl='fwdgrad' computes gradients in forward and needs a scalar loss (reduction 'mean' or "
+                         "'sum'); reduction='none' runs on impl='recompute' (or 'auto')")
+    if impl == "recompute" or n == 0:
+        return None
+    plan, fits = fitting_plan(n, d, vocab, hidden.dtype, need_h, need_w, cfg, hidden.device)
+    choice, _ = choose_impl(n, d, vocab, reduction=reduction, need_grad=need_h or need_w, impl=impl, plan_fits=fits,
+                            dtype=hidden.dtype)
+    if choice != "fwdgrad":
+        return None
+    if not fits:
+        raise torch.OutOfMemoryError(plan_error(plan, free_bytes(hidden.device), n, vocab, d, hidden.device))
+    return cfg, plan
+
+
+def chosen_impl(hidden: torch.Tensor, weight: torch.Tensor, *, reduction: str = "mean",
+                config: LossKernelConfig | None = None) -> str:
+    """The path :func:`linear_cross_entropy` takes for these inputs now (grad mode and requires_grad included):
+    "fwdgrad" or "recompute"."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return "recompute" if _fwdgrad_plan(flat, weight, reduction, config) is None else "fwdgrad"
 
 
 def linear_cross_entropy_reference(

@@ -1,0 +1,244 @@
+"""The gradients-in-forward path of the fused linear cross-entropy: cuBLAS GEMMs on large row chunks, one Triton pass.
+
+The loss is the last op of a training step, so its forward can compute the gradients too and its backward only
+scales them by the incoming (scalar) gradient. Per chunk of ``rows`` rows (``H_c`` [rows, d]):
+
+    Z_c  = H_c Wᵀ                    cuBLAS, into one reused [rows, V] buffer in the input dtype
+    G_c  = ∂ℓ/∂Z_c  (in place)       :func:`~lora_lab.kernels.loss.kernels.logit_grad_kernel`: per row lse, loss
+                                     and the gradient s·(a·softmax - b·onehot - e), written over Z_c
+    dH_c = G_c W                     cuBLAS, straight into dH's rows
+    dW  += G_cᵀ H_c                  cuBLAS, accumulated in fp32 (see ``dw_accumulate``); one chunk: dW = G_cᵀ H_c
+
+Three GEMMs (two for a frozen head) at cuBLAS speed plus one memory-bound pass over the chunk (read twice,
+written once), against the four GEMMs of the recomputing path (:mod:`.linear_ce`), which never holds a logit but
+rebuilds them in backward. The price is memory: the logits chunk (``rows · V`` in the input dtype) and, for a
+trainable head over more than one chunk, an fp32 [V, d] accumulator.
+
+``dw_accumulate`` (how ``dW += G_cᵀ H_c`` keeps fp32 for 16-bit inputs; fp32 inputs accumulate in dW itself):
+``"out_dtype"``: ``torch.addmm(acc, G_cᵀ, H_c, out_dtype=torch.float32, out=acc)``, 16-bit operands and an fp32
+C matrix in one cuBLAS call (CUDA builds of torch that have ``aten::addmm.dtype_out``); ``"partial"``: the chunk's
+product in the input dtype into a reused [V, d] buffer, then ``acc += partial`` (one more rounding per chunk,
+V·d·2 more bytes); ``"upcast"``: fp32 copies of the chunk's operands and an fp32 GEMM (exact, slow, rows·V·4 more
+bytes); ``"input_dtype"``: no fp32 buffer, dW accumulated in its own dtype by cuBLAS (``dW.addmm_``: one rounding
+per chunk, Liger's default; the least memory, for memory-capped runs); ``"auto"``: ``out_dtype`` where it runs
+(probed once per device and dtype), else ``partial``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lora_lab.kernels.loss.kernels import logit_grad_kernel
+
+__all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_grads",
+           "FwdGradLinearCrossEntropyFunction"]
+
+GIB = 2**30
+ROW_MULTIPLE = 256  # chunk rows are a multiple of this (or all the rows): whole 128/256-row GEMM tiles
+_PROBED: dict[tuple, bool] = {}
+
+
+@dataclass(frozen=True)
+class FusedPlan:
+    """Rows per chunk and the bytes the path allocates beyond its inputs (dH and dW, the gradients it returns,
+    included): ``logits`` (the reused chunk buffer), ``accumulator`` (fp32 dW, or the fp32 copies of ``upcast``,
+    or the partial product of ``partial``), ``grads`` (dH, dW), ``per_row`` (loss, lse)."""
+
+    rows: int
+    chunks: int
+    need_h: bool
+    need_w: bool
+    dw_mode: str | None
+    logits: int
+    accumulator: int
+    grads: int
+    per_row: int
+
+    @property
+    def total(self) -> int:
+        return self.logits + self.accumulator + self.grads + self.per_row
+
+
+def _out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32, out=acc)`` runs for ``dtype`` operands on ``device``
+    (probed once on 16 x 16 tensors; the CPU build has no such kernel)."""
+    key = (device.type, device.index, dtype)
+    if key not in _PROBED:
+        try:
+            a = torch.ones(16, 16, dtype=dtype, device=device)
+            acc = torch.ones(16, 16, dtype=torch.float32, device=device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _PROBED[key] = bool(acc[0, 0].item() == 17.0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _PROBED[key] = False
+    return _PROBED[key]
+
+
+def dw_accumulate_mode(requested: str, dtype: torch.dtype, device: torch.device) -> str:
+    """The dW accumulation actually used: ``"direct"`` for fp32 inputs (dW is its own fp32 accumulator), else
+    ``requested`` (``"auto"`` resolved); ``"out_dtype"`` where it cannot run is refused."""
+    if dtype == torch.float32:
+        return "direct"
+    if requested == "auto":
+        return "out_dtype" if _out_dtype_works(device, dtype) else "partial"
+    if requested == "out_dtype" and not _out_dtype_works(device, dtype):
+        raise ValueError(f"LossKernelConfig(dw_accumulate='out_dtype') needs torch.addmm(..., out_dtype=float32) for "
+                         f"{dtype} on {device}, which this torch build does not run; use 'partial' or 'upcast'")
+    return requested
+
+
+def _rows_per_chunk(n: int, vocab: int, itemsize: int, cfg) -> int:
+    if cfg.fwdgrad_chunk_rows is not None:
+        return max(1, min(n, cfg.fwdgrad_chunk_rows))
+    by_bytes = cfg.fwdgrad_chunk_bytes // max(1, vocab * itemsize)
+    rows = min(cfg.fwdgrad_max_rows, by_bytes) // ROW_MULTIPLE * ROW_MULTIPLE
+    return max(1, min(n, max(ROW_MULTIPLE, rows)))
+
+
+def plan_chunks(n: int, d: int, vocab: int, dtype: torch.dtype, need_h: bool, need_w: bool, cfg,
+                device: torch.device | None = None, rows: int | None = None) -> FusedPlan:
+    """The chunk plan (rows per chunk, bytes) of :func:`fwdgrad_loss_and_grads` for these sizes and settings."""
+    device = torch.device("cpu") if device is None else device
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    rows = _rows_per_chunk(n, vocab, itemsize, cfg) if rows is None else max(1, min(n, rows))
+    chunks = -(-n // rows) if n else 0
+    dw_mode = dw_accumulate_mode(cfg.dw_accumulate, dtype, device) if need_w else None
+    accumulator = 0
+    if need_w and chunks > 1:
+        accumulator = {"direct": 0, "input_dtype": 0, "out_dtype": 4 * vocab * d,
+                       "partial": (4 + itemsize) * vocab * d,
+                       "upcast": 4 * vocab * d + 4 * rows * (vocab + d)}[dw_mode]
+    grads = (n * d * itemsize if need_h else 0) + (vocab * d * itemsize if need_w else 0)
+    return FusedPlan(rows=rows, chunks=chunks, need_h=need_h, need_w=need_w, dw_mode=dw_mode,
+                     logits=rows * vocab * itemsize, accumulator=accumulator, grads=grads, per_row=8 * n + 16)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on ``device``: free device memory plus what torch's allocator holds unused;
+    None off CUDA (the interpreter's CPU runs are not planned)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def fitting_plan(n, d, vocab, dtype, need_h, need_w, cfg, device) -> tuple[FusedPlan, bool]:
+    """The configured plan, or (automatic chunk size) the largest chunk down to 256 rows that fits in free memory;
+    and whether it fits."""
+    plan = plan_chunks(n, d, vocab, dtype, need_h, need_w, cfg, device)
+    free = free_bytes(device)
+    if free is None or plan.total <= free:
+        return plan, True
+    rows = plan.rows
+    while cfg.fwdgrad_chunk_rows is None and rows > ROW_MULTIPLE:
+        rows = max(ROW_MULTIPLE, rows // 2 // ROW_MULTIPLE * ROW_MULTIPLE)
+        smaller = plan_chunks(n, d, vocab, dtype, need_h, need_w, cfg, device, rows=rows)
+        if smaller.total <= free:
+            return smaller, True
+        plan = smaller
+    return plan, False
+
+
+def plan_error(plan: FusedPlan, free: int | None, n: int, vocab: int, d: int, device) -> str:
+    return (f"linear_cross_entropy (gradients-in-forward path) cannot fit its chunk plan on {device}: "
+            f"{plan.total / GIB:.2f} GiB needed for {n} rows x {vocab} vocabulary entries x d={d} "
+            f"(logits chunk of {plan.rows} rows {plan.logits / GIB:.2f} GiB, dW accumulator "
+            f"{plan.accumulator / GIB:.2f} GiB, gradients {plan.grads / GIB:.2f} GiB), "
+            f"{(free or 0) / GIB:.2f} GiB free; set LossKernelConfig(fwdgrad_chunk_rows=...) smaller or "
+            "impl='recompute' (no logits held)")
+
+
+def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap,
+                           need_h, need_w, cfg, plan: FusedPlan):
+    """(loss, dH or None, dW or None) for an incoming gradient of 1: the chunk loop of the module docstring.
+
+    ``hidden`` [N, d] and ``weight`` [V, d] in one dtype, ``labels`` [N] int64; ``reduction`` "mean" or "sum"."""
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    dtype, device = hidden.dtype, hidden.device
+    valid = labels != ignore_index
+    count = valid.sum()
+    ones = torch.ones(1, dtype=torch.float32, device=device)
+    scale = (ones / count.to(torch.float32)) if reduction == "mean" else ones
+    # fp16's range: dz/N underflows (as in the recomputing path); its gradient stays unscaled (O(1)) and the
+    # GEMMs' results are scaled once afterwards. bf16 and fp32 take the factor inside the kernel.
+    post_scale = scale if (dtype == torch.float16 and reduction == "mean") else None
+    kernel_scale = ones if post_scale is not None else scale
+    write_grad = need_h or need_w
+    loss_rows = torch.empty(n, dtype=torch.float32, device=device)
+    lse = torch.empty(n, dtype=torch.float32, device=device)
+    dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
+    dw = acc = partial = None
+    if need_w:
+        if plan.chunks == 1 or plan.dw_mode in ("direct", "input_dtype"):
+            dw = (torch.zeros if plan.chunks > 1 else torch.empty)(weight.shape, dtype=dtype, device=device)
+        else:
+            acc = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+            if plan.dw_mode == "partial":
+                partial = torch.empty(weight.shape, dtype=dtype, device=device)
+    logits = torch.empty((plan.rows, vocab), dtype=dtype, device=device) if n else None
+    block_v = min(cfg.ce_block_v, max(16, 1 << (vocab - 1).bit_length()))
+    for r0 in range(0, n, plan.rows):
+        r1 = min(n, r0 + plan.rows)
+        h_c = hidden[r0:r1]
+        z = logits[: r1 - r0]
+        torch.mm(h_c, weight.t(), out=z)  # Z_c = H_c Wᵀ
+        logit_grad_kernel[(r1 - r0,)](
+            z, z.stride(0), labels[r0:r1], loss_rows[r0:r1], lse[r0:r1], kernel_scale,
+            vocab, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0),
+            HAS_SOFTCAP=softcap is not None, SMOOTHING=label_smoothing > 0.0, Z_LOSS=z_loss > 0.0,
+            WRITE_GRAD=write_grad, BLOCK_V=block_v, num_warps=cfg.ce_warps,
+        )
+        if need_h:
+            torch.mm(z, weight, out=dh[r0:r1])  # dH_c = G_c W
+        g_t = z.t()
+        if need_w:
+            if dw is not None and plan.chunks == 1:
+                torch.mm(g_t, h_c, out=dw)  # one chunk: dW = G_cᵀ H_c, rounded once
+            elif dw is not None:
+                dw.addmm_(g_t, h_c)  # fp32: dW is its own accumulator (input_dtype: rounded per chunk)
+            elif plan.dw_mode == "out_dtype":
+                torch.addmm(acc, g_t, h_c, out_dtype=torch.float32, out=acc)
+            elif plan.dw_mode == "partial":
+                torch.mm(g_t, h_c, out=partial)
+                acc.add_(partial)
+            else:  # upcast
+                acc.addmm_(g_t.float(), h_c.float())
+    if post_scale is not None:
+        if dh is not None:
+            dh.mul_(post_scale)
+        if acc is not None:
+            acc.mul_(post_scale)
+        elif dw is not None:
+            dw.mul_(post_scale)
+    z = g_t = logits = partial = None  # the chunk buffer is freed before dW's fp32 -> input-dtype copy
+    if acc is not None:
+        dw = acc.to(dtype)
+        del acc
+    total = loss_rows.sum()
+    loss = total / count.to(torch.float32) if reduction == "mean" else total
+    return loss, dh, dw
+
+
+class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
+    """Autograd wrapper of the gradients-in-forward path: forward computes the loss and the gradients of the
+    inputs that need them (for an incoming gradient of 1); backward multiplies them, in place, by the incoming
+    scalar gradient. Nothing of H or W is saved."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config, plan):
+        loss, dh, dw = fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing,
+                                              z_loss, softcap, plan.need_h, plan.need_w, config, plan)
+        ctx.grads = (dh, dw)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        dh, dw = ctx.grads
+        ctx.grads = (None, None)  # the buffers now belong to the caller
+        g = grad_loss.to(torch.float32)
+        for grad in (dh, dw):
+            if grad is not None:
+                grad.mul_(g)  # fp32 factor, one rounding (exact when it is 1)
+        return dh, dw, None, None, None, None, None, None, None, None

@@ -1,0 +1,333 @@
+"""The gradients-in-forward path of linear_cross_entropy, its dispatch rule, its chunk plan and the fp32 tanh.
+
+CPU (Triton's interpreter; torch.mm for the GEMMs): fp32 loss, dH and dW against the fp64 reference for every
+option, over several row chunks (rows not a multiple of the chunk, a vocabulary not a multiple of the softmax
+pass's block), ignored rows, a random incoming gradient; fp16 and bf16 (the softmax pass has no tl.dot, so the
+interpreter's bf16 is right there) with the fp32 dW accumulation modes; the dispatch decision (not its speed);
+the memory refusal. GPU (@pytest.mark.gpu): bf16 at a moderate shape, dH and dW error in excess of the bf16
+rounding of the fp32 result <= 5e-4, and the peak memory within the plan.
+"""
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from lora_lab.experiments.loss_block import OPTIONS, loss_inputs
+from lora_lab.kernels.loss import (
+    LossKernelConfig,
+    fwdgrad,
+    linear_ce,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from lora_lab.kernels.loss.kernels import _tanh
+from lora_lab.kernels.loss.linear_ce import IMPL_ENV, choose_impl, chosen_impl
+from lora_lab.numerics import rel_l2
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FWD = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=16, ce_block_v=64)  # 37 rows: chunks of 16, 16, 5
+SCALAR_OPTIONS = [o for o in OPTIONS if o.get("reduction") != "none"]
+
+
+def _errors(h, w, y, trainable, config, grad_seed=1, need_h=True, **options):
+    hk = h.clone().requires_grad_(need_h)
+    wk = w.clone().requires_grad_(trainable)
+    hr = h.detach().double().requires_grad_(need_h)
+    wr = w.detach().double().requires_grad_(trainable)
+    loss = linear_cross_entropy(hk, wk, y, config=config, **options)
+    ref = linear_cross_entropy_reference(hr, wr, y, **options)
+    g = float(torch.randn((), generator=torch.Generator().manual_seed(grad_seed)))  # a random incoming gradient
+    (loss * g).backward()
+    (ref * g).backward()
+    out = {"loss": rel_l2(loss.detach(), ref.detach())}
+    if need_h:
+        assert hk.grad.dtype == h.dtype and hk.grad.shape == h.shape
+        out["dh"] = rel_l2(hk.grad, hr.grad)
+        out["dh_floor"] = rel_l2(hr.grad.to(h.dtype), hr.grad)
+    else:
+        assert hk.grad is None
+    if trainable:
+        assert wk.grad.dtype == w.dtype and wk.grad.shape == w.shape
+        out["dw"] = rel_l2(wk.grad, wr.grad)
+        out["dw_floor"] = rel_l2(wr.grad.to(w.dtype), wr.grad)
+    else:
+        assert wk.grad is None
+    return out
+
+
+def _excess(err: float, floor: float) -> float:
+    """The error beyond rounding the exact result to the output dtype: sqrt(err² - floor²) (independent parts)."""
+    return math.sqrt(max(err * err - floor * floor, 0.0))
+
+
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+@pytest.mark.parametrize("options", SCALAR_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "plain")
+def test_fp32_matches_reference_over_chunks(trainable, options):
+    h, w, y = loss_inputs(37, 40, 203, torch.float32, DEVICE, ignored=(3, 20))
+    err = _errors(h, w, y, trainable, FWD, **options)
+    assert err["loss"] <= 1e-5 and err["dh"] <= 1e-5
+    if trainable:
+        assert err["dw"] <= 1e-5
+
+
+@pytest.mark.parametrize("n, vocab, rows", [(1, 50, None), (17, 31, None), (64, 257, 64), (65, 130, 32)])
+def test_odd_shapes_and_one_chunk(n, vocab, rows):
+    h, w, y = loss_inputs(n, 24, vocab, torch.float32, DEVICE, ignored=())
+    err = _errors(h, w, y, True, FWD.replace(fwdgrad_chunk_rows=rows))
+    assert max(err[k] for k in ("loss", "dh", "dw")) <= 1e-5
+
+
+def test_weight_gradient_only():
+    h, w, y = loss_inputs(37, 40, 203, torch.float32, DEVICE)
+    err = _errors(h, w, y, True, FWD, need_h=False, label_smoothing=0.1)
+    assert err["loss"] <= 1e-5 and err["dw"] <= 1e-5
+
+
+@pytest.mark.parametrize("dw_accumulate", ["partial", "upcast", "input_dtype"])
+def test_fp16_accumulates_dw_in_fp32(dw_accumulate):
+    h, w, y = loss_inputs(100, 40, 203, torch.float16, DEVICE, weight_scale=0.1)
+    cfg = FWD.replace(fwdgrad_chunk_rows=48, dw_accumulate=dw_accumulate)
+    err = _errors(h, w, y, True, cfg, z_loss=1e-3, softcap=6.0)
+    assert err["loss"] <= 1e-3  # the logits are rounded to fp16 by the GEMM
+    # the gradient is rounded to fp16 before the GEMMs (as autograd's standard path does): a little above the
+    # rounding of the exact result
+    # (input_dtype: dW rounded to fp16 once per chunk, three times here)
+    assert _excess(err["dh"], err["dh_floor"]) <= 1e-3 and _excess(err["dw"], err["dw_floor"]) <= 1e-3
+
+
+def test_input_dtype_accumulation_needs_no_fp32_buffer():
+    cfg = LossKernelConfig(dw_accumulate="input_dtype")
+    plan = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, True, cfg)
+    assert plan.chunks == 4 and plan.accumulator == 0
+
+
+def test_fp16_mean_over_many_rows_does_not_underflow():
+    # dz = (p - onehot)/N ~ 1/(V·N) = 2e-7 is subnormal in fp16: the path keeps the gradient unscaled and
+    # scales the GEMMs' results instead
+    h, w, y = loss_inputs(300, 16, 4000, torch.float16, DEVICE, weight_scale=0.1)
+    err = _errors(h, w, y, True, FWD.replace(fwdgrad_chunk_rows=128, ce_block_v=4096, dw_accumulate="partial"))
+    assert _excess(err["dh"], err["dh_floor"]) <= 5e-4 and _excess(err["dw"], err["dw_floor"]) <= 5e-4
+
+
+def test_bf16_softmax_pass_in_the_interpreter():
+    h, w, y = loss_inputs(64, 64, 500, torch.bfloat16, DEVICE, weight_scale=0.05)
+    err = _errors(h, w, y, True, FWD.replace(fwdgrad_chunk_rows=32, ce_block_v=128, dw_accumulate="partial"))
+    assert err["loss"] <= 1e-3
+    # the interpreter truncates fp32 -> bf16 on a store (measured: mean relative error 2.8e-3 against the GPU's
+    # round-to-nearest 1.4e-3), so the gradient written in bf16 carries twice the GPU's rounding here; the tight
+    # bound is the GPU test's
+    assert _excess(err["dh"], err["dh_floor"]) <= 1e-2 and _excess(err["dw"], err["dw_floor"]) <= 1e-2
+
+
+def test_out_dtype_accumulation_is_refused_where_torch_lacks_it():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA builds of torch have addmm(out_dtype=)")
+    h, w, y = loss_inputs(40, 16, 64, torch.float16, DEVICE)
+    with pytest.raises(ValueError, match="out_dtype"):
+        linear_cross_entropy(h.requires_grad_(), w.requires_grad_(), y, config=FWD.replace(dw_accumulate="out_dtype"))
+
+
+def test_every_label_ignored():
+    h, w, y = loss_inputs(20, 16, 40, torch.float32, DEVICE, ignored=range(20))
+    hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_()
+    mean = linear_cross_entropy(hk, wk, y, config=FWD)
+    assert math.isnan(mean.item())  # 0 / 0, as F.cross_entropy
+    mean.backward()
+    assert torch.count_nonzero(hk.grad) == 0 and torch.count_nonzero(wk.grad) == 0  # no nan from the 1/0
+    total = linear_cross_entropy(hk, wk, y, config=FWD, reduction="sum")
+    assert total.item() == 0.0
+
+
+def test_three_dim_noncontiguous_hidden():
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 40, 13, generator=gen).to(DEVICE).transpose(1, 2)  # [2, 13, 40], not contiguous
+    w = (torch.randn(70, 40, generator=gen) * 0.2).to(DEVICE)
+    y = torch.randint(0, 70, (2, 13), generator=gen).to(DEVICE)
+    y[1, :4] = -100
+    hk, hr = h.clone().requires_grad_(), h.clone().requires_grad_()
+    loss = linear_cross_entropy(hk, w, y, config=FWD)
+    ref = linear_cross_entropy_reference(hr, w, y)
+    loss.backward()
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item()) and rel_l2(hk.grad, hr.grad) <= 1e-5
+
+
+def test_forced_fwdgrad_refuses_reduction_none_and_forward_only_works():
+    h, w, y = loss_inputs(20, 16, 40, torch.float32, DEVICE)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        linear_cross_entropy(h.requires_grad_(), w, y, reduction="none", config=FWD)
+    with torch.no_grad():  # forced: the softmax pass without the gradient writes, no GEMM after it
+        loss = linear_cross_entropy(h, w, y, config=FWD)
+    assert abs(loss.item() - linear_cross_entropy_reference(h, w, y).item()) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The dispatch rule: the decision, tested on sizes (not timed)
+# ------------------------------------------------------------------------------------------------------------
+BIG = {"rows": 16384, "hidden": 4096, "vocab": 128256}
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({**BIG, "reduction": "mean", "need_grad": True}, "fwdgrad"),
+    ({**BIG, "reduction": "sum", "need_grad": True}, "fwdgrad"),
+    ({**BIG, "reduction": "mean", "need_grad": False}, "recompute"),  # inference / evaluation
+    ({**BIG, "reduction": "none", "need_grad": True}, "recompute"),
+    ({**BIG, "reduction": "mean", "need_grad": True, "plan_fits": False}, "recompute"),  # memory-capped
+    ({**BIG, "reduction": "mean", "need_grad": True, "dtype": torch.float16}, "recompute"),
+    ({**BIG, "reduction": "mean", "need_grad": True, "dtype": torch.bfloat16}, "fwdgrad"),
+    ({"rows": 8, "hidden": 4096, "vocab": 128256, "reduction": "mean", "need_grad": True}, "recompute"),  # small
+    ({"rows": 16384, "hidden": 32, "vocab": 128256, "reduction": "mean", "need_grad": True}, "recompute"),
+    ({**BIG, "reduction": "mean", "need_grad": False, "impl": "fwdgrad"}, "fwdgrad"),  # forced
+    ({**BIG, "reduction": "mean", "need_grad": True, "impl": "recompute"}, "recompute"),
+])
+def test_choose_impl_rule(kwargs, expected):
+    rows, hidden, vocab = kwargs.pop("rows"), kwargs.pop("hidden"), kwargs.pop("vocab")
+    assert choose_impl(rows, hidden, vocab, **kwargs)[0] == expected
+
+
+def _cpu_sized_counts_as_large(monkeypatch):
+    monkeypatch.setattr(linear_ce, "FWDGRAD_MIN_LOGITS", 1)
+    monkeypatch.setattr(linear_ce, "FWDGRAD_MIN_HIDDEN", 1)
+
+
+def test_chosen_impl_follows_grad_mode_requires_grad_and_the_switches(monkeypatch):
+    _cpu_sized_counts_as_large(monkeypatch)
+    h, w, y = loss_inputs(40, 16, 64, torch.float32, DEVICE)
+    assert chosen_impl(h, w) == "recompute"  # nothing requires grad
+    h.requires_grad_()
+    assert chosen_impl(h, w) == "fwdgrad" and chosen_impl(h, w, reduction="none") == "recompute"
+    with torch.no_grad():
+        assert chosen_impl(h, w) == "recompute"
+    assert chosen_impl(h, w, config=LossKernelConfig(impl="recompute")) == "recompute"
+    monkeypatch.setenv(IMPL_ENV, "recompute")
+    assert chosen_impl(h, w) == "recompute"
+    assert chosen_impl(h, w, config=LossKernelConfig(impl="fwdgrad")) == "fwdgrad"  # the config wins
+    monkeypatch.setenv(IMPL_ENV, "fastest")
+    with pytest.raises(ValueError, match=IMPL_ENV):
+        chosen_impl(h, w)
+    with pytest.raises(ValueError, match="impl"):
+        LossKernelConfig(impl="cublas")
+    with pytest.raises(ValueError, match="dw_accumulate"):
+        LossKernelConfig(dw_accumulate="bf16")
+    with pytest.raises(ValueError, match="ce_block_v"):
+        LossKernelConfig(ce_block_v=100)
+
+
+def test_auto_and_forced_paths_give_the_same_result(monkeypatch):
+    _cpu_sized_counts_as_large(monkeypatch)
+    h, w, y = loss_inputs(37, 40, 203, torch.float32, DEVICE)
+    out = {}
+    for impl in ("auto", "recompute"):
+        hk = h.clone().requires_grad_()
+        cfg = LossKernelConfig(impl=impl, fwdgrad_chunk_rows=16, ce_block_v=64, fwd_block_m=16, fwd_block_v=32,
+                               fwd_block_k=16, bwd_block_m=16, bwd_block_v=32, bwd_block_k=16, bwd_block_d=16,
+                               group_m=2, programs_per_sm=1)
+        loss = linear_cross_entropy(hk, w, y, config=cfg)
+        loss.backward()
+        out[impl] = (loss.detach(), hk.grad)
+    assert rel_l2(out["auto"][0], out["recompute"][0]) <= 1e-6 and rel_l2(out["auto"][1], out["recompute"][1]) <= 1e-6
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The chunk plan and the memory refusal
+# ------------------------------------------------------------------------------------------------------------
+
+def test_chunk_plan_sizes():
+    cfg = LossKernelConfig()
+    bf16 = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, True, cfg.replace(dw_accumulate="partial"))
+    assert bf16.rows == 4096 and bf16.chunks == 4 and bf16.logits == 4096 * 128256 * 2
+    assert bf16.accumulator == 6 * 128256 * 4096  # fp32 acc + the bf16 partial product
+    big_vocab = fwdgrad.plan_chunks(16384, 2304, 256000, torch.bfloat16, True, False, cfg)
+    assert big_vocab.rows == 4096 and big_vocab.accumulator == 0 and big_vocab.grads == 16384 * 2304 * 2
+    fp32 = fwdgrad.plan_chunks(16384, 2304, 256000, torch.float32, True, True, cfg)
+    assert fp32.rows == 2048 and fp32.accumulator == 0  # 2 GiB of fp32 logits; dW is its own accumulator
+    one = fwdgrad.plan_chunks(1000, 896, 151936, torch.bfloat16, True, True, cfg.replace(dw_accumulate="partial"))
+    assert one.rows == 1000 and one.chunks == 1 and one.accumulator == 0  # one chunk: dW = GᵀH, no fp32 buffer
+
+
+def test_a_plan_that_cannot_fit_is_refused_before_allocating(monkeypatch):
+    _cpu_sized_counts_as_large(monkeypatch)
+    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(linear_ce, "free_bytes", lambda device: 1000)
+    h, w, y = loss_inputs(40, 16, 64, torch.float32, DEVICE)
+    h.requires_grad_()
+    with pytest.raises(torch.OutOfMemoryError, match="cannot fit its chunk plan.*GiB free"):
+        linear_cross_entropy(h, w, y, config=LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=16))
+    assert chosen_impl(h, w) == "recompute"  # auto: the memory-capped case keeps the old kernels
+    plan, fits = fwdgrad.fitting_plan(40, 16, 64, torch.float32, True, False, LossKernelConfig(), DEVICE)
+    assert not fits and plan.rows == 40
+
+
+def test_automatic_chunk_shrinks_to_fit(monkeypatch):
+    cfg = LossKernelConfig()
+    full = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, False, cfg)
+    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device: full.total - full.logits // 2)
+    plan, fits = fwdgrad.fitting_plan(16384, 4096, 128256, torch.bfloat16, True, False, cfg, DEVICE)
+    assert fits and plan.rows == 2048
+
+
+# ------------------------------------------------------------------------------------------------------------
+# tanh in fp32 (softcap): issue #26 measured 7.5e-5 relative error for small |x| with 1 - 2/(exp(2x) + 1)
+# ------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tanh_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(out_ptr + offs, _tanh(tl.load(x_ptr + offs, mask=ok, other=0.0)), mask=ok)
+
+
+def test_tanh_is_accurate_in_fp32():
+    mags = torch.cat([torch.logspace(-8, 1.3, 3000, dtype=torch.float64),
+                      torch.tensor([0.499999, 0.5, 0.500001, 0.25, 1e-30, 30.0, 100.0], dtype=torch.float64)])
+    x = torch.cat([mags, -mags]).float()
+    xd = x.to(DEVICE)
+    out = torch.empty_like(xd)
+    _tanh_kernel[(triton.cdiv(x.numel(), 1024),)](xd, out, x.numel(), BLOCK=1024)
+    out = out.cpu()
+    exact = torch.tanh(x.double())
+    rel = ((out.double() - exact).abs() / exact.abs()).max().item()
+    torch_rel = ((torch.tanh(x).double() - exact).abs() / exact.abs()).max().item()
+    assert rel <= 1e-6, rel  # the old form: 7.5e-5
+    assert rel <= 10 * max(torch_rel, 6e-8)  # within a few ulps, as torch.tanh
+    assert torch.all(out[x.abs() >= 10].abs() == 1.0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: bf16 at a moderate shape
+# ------------------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dw_accumulate", ["auto", "partial"])  # (input_dtype: measured by the benchmark, not held)
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_gpu_bf16_error_beyond_rounding(trainable, dw_accumulate):
+    h, w, y = loss_inputs(6000, 1024, 32_000, torch.bfloat16, "cuda", weight_scale=0.02, ignored=(0, 5, 77))
+    cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=2048, dw_accumulate=dw_accumulate)
+    for options in ({}, {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0, "reduction": "sum"}):
+        err = _errors(h, w, y, trainable, cfg, **options)
+        assert err["loss"] <= 1e-3, (options, err)
+        assert _excess(err["dh"], err["dh_floor"]) <= 5e-4, (options, err)
+        if trainable:
+            assert _excess(err["dw"], err["dw_floor"]) <= 5e-4, (options, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
+def test_gpu_peak_memory_within_the_plan(trainable):
+    n, d, vocab = 16384, 2048, 128_256
+    h, w, y = loss_inputs(n, d, vocab, torch.bfloat16, "cuda", weight_scale=0.02)
+    h.requires_grad_()
+    w.requires_grad_(trainable)
+    cfg = LossKernelConfig(impl="fwdgrad")
+    plan = fwdgrad.plan_chunks(n, d, vocab, torch.bfloat16, True, trainable, cfg, torch.device("cuda"))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    linear_cross_entropy(h, w, y, config=cfg).backward()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    # the plan (logits chunk, fp32 accumulator, the gradients) plus the final fp32 -> bf16 dW copy and O(N)
+    assert extra <= plan.total + (vocab * d * 2 if trainable else 0) + 64 * 2**20, (extra, plan)
+    assert extra < n * vocab * 2  # far below one bf16 copy of all the logits

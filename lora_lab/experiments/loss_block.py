@@ -151,7 +151,9 @@ def _max_ratio_over_cells(rows, cells, method, others) -> dict | None:
         for rep, ms in ours.items():
             best = min(v[rep] for v in rivals.values() if rep in v)
             per_rep[rep] = max(per_rep.get(rep, 0.0), ms / best)
-    return measure.summarize(per_rep[k] for k in sorted(per_rep)) if per_rep else None
+    if not per_rep:
+        return None
+    return measure.summarize((per_rep[k] for k in sorted(per_rep)), sessions=measure.sessions_in(rows))
 
 
 def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
@@ -201,6 +203,23 @@ def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
                 "torch_fp32", "qwen2.5-0.5b", 16384, "trainable", 0) and r["status"] == "ok" \
                 and r.get("peak_extra_gib") is not None:
             out["torch_fp32_peak_gib_qwen_16k_trainable"] = float(r["peak_extra_gib"])
+    for shape, tokens, head in big:  # lora_lab's time per cell (issue #23's target: llama3-8b, 16k, trainable)
+        mine = [r for r in rows if (r["shape"], r["tokens"], r["head"], r["method"], r["status"]) ==
+                (shape, tokens, head, "lora_lab", "ok") and r.get("ms") is not None]
+        if mine:
+            out[f"lora_lab_ms_{shape}_{tokens}_{head}"] = measure.summarize(
+                (float(r["ms"]) for r in mine), sessions=measure.sessions_in(mine))
+    peak_ratios = []  # lora_lab's extra peak over Liger's, per cell (first repetition of each)
+    for cell in big:
+        peaks = {}
+        for r in rows:
+            if (r["shape"], r["tokens"], r["head"]) == cell and r["status"] == "ok" and r["method"] in (
+                    "lora_lab", "liger") and r.get("peak_extra_gib") is not None:
+                peaks.setdefault(r["method"], float(r["peak_extra_gib"]))
+        if len(peaks) == 2 and peaks["liger"] > 0:
+            peak_ratios.append(peaks["lora_lab"] / peaks["liger"])
+    if peak_ratios:
+        out["peak_vs_liger_max"] = max(peak_ratios)
     errors = [float(r["loss_rel_err"]) for r in rows if r["method"] == "lora_lab" and r.get("loss_rel_err")
               is not None]
     if errors:

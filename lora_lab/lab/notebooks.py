@@ -251,6 +251,10 @@ PARAMETER_RULES: dict[str, Rule] = {
     "ROUNDS": _COUNT,
     "SESSIONS": _COUNT,
     "LAYERS": _COUNT,
+    "BENCH_MODELS": Rule("comma-separated, distinct names of the whole-step models, from llama, qwen2, qwen3_moe",
+                         lambda value: isinstance(value, str) and bool(value)
+                         and len(set(value.split(","))) == len(value.split(","))
+                         and all(name in ("llama", "qwen2", "qwen3_moe") for name in value.split(","))),
 }
 
 

@@ -299,18 +299,37 @@ def test_tanh_is_accurate_in_fp32():
 # GPU: bf16 at a moderate shape
 # ------------------------------------------------------------------------------------------------------------
 
+def _torch_bf16_errors(h, w, y, trainable, grad_seed=1, **options):
+    """The errors of torch's own bf16 path on the same inputs (bf16 logits, fp32 cross-entropy: what transformers
+    runs without a fused loss) against the fp64 reference."""
+    hk, wk = h.clone().requires_grad_(), w.clone().requires_grad_(trainable)
+    hr, wr = h.detach().double().requires_grad_(), w.detach().double().requires_grad_(trainable)
+    g = float(torch.randn((), generator=torch.Generator().manual_seed(grad_seed)))
+    (linear_cross_entropy_reference(hk, wk, y, **options) * g).backward()
+    (linear_cross_entropy_reference(hr, wr, y, **options) * g).backward()
+    out = {"dh": rel_l2(hk.grad, hr.grad)}
+    if trainable:
+        out["dw"] = rel_l2(wk.grad, wr.grad)
+    return out
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dw_accumulate", ["auto", "partial"])  # (input_dtype: measured by the benchmark, not held)
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
-def test_gpu_bf16_error_beyond_rounding(trainable, dw_accumulate):
+def test_gpu_bf16_as_accurate_as_torch_bf16(trainable, dw_accumulate):
+    """bf16 dH and dW against fp64: within 1.1x the error of torch's own bf16 path on the same inputs. (Rounding
+    the exact gradient to bf16 alone gives ~1.7e-3 relative L2 here; a bf16 logit gradient — autograd's, Liger's and
+    this path's — adds about as much again, so an absolute bound near 5e-4 cannot hold for any bf16 output.)"""
     h, w, y = loss_inputs(6000, 1024, 32_000, torch.bfloat16, "cuda", weight_scale=0.02, ignored=(0, 5, 77))
     cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=2048, dw_accumulate=dw_accumulate)
     for options in ({}, {"label_smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0, "reduction": "sum"}):
         err = _errors(h, w, y, trainable, cfg, **options)
+        torch_err = _torch_bf16_errors(h, w, y, trainable, **options)
+        print(options, "fwdgrad", err, "torch bf16", torch_err)
         assert err["loss"] <= 1e-3, (options, err)
-        assert _excess(err["dh"], err["dh_floor"]) <= 5e-4, (options, err)
+        assert err["dh"] <= 1.1 * torch_err["dh"], (options, err, torch_err)
         if trainable:
-            assert _excess(err["dw"], err["dw_floor"]) <= 5e-4, (options, err)
+            assert err["dw"] <= 1.1 * torch_err["dw"], (options, err, torch_err)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,8 @@ from lora_lab.lab import measure
 __all__ = ["RECIPE", "tiny_llama", "build_variant", "train_losses", "benchmark_metrics", "MODELS"]
 
 RECIPE = "peft_liger_patch"
+# the recipe once LOSS_TABLE names lora_lab's loss at the head (after notebook 10's first H200 run)
+RECIPE_LORA_LAB_LOSS = "peft_liger_patch_lora_lab_loss"
 MODELS = ("llama", "qwen2", "qwen3_moe")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Liger's RMSNorm and SiLU·mul kernels do not run in Triton's interpreter: on the CPU the recipe applies Liger's RoPE
@@ -104,6 +106,8 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
     * ``{m}_recipe_speedup_vs_peft`` / ``_vs_peft_liger``: PEFT's (PEFT + Liger's) step time over the recipe's,
       repetition by repetition, pooled over sessions (a repeated measurement with ``sessions``);
     * ``{m}_recipe_peak_vs_peft_liger``: the recipe's peak over PEFT + Liger's (medians over sessions);
+    * ``{m}_recipe_lora_lab_loss_*``: the same three for the recipe with lora_lab's loss (``RECIPE_LORA_LAB_LOSS``),
+      what ``patch_model(fused_loss=True)`` runs where ``LOSS_TABLE`` names lora_lab's loss;
     * ``{m}_fused_loss_speedup_vs_patch``: step time with ``patch_model`` over that with
       ``patch_model(fused_loss=True)`` (lora_lab's fused loss, no Liger): above 1 when the fused loss speeds it up;
     * ``{m}_lora_lab_loss_time_vs_liger_loss``: the recipe's step with lora_lab's loss over with Liger's;
@@ -126,14 +130,18 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
         for key, (num, den) in {"recipe_speedup_vs_peft": ("peft", RECIPE),
                                 "recipe_speedup_vs_peft_liger": ("peft_liger", RECIPE),
                                 "fused_loss_speedup_vs_patch": ("peft_patch", "peft_patch_fused_loss"),
-                                "lora_lab_loss_time_vs_liger_loss": ("peft_liger_patch_lora_lab_loss", RECIPE)
+                                "lora_lab_loss_time_vs_liger_loss": (RECIPE_LORA_LAB_LOSS, RECIPE),
+                                "recipe_lora_lab_loss_speedup_vs_peft": ("peft", RECIPE_LORA_LAB_LOSS),
+                                "recipe_lora_lab_loss_speedup_vs_peft_liger": ("peft_liger", RECIPE_LORA_LAB_LOSS),
                                 }.items():
             ratio = _ratio(mine, num, den)
             if ratio is not None:
                 metrics[f"{m}_{key}"] = ratio
-        recipe_peak, liger_peak = _peak(mem, RECIPE), _peak(mem, "peft_liger")
-        if recipe_peak is not None and liger_peak:
-            metrics[f"{m}_recipe_peak_vs_peft_liger"] = recipe_peak / liger_peak
+        liger_peak = _peak(mem, "peft_liger")
+        for key, variant in (("recipe", RECIPE), ("recipe_lora_lab_loss", RECIPE_LORA_LAB_LOSS)):
+            peak = _peak(mem, variant)
+            if peak is not None and liger_peak:
+                metrics[f"{m}_{key}_peak_vs_peft_liger"] = peak / liger_peak
         reference = _first_losses(mem, "peft")
         if reference:
             diffs = []

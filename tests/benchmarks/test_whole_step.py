@@ -101,3 +101,24 @@ def test_child_sessions_get_their_own_out_and_one_session(bench):
     argv = ["--out", "/a", "--sessions", "3", "--smoke", "--models", "llama"]
     assert bench._replace_out(argv, Path("/a/session1")) == ["--smoke", "--models", "llama", "--out", "/a/session1",
                                                             "--sessions", "1"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_LIGER, reason="liger-kernel is not installed (pip install lora_lab[liger])")
+def test_notebook_10_metrics_from_the_smoke_run(smoke_run):
+    """lora_lab.experiments.whole_step.benchmark_metrics: every ratio a notebook-10 prediction reads, pooled over the
+    two sessions, and the peaks (None on the CPU: no CUDA peak) left out of the peak ratios."""
+    from lora_lab.experiments import whole_step as ws
+
+    out, _ = smoke_run
+    metrics = ws.benchmark_metrics(out)
+    for key in ("recipe_speedup_vs_peft", "recipe_speedup_vs_peft_liger", "fused_loss_speedup_vs_patch",
+                "lora_lab_loss_time_vs_liger_loss", "recipe_lora_lab_loss_speedup_vs_peft",
+                "recipe_lora_lab_loss_speedup_vs_peft_liger"):
+        value = metrics[f"llama_{key}"]
+        assert value["sessions"] == 2 and value["n"] == 2 and value["median"] > 0, key
+    assert metrics["llama_losses_max_rel_diff_vs_peft"] <= 1e-4
+    assert "llama_recipe_peak_vs_peft_liger" not in metrics
+    rows = [r for r in measure.read_csv(out / "whole_step.csv") if r["variant"] in ("peft", ws.RECIPE)]
+    expected = measure.ratio_summary(rows, "step_ms", {"variant": "peft"}, {"variant": ws.RECIPE})
+    assert metrics["llama_recipe_speedup_vs_peft"]["median"] == expected["median"]

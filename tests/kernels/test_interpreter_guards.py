@@ -227,6 +227,25 @@ def test_moe_patch_refuses_bf16_experts_in_the_interpreter():
         patch_moe_experts(model)
 
 
+@interpreter
+def test_loss_recomputing_kernels_refuse_bf16_in_the_interpreter_and_the_fwdgrad_path_runs():
+    """The loss's recomputing kernels are tl.dot tiles (wrong in bf16 here); its gradients-in-forward path has its
+    GEMMs in torch and a dot-free Triton pass, so bf16 runs there."""
+    from lora_lab.kernels.loss import LossKernelConfig, linear_cross_entropy
+
+    h = _rnd(40, 32, seed=1).bfloat16().requires_grad_()
+    w = (0.1 * _rnd(100, 32, seed=2)).bfloat16()
+    y = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(InterpreterDtypeError, match="recomputing kernels.*bf16"):
+        linear_cross_entropy(h, w, y, config=LossKernelConfig(impl="recompute"))
+    with pytest.raises(InterpreterDtypeError):
+        linear_cross_entropy(h, w, y, reduction="none")  # reduction 'none' always recomputes
+    loss = linear_cross_entropy(h, w, y, config=LossKernelConfig(impl="fwdgrad"))
+    ref = torch.nn.functional.cross_entropy((h.float() @ w.float().T), y)
+    assert abs(float(loss) - float(ref)) <= 1e-2 * abs(float(ref))
+    linear_cross_entropy(h.float(), w.float(), y, config=LossKernelConfig(impl="recompute"))  # fp32 still runs
+
+
 def test_fused_dora_linear_is_exported():
     import lora_lab.kernels as k
     from lora_lab.kernels.lora.dora import fused_dora_linear

@@ -44,7 +44,12 @@ import triton
 
 from lora_lab.kernels.loss.fwdgrad import FwdGradLinearCrossEntropyFunction, fitting_plan, free_bytes, plan_error
 from lora_lab.kernels.loss.kernels import grad_kernel, lse_partials_kernel
-from lora_lab.kernels.triton_helpers import check_kernel_device, dot_precision, running_in_interpreter
+from lora_lab.kernels.triton_helpers import (
+    check_interpreter_dtype,
+    check_kernel_device,
+    dot_precision,
+    running_in_interpreter,
+)
 
 __all__ = ["LossKernelConfig", "LinearCrossEntropyFunction", "linear_cross_entropy",
            "linear_cross_entropy_reference", "choose_impl", "requested_impl", "chosen_impl"]
@@ -494,6 +499,9 @@ def linear_cross_entropy(
     fused = _fwdgrad_plan(flat_hidden, weight, reduction, config)
     if fused is not None:
         return FwdGradLinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, *fused)
+    # the recomputing kernels' tiles are tl.dot products, wrong in bf16 under the interpreter (the fwdgrad path's GEMMs
+    # are torch's, and its Triton pass has no dot)
+    check_interpreter_dtype(flat_hidden, weight, op="linear_cross_entropy (the recomputing kernels)")
     loss = LinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, config)
     return loss.reshape(labels.shape) if reduction == "none" else loss
 

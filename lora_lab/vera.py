@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_lab.dtypes import as_float_dtype
-from lora_lab.layer import AdapterLinear, _install, _matched_linears
+from lora_lab.layer import AdapterLinear, _install
+from lora_lab.targets import _matched_linears
 
 __all__ = ["VeRALinear", "add_vera", "vera_layers", "vera_projections"]
 

@@ -11,7 +11,8 @@ from lora_lab.adapters.errors import AdapterError
 from lora_lab.adapters.peft_config import LORA_FA_KEY, _pattern_value, _read_config
 from lora_lab.adapters.peft_files import CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, _module_name, _read_tensors
 from lora_lab.adapters.vera_format import _load_vera
-from lora_lab.layer import LoRALinear, _refuse_peft_layers, _select, _wrap, lora_layers
+from lora_lab.layer import LoRALinear, _wrap, lora_layers
+from lora_lab.targets import _refuse_peft_layers, _select
 from lora_lab.vera import vera_layers
 
 __all__ = ["load_adapter"]

@@ -15,7 +15,7 @@ from torch import nn
 
 from lora_lab.adapters.errors import AdapterError, AdapterNotFoundError
 from lora_lab.adapters.peft_files import CONFIG_NAME
-from lora_lab.layer import _lora_internals, _matches
+from lora_lab.targets import _lora_internals, _matches
 
 __all__ = ["LORA_FA_KEY"]
 

@@ -12,7 +12,8 @@ from torch import nn
 from lora_lab.adapters.errors import AdapterError
 from lora_lab.adapters.peft_config import _peft_targets
 from lora_lab.adapters.peft_files import CONFIG_NAME, PREFIX, VERA_A_KEY, VERA_B_KEY, WEIGHTS_NAME, _check_destination
-from lora_lab.layer import _install, _select
+from lora_lab.layer import _install
+from lora_lab.targets import _select
 from lora_lab.vera import VeRALinear, vera_layers, vera_projections
 
 __all__: list[str] = []

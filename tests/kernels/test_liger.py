@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from lora_lab.experiments.whole_step import train_losses
 from lora_lab.kernels import liger as lg
 from lora_lab.kernels import patch_model, patched_layers, unpatch_model
 from lora_lab.kernels.patching import UnsupportedLoRAError
@@ -224,20 +225,8 @@ def test_losses_track_peft_under_liger_and_patch_model(torch_silu_mul):
     steps from the same weights."""
     ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(3))
 
-    def losses(model, patch=None, steps=3):
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        out = []
-        for _ in range(steps):
-            if patch is not None:
-                with patch.active():
-                    loss = model(input_ids=ids, labels=ids).loss
-            else:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append(loss.item())
-        return out
+    def losses(model, patch=None):
+        return train_losses(model, patch, ids, steps=3, lr=1e-2)
 
     reference = losses(peft(tiny_llama()))
     model = peft(tiny_llama())
@@ -257,18 +246,8 @@ def test_gpu_bf16_losses_track_peft_with_all_of_liger(fused_loss):
 
     ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(3)).cuda()
 
-    def losses(model, patch=None, steps=5):
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
-        out = []
-        for _ in range(steps):
-            ctx = patch.active() if patch is not None else torch.enable_grad()
-            with ctx:
-                loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            out.append(loss.item())
-        return out
+    def losses(model, patch=None):
+        return train_losses(model, patch, ids, steps=5, lr=1e-3)
 
     reference = losses(peft(tiny_llama(torch.bfloat16, "cuda")))
     model = peft(tiny_llama(torch.bfloat16, "cuda"))

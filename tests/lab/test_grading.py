@@ -356,3 +356,10 @@ def test_the_run_label_says_which_commit_ran_other_code(tmp_path):
     assert ran_label(tmp_path / "01_records_metrics.metrics.json") == "current code"
     [row] = grade_predictions([_prediction("<", 50)], "cpu", tmp_path, history=[]).rows
     assert row.ran == "current code" and "| current code |" in Scoreboard("cpu", [row]).markdown()
+
+
+def test_scoreboard_plot_has_a_colour_for_every_outcome_in_order():
+    from lora_lab.lab.grading import OUTCOMES
+    from lora_lab.lab.scoreboard_files import OUTCOME_COLOURS
+
+    assert tuple(OUTCOME_COLOURS) == OUTCOMES

@@ -18,7 +18,9 @@ Repetitions: ``--repetitions N`` (default measure.MIN_REPETITIONS) complete side
 times every variant once, the order rotating from one repetition to the next. Peak memory
 (``measure.peak_bytes`` of one step, everything the step needs already allocated) is measured once per cell and
 variant. ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
-synchronised after it, so host time counts); ``back_to_back_ms``: ``measure.kernel_loop_ms`` (``do_bench``, calls
+synchronised after it, so host time counts); ``host_ms``: the host's own time per call (``measure.host_ms``:
+from the call to its return, synchronised outside; a step is host-bound where it exceeds the GPU time);
+``back_to_back_ms``: ``measure.kernel_loop_ms`` (``do_bench``, calls
 queued unsynchronised), a labelled secondary column, as are the components' ``ms``. Notebook 05 reads the
 per-repetition rows
 through ``fused_lora_kernels.benchmark_metrics``.
@@ -200,6 +202,7 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
         for name in measure.rotation(variants, rep):
             row = {**base, "variant": name, "rep": rep, "status": "ok",
                    "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **LOOP[smoke])),
+                   "host_ms": statistics.median(measure.host_ms(steps[name], **LOOP[smoke])),
                    "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms) if cuda
                    else None}
             if args.forward:
@@ -246,6 +249,8 @@ def summary_rows(rows):
         ms = measure.summarize(r["fwd_bwd_ms"] for r in mine)
         row = {k: first[k] for k in ("cell", "M", "K", "N", "r", "variant")}
         row.update(fwd_bwd_ms=ms["median"], ms_ci95_low=ms["ci95"][0], ms_ci95_high=ms["ci95"][1], n=ms["n"],
+                   host_ms=statistics.median(r["host_ms"] for r in mine if r.get("host_ms") is not None)
+                   if any(r.get("host_ms") is not None for r in mine) else None,
                    tflops=4.0 * first["M"] * first["K"] * first["N"] / (ms["median"] * 1e-3) / 1e12)
         for ref, key in (("base", "time_vs_base"), ("peft", "time_vs_peft")):
             ratio = measure.summarize(measure.repetition_ratios(

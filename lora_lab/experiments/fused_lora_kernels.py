@@ -147,6 +147,9 @@ def dora_is_refused(model_factory) -> bool:
 
 
 LINEAR_CSV, GDN_CSV, TRAIN_CSV = "05_lora_linear.csv", "05_gated_deltanet.csv", "05_train_step.csv"
+# the per-repetition CSVs each benchmark script writes: what notebook 05 pools over sessions
+BENCHMARK_CSVS = {"bench_lora_linear.py": [LINEAR_CSV, "05_lora_linear_components.csv"],
+                  "bench_gated_deltanet.py": [GDN_CSV], "bench_lora_train_step.py": [TRAIN_CSV]}
 TARGET_CELL = "32k_4096x4096_r16"  # M = 32768 tokens, K = N = 4096, r = 16: the issue's target cell
 # issue #15's GEMM core as a LoRA linear: bench_lora_linear's persistent / folded variants (its default set; the
 # warp-specialised forms were removed in issue 26: their build failed to compile on the H200)
@@ -216,6 +219,33 @@ def core_variant_metrics(rows, cells) -> dict:
     return out
 
 
+def plot_pooled(root: Path | str, directory: Path | str) -> list[str]:
+    """Redraw the benchmark scripts' figures and summary CSVs from the pooled per-repetition CSVs in ``directory``
+    (each script's own ``summary_rows`` and ``plot``, imported from ``root/benchmarks``), so the published figures
+    show every session's repetitions. Returns the scripts redrawn (those whose CSV is present)."""
+    import importlib
+    import sys
+
+    d, bench = Path(directory), str(Path(root) / "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    done = []
+    for script, csvs in BENCHMARK_CSVS.items():
+        if not (d / csvs[0]).is_file():
+            continue
+        module = importlib.import_module(Path(script).stem)
+        rows = measure.read_csv(d / csvs[0])
+        ok = [r for r in rows if r.get("status", "ok") == "ok"]
+        summary = module.summary_rows(ok)
+        measure.write_csv(summary, d / module.SUMMARY_CSV)
+        if script == "bench_gated_deltanet.py":
+            module.plot(summary, ok, d, ok[0]["seq"])
+        else:
+            module.plot(summary, ok, d)
+        done.append(script)
+    return done
+
+
 def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
     """Notebook 05's speed and memory metrics from the benchmark CSVs in ``directory`` (those present).
 
@@ -240,6 +270,11 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
             out[f"lora_linear_peak_vs_base_{t}"] = _memory_ratio(rows, "peak_bytes", at("fused"), at("base"))
             for variant in ("base", "fused", "peft"):
                 out[f"lora_linear_{variant}_tflops_{t}"] = _tflops(rows, t, variant)
+            for variant in ("base", "fused"):  # the host's own time per call (absent from older CSVs)
+                host = measure.by_repetition(rows, "host_ms", cell=t, variant=variant)
+                if host and all(v is not None for v in host.values()):
+                    out[f"lora_linear_{variant}_host_ms_{t}"] = measure.summarize(
+                        (v for _, v in sorted(host.items())), sessions=measure.sessions_in(rows))
         cells = list(dict.fromkeys(r["cell"] for r in rows))
         out["lora_linear_worst_time_vs_base"] = _worst_cell(rows, cells, "fused")
         out["lora_linear_cells"] = len(cells)

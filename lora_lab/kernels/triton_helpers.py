@@ -23,7 +23,7 @@ import triton.language as tl
 
 __all__ = ["running_in_interpreter", "kernels_interpreted", "dot_precision", "rank_block", "row_bucket",
            "check_kernel_device", "check_interpreter_dtype", "InterpreterDtypeError", "interpreter_reason",
-           "accumulate_matmul", "tile_coords", "num_sms", "cdiv", "next_power_of_2"]
+           "accumulate_matmul", "tile_coords", "num_sms", "cdiv", "next_power_of_2", "autotune_cache_kwargs"]
 
 
 def running_in_interpreter() -> bool:
@@ -171,3 +171,18 @@ def num_sms(device: torch.device) -> int:
 # fixed once this module's kernels exist (a jit-decorated function is an InterpretedFunction when Triton's
 # interpreter was on at decoration time)
 _BUILT_FOR_INTERPRETER = type(accumulate_matmul).__name__ == "InterpretedFunction"
+
+
+def autotune_cache_kwargs() -> dict:
+    """``{"cache_results": True}`` where this Triton's ``triton.autotune`` can keep its picks on disk (Triton's cache
+    directory, keyed by the kernel's source, the tuning key and the configs), else ``{}``: a second process at a
+    shape already tuned — the next training run, a benchmark's second session — reuses the pick instead of timing
+    every config again. ``LORA_LAB_AUTOTUNE_CACHE=0`` turns it off (each process tunes afresh)."""
+    import inspect
+    import os
+
+    import triton
+
+    if os.environ.get("LORA_LAB_AUTOTUNE_CACHE", "1").strip() == "0":
+        return {}
+    return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}

@@ -37,6 +37,7 @@ __all__ = [
     "kernel_ms",
     "kernel_loop_ms",
     "event_ms",
+    "host_ms",
     "peak_bytes",
     "training_step_ms",
     "repeat",
@@ -44,6 +45,7 @@ __all__ = [
     "pool_sessions",
     "sessions_in",
     "pool_csv_sessions",
+    "run_script_sessions",
     "ratio_summary",
     "MIN_SESSIONS",
     "rotation",
@@ -101,6 +103,34 @@ def loop_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[
         end.record()
         torch.cuda.synchronize()
         times.append(float(start.elapsed_time(end)))
+    return times
+
+
+def host_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[float]:
+    """Host milliseconds of each of ``calls`` calls of ``fn``: ``time.perf_counter`` from the call to its return,
+    the device synchronised before each call and after it (outside the interval). What the call costs the CPU —
+    Python, checks, allocations, launches — while its kernels run; a host time above the call's GPU time makes a
+    step host-bound. Shown beside :func:`loop_ms`, never instead of it."""
+    if calls < 1:
+        raise ValueError(f"host_ms needs calls >= 1, got {calls}")
+    if warmup < 0:
+        raise ValueError(f"host_ms needs warmup >= 0, got {warmup}")
+    torch = _cuda()
+
+    def sync():
+        if torch is not None:
+            torch.cuda.synchronize()
+
+    for _ in range(warmup):
+        fn()
+        sync()
+    times = []
+    for _ in range(calls):
+        sync()
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+        sync()
     return times
 
 
@@ -346,6 +376,38 @@ def pool_csv_sessions(parts: Sequence[Path | str], out: Path | str, names: Seque
         write_csv(rows, out / name)
         written[name] = len(rows)
     return written
+
+
+def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str, csv_names: Sequence[str],
+                        sessions: int = MIN_SESSIONS, cwd: Path | str | None = None, tail: int = 14,
+                        python: str | None = None) -> list[Path]:
+    """Run the benchmark ``script`` once per session — separate processes, one after another — each into its own
+    folder ``out/<script stem>_sessions/session<k>`` (``--out`` is appended to ``args``), print each session's
+    last ``tail`` lines of output and time, then pool the CSVs ``csv_names`` into ``out``
+    (:func:`pool_csv_sessions`). A failing session raises with its stderr; the sessions already written stay on
+    disk. Returns the session folders."""
+    import subprocess
+    import sys
+
+    if sessions < 1:
+        raise ValueError(f"run_script_sessions needs sessions >= 1, got {sessions}")
+    script, out = Path(script), Path(out)
+    if not script.is_file():
+        raise FileNotFoundError(f"{script}: no such benchmark script")
+    parts = [out / f"{script.stem}_sessions" / f"session{k}" for k in range(sessions)]
+    for k, part in enumerate(parts):
+        started = time.monotonic()
+        done = subprocess.run([python or sys.executable, str(script), *args, "--out", str(part)], cwd=cwd,
+                              capture_output=True, text=True)
+        print(f"--- {script.name}, session {k + 1}/{sessions} ({time.monotonic() - started:.0f} s, "
+              f"exit {done.returncode})")
+        if tail:
+            print("\n".join(done.stdout.strip().splitlines()[-tail:]))
+        if done.returncode != 0:
+            raise RuntimeError(f"{script.name} failed in session {k + 1}/{sessions} (exit {done.returncode}):\n"
+                               f"{done.stderr[-3000:]}")
+    pool_csv_sessions(parts, out, csv_names)
+    return parts
 
 
 def sessions_in(rows: Iterable[dict]) -> int:

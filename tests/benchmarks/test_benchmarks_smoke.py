@@ -41,6 +41,7 @@ TIME_05 = ["lora_linear_time_vs_base_32k_4096x4096_r16", "peft_time_vs_base_32k_
            "gdn_speedup_vs_peft", "gdn_peft_time_vs_base", "train_speedup_vs_peft_qwen3_4096",
            "train_speedup_vs_peft_qwen2_5_0_5b", "lora_linear_base_tflops_32k_4096x4096_r16",
            "lora_linear_fused_tflops_32k_4096x4096_r16", "lora_linear_peft_tflops_32k_4096x4096_r16"]
+TIME_05 += ["lora_linear_base_host_ms_32k_4096x4096_r16", "lora_linear_fused_host_ms_32k_4096x4096_r16"]
 TIME_05 += [f"lora_linear_{variant}_{metric}" for variant in fused_lora_kernels.CORE_VARIANTS  # issue #15's core
             for metric in ("time_vs_base_32k_4096x4096_r16", "tflops_32k_4096x4096_r16", "worst_time_vs_base")]
 MEMORY_05 = ["lora_linear_peak_vs_base_32k_4096x4096_r16", "train_peak_vs_peft_qwen3_4096",
@@ -161,6 +162,24 @@ def test_notebook_05_metrics(smoke_dir):
     assert isinstance(metrics["gdn_saved_gib_less_than_peft"], float)
     with pytest.raises(ValueError, match="smoke"):
         fused_lora_kernels.benchmark_metrics(smoke_dir)
+
+
+@pytest.mark.slow
+def test_notebook_05_pools_sessions_and_redraws_its_figures(smoke_dir, tmp_path):
+    # two sessions' folders (here the same smoke run twice), pooled as notebook 05 pools them, then redrawn
+    parts = [smoke_dir, smoke_dir]
+    names = [name for csvs in fused_lora_kernels.BENCHMARK_CSVS.values() for name in csvs]
+    assert set(measure.pool_csv_sessions(parts, tmp_path, names)) == set(names)
+    drawn = fused_lora_kernels.plot_pooled(ROOT, tmp_path)
+    assert drawn == list(fused_lora_kernels.BENCHMARK_CSVS)
+    for png in ("05_lora_linear_ratio.png", "05_lora_linear_time_vs_tokens.png", "05_gated_deltanet.png",
+                "05_train_step.png"):
+        assert (tmp_path / png).stat().st_size > 0, png
+    summary = measure.read_csv(tmp_path / "05_lora_linear_summary.csv")
+    assert {row["n"] for row in summary} == {2 * REPETITIONS}
+    metrics = fused_lora_kernels.benchmark_metrics(tmp_path, allow_smoke=True)
+    ratio = metrics["lora_linear_time_vs_base_32k_4096x4096_r16"]
+    assert ratio["n"] == 2 * REPETITIONS and ratio["sessions"] == 2
 
 
 @pytest.mark.slow

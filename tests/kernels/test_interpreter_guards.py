@@ -316,3 +316,32 @@ def test_interpreter_switched_on_after_import_is_named_with_its_fix():
         assert "imported with the interpreter off" in said, done.stdout
         assert "before importing lora_lab.kernels" in said, done.stdout
     assert "0 active drivers" not in done.stdout + done.stderr
+
+
+def test_autotune_picks_are_cached_on_disk_unless_turned_off(monkeypatch):
+    import inspect
+
+    import triton
+
+    from lora_lab.kernels.triton_helpers import autotune_cache_kwargs
+
+    supported = "cache_results" in inspect.signature(triton.autotune).parameters
+    monkeypatch.delenv("LORA_LAB_AUTOTUNE_CACHE", raising=False)
+    assert autotune_cache_kwargs() == ({"cache_results": True} if supported else {})
+    monkeypatch.setenv("LORA_LAB_AUTOTUNE_CACHE", "0")
+    assert autotune_cache_kwargs() == {}
+    # the LoRA kernels' autotune wrapper passes it on (Triton itself ignores it in the interpreter)
+    from lora_lab.kernels.lora import tuning
+
+    seen = {}
+
+    def fake_autotune(configs, key, prune_configs_by=None, reset_to_zero=None, do_bench=None, cache_results=False):
+        seen.update(cache_results=cache_results)
+
+    monkeypatch.setattr(tuning.triton, "autotune", fake_autotune)
+    monkeypatch.delenv("LORA_LAB_AUTOTUNE_CACHE")
+    tuning.autotune(tuning.gemm_configs(), key=["N"])
+    assert seen == {"cache_results": True}
+    monkeypatch.setenv("LORA_LAB_AUTOTUNE_CACHE", "0")
+    tuning.autotune(tuning.gemm_configs(), key=["N"])
+    assert seen == {"cache_results": False}

@@ -54,6 +54,26 @@ def test_loop_ms_on_cpu_times_each_call():
         measure.loop_ms(lambda: None, warmup=-1)
 
 
+def test_host_ms_keeps_synchronisation_outside_the_timed_interval(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(measure, "_cuda", lambda: fake)
+    sleeps = []
+
+    def call():
+        fake.log.append("call")
+        sleeps.append(1)
+
+    times = measure.host_ms(call, calls=3, warmup=1)
+    assert len(times) == 3 and len(sleeps) == 4
+    # warm-up call, its sync; then per timed call: sync before (idle device), the call, sync after
+    assert fake.log == ["call", "sync"] + ["sync", "call", "sync"] * 3
+    assert all(t >= 0 and math.isfinite(t) for t in times)
+    with pytest.raises(ValueError, match="calls >= 1"):
+        measure.host_ms(call, calls=0)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        measure.host_ms(call, warmup=-1)
+
+
 def test_event_ms_keeps_its_old_defaults(monkeypatch):
     fake = _FakeCuda()
     monkeypatch.setattr(measure, "_cuda", lambda: fake)
@@ -152,3 +172,29 @@ def test_pool_csv_sessions_pools_each_csv(tmp_path):
     assert measure.sessions_in(rows) == 2 and sorted({r["rep"] for r in rows}) == [0, 1, 2, 3]
     with pytest.raises(FileNotFoundError, match="only some sessions"):
         measure.pool_csv_sessions(parts, tmp_path / "pooled", ["only_one.csv"])
+
+
+def test_run_script_sessions_runs_each_session_in_its_own_process_and_pools(tmp_path, capsys):
+    script = tmp_path / "bench_fake.py"
+    script.write_text(
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from lora_lab.lab import measure\n"
+        "out = Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "fail = '--fail-second' in sys.argv and out.name == 'session1'\n"
+        "measure.write_csv([{'variant': v, 'rep': r, 'pid': os.getpid()} for r in range(2) for v in 'ab'],"
+        " out / 'bench.csv')\n"
+        "print('done', out.name)\n"
+        "sys.exit(3 if fail else 0)\n")
+    parts = measure.run_script_sessions(script, [], tmp_path / "out", ["bench.csv"], sessions=2)
+    assert [p.name for p in parts] == ["session0", "session1"]
+    rows = measure.read_csv(tmp_path / "out" / "bench.csv")
+    assert measure.sessions_in(rows) == 2 and sorted({r["rep"] for r in rows}) == [0, 1, 2, 3]
+    assert len({r["pid"] for r in rows}) == 2  # two processes
+    printed = capsys.readouterr().out
+    assert "session 1/2" in printed and "done session1" in printed
+    with pytest.raises(RuntimeError, match="failed in session 2/2"):
+        measure.run_script_sessions(script, ["--fail-second"], tmp_path / "out2", ["bench.csv"], sessions=2)
+    assert (tmp_path / "out2" / "bench_fake_sessions" / "session0" / "bench.csv").is_file()  # kept
+    with pytest.raises(FileNotFoundError, match="no such benchmark script"):
+        measure.run_script_sessions(tmp_path / "missing.py", [], tmp_path, ["x.csv"])

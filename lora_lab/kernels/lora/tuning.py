@@ -12,7 +12,7 @@ import inspect
 import triton
 import triton.testing
 
-from lora_lab.kernels.triton_helpers import running_in_interpreter
+from lora_lab.kernels.triton_helpers import autotune_cache_kwargs, running_in_interpreter
 
 __all__ = ["gemm_configs", "skinny_configs", "autotune"]
 
@@ -78,7 +78,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def autotune(configs, key, reset_to_zero=None):
-    kwargs = {"prune_configs_by": {"early_config_prune": _prune_configs}, "reset_to_zero": reset_to_zero}
+    kwargs = {"prune_configs_by": {"early_config_prune": _prune_configs}, "reset_to_zero": reset_to_zero,
+              **autotune_cache_kwargs()}
     if "do_bench" in inspect.signature(triton.autotune).parameters:
         kwargs["do_bench"] = _tuning_bench
     return triton.autotune(configs=configs, key=key, **kwargs)

@@ -17,6 +17,7 @@ PROFILE ?= cpu
 ONLY ?=
 NBVAL ?= 1
 WHEELS ?=
+TEST_WORKERS ?= 2
 
 ifeq ($(PROFILE),cpu)
 VENV  ?= .venv
@@ -89,7 +90,7 @@ TEST_RUNS := $(CURDIR)/build/test-runs
 test: $(STAMP)
 	$(PY) -m ruff check lora_lab tests benchmarks
 	$(VENV)/bin/lora-lab check-prose
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 	TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_RUNS); run_status=$$?; \
 	$(VENV)/bin/lora-lab grade --profile cpu --outputs-dir $(TEST_RUNS) && exit $$run_status
 	$(VENV)/bin/lora-lab verify

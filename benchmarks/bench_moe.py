@@ -36,8 +36,8 @@ separate processes and pools their CSVs (``measure.pool_sessions``), so interval
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
 
-    python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --variants liger ours_untuned \
-        --secondary --repetitions 5                                   # what notebook 06 records (the panel)
+    python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --repetitions 5 --secondary \
+        --variants eager liger ours_untuned ours_persistent              # what notebook 06 records (the panel)
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
@@ -373,7 +373,7 @@ def run_session(args, impls, out: Path) -> None:
         num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
         with_eager = (not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
-                      and runs_in(i, mode)]
+                      and (i not in OURS_PERSISTENT or name in args.persistent_shapes) and runs_in(i, mode)]
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,
                                      seconds=seconds)
@@ -423,6 +423,8 @@ def main(argv=None):
                     choices=list(LAYER_SHAPES),
                     help="shapes whose full cells also run Liger (default: the fine-grained ones; at the Mixtral-like "
                          "shape its autotuning took 102 s in issue #24 and grouped_mm was the faster peer there)")
+    ap.add_argument("--persistent-shapes", nargs="*", default=["qwen3_30b_a3b"], choices=list(LAYER_SHAPES),
+                    help="shapes whose cells also run the persistent form when --variants asks for it")
     add_timing_arguments(ap)
     ap.add_argument("--budget-s", type=float, default=None,
                     help="seconds the layer cells of one session may take: each cell's timed calls are cut to its "

@@ -22,6 +22,7 @@ Real layer shapes (shared with ``benchmarks/bench_moe.py``, which times them):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -382,6 +383,33 @@ def register_liger() -> None:
     ExpertsInterface.register(LIGER, _liger_experts_forward)
 
 
+@contextlib.contextmanager
+def liger_single_config():
+    """Liger's autotuned MoE kernels each keep their first config inside the block (restored after it).
+
+    For the cells that check numerics or count saved bytes, not speed: Liger's kernels otherwise tune at every new
+    shape on their first call (102 s at a Mixtral-like layer in issue #24; notebook 06's bf16 and saved-bytes cells
+    took 302 s and 104 s with it). The tile config changes neither what is saved nor more than the summation order.
+    """
+    if not liger_available():
+        yield
+        return
+    import liger_kernel.ops.fused_moe_kernels as liger_kernels
+    from triton.runtime.autotuner import Autotuner
+
+    saved = {}
+    for name in dir(liger_kernels):
+        kernel = getattr(liger_kernels, name)
+        if isinstance(kernel, Autotuner) and len(kernel.configs) > 1:
+            saved[name] = kernel.configs
+            kernel.configs = kernel.configs[:1]
+    try:
+        yield
+    finally:
+        for name, configs in saved.items():
+            getattr(liger_kernels, name).configs = configs
+
+
 def set_implementation(holder: nn.Module, experts: nn.Module, impl: str, config: KernelConfig | None = None) -> None:
     """eager / grouped_mm through transformers' switch; ours through ``patch_moe_experts(config=config)``; Liger's
     fused MoE registered as a transformers experts implementation (full fine-tuning only)."""
@@ -426,9 +454,10 @@ def saved_bytes_by_implementation(shape: MoeLayerShape, num_tokens: int, mode: s
     index, weights = random_routing(num_tokens, shape, torch.device(device), dtype, seed)
     exclude = (x, index, weights, *holder.parameters())
     result = {}
-    for impl in implementations(mode):
-        set_implementation(holder, experts, impl, config)
-        result[impl] = saved_bytes_excluding(functools.partial(holder, x, index, weights), exclude)
+    with liger_single_config():  # bytes, not speed: no tuning sweep (:func:`liger_single_config`)
+        for impl in implementations(mode):
+            set_implementation(holder, experts, impl, config)
+            result[impl] = saved_bytes_excluding(functools.partial(holder, x, index, weights), exclude)
     unpatch_moe_experts(holder)
     del experts, holder, exclude
     _free_memory()
@@ -463,6 +492,8 @@ def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int =
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {}
+    single = liger_single_config()  # numerics, not speed: no tuning sweep
+    single.__enter__()
     try:
         for impl in ("reference", *implementations(mode)):
             is_ref = impl == "reference"
@@ -478,6 +509,7 @@ def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int =
             unpatch_moe_experts(h)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+        single.__exit__(None, None, None)
     if mode == "full":
         names = ["out", "d_x", "d_weights"] + [f"d_{n.split('.')[-1]}" for n, p in holder.named_parameters()
                                                if p.requires_grad]

@@ -250,7 +250,10 @@ def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
         if impl.startswith("ours"):
             patch_moe_experts(root, config=ours_config(impl, cfg))
 
-    impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and runs_in(i, mode)]
+    # the end-to-end steps compare ours with the baselines; our variants (persistent form, untuned) stay in the layer
+    # cells, unless --e2e-variants asks for them
+    impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and runs_in(i, mode)
+             and (i not in OURS_VARIANTS or args.e2e_variants)]
     once = {}
     for impl in impls:  # warm-up (optimizer state, compile / autotune) and peak memory, untimed
         use(impl)
@@ -440,6 +443,8 @@ def main(argv=None):
     ap.add_argument("--e2e-layers", type=int, default=4)
     ap.add_argument("--e2e-batch", type=int, default=4)
     ap.add_argument("--e2e-seq", type=int, default=2048)
+    ap.add_argument("--e2e-variants", action="store_true",
+                    help="also run our variants (ours_persistent, ours_untuned) in the end-to-end steps")
     ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
                     help="modes whose end-to-end comparison includes the eager loop")
     ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens / --eager-shapes

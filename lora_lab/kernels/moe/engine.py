@@ -23,8 +23,10 @@ issue #24, not measured boundaries.
 
 The grouped-GEMM engine (:func:`grouped_mm_experts`) keeps the work around the GEMMs in the same shape as the
 Triton path: the routing sort on the device (no host sync), X gathered by token, SiLU·up on [g | u], the routing
-weight applied before the un-sort, and the un-sort as a sum over each token's K rows (``(T, K, H).sum(1)``: no
-fp32 T x H scatter buffer). Saved for backward: X, the weights, [g | u] and the routing; the sorted copy of X is
+weight applied in the un-sort, and the un-sort as one Triton pass that sums each token's K rows in fp32 in registers
+(:func:`~lora_lab.kernels.moe.silu_backward.unsort_sum`: no weighted copy, no unsorted copy, no fp32 T x H buffer);
+SiLU·up forward is one Triton pass too (:func:`~lora_lab.kernels.moe.silu_backward.silu_mul`).
+Saved for backward: X, the weights, [g | u] and the routing; the sorted copy of X is
 gathered again in backward. Backward: D = dOut_e W2_e (one grouped GEMM); one fused Triton pass for the
 router gradient ⟨D, h⟩, the routing weight and SiLU·up's backward (:mod:`~lora_lab.kernels.moe.silu_backward`);
 dX = dGU W1_e; the weight gradients as K-grouped GEMMs (``_grouped_mm`` of two 2-D operands, K split at the expert
@@ -36,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from lora_lab.kernels.config import KernelConfig
-from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference
+from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference, silu_mul, unsort_sum
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
 ENGINES = ("triton", "grouped_mm")
@@ -104,45 +106,60 @@ def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_p
 
 
 def _sort_by_expert(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int):
-    """(perm, token, offsets, weights in sorted order): device ops only. Ids outside [0, E) go to expert 0 with
+    """Device ops only: (perm, position, token, offsets, weight in assignment order, weight in sorted order, valid in
+    sorted order, counts). ``position[s]``: the sorted row of assignment s. Ids outside [0, E) go to expert 0 with
     weight 0 (so they add nothing to the output or to any gradient) and their router gradient is masked."""
     top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
     expert = torch.where(valid, flat, 0).to(torch.int64)
     _, perm = torch.sort(expert, stable=True)
+    position = torch.empty_like(perm)
+    position[perm] = torch.arange(perm.numel(), device=perm.device)
     counts = torch.bincount(expert, minlength=num_experts)
     offsets = torch.cumsum(counts, 0).to(torch.int32)
-    weight = torch.where(valid, top_k_weights.reshape(-1), 0)[perm]
+    weight_slot = torch.where(valid, top_k_weights.reshape(-1), 0)
     token = torch.div(perm, top_k, rounding_mode="floor")
-    return perm, token, offsets, weight, valid[perm], counts
+    return perm, position, token, offsets, weight_slot, weight_slot[perm], valid[perm], counts
 
 
-def _unsort_sum(rows: torch.Tensor, perm: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """out[t] = Σ_k rows[j] over the K sorted rows j of token t (rows put back in assignment order, then summed
-    over K: the sum accumulates in fp32 and rounds once to the rows' dtype)."""
-    unsorted = torch.empty_like(rows)
-    unsorted[perm] = rows
-    return unsorted.view(num_tokens, top_k, rows.shape[1]).sum(1)
+def _triton_runs(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda" or running_in_interpreter()
+
+
+def _unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_k: int,
+                weight: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = Σ_k w[t·K + k] · rows[position[t·K + k]] (:func:`~lora_lab.kernels.moe.silu_backward.unsort_sum`
+    where Triton runs; plain torch on a CPU without the interpreter)."""
+    if _triton_runs(rows):
+        return unsort_sum(rows.contiguous(), position, num_tokens, top_k, weight)
+    picked = rows[position].float()
+    if weight is not None:
+        picked = picked * weight.float()[:, None]
+    return picked.view(num_tokens, top_k, rows.shape[1]).sum(1).to(rows.dtype)
 
 
 class _GroupedMmExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2):
         num_tokens, top_k = top_k_index.shape
-        perm, token, offsets, weight, valid, counts = _sort_by_expert(top_k_index, top_k_weights, w1.shape[0])
+        perm, position, token, offsets, weight_slot, weight, valid, counts = _sort_by_expert(
+            top_k_index, top_k_weights, w1.shape[0])
         gu = torch._grouped_mm(x.index_select(0, token), w1.transpose(1, 2), offs=offsets)  # (S, 2I)
-        g, u = gu.chunk(2, dim=-1)
-        h = torch.nn.functional.silu(g) * u
+        if _triton_runs(gu):
+            h = silu_mul(gu)
+        else:
+            g, u = gu.chunk(2, dim=-1)
+            h = torch.nn.functional.silu(g) * u
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
-        y = y * weight.to(y.dtype)[:, None]
-        ctx.save_for_backward(x, w1, w2, gu, weight, perm, token, offsets, valid, counts)
+        del h
+        ctx.save_for_backward(x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts)
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
-        return _unsort_sum(y, perm, num_tokens, top_k)
+        return _unsort_sum(y, position, num_tokens, top_k, weight_slot)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, gu, weight, perm, token, offsets, valid, counts = ctx.saved_tensors
+        x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts = ctx.saved_tensors
         num_tokens, top_k, weights_dtype = ctx.shape
         need = ctx.needs_input_grad
         grad_out = grad_out.to(x.dtype).contiguous()
@@ -152,12 +169,10 @@ class _GroupedMmExperts(torch.autograd.Function):
         del d
         d_weights = None
         if need[2]:
-            d_weights = torch.empty_like(dw_sorted)
-            d_weights[perm] = dw_sorted
-            d_weights = d_weights.view(num_tokens, top_k).to(weights_dtype)
+            d_weights = dw_sorted[position].view(num_tokens, top_k).to(weights_dtype)
         dx = dw1 = dw2 = None
         if need[0]:
-            dx = _unsort_sum(torch._grouped_mm(dgu, w1, offs=offsets), perm, num_tokens, top_k)
+            dx = _unsort_sum(torch._grouped_mm(dgu, w1, offs=offsets), position, num_tokens, top_k)
         empty = (counts == 0)[:, None, None]  # an expert with no rows gets an exact zero gradient
         if need[3]:
             dw1 = torch._grouped_mm(dgu.t(), x.index_select(0, token), offs=offsets)  # (E, 2I, H)
@@ -171,7 +186,7 @@ class _GroupedMmExperts(torch.autograd.Function):
 def _silu_backward(d, gu, weight, valid, *, compute_router_grad):
     """The fused Triton pass (:mod:`~lora_lab.kernels.moe.silu_backward`) where Triton can run (CUDA, or the
     interpreter), its plain-torch twin on a CPU without the interpreter."""
-    if d.device.type == "cuda" or running_in_interpreter():
+    if _triton_runs(d):
         return silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad)
     return silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad)
 

@@ -1,4 +1,5 @@
-"""SiLU·up backward with the routing weight and the router gradient, one elementwise pass (grouped-GEMM engine).
+"""The grouped-GEMM engine's passes around CUTLASS's GEMMs: SiLU·up backward with the routing weight and the router
+gradient (:func:`silu_backward`), SiLU·up forward (:func:`silu_mul`) and the weighted un-sort (:func:`unsort_sum`).
 
 Given, per expert-sorted row j, D_j = dOut_t W2_e (the down projection's input gradient before the routing
 weight), the saved [g | u] and the routing weight w_j (0 for a dropped choice, ``valid_j`` False):
@@ -90,3 +91,76 @@ def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool):
     dh = d * weight.float()[:, None]
     dgu = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], dim=-1)
     return dgu.to(gu.dtype), h.to(gu.dtype), dw
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, h_ptr, S, I, stride_gu, stride_h, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < S)[:, None] & (cols < I)[None, :]
+    rows64 = rows.to(tl.int64)
+    gu_ptrs = gu_ptr + rows64[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """h = SiLU(g) · u for [g | u] (S, 2I), math in fp32, one pass, h in gu's dtype (the forward of the
+    grouped-GEMM engine; torch would write SiLU(g) first, then the product)."""
+    num_rows, two_i = gu.shape
+    if two_i % 2 or gu.stride(1) != 1:
+        raise ValueError(f"silu_mul needs [g | u] (S, 2I) contiguous along its columns; got {tuple(gu.shape)}, "
+                         f"strides {tuple(gu.stride())}")
+    inter = two_i // 2
+    h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
+    if num_rows == 0 or inter == 0:
+        return h
+    block_s, block_i = (16, 32) if running_in_interpreter() else (32, 256)
+    _silu_mul_kernel[(cdiv(num_rows, block_s), cdiv(inter, block_i))](
+        gu, h, num_rows, inter, gu.stride(0), h.stride(0), BLOCK_S=block_s, BLOCK_I=block_i,
+        num_warps=4 if running_in_interpreter() else 8,
+    )
+    return h
+
+
+@triton.jit
+def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, N, stride_rows, stride_out,
+                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        row = tl.load(position_ptr + slot).to(tl.int64)
+        part = tl.load(rows_ptr + row * stride_rows + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            part = part * tl.load(weight_ptr + slot).to(tl.float32)
+        acc += part
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_k: int,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = Σ_k w[t·K + k] · rows[position[t·K + k]]: expert-sorted rows (S, N) summed back per token in fp32,
+    rounded once to rows' dtype (``position[s]``: the sorted row of assignment s; ``weight`` (S,) in assignment
+    order, None: 1). One pass: no weighted copy and no unsorted copy of the rows."""
+    num_rows, n_dim = rows.shape
+    if position.shape != (num_tokens * top_k,) or num_rows != num_tokens * top_k:
+        raise ValueError(f"unsort_sum: rows {tuple(rows.shape)} and positions {tuple(position.shape)} do not fit "
+                         f"{num_tokens} tokens x top-{top_k}")
+    if weight is not None and weight.shape != position.shape:
+        raise ValueError(f"unsort_sum: weight {tuple(weight.shape)} must be ({num_tokens * top_k},)")
+    if rows.stride(1) != 1:
+        raise ValueError("unsort_sum: rows must be contiguous along their columns")
+    out = torch.empty(num_tokens, n_dim, device=rows.device, dtype=rows.dtype)
+    if num_tokens == 0 or n_dim == 0:
+        return out.zero_()
+    block_n = 32 if running_in_interpreter() else 512
+    _unsort_sum_kernel[(num_tokens, cdiv(n_dim, block_n))](
+        rows, position, weight if weight is not None else position, out, n_dim, rows.stride(0), out.stride(0),
+        TOP_K=top_k, WEIGHTED=weight is not None, BLOCK_N=block_n, num_warps=4,
+    )
+    return out

@@ -73,6 +73,37 @@ def test_grouped_mm_engine_matches_reference_fp32(T, H, I, E, K, routing):
 
 
 @needs_grouped_mm
+def test_grouped_mm_engine_plain_torch_passes_match_reference_fp32(monkeypatch):
+    """The engine's torch fallback for its elementwise passes (a CPU without the interpreter)."""
+    monkeypatch.setattr(engine, "_triton_runs", lambda t: False)
+    problem = make_problem(37, 20, 12, 5, 2, routing="random")
+    got, ref = run_both(*problem, config=KernelConfig(moe_engine="grouped_mm"))
+    assert_close_all(got[:5], ref[:5])
+
+
+@pytest.mark.skipif(not __import__("lora_lab.kernels.triton_helpers", fromlist=["x"]).running_in_interpreter(),
+                    reason="the Triton passes run in TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("weighted", [True, False])
+def test_unsort_sum_and_silu_mul_match_torch_fp32(weighted):
+    from lora_lab.kernels.moe.silu_backward import silu_mul, unsort_sum
+
+    gen = torch.Generator().manual_seed(1)
+    T, K, N = 7, 3, 45
+    rows = torch.randn(T * K, N, generator=gen)
+    position = torch.randperm(T * K, generator=gen)
+    weight = torch.rand(T * K, generator=gen) if weighted else None
+    want = rows[position] * (weight[:, None] if weighted else 1)
+    torch.testing.assert_close(unsort_sum(rows, position, T, K, weight), want.view(T, K, N).sum(1))
+    gu = torch.randn(11, 2 * 37, generator=gen)
+    g, u = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gu), torch.nn.functional.silu(g) * u)
+    with pytest.raises(ValueError, match="do not fit"):
+        unsort_sum(rows, position[:-1], T, K)
+    with pytest.raises(ValueError, match="silu_mul needs"):
+        silu_mul(gu[:, :-1])
+
+
+@needs_grouped_mm
 def test_grouped_mm_engine_drops_sentinel_expert_ids():
     x, index, weights, w1, w2, _ = make_problem(10, 16, 8, 4, 2)
     index = index.clone()

@@ -19,7 +19,8 @@ kernel kind         coarse (rows/expert >= 512, N >= 2048)  otherwise
                                                             BLOCK_M 64), 4 stages when K >= 1024 else 3
 ``gate_up``         BLOCK_N 128 (two accumulators), 64,     BLOCK_N 64, BLOCK_K 64, 8 / 4 warps,
                     8 warps, 3 stages                       4 stages when K >= 1024 else 3
-``down_backward``   BLOCK_N 128, 64, 8 warps, 3 stages      BLOCK_N 64, BLOCK_K 64, 8 / 4 warps, 3 stages
+``down_backward``   BLOCK_N 64, 64, 8 warps, 4 stages       BLOCK_N 64, BLOCK_K 64, 8 / 4 warps, 3 stages
+                    (its epilogue holds D, g, u in fp32)
 ``weight_grad``     128 x 128 x 64, 8 warps, 4 stages       128 x 128 x 64, 8 warps, 3 stages
 ==================  =====================================  ==========================================
 
@@ -143,9 +144,11 @@ def heuristic_meta(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_
         if coarse:
             return {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
         return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": warps, "num_stages": deep}
-    if coarse:  # gate_up keeps two accumulators, down_backward reloads g and u in its epilogue
+    if kind == "down_backward":  # its epilogue holds D, g and u tiles in fp32: a 128-wide tile would spill
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8 if coarse else warps, "num_stages": 4 if coarse else 3}
+    if coarse:  # gate_up keeps two accumulators side by side
         return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-    return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": warps, "num_stages": deep if kind == "gate_up" else 3}
+    return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": warps, "num_stages": deep}
 
 
 def set_expert_block_shape(nargs: dict) -> None:

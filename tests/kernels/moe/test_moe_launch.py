@@ -38,7 +38,8 @@ def test_table_gives_coarse_experts_big_tiles_and_fine_experts_narrow_ones():
     mix = {kind: lc.heuristic_meta(kind, block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, interpret=False)
            for kind, bm, n, k, r in launches(MIXTRAL)}
     assert mix["rows"] == {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
-    assert mix["gate_up"]["BLOCK_N"] == 128 and mix["down_backward"]["BLOCK_N"] == 128
+    assert mix["gate_up"]["BLOCK_N"] == 128
+    assert mix["down_backward"] == {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}  # no spill
     assert mix["weight_grad"]["num_stages"] == 4
     fine = [lc.heuristic_meta(kind, block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, interpret=False)
             for kind, bm, n, k, r in launches(QWEN3_30B)]

@@ -36,6 +36,7 @@ variant each. Before issue #24 every untuned launch used the twin, whatever the 
 from __future__ import annotations
 
 import inspect
+import os
 
 import triton
 
@@ -251,11 +252,15 @@ def tuning_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
-def autotune_options() -> dict:
+def autotune_options(environ=None) -> dict:
     """The ``triton.autotune`` keyword arguments this Triton accepts among ``cache_results`` (tuning results
-    kept on disk across processes, Triton >= 3.4) and ``do_bench`` (our short timing)."""
+    kept on disk across processes, Triton >= 3.4) and ``do_bench`` (our short timing). ``LORA_LAB_MOE_TUNING_CACHE=0``
+    (read when lora_lab.kernels is imported) leaves the disk cache off."""
+    environ = os.environ if environ is None else environ
     accepted = inspect.signature(triton.autotune).parameters
-    wanted = {"cache_results": True, "do_bench": tuning_bench}
+    wanted = {"do_bench": tuning_bench}
+    if environ.get("LORA_LAB_MOE_TUNING_CACHE", "1").strip().lower() not in ("0", "false", "off", "no"):
+        wanted["cache_results"] = True
     return {name: value for name, value in wanted.items() if name in accepted}
 
 

@@ -109,6 +109,7 @@ def test_autotune_options_pass_only_what_this_triton_accepts():
     options = lc.autotune_options()
     assert set(options) <= set(accepted)
     assert ("cache_results" in options) == ("cache_results" in accepted)
+    assert "cache_results" not in lc.autotune_options({"LORA_LAB_MOE_TUNING_CACHE": "0"})
     assert all(c.pre_hook is None for c in lc.autotune_configs("gate_up", persistent=False))
     assert all(c.pre_hook is lc.set_expert_block_shape for c in lc.autotune_configs("gate_up", persistent=True))
 

@@ -1,8 +1,9 @@
 """Benchmark: MoE experts — transformers eager, transformers grouped_mm, lora_lab's fused kernels and Liger-Kernel's
 fused MoE, side by side.
 
-Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``: Qwen3-30B-A3B-like and
-Qwen1.5-MoE-like), forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
+Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``, the panel of issue #24: Qwen3-30B-A3B,
+Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V2-Lite, GPT-OSS-20B, Mixtral-8x7B and Mixtral-8x22B-like),
+forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
 the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` is ours
@@ -26,10 +27,17 @@ notebook 06 published before issue #27). Peak memory (``measure.peak_bytes``: pe
 bytes of one untimed call) is measured once per cell and implementation. Notebook 06 reads the per-repetition
 rows through ``fused_moe.benchmark_metrics``.
 
+``--budget-s`` bounds one session's layer cells (graded cells first; each cell's timed calls cut to its share of
+what is left, cells left when it is spent skipped and named); ``--sessions N`` runs the whole script N times in
+separate processes and pools their CSVs (``measure.pool_sessions``), so intervals span sessions.
+``first_call_s`` (each implementation's first call in a cell: compile and any tuning) and ``ours_untuned`` (ours with
+``moe_autotune=False``: the tile table alone) measure issue #24's "no traps".
+
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
 
-    python benchmarks/bench_moe.py --out DIR                          # what notebook 06 records
+    python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --repetitions 5 --secondary \
+        --variants eager liger ours_untuned ours_persistent              # what notebook 06 records (the panel)
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
@@ -63,6 +71,8 @@ from lora_lab.experiments.fused_moe import (
     LAYER_SHAPES,
     LIGER,
     OURS_PERSISTENT,
+    OURS_UNTUNED,
+    OURS_VARIANTS,
     expert_gemm_flops,
     implementations,
     layer_holder,
@@ -77,19 +87,21 @@ from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
 # Liger: full fine-tuning only, when installed; ours_persistent: ours with KernelConfig.moe_loads set
-ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, LIGER]
-# --smoke: tiny stand-ins of the two layer shapes (same names, routing rule and family), T / 1024
-SMOKE_SHAPES = {"qwen3_30b_a3b": dict(hidden=32, num_experts=4, top_k=2, intermediate=16),
-                "qwen1_5_moe_a2_7b": dict(hidden=32, num_experts=4, top_k=2, intermediate=24)}
+ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, LIGER]
+# --smoke: tiny stand-ins of the layer shapes (same names, routing rule and family), T / 1024
+SMOKE_SHAPES = {name: dict(hidden=32, num_experts=4, top_k=2, intermediate=16 + 8 * (k % 2))
+                for k, name in enumerate(LAYER_SHAPES)}
 SMOKE_TOKEN_DIVISOR = 1024
 
 
-OPTIONAL_IMPLS = (*OURS_PERSISTENT, LIGER)  # their failure is a recorded result; the others' fails the run
+# Liger's shapes by default: the graded ones and the 64-expert top-6 layer issue #24 measured it at
+LIGER_SHAPES = ("qwen3_30b_a3b", "qwen1_5_moe_a2_7b", "deepseek_v2_lite")
+OPTIONAL_IMPLS = (*OURS_VARIANTS, LIGER)  # their failure is a recorded result; the others' fails the run
 
 
 def runs_in(impl: str, mode: str) -> bool:
     """Whether ``impl`` runs in ``mode``'s cells here (our persistent variants run wherever ours does)."""
-    return impl in implementations(mode) or impl in OURS_PERSISTENT
+    return impl in implementations(mode) or impl in OURS_VARIANTS
 
 
 def free_memory() -> None:
@@ -98,9 +110,32 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, device, dtype):
+def synced_seconds(fn) -> float:
+    """Wall seconds of one call of ``fn``, the device synchronised before and after."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def calls_within(seconds: float | None, call_ms: dict, repetitions: int, most: int) -> int:
+    """Timed calls per implementation and repetition so that a cell's timed loops fit ``seconds`` (None: ``most``):
+    at least 1, at most ``most``; ``call_ms`` holds each implementation's time per call (from its warm-up)."""
+    if seconds is None:
+        return most
+    per_round_ms = sum(call_ms.values()) * repetitions
+    if per_round_ms <= 0:
+        return most
+    return max(1, min(most, int(seconds * 1e3 / per_round_ms)))
+
+
+def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, device, dtype, seconds=None):
     """Rows of one (shape, T, mode) cell: each implementation timed once per repetition (the caller frees the
-    cell's memory after it returns)."""
+    cell's memory after it returns). ``seconds``: the time the cell's timed loops may take (--budget-s), which
+    sets the calls per loop (:func:`calls_within`); ``first_call_s``: the first call (compile, any tuning)."""
     holder, experts, params = layer_holder(shape, mode, device, dtype, seed=0)
     gen = torch.Generator(device=device).manual_seed(3)  # drawn on the device (T=32768: 67M values)
     x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype).requires_grad_(True)
@@ -120,9 +155,11 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
     for impl in impls:  # warm-up (compile / autotune) and peak memory, outside the timed loops
         set_implementation(holder, experts, impl, cfg)
         try:
-            step()
+            first = synced_seconds(step)
+            again = synced_seconds(step)  # compiled and tuned: the time of one call, for the budget
             peak, resident = measure.peak_bytes(step) if device.type == "cuda" else (None, None)  # CUDA only
-            once[impl] = dict(status="ok", peak_bytes=peak, resident_bytes=resident)
+            once[impl] = dict(status="ok", peak_bytes=peak, resident_bytes=resident, first_call_s=first,
+                              call_ms=again * 1e3)
         except torch.OutOfMemoryError:
             once[impl] = dict(status="oom", peak_bytes=None, resident_bytes=None)
         except Exception as err:  # an optional variant (persistent form, Liger) that fails is recorded, not fatal
@@ -133,6 +170,7 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
         free_memory()
     rows = []
     ok = [i for i in impls if once[i]["status"] == "ok"]
+    calls = calls_within(seconds, {i: once[i]["call_ms"] for i in ok if i != "eager"}, args.repetitions, args.calls)
     for rep in range(args.repetitions):
         for impl in measure.rotation(ok, rep):
             set_implementation(holder, experts, impl, cfg)
@@ -140,7 +178,7 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
                 times = measure.loop_ms(step, calls=args.eager_calls, warmup=0)
                 timed = dict(ms=statistics.median(times), ms_each=" ".join(f"{t:.4f}" for t in times), timing="loop")
             else:
-                timed = time_call(step, args)
+                timed = time_call(step, args, calls=calls)
             ms = timed["ms"]
             rows.append(dict(base, impl=impl, rep=rep, **timed, tflops=flops / (ms * 1e-3) / 1e12,
                              fraction_of_peak=flops / (ms * 1e-3) / (H200_DENSE_BF16_TFLOPS * 1e12),
@@ -213,7 +251,10 @@ def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
         if impl.startswith("ours"):
             patch_moe_experts(root, config=ours_config(impl, cfg))
 
-    impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and runs_in(i, mode)]
+    # the end-to-end steps compare ours with the baselines; our variants (persistent form, untuned) stay in the layer
+    # cells, unless --e2e-variants asks for them
+    impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and runs_in(i, mode)
+             and (i not in OURS_VARIANTS or args.e2e_variants)]
     once = {}
     for impl in impls:  # warm-up (optimizer state, compile / autotune) and peak memory, untimed
         use(impl)
@@ -303,6 +344,72 @@ def plot_layer(table, out: Path):
     plt.close(fig)
 
 
+def layer_cells(args) -> list[tuple[str, int, str]]:
+    """(shape, T, mode) of every layer cell to run, the cells notebook 06's graded metrics read first (so a
+    budget that runs out leaves out panel cells, not graded ones)."""
+    cells = [(name, tokens, mode) for name in args.shapes for tokens in args.tokens for mode in args.modes]
+    if args.graded_only:
+        cells = [c for c in cells if f"{c[0]}_t{c[1]}_{c[2]}" in GRADED_CELLS]
+    return sorted(cells, key=lambda c: f"{c[0]}_t{c[1]}_{c[2]}" not in GRADED_CELLS)
+
+
+def run_session(args, impls, out: Path) -> None:
+    """One process's layer cells (within --budget-s), then the end-to-end steps; CSVs into ``out``."""
+    device = check_device(args.smoke)
+    from lora_lab.kernels import KernelConfig
+
+    cfg = KernelConfig.from_env()
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    print(device_line(device, dtype, args.repetitions, f"implementations {' '.join(impls)}, {cfg}"), flush=True)
+    rows = []
+    cells = layer_cells(args)
+    started = time.perf_counter()
+    for k, (name, label_tokens, mode) in enumerate(cells):
+        seconds = None
+        if args.budget_s is not None:
+            left = args.budget_s - (time.perf_counter() - started)
+            if left <= 0:
+                print(f"budget of {args.budget_s:.0f} s spent: {len(cells) - k} cells left out: "
+                      + " ".join(f"{n}_t{t}_{m}" for n, t, m in cells[k:]), flush=True)
+                break
+            seconds = left / (len(cells) - k) / 2  # half of a cell's share for its timed loops (warm-ups, peaks)
+        shape = LAYER_SHAPES[name].scaled(**SMOKE_SHAPES[name]) if args.smoke else LAYER_SHAPES[name]
+        num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
+        with_eager = (not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
+        cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
+                      and (i not in OURS_PERSISTENT or name in args.persistent_shapes) and runs_in(i, mode)]
+        t0 = time.perf_counter()
+        cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,
+                                     seconds=seconds)
+        free_memory()
+        rows += cell_rows
+        measure.write_csv(rows, out / LAYER_CSV)  # after every cell: a run cut short keeps its cells
+        medians = {i: statistics.median(r["ms"] for r in cell_rows if r["impl"] == i and r["ms"] is not None)
+                   for i in cell_impls if any(r["impl"] == i and r["ms"] is not None for r in cell_rows)}
+        print(f"{cell_rows[0]['cell']}{f' (smoke T={num_tokens})' if args.smoke else ''}: "
+              + "  ".join(f"{i} {ms:.3f} ms" for i, ms in medians.items())
+              + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"layer cells: {time.perf_counter() - started:.0f} s", flush=True)
+    if not args.no_e2e:
+        measure.write_csv(bench_e2e(args, cfg, device, dtype), out / E2E_CSV)
+
+
+def _child_argv(argv: list[str], out: Path, index: int) -> list[str]:
+    """``argv`` for session ``index``: ``--out`` pointing at ``out``, without ``--sessions``."""
+    result, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--out", "--sessions"):
+            skip = True
+            continue
+        if a.startswith(("--out=", "--sessions=")):
+            continue
+        result.append(a)
+    return [*result, "--out", str(out), "--session-index", str(index)]
+
+
 def main(argv=None):
     start = time.perf_counter()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -313,8 +420,23 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora"])
     ap.add_argument("--eager-tokens", type=int, nargs="*", default=[8192],
                     help="T at which the eager loop is also timed (empty: every T)")
+    ap.add_argument("--eager-shapes", nargs="*", default=["qwen3_30b_a3b"], choices=list(LAYER_SHAPES),
+                    help="shapes whose cells (at --eager-tokens) also time the eager loop")
     ap.add_argument("--eager-calls", type=int, default=1, help="timed eager calls per repetition")
+    ap.add_argument("--liger-shapes", nargs="*", default=list(LIGER_SHAPES), choices=list(LAYER_SHAPES),
+                    help="shapes whose full cells also run Liger (default: the fine-grained shapes notebook 06 grades "
+                         "or issue #24 measured Liger at; Liger autotunes at each new shape, 102 s at the Mixtral-like "
+                         "one in issue #24, where grouped_mm was the faster peer, so a session's budget holds few)")
+    ap.add_argument("--persistent-shapes", nargs="*", default=["qwen3_30b_a3b"], choices=list(LAYER_SHAPES),
+                    help="shapes whose cells also run the persistent form when --variants asks for it")
     add_timing_arguments(ap)
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="seconds the layer cells of one session may take: each cell's timed calls are cut to its "
+                         "share, and cells left when it is spent are skipped (graded cells run first)")
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="separate processes (this script again, one after another), their CSVs pooled "
+                         "(measure.pool_sessions): intervals then span sessions")
+    ap.add_argument("--session-index", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--graded-only", action="store_true",
                     help="only the layer cells notebook 06's metrics read (" + ", ".join(GRADED_CELLS) + ")")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training steps")
@@ -322,57 +444,55 @@ def main(argv=None):
     ap.add_argument("--e2e-layers", type=int, default=4)
     ap.add_argument("--e2e-batch", type=int, default=4)
     ap.add_argument("--e2e-seq", type=int, default=2048)
+    ap.add_argument("--e2e-variants", action="store_true",
+                    help="also run our variants (ours_persistent, ours_untuned) in the end-to-end steps")
     ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
                     help="modes whose end-to-end comparison includes the eager loop")
-    ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens
+    ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens / --eager-shapes
     args = ap.parse_args(argv)
+    if args.sessions < 1 or (args.budget_s is not None and args.budget_s <= 0):
+        ap.error("--sessions must be >= 1 and --budget-s > 0")
     impls = chosen_variants(ap, args, ALL_IMPLS, ["grouped_mm", "ours"])
     if LIGER in impls and not liger_available():
         print("liger: liger_kernel is not installed (pip install liger-kernel); its cells are skipped", flush=True)
         impls = [i for i in impls if i != LIGER]
     args.impls = impls
-    device = check_device(args.smoke)
-    from lora_lab.kernels import KernelConfig
-
-    cfg = KernelConfig.from_env()
-    dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
         args.e2e_batch, args.e2e_seq, args.e2e_steps = 2, 8, 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(device_line(device, dtype, args.repetitions, f"implementations {' '.join(impls)}, {cfg}"), flush=True)
-    rows = []
-    for name in args.shapes:
-        shape = LAYER_SHAPES[name].scaled(**SMOKE_SHAPES[name]) if args.smoke else LAYER_SHAPES[name]
-        for label_tokens in args.tokens:
-            num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
-            with_eager = not args.eager_tokens or label_tokens in args.eager_tokens
-            for mode in args.modes:
-                cell_impls = [i for i in impls if (i != "eager" or with_eager) and runs_in(i, mode)]
-                if args.graded_only and f"{name}_t{label_tokens}_{mode}" not in GRADED_CELLS:
-                    continue
-                t0 = time.perf_counter()
-                cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device,
-                                             dtype)
-                free_memory()
-                rows += cell_rows
-                measure.write_csv(rows, out / LAYER_CSV)  # after every cell: a run cut short keeps its cells
-                medians = {i: statistics.median(r["ms"] for r in cell_rows if r["impl"] == i)
-                           for i in cell_impls if any(r["impl"] == i and r["ms"] is not None for r in cell_rows)}
-                print(f"{cell_rows[0]['cell']}{f' (smoke T={num_tokens})' if args.smoke else ''}: "
-                      + "  ".join(f"{i} {ms:.3f} ms" for i, ms in medians.items())
-                      + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.session_index is not None or args.sessions == 1:
+        run_session(args, impls, out)
+        if args.session_index is not None:
+            return
+    else:
+        import subprocess
+        import sys
+
+        raw = list(sys.argv[1:] if argv is None else argv)
+        parts = []
+        for k in range(args.sessions):
+            part = out / f"session{k}"
+            cmd = [sys.executable, str(Path(__file__).resolve()), *_child_argv(raw, part, k)]
+            print(f"--- session {k + 1}/{args.sessions}", flush=True)
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd)
+            print(f"--- session {k + 1}/{args.sessions} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            if done.returncode != 0 and not (part / LAYER_CSV).exists():
+                raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / LAYER_CSV}")
+            parts.append(part)
+        measure.pool_csv_sessions(parts, out, [LAYER_CSV, E2E_CSV])
+    rows = measure.read_csv(out / LAYER_CSV)
     table = layer_table(rows)
     measure.write_csv(table, out / SUMMARY_CSV)
     plot_layer(table, out)
-    if not args.no_e2e:
-        measure.write_csv(bench_e2e(args, cfg, device, dtype), out / E2E_CSV)
-    print(f"{'cell':>34} {'impl':>10} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9}")
+    print(f"{'cell':>34} {'impl':>12} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9}")
     for t in table:
         peak = f"{t['peak_extra_gib']:9.2f}" if t.get("peak_extra_gib") is not None else "        -"
-        print(f"{t['cell']:>34} {t['impl']:>10} {t.get('ms', float('nan')):10.3f} {t.get('tflops', float('nan')):8.1f} "
-              f"{peak}")
-    print(f"wrote {out / LAYER_CSV} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s", flush=True)
+        print(f"{t['cell']:>34} {t['impl']:>12} {t.get('ms', float('nan')):10.3f} "
+              f"{t.get('tflops', float('nan')):8.1f} {peak}")
+    print(f"wrote {out / LAYER_CSV} ({len(rows)} rows, {measure.sessions_in(rows)} session(s)) in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ Real layer shapes (shared with ``benchmarks/bench_moe.py``, which times them):
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -49,7 +50,8 @@ from lora_lab.numerics import error_stats
 __all__ = [
     "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
     "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
-    "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_PERSISTENT", "ours_config", "MoeLayerShape",
+    "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_PERSISTENT", "OURS_UNTUNED", "OURS_VARIANTS",
+    "PANEL_CELLS", "PANEL_TOKENS", "COARSE_SHAPES", "ours_config", "MoeLayerShape",
     "LAYER_SHAPES", "random_routing",
     "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
     "expert_gemm_flops", "layer_numerics", "saved_bytes_by_implementation",
@@ -233,14 +235,17 @@ H200_DENSE_BF16_TFLOPS = 989.5  # NVIDIA H200 SXM: 1,979 TFLOP/s bf16 with 2:4 s
 IMPLEMENTATIONS = ("eager", "grouped_mm", "ours")
 # ours with the persistent form of the row kernels (KernelConfig.moe_loads), timed when a benchmark asks for them
 OURS_PERSISTENT = {"ours_persistent": "persistent"}  # (the warp-specialised form was removed in issue 26)
+# ours without autotuning: the shape-aware tile table alone (issue #24: never worse than 1.3x the tuned form)
+OURS_UNTUNED = {"ours_untuned": {"moe_autotune": False}}
+OURS_VARIANTS = {**{name: {"moe_loads": loads} for name, loads in OURS_PERSISTENT.items()}, **OURS_UNTUNED}
 
 
 def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:
-    """The kernel settings of one of our implementations: ``ours`` as given, the persistent ones with their
-    ``moe_loads``."""
-    if impl not in OURS_PERSISTENT:
+    """The kernel settings of one of our implementations: ``ours`` as given, the variants (persistent form,
+    untuned) with their fields replaced."""
+    if impl not in OURS_VARIANTS:
         return config
-    return (config if config is not None else KernelConfig.from_env()).replace(moe_loads=OURS_PERSISTENT[impl])
+    return (config if config is not None else KernelConfig.from_env()).replace(**OURS_VARIANTS[impl])
 
 
 @dataclass(frozen=True)
@@ -281,10 +286,28 @@ class MoeLayerShape:
         return replace(self, hidden=hidden, num_experts=num_experts, top_k=top_k, intermediate=intermediate)
 
 
+# The panel (issue #24): the expert shapes of public MoE models, from each model's config.json on the Hugging Face
+# hub (hidden_size, number of routed experts, experts per token, expert intermediate size, whether the top-k
+# weights are renormalised). Every layer runs as SiLU-gated experts in transformers' layout ("-like": GPT-OSS's
+# clamped SwiGLU with biases, DeepSeek's shared experts and Mixtral's own module class are not reproduced).
 LAYER_SHAPES = {
+    # Qwen/Qwen3-30B-A3B: 2048, 128 experts, top-8, moe_intermediate_size 768, norm_topk_prob true
     "qwen3_30b_a3b": MoeLayerShape("qwen3_30b_a3b", 2048, 128, 8, 768, True, "qwen3_moe"),
+    # Qwen/Qwen1.5-MoE-A2.7B: 2048, 60 experts, top-4, moe_intermediate_size 1408, norm_topk_prob false
     "qwen1_5_moe_a2_7b": MoeLayerShape("qwen1_5_moe_a2_7b", 2048, 60, 4, 1408, False, "qwen2_moe"),
+    # allenai/OLMoE-1B-7B-0924: 2048, 64 experts, top-8, intermediate_size 1024, norm_topk_prob false
+    "olmoe_1b_7b": MoeLayerShape("olmoe_1b_7b", 2048, 64, 8, 1024, False, "qwen3_moe"),
+    # deepseek-ai/DeepSeek-V2-Lite (and moonshotai/Moonlight-16B-A3B): 2048, 64 routed experts, top-6,
+    # moe_intermediate_size 1408
+    "deepseek_v2_lite": MoeLayerShape("deepseek_v2_lite", 2048, 64, 6, 1408, False, "qwen3_moe"),
+    # openai/gpt-oss-20b: 2880, 32 experts, top-4, intermediate_size 2880 (router softmax over the top-4)
+    "gpt_oss_20b": MoeLayerShape("gpt_oss_20b", 2880, 32, 4, 2880, True, "qwen3_moe"),
+    # mistralai/Mixtral-8x7B-v0.1: 4096, 8 experts, top-2, intermediate_size 14336 (softmax over the top-2)
+    "mixtral_8x7b": MoeLayerShape("mixtral_8x7b", 4096, 8, 2, 14336, True, "qwen3_moe"),
+    # mistralai/Mixtral-8x22B-v0.1: 6144, 8 experts, top-2, intermediate_size 16384
+    "mixtral_8x22b": MoeLayerShape("mixtral_8x22b", 6144, 8, 2, 16384, True, "qwen3_moe"),
 }
+COARSE_SHAPES = ("mixtral_8x7b", "mixtral_8x22b")  # <= 16 experts; the others are fine-grained (>= 32 experts)
 
 
 def random_routing(num_tokens: int, shape: MoeLayerShape, device, dtype, seed: int = 0):
@@ -360,11 +383,39 @@ def register_liger() -> None:
     ExpertsInterface.register(LIGER, _liger_experts_forward)
 
 
+@contextlib.contextmanager
+def liger_single_config():
+    """Liger's autotuned MoE kernels each keep their first config inside the block (restored after it).
+
+    For the cells that check numerics or count saved bytes, not speed: Liger's kernels otherwise tune at every new
+    shape on their first call (102 s at a Mixtral-like layer in issue #24; notebook 06's bf16 and saved-bytes cells
+    took 302 s and 104 s with it). The tile config changes neither what is saved nor more than the summation order.
+    """
+    try:
+        import liger_kernel.ops.fused_moe_kernels as liger_kernels
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:  # Liger not installed, or a release that keeps its MoE kernels elsewhere: nothing to pin
+        yield
+        return
+
+    saved = {}
+    for name in dir(liger_kernels):
+        kernel = getattr(liger_kernels, name)
+        if isinstance(kernel, Autotuner) and len(kernel.configs) > 1:
+            saved[name] = kernel.configs
+            kernel.configs = kernel.configs[:1]
+    try:
+        yield
+    finally:
+        for name, configs in saved.items():
+            getattr(liger_kernels, name).configs = configs
+
+
 def set_implementation(holder: nn.Module, experts: nn.Module, impl: str, config: KernelConfig | None = None) -> None:
     """eager / grouped_mm through transformers' switch; ours through ``patch_moe_experts(config=config)``; Liger's
     fused MoE registered as a transformers experts implementation (full fine-tuning only)."""
     unpatch_moe_experts(holder)
-    if impl == "ours" or impl in OURS_PERSISTENT:
+    if impl == "ours" or impl in OURS_VARIANTS:
         experts.config._experts_implementation = "eager"
         if patch_moe_experts(holder, config=ours_config(impl, config)) != 1:
             raise RuntimeError("expected exactly one patched experts module")
@@ -404,9 +455,10 @@ def saved_bytes_by_implementation(shape: MoeLayerShape, num_tokens: int, mode: s
     index, weights = random_routing(num_tokens, shape, torch.device(device), dtype, seed)
     exclude = (x, index, weights, *holder.parameters())
     result = {}
-    for impl in implementations(mode):
-        set_implementation(holder, experts, impl, config)
-        result[impl] = saved_bytes_excluding(functools.partial(holder, x, index, weights), exclude)
+    with liger_single_config():  # bytes, not speed: no tuning sweep (:func:`liger_single_config`)
+        for impl in implementations(mode):
+            set_implementation(holder, experts, impl, config)
+            result[impl] = saved_bytes_excluding(functools.partial(holder, x, index, weights), exclude)
     unpatch_moe_experts(holder)
     del experts, holder, exclude
     _free_memory()
@@ -441,6 +493,8 @@ def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int =
     saved_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {}
+    single = liger_single_config()  # numerics, not speed: no tuning sweep
+    single.__enter__()
     try:
         for impl in ("reference", *implementations(mode)):
             is_ref = impl == "reference"
@@ -456,6 +510,7 @@ def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int =
             unpatch_moe_experts(h)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32
+        single.__exit__(None, None, None)
     if mode == "full":
         names = ["out", "d_x", "d_weights"] + [f"d_{n.split('.')[-1]}" for n, p in holder.named_parameters()
                                                if p.requires_grad]
@@ -500,6 +555,11 @@ GRADED_PEAKS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t8192_lora"]
 GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm"), ("full", LIGER)]
 # cells where the persistent form (ours_persistent; bench_moe --variants) is compared with ours
 PERSISTENT_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full", "qwen3_30b_a3b_t8192_lora"]
+# the panel (issue #24): every shape at 8,192 and 32,768 tokens, full and LoRA; ours against each peer, the untuned
+# form against ours, peak memory against grouped_mm, ours' first call (compile + any tuning) in seconds
+PANEL_TOKENS = (8192, 32768)
+PANEL_CELLS = [f"{shape}_t{tokens}_{mode}" for shape in LAYER_SHAPES for tokens in PANEL_TOKENS
+               for mode in ("full", "lora")]
 GRADED_CELLS = list(dict.fromkeys([cell for cell, _ in GRADED_SPEEDUPS] + GRADED_PEAKS + PERSISTENT_CELLS))
 
 
@@ -535,6 +595,37 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
             if timed(layer, cell=cell, impl=impl) and timed(layer, cell=cell, impl="ours"):
                 out[f"{cell}_{impl}_speedup_vs_ours"] = measure.ratio_summary(
                     layer, "ms", {"cell": cell, "impl": "ours"}, {"cell": cell, "impl": impl})
+    for cell in PANEL_CELLS:  # the panel: every peer, the untuned form, memory, first calls
+        for base in ("grouped_mm", LIGER):
+            key = f"{cell}_speedup_vs_{base}"
+            if key not in out and timed(layer, cell=cell, impl=base) and timed(layer, cell=cell, impl="ours"):
+                out[key] = measure.ratio_summary(layer, "ms", {"cell": cell, "impl": base},
+                                                 {"cell": cell, "impl": "ours"})
+        for impl in OURS_UNTUNED:
+            if timed(layer, cell=cell, impl=impl) and timed(layer, cell=cell, impl="ours"):
+                out[f"{cell}_{impl}_slowdown_vs_ours"] = measure.ratio_summary(
+                    layer, "ms", {"cell": cell, "impl": impl}, {"cell": cell, "impl": "ours"})
+        peaks = {}
+        for impl in ("ours", "grouped_mm"):
+            row = next((r for r in layer if r["cell"] == cell and r["impl"] == impl
+                        and r.get("peak_bytes") is not None), {})
+            peaks[impl] = (row["peak_bytes"] - row["resident_bytes"]) if row else None
+        if None not in peaks.values() and peaks["grouped_mm"]:
+            out[f"{cell}_peak_ratio_vs_grouped_mm"] = peaks["ours"] / peaks["grouped_mm"]
+        first = [r["first_call_s"] for r in layer
+                 if r["cell"] == cell and r["impl"] == "ours" and r.get("first_call_s") is not None]
+        if first:
+            out[f"{cell}_ours_first_call_s"] = max(first)
+    panel_first = [v for k, v in out.items() if k.endswith("_ours_first_call_s")]
+    if panel_first:
+        out["panel_ours_first_call_max_s"] = max(panel_first)
+    panel_peaks = [out[f"{c}_peak_ratio_vs_grouped_mm"] for c in PANEL_CELLS
+                   if out.get(f"{c}_peak_ratio_vs_grouped_mm") is not None]
+    if panel_peaks:
+        out["panel_peak_ratio_vs_grouped_mm_max"] = max(panel_peaks)
+    slowdowns = [v["median"] for k, v in out.items() if k.endswith("_ours_untuned_slowdown_vs_ours")]
+    if slowdowns:
+        out["panel_ours_untuned_slowdown_max"] = max(slowdowns)
     for cell in TFLOPS_CELLS:
         for impl in ("ours", "grouped_mm", LIGER, *OURS_PERSISTENT):
             mine = [r for r in layer if r["cell"] == cell and r["impl"] == impl and r["ms"] is not None]

@@ -39,6 +39,10 @@ field              variable                meaning
                                            order, expert weights and sorted rows read through TMA
                                            descriptors where aligned (token rows are still gathered by
                                            pointer)
+``moe_engine``     ``LORA_LAB_MOE_ENGINE``    who runs the MoE expert GEMMs: ``auto`` (the rule of
+                                           :func:`lora_lab.kernels.moe.engine.choose_engine`: CUTLASS's
+                                           grouped GEMM on coarse experts, full fine-tuning, bf16, Hopper;
+                                           the Triton kernels elsewhere), ``triton``, ``grouped_mm``
 =================  ======================  ==============================================================
 
 The warp-specialised persistent forms (``persistent_ws`` for ``gemm_loads`` and ``moe_loads``) were removed: on the
@@ -60,6 +64,7 @@ CHOICES = {
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),
+    "moe_engine": ("auto", "triton", "grouped_mm"),
 }
 # values that existed once, and why they are gone (named in the error)
 REMOVED = {
@@ -82,6 +87,7 @@ ENV_VARIABLES = {
     "moe_autotune": "LORA_LAB_MOE_AUTOTUNE",
     "moe_block_m": "LORA_LAB_MOE_BLOCK_M",
     "moe_loads": "LORA_LAB_MOE_LOADS",
+    "moe_engine": "LORA_LAB_MOE_ENGINE",
 }
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -121,6 +127,7 @@ class KernelConfig:
     moe_autotune: bool = True
     moe_block_m: int | None = None
     moe_loads: str = "pointer"
+    moe_engine: str = "auto"
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():

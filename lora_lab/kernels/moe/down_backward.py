@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
+from lora_lab.kernels.moe.launch import make_tuned, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import (
     launch_row_tiles,
@@ -145,11 +145,11 @@ def _down_backward_silu_kernel(
 
 _down_backward_kernel = with_even_k(_down_backward_silu_kernel)
 _down_backward_kernel_unspecialized = with_even_k(unspecialized_twin(_down_backward_silu_kernel))
-_down_backward_kernel_tuned = triton.autotune(
-    configs=autotune_configs("down_backward"),
+_down_backward_kernel_tuned = make_tuned(
+    _down_backward_kernel, "down_backward",
     key=["I", "K", "HAS_LORA", "COMPUTE_DW", "BLOCK_M", "PERSISTENT"],
     reset_to_zero=["dw_ptr"],
-)(_down_backward_kernel)
+)
 
 
 def down_backward_silu(
@@ -209,7 +209,7 @@ def down_backward_silu(
     launch_row_tiles(
         _down_backward_kernel_tuned, _down_backward_kernel, _down_backward_kernel_unspecialized, args, flags,
         kind="down_backward", num_cols=inter, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config),
-        weight=(3, down_proj),
+        weight=(3, down_proj), k_dim=hidden, num_rows=num_rows, num_experts=num_experts,
     )
     return dgu, dw
 

@@ -29,10 +29,10 @@ import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.launch import (
-    autotune_configs,
     autotune_enabled,
     fixed_kernel,
-    fixed_meta,
+    heuristic_meta,
+    make_tuned,
     narrow_block_size,
     set_expert_block_shape,
     unspecialized_twin,
@@ -149,10 +149,10 @@ def _expert_weight_grad_kernel(
 
 
 _expert_weight_grad_kernel_unspecialized = unspecialized_twin(_expert_weight_grad_kernel)
-_weight_grad_kernel_tuned = triton.autotune(
-    configs=autotune_configs("weight_grad"),
+_weight_grad_kernel_tuned = make_tuned(
+    _expert_weight_grad_kernel, "weight_grad",
     key=["M", "N", "GATHER_A", "GATHER_B", "ROW_WEIGHT", "PERSISTENT", "A_TMA", "B_TMA"],
-)(_expert_weight_grad_kernel)
+)
 
 
 def expert_weight_grad(
@@ -209,15 +209,19 @@ def expert_weight_grad(
 
     narrow = min(m_dim, n_dim) <= 128  # LoRA factor gradients: rank-sized side, fixed tiles
     if tune and autotune_enabled(config) and not narrow:
-        _weight_grad_kernel_tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags)
+        tuned = _weight_grad_kernel_tuned[flags["PERSISTENT"]]
+        tuned[lambda meta: grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags)
     else:
-        meta = fixed_meta("weight_grad")
+        num_rows = routing.num_assignments
+        meta = heuristic_meta("weight_grad", block_m=128, n_dim=n_dim, k_dim=num_rows,
+                              rows_per_expert=num_rows / max(num_experts, 1))
         if m_dim <= 128:
             meta["BLOCK_M"] = narrow_block_size(m_dim, config)
         if n_dim <= 128:
             meta["BLOCK_N"] = narrow_block_size(n_dim, config)
         set_expert_block_shape({"a_ptr": a_arg, "b_ptr": b_arg, **flags, **meta})
-        kernel = fixed_kernel(_expert_weight_grad_kernel, _expert_weight_grad_kernel_unspecialized, config)
+        kernel = fixed_kernel(_expert_weight_grad_kernel, _expert_weight_grad_kernel_unspecialized, config,
+                              volume=m_dim * n_dim * num_rows)
         kernel[grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **meta)
     return out
 

@@ -34,6 +34,7 @@ import torch
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.down_backward import down_backward_silu
+from lora_lab.kernels.moe.engine import engine_for, grouped_mm_experts
 from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad
 from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
@@ -165,6 +166,8 @@ def _validate(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> None:
     devices = {t.device for t in (x, top_k_index, top_k_weights, gate_up_proj, down_proj)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
+
+def _validate_for_triton(x) -> None:
     check_kernel_device(x, "the hidden states")
     check_interpreter_dtype(x, op="fused_moe_experts")
 
@@ -207,10 +210,19 @@ def fused_moe_experts(
     Semantics match transformers' experts modules (SiLU gate, [gate; up] concatenated in
     ``gate_up_proj``); expert ids outside [0, E) contribute nothing. ``lora`` adds per-expert
     LoRA terms (factors are cast to the weights' dtype, differentiably). ``config``: kernel settings
-    (:class:`~lora_lab.kernels.KernelConfig`; None: the defaults).
+    (:class:`~lora_lab.kernels.KernelConfig`; None: the defaults). ``config.moe_engine`` and the shape pick
+    the engine (:func:`~lora_lab.kernels.moe.engine.choose_engine`): coarse experts without LoRA, bf16 on
+    Hopper, run their GEMMs on ``torch._grouped_mm``.
     """
     config = resolve_config(config)
     _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    has_lora = lora is not None and (lora.gate_up_A is not None or lora.down_A is not None)
+    engine = engine_for(hidden_states, top_k_index, gate_up_proj, lora=has_lora, config=config)
+    if engine == "grouped_mm":
+        if top_k_index.numel() == 0:
+            return torch.zeros_like(hidden_states)
+        return grouped_mm_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+    _validate_for_triton(hidden_states)
     if lora is not None:
         _validate_lora(lora, gate_up_proj, down_proj)
         lora = lora.cast(gate_up_proj.dtype)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
+from lora_lab.kernels.moe.launch import make_tuned, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import (
     launch_row_tiles,
@@ -147,9 +147,10 @@ def _gate_up_silu_kernel(
 
 _gate_up_kernel = with_even_k(_gate_up_silu_kernel)
 _gate_up_kernel_unspecialized = with_even_k(unspecialized_twin(_gate_up_silu_kernel))
-_gate_up_kernel_tuned = triton.autotune(
-    configs=autotune_configs("gate_up"), key=["I", "K", "HAS_LORA", "BLOCK_M", "PERSISTENT"],
-)(_gate_up_kernel)
+_gate_up_kernel_tuned = make_tuned(
+    _gate_up_kernel, "gate_up",
+    key=["I", "K", "HAS_LORA", "BLOCK_M", "PERSISTENT"],
+)
 
 
 def gate_up_silu(
@@ -201,7 +202,7 @@ def gate_up_silu(
     launch_row_tiles(
         _gate_up_kernel_tuned, _gate_up_kernel, _gate_up_kernel_unspecialized, args, flags,
         kind="gate_up", num_cols=inter, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config),
-        weight=(3, gate_up_proj.transpose(1, 2)),
+        weight=(3, gate_up_proj.transpose(1, 2)), k_dim=hidden, num_rows=num_rows, num_experts=num_experts,
     )
     return gu, h
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.moe.launch import autotune_configs, rank_block_size, unspecialized_twin
+from lora_lab.kernels.moe.launch import make_tuned, rank_block_size, unspecialized_twin
 from lora_lab.kernels.moe.routing import ExpertRouting
 from lora_lab.kernels.moe.tiles import (
     launch_row_tiles,
@@ -146,11 +146,11 @@ def _grouped_rows_gemm_kernel(
 
 _rows_kernel = with_even_k(_grouped_rows_gemm_kernel)
 _rows_kernel_unspecialized = with_even_k(unspecialized_twin(_grouped_rows_gemm_kernel))
-_rows_kernel_tuned = triton.autotune(
-    configs=autotune_configs("rows"),
+_rows_kernel_tuned = make_tuned(
+    _rows_kernel, "rows",
     key=["N", "K", "GATHER_A", "HAS_LORA", "ROW_WEIGHT", "SCATTER_ADD", "BLOCK_M", "PERSISTENT"],
     reset_to_zero=["out_ptr"],
-)(_rows_kernel)
+)
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, routing: ExpertRouting, gather_rows: bool) -> None:
@@ -233,7 +233,7 @@ def grouped_rows_gemm(
     launch_row_tiles(
         _rows_kernel_tuned, _rows_kernel, _rows_kernel_unspecialized, args, flags,
         kind="rows", num_cols=n_dim, num_tiles=routing.max_tiles, tune=tune, config=resolve_config(config),
-        one_tile_if_narrow=True, weight=(3, b),
+        one_tile_if_narrow=True, weight=(3, b), k_dim=k_dim, num_rows=num_rows, num_experts=num_experts,
     )
     return out
 

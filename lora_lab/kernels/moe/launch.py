@@ -1,22 +1,53 @@
-"""Launch settings shared by the MoE kernels: tile sizes and Hopper autotune configs.
+"""Launch settings shared by the MoE kernels: a shape-aware tile table, pruned autotuning, its disk cache.
 
 Every MoE kernel is launched either
 
-* with one fixed, reasonable config (CPU interpreter, unit tests, tiny LoRA-rank GEMMs), or
-* through ``triton.autotune`` over a handful of Hopper configs (benchmarks, real training).
+* with the tile the table :func:`heuristic_meta` picks for its shape (``KernelConfig(moe_autotune=False)``,
+  the CPU interpreter, narrow LoRA-rank GEMMs), or
+* through ``triton.autotune`` over the configs that fit the shape (:func:`prune_configs`: the table's own pick
+  plus at most two neighbours, so the tuned launch is never slower than the untuned one by more than timing
+  noise), each timed briefly (:func:`tuning_bench`), the result kept on disk across processes where the
+  installed Triton can (``cache_results``, Triton >= 3.4; :func:`make_tuned`).
 
-``KernelConfig(moe_autotune=False)`` forces the fixed configs on a GPU (correctness checks over dozens of tiny
-shapes would otherwise each start a tuning sweep); the interpreter never autotunes.
+The table (a pure function of the per-expert row count and the GEMM's N and K; thresholds are reasoned Hopper
+choices, not yet measured per cell):
+
+==================  =====================================  ==========================================
+kernel kind         coarse (rows/expert >= 512, N >= 2048)  otherwise
+==================  =====================================  ==========================================
+``rows``            128 x 256 x 64, 8 warps, 3 stages       BLOCK_N 128, BLOCK_K 64, 8 warps (4 when
+                                                            BLOCK_M 64), 4 stages when K >= 1024 else 3
+``gate_up``         BLOCK_N 128 (two accumulators), 64,     BLOCK_N 64, BLOCK_K 64, 8 / 4 warps,
+                    8 warps, 3 stages                       4 stages when K >= 1024 else 3
+``down_backward``   BLOCK_N 64, 64, 8 warps, 4 stages       BLOCK_N 64, BLOCK_K 64, 8 / 4 warps, 3 stages
+                    (its epilogue holds D, g, u in fp32)
+``weight_grad``     128 x 128 x 64, 8 warps, 4 stages       128 x 128 x 64, 8 warps, 3 stages
+==================  =====================================  ==========================================
+
+(``weight_grad``: "coarse" is rows/expert >= 512 there too, its K being the expert's rows.) BLOCK_M of the
+row kernels comes from the routing (:func:`row_block_size`).
+
+The untuned launch on a GPU uses the *specialised* kernel (Triton knows which sizes and strides are multiples of
+16 and vectorises the loads) except on tiny problems (:func:`tiny_problem`), where the unspecialised twin
+(:func:`unspecialized_twin`) keeps the dozens of odd shapes of the correctness checks from compiling one
+variant each. Before issue #24 every untuned launch used the twin, whatever the shape.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
 
 import triton
 
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.triton_helpers import next_power_of_2, rank_block, running_in_interpreter
+
+KINDS = ("rows", "gate_up", "down_backward", "weight_grad")
+COARSE_ROWS_PER_EXPERT = 512  # rows per expert from which the big tiles pay (placeholder until measured)
+COARSE_N = 2048
+TINY_VOLUME = 1 << 30  # rows · N · K below which the untuned launch uses the unspecialised twin
+MAX_TUNED_CONFIGS = 3  # configs timed per shape: the table's pick and at most two neighbours
 
 
 def autotune_enabled(config: KernelConfig) -> bool:
@@ -30,8 +61,9 @@ def unspecialized_twin(kernel):
     Triton compiles one variant per pattern of "int == 1" / "int % 16 == 0" over all sizes and
     strides; the correctness checks sweep many small odd shapes, and each shape would compile every
     kernel again. The twin (sizes and strides not specialised, pointers still are) compiles once per
-    set of constexprs. Launched only when tuning is off on a GPU (``fixed_kernel``), so the tuned,
-    specialised kernels that the benchmarks time are unchanged.
+    set of constexprs. Launched only for tiny problems with tuning off on a GPU (``fixed_kernel``): without
+    the divisibility hints Triton cannot vectorise the loads, which costs little on a tiny problem and up to
+    an order of magnitude on a real layer.
     """
     names = [
         name for name, param in inspect.signature(kernel.fn).parameters.items()
@@ -40,9 +72,14 @@ def unspecialized_twin(kernel):
     return triton.jit(kernel.fn, do_not_specialize=names)
 
 
-def fixed_kernel(specialized, unspecialized, config: KernelConfig):
-    """Kernel for a fixed-config launch: the unspecialised twin when tuning is off on a GPU."""
-    if running_in_interpreter() or autotune_enabled(config):
+def tiny_problem(volume: int) -> bool:
+    """Whether a GEMM of ``volume`` = rows · N · K multiply-adds is small enough for the unspecialised twin."""
+    return volume < TINY_VOLUME
+
+
+def fixed_kernel(specialized, unspecialized, config: KernelConfig, volume: int = 0):
+    """Kernel for a fixed-config launch: the unspecialised twin only for a tiny problem with tuning off on a GPU."""
+    if running_in_interpreter() or autotune_enabled(config) or not tiny_problem(volume):
         return specialized
     return unspecialized
 
@@ -82,19 +119,37 @@ def rank_block_size(rank: int) -> int:
     return rank_block(rank)
 
 
-def fixed_meta(kind: str) -> dict:
-    """The single config used when not autotuning, per kernel kind."""
-    if running_in_interpreter():
+def is_coarse(rows_per_expert: float, n_dim: int, kind: str) -> bool:
+    """Coarse experts: many rows per expert (and, for the row kernels, a wide output) — the big-tile regime."""
+    if rows_per_expert < COARSE_ROWS_PER_EXPERT:
+        return False
+    return kind == "weight_grad" or n_dim >= COARSE_N
+
+
+def heuristic_meta(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_expert: float,
+                   interpret: bool | None = None) -> dict:
+    """The tile the table picks (module docstring) for one launch: BLOCK_N, BLOCK_K (BLOCK_M for weight_grad),
+    num_warps, num_stages. A pure function of its arguments; ``interpret`` None: whether the interpreter runs."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown MoE kernel kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if interpret if interpret is not None else running_in_interpreter():
         return {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1} | (
             {"BLOCK_M": 32} if kind == "weight_grad" else {}
         )
-    table = {
-        "rows": {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-        "gate_up": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-        "down_backward": {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-        "weight_grad": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-    }
-    return dict(table[kind])
+    coarse = is_coarse(rows_per_expert, n_dim, kind)
+    warps = 8 if block_m >= 128 else 4
+    deep = 4 if k_dim >= 1024 else 3
+    if kind == "weight_grad":
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4 if coarse else 3}
+    if kind == "rows":
+        if coarse:
+            return {"BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": warps, "num_stages": deep}
+    if kind == "down_backward":  # its epilogue holds D, g and u tiles in fp32: a 128-wide tile would spill
+        return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8 if coarse else warps, "num_stages": 4 if coarse else 3}
+    if coarse:  # gate_up keeps two accumulators side by side
+        return {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": warps, "num_stages": deep}
 
 
 def set_expert_block_shape(nargs: dict) -> None:
@@ -114,32 +169,127 @@ def set_expert_block_shape(nargs: dict) -> None:
             value.block_shape = [bk, nargs["BLOCK_M"] if name == "a_ptr" else bn]
 
 
-def autotune_configs(kind: str) -> list:
-    """A few Hopper-friendly configs per kernel kind (BLOCK_M of row kernels comes from the routing)."""
-    def c(meta, num_warps, num_stages):
-        return triton.Config(meta, num_warps=num_warps, num_stages=num_stages, pre_hook=set_expert_block_shape)
+def _meta_key(meta: dict) -> tuple:
+    return tuple(sorted(meta.items()))
 
-    if running_in_interpreter():
-        meta = fixed_meta(kind)
-        warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
-        return [c(meta, num_warps=warps, num_stages=stages)]
+
+def candidate_metas(kind: str) -> list[dict]:
+    """Every tile the autotuner may time for ``kind``: each entry the table can pick, plus neighbours."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown MoE kernel kind {kind!r}; expected one of {', '.join(KINDS)}")
+    metas = []
+    for block_m in (64, 128):
+        for n_dim in (512, 4096):
+            for k_dim in (512, 4096):
+                for rows in (64, 4096):
+                    metas.append(heuristic_meta(kind, block_m=block_m, n_dim=n_dim, k_dim=k_dim,
+                                                rows_per_expert=rows, interpret=False))
     if kind == "rows":
-        return [
-            c({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            c({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-            c({"BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            c({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-        ]
-    if kind in ("gate_up", "down_backward"):
-        return [
-            c({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            c({"BLOCK_N": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-            c({"BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        ]
-    if kind == "weight_grad":
-        return [
-            c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-            c({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-            c({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-        ]
-    raise KeyError(kind)
+        metas += [{"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+                  {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}]
+    elif kind in ("gate_up", "down_backward"):
+        metas += [{"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                  {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}]
+    else:
+        metas += [{"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+                  {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}]
+    unique = {}
+    for meta in metas:
+        unique.setdefault(_meta_key(meta), meta)
+    return list(unique.values())
+
+
+def shape_candidates(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_expert: float) -> list[dict]:
+    """The tiles worth timing at one shape, best guess first: the table's pick, then up to two neighbours that
+    fit (no BLOCK_N above the output width rounded up to a power of two, no 256-wide tile off the coarse
+    regime). Pure function; what :func:`prune_configs` keeps."""
+    first = heuristic_meta(kind, block_m=block_m, n_dim=n_dim, k_dim=k_dim, rows_per_expert=rows_per_expert,
+                           interpret=False)
+    width = max(64, next_power_of_2(n_dim))
+    coarse = is_coarse(rows_per_expert, n_dim, kind)
+    keep = [first]
+    for meta in candidate_metas(kind):
+        if len(keep) >= MAX_TUNED_CONFIGS:
+            break
+        if _meta_key(meta) == _meta_key(first) or meta["BLOCK_N"] > width:
+            continue
+        if meta["BLOCK_N"] >= 256 and not coarse:
+            continue
+        keep.append(meta)
+    return keep
+
+
+def _config_meta(config) -> dict:
+    return dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _rows_per_expert(nargs: dict, kwargs: dict) -> float:
+    """Rows per expert recovered from a row kernel's launch arguments (num_tiles ≈ S / BLOCK_M + E)."""
+    experts = max(int(nargs.get("num_experts", 1)), 1)
+    tiles = int(nargs.get("num_tiles", 0))
+    block_m = int(kwargs.get("BLOCK_M", nargs.get("BLOCK_M", 64)))
+    return max(tiles - experts, 0) * block_m / experts
+
+
+def prune_configs(kind: str):
+    """``early_config_prune`` for ``triton.autotune``: keep the configs of :func:`shape_candidates`."""
+    def prune(configs, nargs, **kwargs):
+        if kind == "weight_grad":  # K is the expert's row count, not in the launch arguments: time both depths
+            shape = dict(block_m=128, n_dim=int(nargs["N"]), k_dim=0, rows_per_expert=COARSE_ROWS_PER_EXPERT)
+        else:
+            n_name = "N" if "N" in nargs else "I"
+            shape = dict(block_m=int(kwargs.get("BLOCK_M", 64)), n_dim=int(nargs[n_name]), k_dim=int(nargs["K"]),
+                         rows_per_expert=_rows_per_expert(nargs, kwargs))
+        wanted = [_meta_key(m) for m in shape_candidates(kind, **shape)]
+        by_key = {_meta_key(_config_meta(c)): c for c in configs}
+        kept = [by_key[key] for key in wanted if key in by_key]
+        return kept or list(configs[:1])
+    return prune
+
+
+def tuning_bench(kernel_call, quantiles):
+    """Short timing of one config while autotuning (a few ms per config: the first call stays quick)."""
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+
+
+def autotune_options(environ=None) -> dict:
+    """The ``triton.autotune`` keyword arguments this Triton accepts among ``cache_results`` (tuning results
+    kept on disk across processes, Triton >= 3.4) and ``do_bench`` (our short timing). ``LORA_LAB_MOE_TUNING_CACHE=0``
+    (read when lora_lab.kernels is imported) leaves the disk cache off."""
+    environ = os.environ if environ is None else environ
+    accepted = inspect.signature(triton.autotune).parameters
+    wanted = {"do_bench": tuning_bench}
+    if environ.get("LORA_LAB_MOE_TUNING_CACHE", "1").strip().lower() not in ("0", "false", "off", "no"):
+        wanted["cache_results"] = True
+    return {name: value for name, value in wanted.items() if name in accepted}
+
+
+def autotune_configs(kind: str, *, persistent: bool = False) -> list:
+    """The configs of :func:`candidate_metas` (pruned per shape at launch). Only the persistent form's carry the
+    TMA pre-hook: Triton's disk cache refuses configs with a pre-hook, so the pointer form's have none."""
+    hook = set_expert_block_shape if persistent else None
+    if running_in_interpreter():
+        meta = heuristic_meta(kind, block_m=16, n_dim=0, k_dim=0, rows_per_expert=0)
+        warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+        return [triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=hook)]
+    configs = []
+    for meta in candidate_metas(kind):
+        meta = dict(meta)
+        warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
+        configs.append(triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=hook))
+    return configs
+
+
+def make_tuned(kernel, kind: str, key: list[str], **options) -> dict:
+    """{persistent: autotuned kernel}: the pointer form (False) with Triton's disk cache where it exists, the
+    persistent form (True) with the TMA pre-hook (tuned per process). Both prune by shape."""
+    tuned = {}
+    for persistent in (False, True):
+        extra = autotune_options()
+        if persistent:
+            extra.pop("cache_results", None)
+        tuned[persistent] = triton.autotune(
+            configs=autotune_configs(kind, persistent=persistent), key=key,
+            prune_configs_by={"early_config_prune": prune_configs(kind)}, **extra, **options,
+        )(kernel)
+    return tuned

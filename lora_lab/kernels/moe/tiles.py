@@ -25,7 +25,7 @@ from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe.launch import (
     autotune_enabled,
     fixed_kernel,
-    fixed_meta,
+    heuristic_meta,
     narrow_block_size,
     set_expert_block_shape,
 )
@@ -215,7 +215,7 @@ def launch_grid(flags: dict, one_tile_grid: tuple[int, int]) -> tuple[int, ...]:
 def launch_row_tiles(
     tuned, specialized, unspecialized, args: tuple, flags: dict, *,
     kind: str, num_cols: int, num_tiles: int, tune: bool, config: KernelConfig, one_tile_if_narrow: bool = False,
-    weight: tuple[int, torch.Tensor],
+    weight: tuple[int, torch.Tensor], k_dim: int, num_rows: int, num_experts: int,
 ) -> None:
     """Launch a row-tiled kernel: one program per (column block, row tile), or the persistent form.
 
@@ -223,7 +223,9 @@ def launch_row_tiles(
     'persistent'): one program per SM walking the (row tile, column block) pairs in grouped
     order (:func:`schedule_flags`, :func:`launch_grid`), the expert matrix ``weight = (position in args, its
     (E, K, N) view)`` read through a TMA descriptor where TMA can read it, through pointers otherwise.
-    Autotuned (``tuned``) when ``tune`` and ``config`` enables tuning, else with the fixed config of ``kind``.
+    Autotuned (``tuned``: {persistent: kernel}, see :func:`~lora_lab.kernels.moe.launch.make_tuned`) when ``tune``
+    and ``config`` enables tuning, else with the tile :func:`~lora_lab.kernels.moe.launch.heuristic_meta` picks
+    for ``kind`` at this shape (``k_dim``: the GEMM's K; ``num_rows`` sorted rows over ``num_experts``).
     ``one_tile_if_narrow``: outputs of <= 128 columns (LoRA factors, N = rank) are never tuned and get one tile
     across their columns.
     """
@@ -242,11 +244,13 @@ def launch_row_tiles(
         return launch_grid(flags, (cdiv(num_cols, block_n), num_tiles))
 
     if tune and autotune_enabled(config) and not narrow:
-        tuned[lambda meta: grid_of(meta["BLOCK_N"])](*args, **flags)
+        tuned[flags["PERSISTENT"]][lambda meta: grid_of(meta["BLOCK_N"])](*args, **flags)
     else:
-        meta = fixed_meta(kind)
+        meta = heuristic_meta(kind, block_m=flags["BLOCK_M"], n_dim=num_cols, k_dim=k_dim,
+                              rows_per_expert=num_rows / max(num_experts, 1))
         if narrow:
             meta["BLOCK_N"] = narrow_block_size(num_cols, config)
         if flags["W_TMA"]:
             set_expert_block_shape({**dict(enumerate(args)), **flags, **meta})
-        fixed_kernel(specialized, unspecialized, config)[grid_of(meta["BLOCK_N"])](*args, **flags, **meta)
+        kernel = fixed_kernel(specialized, unspecialized, config, volume=num_rows * num_cols * k_dim)
+        kernel[grid_of(meta["BLOCK_N"])](*args, **flags, **meta)

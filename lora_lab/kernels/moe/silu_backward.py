@@ -1,0 +1,166 @@
+"""The grouped-GEMM engine's passes around CUTLASS's GEMMs: SiLU·up backward with the routing weight and the router
+gradient (:func:`silu_backward`), SiLU·up forward (:func:`silu_mul`) and the weighted un-sort (:func:`unsort_sum`).
+
+Given, per expert-sorted row j, D_j = dOut_t W2_e (the down projection's input gradient before the routing
+weight), the saved [g | u] and the routing weight w_j (0 for a dropped choice, ``valid_j`` False):
+
+    h_j   = SiLU(g_j) · u_j                                  (returned: dW2_e = Σ_j (w_j dOut_t)ᵀ h_j needs it)
+    dw_j  = ⟨D_j, h_j⟩  where valid_j, else 0               router-weight gradient (fp32, summed over columns)
+    dh_j  = w_j · D_j
+    dg_j  = dh_j · u_j · σ(g_j) · (1 + g_j (1 − σ(g_j))),   du_j = dh_j · SiLU(g_j)
+
+One program owns a (BLOCK_S rows) x (BLOCK_I columns) tile, math in fp32, outputs in the input dtype; the
+column partials of dw meet through fp32 atomics. Done in torch this is a handful of (S, I) fp32 temporaries
+(about 1 GB each at a Mixtral-like layer with 8,192 tokens); here nothing but dGU, h and dw is written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lora_lab.kernels.triton_helpers import cdiv, running_in_interpreter
+
+
+@triton.jit
+def _silu_backward_kernel(
+    d_ptr, gu_ptr, weight_ptr, valid_ptr, dgu_ptr, h_ptr, dw_ptr,
+    S, I, stride_d, stride_gu, stride_dgu, stride_h,
+    COMPUTE_DW: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    row_mask = rows < S
+    mask = row_mask[:, None] & (cols < I)[None, :]
+    rows64 = rows.to(tl.int64)
+    d = tl.load(d_ptr + rows64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    gu_ptrs = gu_ptr + rows64[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(weight_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    h = silu * u
+    out_ty = dgu_ptr.dtype.element_ty
+    tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(out_ty), mask=mask)
+    if COMPUTE_DW:
+        valid = tl.load(valid_ptr + rows, mask=row_mask, other=0) != 0
+        partial = tl.sum(d * h, axis=1)
+        tl.atomic_add(dw_ptr + rows, tl.where(valid, partial, 0.0), mask=row_mask, sem="relaxed")
+    dh = d * w[:, None]
+    dgu_ptrs = dgu_ptr + rows64[:, None] * stride_dgu + cols[None, :]
+    tl.store(dgu_ptrs, (dh * u * sig * (1.0 + g * (1.0 - sig))).to(out_ty), mask=mask)
+    tl.store(dgu_ptrs + I, (dh * silu).to(out_ty), mask=mask)
+
+
+def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, *,
+                  compute_router_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dGU (S, 2I), h (S, I), dw (S,) fp32 or None) in gu's dtype; ``d`` (S, I), ``weight`` (S,), ``valid`` (S,)
+    bool, all in sorted order (module docstring). Rows must be contiguous in their last dimension."""
+    num_rows, inter = d.shape
+    if gu.shape != (num_rows, 2 * inter) or weight.shape != (num_rows,) or valid.shape != (num_rows,):
+        raise ValueError(f"silu_backward: D {tuple(d.shape)}, [g|u] {tuple(gu.shape)}, weight {tuple(weight.shape)}, "
+                         f"valid {tuple(valid.shape)} do not fit (S, I), (S, 2I), (S,), (S,)")
+    if d.stride(1) != 1 or gu.stride(1) != 1:
+        raise ValueError("silu_backward: D and [g|u] must be contiguous along their columns")
+    dgu = torch.empty_like(gu)
+    h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
+    dw = torch.zeros(num_rows, device=gu.device, dtype=torch.float32) if compute_router_grad else None
+    if num_rows == 0 or inter == 0:
+        return dgu, h, dw
+    block_s, block_i = (16, 32) if running_in_interpreter() else (32, 256)
+    grid = (cdiv(num_rows, block_s), cdiv(inter, block_i))
+    _silu_backward_kernel[grid](
+        d, gu, weight, valid.to(torch.int8), dgu, h, dw if dw is not None else weight,
+        num_rows, inter, d.stride(0), gu.stride(0), dgu.stride(0), h.stride(0),
+        COMPUTE_DW=compute_router_grad, BLOCK_S=block_s, BLOCK_I=block_i,
+        num_warps=8 if not running_in_interpreter() else 4,
+    )
+    return dgu, h, dw
+
+
+def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool):
+    """Plain torch, fp32 math (what :func:`silu_backward` computes)."""
+    d = d.float()
+    g, u = (t.float() for t in gu.chunk(2, dim=-1))
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    h = silu * u
+    dw = torch.where(valid, (d * h).sum(-1), 0) if compute_router_grad else None
+    dh = d * weight.float()[:, None]
+    dgu = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], dim=-1)
+    return dgu.to(gu.dtype), h.to(gu.dtype), dw
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, h_ptr, S, I, stride_gu, stride_h, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    mask = (rows < S)[:, None] & (cols < I)[None, :]
+    rows64 = rows.to(tl.int64)
+    gu_ptrs = gu_ptr + rows64[:, None] * stride_gu + cols[None, :]
+    g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """h = SiLU(g) · u for [g | u] (S, 2I), math in fp32, one pass, h in gu's dtype (the forward of the
+    grouped-GEMM engine; torch would write SiLU(g) first, then the product)."""
+    num_rows, two_i = gu.shape
+    if two_i % 2 or gu.stride(1) != 1:
+        raise ValueError(f"silu_mul needs [g | u] (S, 2I) contiguous along its columns; got {tuple(gu.shape)}, "
+                         f"strides {tuple(gu.stride())}")
+    inter = two_i // 2
+    h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
+    if num_rows == 0 or inter == 0:
+        return h
+    block_s, block_i = (16, 32) if running_in_interpreter() else (32, 256)
+    _silu_mul_kernel[(cdiv(num_rows, block_s), cdiv(inter, block_i))](
+        gu, h, num_rows, inter, gu.stride(0), h.stride(0), BLOCK_S=block_s, BLOCK_I=block_i,
+        num_warps=4 if running_in_interpreter() else 8,
+    )
+    return h
+
+
+@triton.jit
+def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, N, stride_rows, stride_out,
+                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr):
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = token * TOP_K + k
+        row = tl.load(position_ptr + slot).to(tl.int64)
+        part = tl.load(rows_ptr + row * stride_rows + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            part = part * tl.load(weight_ptr + slot).to(tl.float32)
+        acc += part
+    tl.store(out_ptr + token.to(tl.int64) * stride_out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_k: int,
+               weight: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = Σ_k w[t·K + k] · rows[position[t·K + k]]: expert-sorted rows (S, N) summed back per token in fp32,
+    rounded once to rows' dtype (``position[s]``: the sorted row of assignment s; ``weight`` (S,) in assignment
+    order, None: 1). One pass: no weighted copy and no unsorted copy of the rows."""
+    num_rows, n_dim = rows.shape
+    if position.shape != (num_tokens * top_k,) or num_rows != num_tokens * top_k:
+        raise ValueError(f"unsort_sum: rows {tuple(rows.shape)} and positions {tuple(position.shape)} do not fit "
+                         f"{num_tokens} tokens x top-{top_k}")
+    if weight is not None and weight.shape != position.shape:
+        raise ValueError(f"unsort_sum: weight {tuple(weight.shape)} must be ({num_tokens * top_k},)")
+    if rows.stride(1) != 1:
+        raise ValueError("unsort_sum: rows must be contiguous along their columns")
+    out = torch.empty(num_tokens, n_dim, device=rows.device, dtype=rows.dtype)
+    if num_tokens == 0 or n_dim == 0:
+        return out.zero_()
+    block_n = 32 if running_in_interpreter() else 512
+    _unsort_sum_kernel[(num_tokens, cdiv(n_dim, block_n))](
+        rows, position, weight if weight is not None else position, out, n_dim, rows.stride(0), out.stride(0),
+        TOP_K=top_k, WEIGHTED=weight is not None, BLOCK_N=block_n, num_warps=4,
+    )
+    return out

@@ -1,0 +1,152 @@
+"""The engine dispatch of the fused MoE layer (issue #24): the rule as a pure function, and the CUTLASS
+grouped-GEMM engine (``torch._grouped_mm``) against the plain-torch reference, forward and every gradient.
+
+CPU: torch's ``_grouped_mm`` fallback in fp32 (no Triton involved). GPU (@pytest.mark.gpu): bf16 on Hopper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_moe_kernels import BF16_MAX_REL_L2, BF16_MIN_COSINE, assert_close_all, make_problem, run_both
+
+from lora_lab.kernels.config import KernelConfig
+from lora_lab.kernels.moe import engine
+from lora_lab.numerics import cosine, rel_l2
+
+BF16 = torch.bfloat16
+HOPPER = (9, 0)
+# (experts, tokens · top-k, hidden, intermediate) of issue #24's layers at 8,192 tokens
+MIXTRAL = dict(num_experts=8, num_assignments=8192 * 2, hidden=4096, intermediate=14336)
+QWEN3_30B = dict(num_experts=128, num_assignments=8192 * 8, hidden=2048, intermediate=768)
+QWEN15_MOE = dict(num_experts=60, num_assignments=8192 * 4, hidden=2048, intermediate=1408)
+GPT_OSS_20B = dict(num_experts=32, num_assignments=8192 * 4, hidden=2880, intermediate=2880)
+MIXTRAL_8X22B = dict(num_experts=8, num_assignments=8192 * 2, hidden=6144, intermediate=16384)
+
+
+def choose(layer, **overrides):
+    args = dict(dtype=BF16, capability=HOPPER, lora=False, requested="auto", available=True) | layer | overrides
+    return engine.choose_engine(**args)
+
+
+def test_coarse_experts_go_to_grouped_mm_and_fine_grained_ones_stay_on_triton():
+    assert choose(MIXTRAL) == "grouped_mm" and choose(MIXTRAL_8X22B) == "grouped_mm"
+    assert choose(QWEN3_30B) == "triton" and choose(QWEN15_MOE) == "triton" and choose(GPT_OSS_20B) == "triton"
+    # the same coarse layer off its fast path stays on Triton
+    assert choose(MIXTRAL, lora=True) == "triton"
+    assert choose(MIXTRAL, capability=(8, 0)) == "triton" and choose(MIXTRAL, capability=None) == "triton"
+    assert choose(MIXTRAL, dtype=torch.float16) == "triton" and choose(MIXTRAL, dtype=torch.float32) == "triton"
+    assert choose(MIXTRAL, available=False) == "triton"
+    assert choose(MIXTRAL, num_assignments=8 * 1000) == "triton"  # 1,000 rows per expert: too few
+    assert choose(MIXTRAL, intermediate=4000) == "triton"
+
+
+def test_requested_engine_wins_and_impossible_requests_name_why():
+    assert choose(MIXTRAL, requested="triton") == "triton"
+    assert choose(QWEN3_30B, requested="grouped_mm") == "grouped_mm"
+    assert choose(QWEN3_30B, requested="grouped_mm", capability=None, dtype=torch.float32) == "grouped_mm"
+    with pytest.raises(ValueError, match="full fine-tuning only"):
+        choose(MIXTRAL, requested="grouped_mm", lora=True)
+    with pytest.raises(ValueError, match="multiples of 8"):
+        choose(MIXTRAL, requested="grouped_mm", hidden=4100)
+    with pytest.raises(ValueError, match="has no torch._grouped_mm"):
+        choose(MIXTRAL, requested="grouped_mm", available=False)
+    with pytest.raises(ValueError, match="moe_engine must be one of"):
+        choose(MIXTRAL, requested="cutlass")
+    with pytest.raises(ValueError, match="moe_engine"):
+        KernelConfig(moe_engine="cutlass")
+    assert KernelConfig.from_env({"LORA_LAB_MOE_ENGINE": "grouped_mm"}).moe_engine == "grouped_mm"
+
+
+needs_grouped_mm = pytest.mark.skipif(not engine.grouped_mm_available(), reason="torch has no _grouped_mm")
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("T,H,I,E,K,routing", [
+    (37, 20, 12, 5, 2, "random"),      # odd token count, several experts
+    (12, 16, 8, 6, 1, "one_expert"),   # experts 0, 2..5 receive no row
+    (1, 8, 4, 4, 4, "random"),         # one token, top-k = E
+])
+def test_grouped_mm_engine_matches_reference_fp32(T, H, I, E, K, routing):
+    problem = make_problem(T, H, I, E, K, routing=routing)
+    got, ref = run_both(*problem, config=KernelConfig(moe_engine="grouped_mm"))
+    assert_close_all(got[:5], ref[:5])
+
+
+@needs_grouped_mm
+def test_grouped_mm_engine_plain_torch_passes_match_reference_fp32(monkeypatch):
+    """The engine's torch fallback for its elementwise passes (a CPU without the interpreter)."""
+    monkeypatch.setattr(engine, "_triton_runs", lambda t: False)
+    problem = make_problem(37, 20, 12, 5, 2, routing="random")
+    got, ref = run_both(*problem, config=KernelConfig(moe_engine="grouped_mm"))
+    assert_close_all(got[:5], ref[:5])
+
+
+@pytest.mark.skipif(not __import__("lora_lab.kernels.triton_helpers", fromlist=["x"]).running_in_interpreter(),
+                    reason="the Triton passes run in TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("weighted", [True, False])
+def test_unsort_sum_and_silu_mul_match_torch_fp32(weighted):
+    from lora_lab.kernels.moe.silu_backward import silu_mul, unsort_sum
+
+    gen = torch.Generator().manual_seed(1)
+    T, K, N = 7, 3, 45
+    rows = torch.randn(T * K, N, generator=gen)
+    position = torch.randperm(T * K, generator=gen)
+    weight = torch.rand(T * K, generator=gen) if weighted else None
+    want = rows[position] * (weight[:, None] if weighted else 1)
+    torch.testing.assert_close(unsort_sum(rows, position, T, K, weight), want.view(T, K, N).sum(1))
+    gu = torch.randn(11, 2 * 37, generator=gen)
+    g, u = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(silu_mul(gu), torch.nn.functional.silu(g) * u)
+    with pytest.raises(ValueError, match="do not fit"):
+        unsort_sum(rows, position[:-1], T, K)
+    with pytest.raises(ValueError, match="silu_mul needs"):
+        silu_mul(gu[:, :-1])
+
+
+@needs_grouped_mm
+def test_grouped_mm_engine_drops_sentinel_expert_ids():
+    x, index, weights, w1, w2, _ = make_problem(10, 16, 8, 4, 2)
+    index = index.clone()
+    index[0, 1], index[3, 0] = 4, -1  # expert-parallel sentinels: outside [0, E)
+    got, ref = run_both(x, index, weights, w1, w2, None, config=KernelConfig(moe_engine="grouped_mm"))
+    assert_close_all(got[:5], ref[:5])
+    assert got[2][0, 1] == 0 and got[2][3, 0] == 0  # no router gradient for a dropped choice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < HOPPER,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,H,I,E,K", [(1000, 264, 136, 16, 4), (4096, 1024, 4096, 8, 2), (5, 64, 32, 8, 2)])
+def test_grouped_mm_engine_bf16_gpu_against_fp32_reference(T, H, I, E, K):
+    problem = make_problem(T, H, I, E, K, device="cuda", dtype=BF16)
+    x, index, weights, w1, w2, _ = problem
+    got, _ = run_both(*problem, config=KernelConfig(moe_engine="grouped_mm"))
+    _, ref = run_both(x.float(), index, weights.float(), w1.float(), w2.float(), None)
+    for name, a, b in zip(["out", "dx", "d_weights", "d_gate_up", "d_down"], got, ref):
+        assert cosine(a, b) >= BF16_MIN_COSINE, (name, cosine(a, b))
+        assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))
+
+
+@pytest.mark.skipif(not __import__("lora_lab.kernels.triton_helpers", fromlist=["x"]).running_in_interpreter(),
+                    reason="the Triton pass runs in TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("compute_router_grad", [True, False])
+def test_fused_silu_backward_matches_torch_fp32(compute_router_grad):
+    from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference
+
+    gen = torch.Generator().manual_seed(0)
+    S, I = 37, 45  # neither a multiple of the tile
+    d, g, u = (torch.randn(S, I, generator=gen) for _ in range(3))
+    gu = torch.cat([g, u], dim=-1)
+    weight = torch.rand(S, generator=gen)
+    valid = torch.rand(S, generator=gen) > 0.2
+    got = silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad)
+    ref = silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad)
+    for a, b in zip(got, ref):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if compute_router_grad:
+        assert torch.all(got[2][~valid] == 0) and torch.any(got[2][valid] != 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        silu_backward(d, gu[:, :-1], weight, valid, compute_router_grad=True)

@@ -31,6 +31,8 @@ __all__ = [
     "load_tokenizer",
     "ByteTokenizer",
     "SAMPLE_SENTENCES",
+    "ENGLISH_SENTENCES",
+    "english_sentences",
     "text_batch",
     "model_logits",
 ]
@@ -314,6 +316,90 @@ SAMPLE_SENTENCES: tuple[str, ...] = (
     "오늘 아침에 공원에서 오래 산책을 했다.",
     "작은 모델도 충분히 많은 것을 배울 수 있다.",
 )
+
+
+# Plain English sentences written for this project (no corpus is downloaded): the real-text batches of notebooks 02
+# and 03. Each is one short, self-contained statement, so a batch of n of them has n independent sequences -- the
+# unit a bootstrap over sequences resamples. Their order is fixed; notebooks take the first n.
+ENGLISH_SENTENCES: tuple[str, ...] = (
+    "The cat sat on the warm windowsill and watched the rain.",
+    "Low-rank adapters train a small update next to frozen weights.",
+    "My grandmother kept bees behind the old stone barn.",
+    "The train to the coast leaves every morning at seven.",
+    "She forgot her umbrella, so she waited under the bridge.",
+    "A good map shows the roads, the rivers and the hills.",
+    "The baker opens his shop before the sun comes up.",
+    "We planted tomatoes, beans and a row of sunflowers.",
+    "The museum closes early on the first Monday of each month.",
+    "He fixed the bicycle with a wrench and some patience.",
+    "Snow covered the village and the school was closed.",
+    "The library lends books, maps and old newspapers.",
+    "Our neighbours painted their front door bright yellow.",
+    "The river rose after three days of heavy rain.",
+    "A small boat drifted slowly toward the harbour lights.",
+    "The teacher wrote the date in the corner of the board.",
+    "Fresh bread smells better than almost anything else.",
+    "The children built a fort out of chairs and blankets.",
+    "Most birds in the park eat seeds from the feeders.",
+    "The old clock in the hall stopped at a quarter past nine.",
+    "He drinks his coffee black and reads the news on paper.",
+    "The mountain road is closed until the ice melts.",
+    "A lighthouse warns ships away from the rocks at night.",
+    "The market sells apples, cheese and warm honey cakes.",
+    "She learned to swim in the cold lake near her home.",
+    "The bus was late, so we walked the last two miles.",
+    "Every spring the cherry trees along the street bloom.",
+    "The doctor asked him to rest for a week.",
+    "A quiet garden is a good place to read a long book.",
+    "The wind blew the paper lanterns across the square.",
+    "They cooked soup for everyone who helped clean the beach.",
+    "The bridge was built of stone more than two hundred years ago.",
+    "Her brother plays the violin in a small orchestra.",
+    "The farmer counts his sheep every evening at dusk.",
+    "The kitchen window looks out over a field of wheat.",
+    "We missed the last ferry and stayed at a small inn.",
+    "The photographer waited an hour for the light to change.",
+    "A fox crossed the road and vanished into the woods.",
+    "The shop on the corner repairs shoes and sharpens knives.",
+    "On clear nights you can see the planets from the hill.",
+    "The students planted trees along the edge of the playground.",
+    "His first novel was about a sailor who lost his way.",
+    "The storm knocked down two trees and a power line.",
+    "She keeps her letters in a wooden box under the bed.",
+    "The soup needs more salt and a little black pepper.",
+    "An old dog slept in the shade of the porch.",
+    "The festival ends with music and fireworks over the lake.",
+    "He wrote the shopping list on the back of an envelope.",
+    "The road to the castle winds through green valleys.",
+    "A cup of tea and a biscuit make a fine afternoon.",
+    "The mechanic found a leak in the fuel line.",
+    "We watched the geese fly south in a long line.",
+    "The pianist practised the same passage for an hour.",
+    "Rain on the tin roof kept the whole family awake.",
+    "The gardener trims the hedges twice a year.",
+    "Her favourite shirt has a small hole in the sleeve.",
+    "The pilot thanked the passengers and wished them a good day.",
+    "Old stone walls divide the fields into small squares.",
+    "The museum guide told us how the ship was found.",
+    "A spider built its web between the gate and the post.",
+    "They painted the boat blue and named it after their mother.",
+    "The village well has not been used for many years.",
+    "He keeps a notebook of every bird he has ever seen.",
+    "The moon rose slowly over the dark and silent sea.",
+)
+
+
+def english_sentences(n: int, start: int = 0) -> tuple[str, ...]:
+    """``n`` sentences of :data:`ENGLISH_SENTENCES`, from index ``start`` on."""
+    total = len(ENGLISH_SENTENCES)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"start must be a non-negative integer, got {start!r}")
+    if start + n > total:
+        raise ValueError(f"asked for sentences {start}..{start + n - 1}, but the set holds {total} "
+                         f"(indices 0..{total - 1})")
+    return ENGLISH_SENTENCES[start:start + n]
 
 
 def text_batch(tokenizer, texts: Sequence[str] = SAMPLE_SENTENCES, device="cpu") -> dict[str, torch.Tensor]:

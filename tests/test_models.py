@@ -161,3 +161,10 @@ def test_english_sentences_are_distinct_and_sliced_with_clear_errors():
         lora_lab.english_sentences(1, start=-1)
     batch = lora_lab.text_batch(lora_lab.ByteTokenizer(), lora_lab.english_sentences(4))
     assert batch["input_ids"].shape[0] == 4 and bool((batch["labels"][batch["attention_mask"] == 0] == -100).all())
+
+
+def test_english_sentences_begin_with_distinct_words():
+    # a shared first word would give two different next tokens after the same context: a loss floor that
+    # keeps the batch from being memorised
+    first = [s.split()[0].lower() for s in lora_lab.ENGLISH_SENTENCES]
+    assert len(set(first)) == len(first), sorted(w for w in first if first.count(w) > 1)

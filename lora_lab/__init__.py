@@ -35,9 +35,11 @@ from lora_lab.layer import (
 )
 from lora_lab.loss import causal_lm_loss, chunked_cross_entropy
 from lora_lab.models import (
+    ENGLISH_SENTENCES,
     SAMPLE_SENTENCES,
     ByteTokenizer,
     ModelNotFoundError,
+    english_sentences,
     load_model,
     load_tokenizer,
     model_config,
@@ -63,6 +65,8 @@ __all__ = [
     "AdapterNotFoundError",
     "ByteTokenizer",
     "SAMPLE_SENTENCES",
+    "ENGLISH_SENTENCES",
+    "english_sentences",
     "LoRALinear",
     "VeRALinear",
     "add_vera",

@@ -31,6 +31,8 @@ __all__ = [
     "load_tokenizer",
     "ByteTokenizer",
     "SAMPLE_SENTENCES",
+    "ENGLISH_SENTENCES",
+    "english_sentences",
     "text_batch",
     "model_logits",
 ]
@@ -314,6 +316,92 @@ SAMPLE_SENTENCES: tuple[str, ...] = (
     "오늘 아침에 공원에서 오래 산책을 했다.",
     "작은 모델도 충분히 많은 것을 배울 수 있다.",
 )
+
+
+# Plain English sentences written for this project (no corpus is downloaded): the real-text batches of notebooks 02
+# and 03. Each is one short, self-contained statement, so a batch of n of them has n independent sequences -- the
+# unit a bootstrap over sequences resamples. No two begin with the same word: sentences that shared a prefix would
+# need different next tokens after the same context, and a batch of them could never be memorised (the loss would
+# keep a floor). Their order is fixed; notebooks take the first n.
+ENGLISH_SENTENCES: tuple[str, ...] = (
+    "Our cat sat on the warm windowsill and watched the rain.",
+    "Low-rank adapters train a small update next to frozen weights.",
+    "My grandmother kept bees behind the old stone barn.",
+    "Trains to the coast leave every morning at seven.",
+    "She forgot her umbrella, so she waited under the bridge.",
+    "A good map shows the roads, the rivers and the hills.",
+    "Before sunrise the baker opens his shop.",
+    "We planted tomatoes, beans and a row of sunflowers.",
+    "On the first Monday of each month the museum closes early.",
+    "He fixed the bicycle with a wrench and some patience.",
+    "Snow covered the village and the school was closed.",
+    "Public libraries lend books, maps and old newspapers.",
+    "Their front door was painted bright yellow last summer.",
+    "After three days of heavy rain the river rose.",
+    "Slowly a small boat drifted toward the harbour lights.",
+    "In the corner of the board the teacher wrote the date.",
+    "Fresh bread smells better than almost anything else.",
+    "Children built a fort out of chairs and blankets.",
+    "Most birds in the park eat seeds from the feeders.",
+    "Grandfather's clock in the hall stopped at a quarter past nine.",
+    "Black coffee and a paper newspaper start his day.",
+    "Until the ice melts, the mountain road stays closed.",
+    "At night lighthouses warn ships away from the rocks.",
+    "Apples, cheese and warm honey cakes fill the market stalls.",
+    "Swimming in the cold lake near her home taught her courage.",
+    "Because the bus was late, we walked the last two miles.",
+    "Every spring the cherry trees along the street bloom.",
+    "Doctors told him to rest for a week.",
+    "Quiet gardens are good places to read a long book.",
+    "Wind blew the paper lanterns across the square.",
+    "They cooked soup for everyone who helped clean the beach.",
+    "Two hundred years ago masons built the bridge of stone.",
+    "Her brother plays the violin in a small orchestra.",
+    "Each evening at dusk the farmer counts his sheep.",
+    "From the kitchen window you can see a field of wheat.",
+    "Missing the last ferry, we stayed at a small inn.",
+    "Photographers often wait an hour for the light to change.",
+    "Yesterday a fox crossed the road and vanished into the woods.",
+    "Cobblers repair shoes and sometimes sharpen knives.",
+    "Clear nights show the planets from the top of the hill.",
+    "Students planted trees along the edge of the playground.",
+    "His first novel was about a sailor who lost his way.",
+    "Last night's storm knocked down two trees and a power line.",
+    "Letters from her sister fill a wooden box under the bed.",
+    "Salt and a little black pepper would improve the soup.",
+    "An old dog slept in the shade of the porch.",
+    "Fireworks over the lake close the summer festival.",
+    "Using the back of an envelope, he wrote the shopping list.",
+    "Winding through green valleys, the road reaches the castle.",
+    "Tea with a biscuit makes a fine afternoon.",
+    "Mechanics found a leak in the fuel line.",
+    "Geese flew south in a long line above us.",
+    "Good pianists practise the same passage for hours.",
+    "Rain on the tin roof kept the whole family awake.",
+    "Twice a year the gardener trims the hedges.",
+    "Even her favourite shirt has a small hole in the sleeve.",
+    "Landing gently, the pilot thanked the passengers.",
+    "Stone walls divide the fields into small squares.",
+    "Museum guides explain how the ship was found.",
+    "Spiders build webs between the gate and the post.",
+    "Blue paint covers the boat they named after their mother.",
+    "Nobody has used the village well for many years.",
+    "Birdwatchers keep notebooks of every bird they have seen.",
+    "Moonlight spread over the dark and silent sea.",
+)
+
+
+def english_sentences(n: int, start: int = 0) -> tuple[str, ...]:
+    """``n`` sentences of :data:`ENGLISH_SENTENCES`, from index ``start`` on."""
+    total = len(ENGLISH_SENTENCES)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be a positive integer, got {n!r}")
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ValueError(f"start must be a non-negative integer, got {start!r}")
+    if start + n > total:
+        raise ValueError(f"asked for sentences {start}..{start + n - 1}, but the set holds {total} "
+                         f"(indices 0..{total - 1})")
+    return ENGLISH_SENTENCES[start:start + n]
 
 
 def text_batch(tokenizer, texts: Sequence[str] = SAMPLE_SENTENCES, device="cpu") -> dict[str, torch.Tensor]:

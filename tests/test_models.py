@@ -145,3 +145,26 @@ def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match=r"device='cuda' but no CUDA device is available here.*use device='cpu'"):
         lora_lab.load_model("random:tiny-qwen2", device="cuda")
+
+
+def test_english_sentences_are_distinct_and_sliced_with_clear_errors():
+    assert len(set(lora_lab.ENGLISH_SENTENCES)) == len(lora_lab.ENGLISH_SENTENCES) >= 48
+    assert all(s.isascii() and s.strip() == s for s in lora_lab.ENGLISH_SENTENCES)
+    assert lora_lab.english_sentences(3) == lora_lab.ENGLISH_SENTENCES[:3]
+    assert lora_lab.english_sentences(2, start=5) == lora_lab.ENGLISH_SENTENCES[5:7]
+    total = len(lora_lab.ENGLISH_SENTENCES)
+    with pytest.raises(ValueError, match=f"holds {total}"):
+        lora_lab.english_sentences(total + 1)
+    with pytest.raises(ValueError, match="positive integer"):
+        lora_lab.english_sentences(0)
+    with pytest.raises(ValueError, match="non-negative"):
+        lora_lab.english_sentences(1, start=-1)
+    batch = lora_lab.text_batch(lora_lab.ByteTokenizer(), lora_lab.english_sentences(4))
+    assert batch["input_ids"].shape[0] == 4 and bool((batch["labels"][batch["attention_mask"] == 0] == -100).all())
+
+
+def test_english_sentences_begin_with_distinct_words():
+    # a shared first word would give two different next tokens after the same context: a loss floor that
+    # keeps the batch from being memorised
+    first = [s.split()[0].lower() for s in lora_lab.ENGLISH_SENTENCES]
+    assert len(set(first)) == len(first), sorted(w for w in first if first.count(w) > 1)

@@ -177,3 +177,14 @@ def test_bad_requests_are_refused():
         pretrained.gguf_path("smollm2-7b")
     with pytest.raises(ValueError, match="meta"):
         lora_lab.load_model(NAME, device="meta")
+
+
+@needs_wheel
+def test_the_english_sentences_begin_with_distinct_tokens_and_pad(in_cache):
+    # notebooks 02 and 03 memorise batches of these sentences with the model's own tokenizer: a shared first token
+    # would leave two next tokens after one context, a loss floor no adapter can train away
+    tok = lora_lab.load_tokenizer(NAME)
+    firsts = [tok(s)["input_ids"][0] for s in lora_lab.ENGLISH_SENTENCES]
+    assert len(set(firsts)) == len(firsts)
+    batch = lora_lab.text_batch(tok, lora_lab.english_sentences(4))
+    assert tok.pad_token is not None and bool((batch["labels"][batch["attention_mask"] == 0] == -100).all())

@@ -263,3 +263,46 @@ def test_bf16_recipes_on_a_bf16_host(device):
         exact = x64 @ W16.T + b16 + (x64 @ A.T) @ B.T * layer.scaling
         assert ((single.double() - exact).abs() <= exact.abs() * 2.0 ** -8 + 1e-6).all()
         assert single.dtype == bf16
+
+
+def test_sequence_bootstrap_resamples_sequences_not_positions():
+    # 8 sequences whose positions are identical within a sequence but differ across sequences: a position
+    # bootstrap would treat 8 * 64 draws as independent and give a far narrower interval than the sequence one.
+    g = torch.Generator().manual_seed(0)
+    per_seq = torch.rand(8, 1, generator=g, dtype=torch.float64) * 2 + 0.5
+    a = per_seq.expand(8, 64).clone()
+    b = torch.ones(8, 64, dtype=torch.float64)
+    ratio, lo, hi = mn.sequence_bootstrap_ratio_ci(a, b, n_boot=1000)
+    assert ratio == pytest.approx(float(a.mean()))
+    assert lo < ratio < hi
+    _, plo, phi = mn.bootstrap_ratio_ci(a, b, n_boot=1000)
+    assert (hi - lo) > 3 * (phi - plo)
+    # the sequence interval is the interval of a bootstrap over the 8 per-sequence values themselves
+    _, slo, shi = mn.bootstrap_ratio_ci(per_seq.flatten(), torch.ones(8, dtype=torch.float64), n_boot=1000)
+    assert (lo, hi) == pytest.approx((slo, shi), rel=1e-12)
+
+
+def test_sequence_bootstrap_uses_only_masked_finite_positions():
+    values = torch.tensor([[1.0, 3.0, float("nan"), 100.0], [2.0, 2.0, 2.0, 100.0], [4.0, float("nan"), 4.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 0]])
+    mean, lo, hi = mn.sequence_bootstrap_mean_ci(values, mask, n_boot=500)
+    assert mean == pytest.approx((1 + 3 + 2 + 2 + 2 + 4 + 4) / 7)   # NaN and masked-out positions dropped
+    assert 1.0 <= lo <= mean <= hi <= 4.0
+    ratio, lo, hi = mn.sequence_bootstrap_ratio_ci(values * 3, values, mask, n_boot=200)
+    assert ratio == pytest.approx(3.0) and lo == pytest.approx(3.0) and hi == pytest.approx(3.0)
+
+
+def test_sequence_bootstrap_refuses_bad_input():
+    x = torch.ones(4, 5)
+    with pytest.raises(ValueError, match="batch x seq"):
+        mn.sequence_bootstrap_mean_ci(torch.ones(20))
+    with pytest.raises(ValueError, match="differ in shape"):
+        mn.sequence_bootstrap_ratio_ci(x, torch.ones(4, 6))
+    with pytest.raises(ValueError, match="mask of shape"):
+        mn.sequence_bootstrap_mean_ci(x, torch.ones(4, 4))
+    with pytest.raises(ValueError, match="at least 2 sequences"):
+        mn.sequence_bootstrap_mean_ci(x, torch.tensor([[1, 1, 0, 0, 0]] + [[0] * 5] * 3))
+    with pytest.raises(ValueError, match="level"):
+        mn.sequence_bootstrap_mean_ci(x, level=1.5)
+    with pytest.raises(ValueError, match="n_boot"):
+        mn.sequence_bootstrap_ratio_ci(x, x, n_boot=0)

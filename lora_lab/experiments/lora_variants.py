@@ -248,3 +248,303 @@ def interop_max_abs_diff(variant: str, spec: str, folder, r: int = 8, seed: int 
     with torch.no_grad():
         from_peft = (made(input_ids=ids).logits - back(input_ids=ids).logits).abs().max().item()
     return {"variant": variant, "to_peft": to_peft, "from_peft": from_peft}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A real fine-tuning task with a held-out evaluation: the digit code
+# ----------------------------------------------------------------------------------------------------------------
+# "Code: 3 8 1 5 => 6 2 9 4": the answer is the digits reversed, each plus one (mod 10). A pretrained LM has never
+# seen the rule, so its answer tokens are near chance; a LoRA learns it from a few hundred examples. Train,
+# validation (for the stopping rule) and test (the verdicts) use disjoint digit strings.
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens: a transformers tokenizer or lora_lab's ByteTokenizer."""
+    from lora_lab.models import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text, add_bos=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def code_answer(digits: Sequence[int]) -> list[int]:
+    """The rule: digits reversed, each plus one modulo 10."""
+    return [(d + 1) % 10 for d in reversed(digits)]
+
+
+def digit_code_task(tokenizer, n_digits: int, sizes: dict[str, int], seed: int = 0) -> dict[str, dict]:
+    """``{split: {"input_ids", "labels", "answer_mask"}}`` for each split in ``sizes`` ({"train": 512, ...}):
+    distinct digit strings drawn without replacement across splits, so no test string was trained on. Every
+    example has the same length (the prompt ``"Code: d d d =>"`` and the answer ``" e e e"``, whose tokens are
+    checked to be a suffix); ``answer_mask`` marks the answer's digit tokens (not the spaces between them, which
+    any model predicts) and ``labels`` are -100 elsewhere, so loss and accuracy are on the answer digits only."""
+    import random
+
+    if n_digits < 1:
+        raise ValueError(f"n_digits must be >= 1, got {n_digits}")
+    total = sum(sizes.values())
+    if any(v < 1 for v in sizes.values()) or total > 10**n_digits:
+        raise ValueError(f"need positive split sizes summing to at most 10**{n_digits}, got {sizes}")
+    digit_ids = set()
+    for d in range(10):
+        ids = _encode(tokenizer, str(d))
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer splits the digit {d} into {len(ids)} tokens; the task scores one token "
+                             "per digit")
+        digit_ids.add(ids[0])
+    rng = random.Random(seed)
+    strings = rng.sample(range(10**n_digits), total)
+    out, start = {}, 0
+    for split, size in sizes.items():
+        rows, masks = [], []
+        for value in strings[start:start + size]:
+            digits = [int(c) for c in str(value).zfill(n_digits)]
+            prompt = _encode(tokenizer, "Code: " + " ".join(map(str, digits)) + " =>")
+            full = _encode(tokenizer, "Code: " + " ".join(map(str, digits)) + " =>"
+                           + "".join(f" {d}" for d in code_answer(digits)))
+            if full[:len(prompt)] != prompt:
+                raise ValueError("the tokenizer does not keep the prompt's tokens as a prefix of the example")
+            answer = [int(t in digit_ids) for t in full[len(prompt):]]  # the digits, not the spaces between them
+            if sum(answer) != n_digits:
+                raise ValueError(f"the answer of {digits} does not tokenize to {n_digits} digit tokens")
+            rows.append(full)
+            masks.append([0] * len(prompt) + answer)
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError("examples tokenize to different lengths")
+        ids = torch.tensor(rows)
+        mask = torch.tensor(masks, dtype=torch.bool)
+        out[split] = {"input_ids": ids, "labels": ids.masked_fill(~mask, -100), "answer_mask": mask}
+        start += size
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: dict, batch_size: int = 256) -> dict:
+    """Teacher-forced answer-token loss (nats per answer token) and accuracy (argmax = the right token) on
+    ``split``, on the model's device."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(0, len(split["input_ids"]), batch_size):
+        ids = split["input_ids"][i:i + batch_size].to(device)
+        labels = split["labels"][i:i + batch_size].to(device)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        target = labels[:, 1:]
+        keep = target != -100
+        loss_sum += torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum").item()
+        correct += (logits.argmax(-1)[keep] == target[keep]).sum().item()
+        count += int(keep.sum())
+    model.train(was_training)
+    return {"loss": loss_sum / count, "accuracy": correct / count}
+
+
+def train_to_convergence(model: nn.Module, optimizer: torch.optim.Optimizer, task: dict, batch_size: int,
+                         max_steps: int, eval_every: int, patience: int = 3, min_rel_gain: float = 0.01,
+                         seed: int = 0) -> dict:
+    """AdamW steps on random training batches until the **stopping rule**: the validation answer loss has not
+    improved on its best by at least ``min_rel_gain`` (relative) in ``patience`` consecutive evaluations (every
+    ``eval_every`` steps), or ``max_steps``. Returns the validation curve, the steps run, whether the rule
+    (not the step limit) stopped it, and the final model's test loss and accuracy."""
+    if eval_every < 1 or max_steps < eval_every or patience < 1:
+        raise ValueError(f"need 1 <= eval_every <= max_steps and patience >= 1, got {eval_every}, {max_steps}, "
+                         f"{patience}")
+    device = next(model.parameters()).device
+    train = task["train"]
+    gen = torch.Generator().manual_seed(seed)
+    curve, best, stale, converged, step = [], float("inf"), 0, False, 0
+    model.train()
+    while step < max_steps:
+        rows = torch.randint(0, len(train["input_ids"]), (batch_size,), generator=gen)
+        ids, labels = train["input_ids"][rows].to(device), train["labels"][rows].to(device)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if not torch.isfinite(loss):
+            break
+        if step % eval_every == 0:
+            val = evaluate(model, task["validation"])
+            curve.append({"step": step, "train_loss": float(loss.detach()), **{f"val_{k}": v for k, v in val.items()}})
+            if val["loss"] < best * (1 - min_rel_gain):
+                best, stale = val["loss"], 0
+            else:
+                stale += 1
+            if stale >= patience:
+                converged = True
+                break
+    test = evaluate(model, task["test"])
+    return {"curve": curve, "steps": step, "converged": converged, "test_loss": test["loss"],
+            "test_accuracy": test["accuracy"]}
+
+
+def attach_variant(model: nn.Module, variant: str, r: int, alpha: float, lr: float, targets: Sequence[str],
+                   vera_r: int, loraplus_ratio: float = 16.0) -> torch.optim.Optimizer:
+    """Put ``variant``'s adapter on ``model`` (in place) and return its optimizer (AdamW at ``lr``; LoRA+ with B at
+    ``ratio`` times; VeRA at ``VERA_LR_FACTOR`` times, its scaling vectors being all it trains)."""
+    from lora_lab.layer import add_lora
+
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    kwargs, kind = VARIANTS[variant]
+    if kind == "vera":
+        from lora_lab.vera import add_vera
+
+        add_vera(model, r=vera_r, targets=tuple(targets))
+        lr = lr * VERA_LR_FACTOR
+    else:
+        add_lora(model, r=r, alpha=alpha, targets=tuple(targets), **kwargs)
+    if kind == "loraplus":
+        from lora_lab.variants import loraplus_optimizer
+
+        return loraplus_optimizer(model, lr=lr, ratio=loraplus_ratio)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
+def finetune_variant(base: nn.Module, variant: str, task: dict, seed: int, *, r: int, alpha: float, lr: float,
+                     targets: Sequence[str], vera_r: int, batch_size: int, max_steps: int, eval_every: int,
+                     patience: int = 3) -> dict:
+    """One variant, one seed: a fresh copy of ``base`` with the adapter (initialised from ``seed``), trained by
+    :func:`train_to_convergence` (batches drawn from ``seed`` too). Returns its result with the trainable count."""
+    from lora_lab.layer import count_parameters
+
+    model = copy.deepcopy(base)
+    torch.manual_seed(seed)
+    opt = attach_variant(model, variant, r=r, alpha=alpha, lr=lr, targets=targets, vera_r=vera_r)
+    res = train_to_convergence(model, opt, task, batch_size, max_steps, eval_every, patience=patience, seed=seed)
+    res.update(variant=variant, seed=seed, trainable_params=count_parameters(model).trainable)
+    del model, opt
+    return res
+
+
+def first_step_at_or_below(curve: Sequence[dict], key: str, value: float) -> int | None:
+    """The first evaluated step whose ``key`` is at or below ``value``; None if none."""
+    for point in curve:
+        if point[key] <= value:
+            return point["step"]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Swallowed updates: how many optimizer updates round to no change in the adapter's stored dtype
+# ----------------------------------------------------------------------------------------------------------------
+def _kind(name: str) -> str | None:
+    for kind in ("lora_A", "lora_B", "magnitude"):
+        if name.endswith(kind):
+            return kind
+    return None
+
+
+def swallowed_update_shares(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                            lr: float = 1e-4) -> dict:
+    """Train ``model`` (its adapters already added) one AdamW step per ``(input_ids, labels)`` batch and count, per
+    tensor kind (``lora_A``, ``lora_B``, ``magnitude``), the elements whose gradient was non-zero but whose stored
+    value did not change: the update rounded away in the parameter's dtype. Returns ``{kind: share}`` over all
+    steps, plus ``{kind}_dtype`` and the losses."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad and _kind(n)}
+    if not params:
+        raise ValueError("no trainable lora_A / lora_B / magnitude parameter: add an adapter first")
+    opt = torch.optim.AdamW(list(params.values()), lr=lr)
+    moved = {k: 0 for k in ("lora_A", "lora_B", "magnitude")}
+    stuck = dict(moved)
+    losses = []
+    model.train()
+    for ids, labels in batches:
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        before = {n: p.detach().clone() for n, p in params.items()}
+        live = {n: p.grad != 0 for n, p in params.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for n, p in params.items():
+            k = _kind(n)
+            moved[k] += int(live[n].sum())
+            stuck[k] += int((live[n] & (p.detach() == before[n])).sum())
+        losses.append(float(loss.detach()))
+    out = {k: stuck[k] / moved[k] for k in moved if moved[k]}
+    out.update({f"{k}_dtype": str(next(p.dtype for n, p in params.items() if _kind(n) == k))
+                for k in moved if moved[k]})
+    out["losses"] = losses
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Step cost: one session (process) of the side-by-side loop, for measure.repeat_in_processes
+# ----------------------------------------------------------------------------------------------------------------
+COST_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _build_cost_model(base: nn.Module, family: str, variant: str, r: int, vera_r: int) -> nn.Module:
+    import peft
+
+    model = copy.deepcopy(base)
+    if family.startswith("lora_lab"):
+        if variant == "vera":
+            from lora_lab.vera import add_vera
+
+            add_vera(model, r=vera_r, targets=COST_TARGETS)
+        else:
+            from lora_lab.layer import add_lora
+
+            add_lora(model, r=r, alpha=2 * r, targets=COST_TARGETS, **VARIANTS[variant][0])
+        if family == "lora_lab_fused":
+            from lora_lab.kernels import patch_model
+
+            patch_model(model, strict=False)  # VeRA layers keep their own forward
+        return model.train()
+    if family != "peft":
+        raise ValueError(f"unknown family {family!r}: lora_lab, lora_lab_fused or peft")
+    if variant == "vera":
+        return peft.get_peft_model(model, peft.VeraConfig(r=vera_r, target_modules=list(COST_TARGETS))).train()
+    flags = {"lora": {}, "rslora": {"use_rslora": True}, "dora": {"use_dora": True},
+             "pissa": {"init_lora_weights": "pissa"}, "lora_fa": {}}[variant]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(COST_TARGETS),
+                                                       **flags))
+    if variant == "lora_fa":
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.requires_grad_(False)
+    return model.train()
+
+
+def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, seq: int, calls: int,
+                      dtype: str = "bf16", r: int = 16, vera_r: int = 256, seed: int = 0,
+                      ratios: dict | None = None) -> Callable[[], dict]:
+    """Build every ``(family, variant[, copy])`` of ``combos`` once on ``spec`` (a third element makes a second,
+    identical model: the check that identical configurations time alike) and return ``measure_once``: one
+    repetition, every combination in turn (order rotated by repetition), each timed by ``measure.loop_ms`` over
+    ``calls`` whole training steps (forward, backward, AdamW, zero_grad; synchronised after each) after two
+    warm-up steps. It returns ``{"ms|family|variant[|copy]": median ms}`` and, for each ``ratios`` entry
+    ``name: [numerator combo, denominator combo]``, ``name``: their ratio within the repetition."""
+    from lora_lab.lab import measure
+    from lora_lab.models import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = load_model(spec, dtype=dtype, device=device, attn_implementation="sdpa")
+    ids = torch.randint(0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
+    keys = ["|".join(c) for c in combos]
+    steps = {}
+    for key, combo in zip(keys, combos):
+        model = _build_cost_model(base, combo[0], combo[1], r, vera_r)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step(model=model, opt=opt):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[key] = step
+    counter = {"rep": 0}
+
+    def measure_once() -> dict:
+        out = {}
+        for key in measure.rotation(keys, counter["rep"]):
+            times = measure.loop_ms(steps[key], calls=calls, warmup=2)
+            out[f"ms|{key}"] = sorted(times)[len(times) // 2]
+        counter["rep"] += 1
+        for name, (num, den) in (ratios or {}).items():
+            out[name] = out[f"ms|{'|'.join(num)}"] / out[f"ms|{'|'.join(den)}"]
+        return out
+
+    return measure_once

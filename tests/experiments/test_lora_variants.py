@@ -93,3 +93,94 @@ def test_step_cost_times_real_training_steps(tiny_fp32):
     assert cost["ms"] > 0 and cost["peak_bytes"] is None  # no peak without CUDA
     after = [p.detach() for p in model.parameters() if p.requires_grad]
     assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the optimizer stepped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The digit-code task, the stopping rule, swallowed updates, the step-cost session
+# ---------------------------------------------------------------------------------------------------------------
+def _tiny_task(sizes=None):
+    tok = lora_lab.load_tokenizer("random:tiny-qwen2")
+    return tok, lv.digit_code_task(tok, 3, sizes or {"train": 40, "validation": 10, "test": 20}, seed=1)
+
+
+def test_digit_code_splits_are_disjoint_and_score_only_the_answer_digits():
+    tok, task = _tiny_task()
+    seen = {}
+    for split, part in task.items():
+        strings = {tok.decode(row) for row in part["input_ids"].tolist()}
+        assert len(strings) == len(part["input_ids"])
+        for other, theirs in seen.items():
+            assert not strings & theirs, f"{split} and {other} share codes"
+        seen[split] = strings
+        assert (part["answer_mask"].sum(1) == 3).all()  # three answer digits, not the spaces between them
+        assert torch.equal(part["labels"] != -100, part["answer_mask"])
+    text = tok.decode(task["test"]["input_ids"][0].tolist())
+    digits = [int(c) for c in text.split("=>")[0].replace("Code:", "").split()]
+    answer = [int(c) for c in text.split("=>")[1].split()]
+    assert answer == lv.code_answer(digits) == [(d + 1) % 10 for d in digits[::-1]]
+    with pytest.raises(ValueError, match="at most 10\\*\\*2"):
+        lv.digit_code_task(tok, 2, {"train": 90, "test": 20})
+
+
+def test_evaluate_scores_a_model_that_knows_the_answer_as_perfect():
+    _, task = _tiny_task()
+    split = task["test"]
+
+    class Oracle(torch.nn.Module):  # logits that put all mass on the next token of each row
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids):
+            rows = {tuple(r.tolist()[:-3]): r for r in split["input_ids"]}
+            logits = torch.full((*input_ids.shape, 300), -30.0)
+            for i, row in enumerate(input_ids):
+                full = rows[tuple(row.tolist()[:-3])]
+                logits[i, torch.arange(len(row) - 1), full[1:]] = 30.0
+            return type("Out", (), {"logits": logits})
+
+    res = lv.evaluate(Oracle(), split)
+    assert res["accuracy"] == 1.0 and res["loss"] < 1e-6
+
+
+def test_training_stops_by_the_rule_or_the_limit_and_scores_the_test_split():
+    _, task = _tiny_task()
+    base = lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa")
+    res = lv.finetune_variant(base, "lora", task, 0, r=4, alpha=8, lr=0.0, targets=("q_proj", "v_proj"), vera_r=8,
+                              batch_size=4, max_steps=50, eval_every=5, patience=2)
+    assert res["converged"] and res["steps"] == 15  # lr 0: nothing improves, the rule stops after 2 stale evals
+    res = lv.finetune_variant(base, "lora", task, 0, r=4, alpha=8, lr=3e-3, targets=("q_proj", "v_proj"), vera_r=8,
+                              batch_size=4, max_steps=10, eval_every=5, patience=5)
+    assert not res["converged"] and res["steps"] == 10 and 0 <= res["test_accuracy"] <= 1
+    assert [p["step"] for p in res["curve"]] == [5, 10]
+    with pytest.raises(ValueError, match="eval_every"):
+        lv.train_to_convergence(base, None, task, 4, max_steps=3, eval_every=5)
+    with pytest.raises(ValueError, match="unknown variant"):
+        lv.attach_variant(base, "qlora", r=4, alpha=8, lr=1e-3, targets=("q_proj",), vera_r=8)
+
+
+def test_swallowed_shares_see_bf16_rounding_and_not_fp32():
+    _, task = _tiny_task()
+    batches = [(task["train"]["input_ids"][:4], task["train"]["labels"][:4])] * 2
+    shares = {}
+    for stored in ("bf16", "fp32"):
+        model = lora_lab.load_model("random:tiny-qwen2", dtype="bf16", attn_implementation="sdpa")
+        torch.manual_seed(0)
+        lora_lab.add_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"), use_dora=True, adapter_dtype=stored)
+        shares[stored] = lv.swallowed_update_shares(model, batches, lr=1e-4)
+    assert shares["bf16"]["magnitude"] > 0.9 and shares["bf16"]["magnitude_dtype"] == "torch.bfloat16"
+    assert shares["fp32"]["magnitude"] == 0.0 and shares["fp32"]["lora_A_dtype"] == "torch.float32"
+    with pytest.raises(ValueError, match="add an adapter"):
+        lv.swallowed_update_shares(lora_lab.load_model("random:tiny-qwen2"), batches)
+
+
+def test_step_cost_session_times_each_combination_and_pairs_ratios():
+    once = lv.step_cost_session("random:tiny-qwen2", [["lora_lab", "lora"], ["lora_lab", "lora", "copy"],
+                                                      ["peft", "dora"]],
+                                batch=1, seq=8, calls=1, dtype="fp32", r=2,
+                                ratios={"same": [["lora_lab", "lora", "copy"], ["lora_lab", "lora"]]})
+    out = once()
+    assert set(out) == {"ms|lora_lab|lora", "ms|lora_lab|lora|copy", "ms|peft|dora", "same"}
+    assert out["same"] == out["ms|lora_lab|lora|copy"] / out["ms|lora_lab|lora"]
+    with pytest.raises(ValueError, match="unknown family"):
+        lv.step_cost_session("random:tiny-qwen2", [["nope", "lora"]], batch=1, seq=8, calls=1, dtype="fp32")

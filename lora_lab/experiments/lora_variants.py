@@ -472,28 +472,32 @@ def swallowed_update_shares(model: nn.Module, batches: Sequence[tuple[torch.Tens
 # Step cost: one session (process) of the side-by-side loop, for measure.repeat_in_processes
 # ----------------------------------------------------------------------------------------------------------------
 COST_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+COST_FAMILIES = ("lora_lab", "lora_lab_bf16", "lora_lab_fused", "peft")
 
 
 def _build_cost_model(base: nn.Module, family: str, variant: str, r: int, vera_r: int) -> nn.Module:
+    """``family``: ``lora_lab`` (add_lora's default adapter dtype), ``lora_lab_bf16`` (``adapter_dtype="bf16"``),
+    ``lora_lab_fused`` (the default, then ``patch_model``) or ``peft`` (PEFT's defaults)."""
     import peft
 
+    if family not in COST_FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(COST_FAMILIES)}")
     model = copy.deepcopy(base)
     if family.startswith("lora_lab"):
+        dtype = "bf16" if family == "lora_lab_bf16" else None
         if variant == "vera":
             from lora_lab.vera import add_vera
 
-            add_vera(model, r=vera_r, targets=COST_TARGETS)
+            add_vera(model, r=vera_r, targets=COST_TARGETS, adapter_dtype=dtype)
         else:
             from lora_lab.layer import add_lora
 
-            add_lora(model, r=r, alpha=2 * r, targets=COST_TARGETS, **VARIANTS[variant][0])
+            add_lora(model, r=r, alpha=2 * r, targets=COST_TARGETS, adapter_dtype=dtype, **VARIANTS[variant][0])
         if family == "lora_lab_fused":
             from lora_lab.kernels import patch_model
 
             patch_model(model, strict=False)  # VeRA layers keep their own forward
         return model.train()
-    if family != "peft":
-        raise ValueError(f"unknown family {family!r}: lora_lab, lora_lab_fused or peft")
     if variant == "vera":
         return peft.get_peft_model(model, peft.VeraConfig(r=vera_r, target_modules=list(COST_TARGETS))).train()
     flags = {"lora": {}, "rslora": {"use_rslora": True}, "dora": {"use_dora": True},

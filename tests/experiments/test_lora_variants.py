@@ -182,5 +182,9 @@ def test_step_cost_session_times_each_combination_and_pairs_ratios():
     out = once()
     assert set(out) == {"ms|lora_lab|lora", "ms|lora_lab|lora|copy", "ms|peft|dora", "same"}
     assert out["same"] == out["ms|lora_lab|lora|copy"] / out["ms|lora_lab|lora"]
+    bf16 = lv._build_cost_model(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), "lora_lab_bf16", "dora", 2, 8)
+    assert {p.dtype for p in bf16.parameters() if p.requires_grad} == {torch.bfloat16}
+    default = lv._build_cost_model(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), "lora_lab", "vera", 2, 8)
+    assert {p.dtype for p in default.parameters() if p.requires_grad} == {torch.float32}
     with pytest.raises(ValueError, match="unknown family"):
         lv.step_cost_session("random:tiny-qwen2", [["nope", "lora"]], batch=1, seq=8, calls=1, dtype="fp32")

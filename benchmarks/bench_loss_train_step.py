@@ -8,7 +8,8 @@ checkpointing (non-reentrant, transformers' default), AdamW (lr 1e-4) on the ada
 ids, labels = the ids (shifted inside the loss).
 
 Variants (default: standard, chunked, fused, peft_liger; ``--variants all`` adds the others):
-  standard       lora_lab.add_lora (bf16 adapters); causal_lm_loss(chunked=False) = model(ids, labels=ids).loss:
+  standard       lora_lab.add_lora (its default since #25: fp32 adapters on a bf16 model);
+                 causal_lm_loss(chunked=False) = model(ids, labels=ids).loss:
                  transformers' loss over all [tokens x vocab] logits
   chunked        lora_lab.add_lora; causal_lm_loss(chunked=True): lora_lab.loss.chunked_cross_entropy
   fused          lora_lab.add_lora; causal_lm_loss(fused=True): lora_lab.kernels.loss.linear_cross_entropy (its

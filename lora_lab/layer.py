@@ -54,6 +54,7 @@ __all__ = [
     "replace_module",
     "fill_lora_B",
     "SingleChild",
+    "resolve_adapter_dtype",
 ]
 
 
@@ -80,6 +81,18 @@ def _check_rank_alpha(r, alpha) -> None:
         raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}")
 
 
+WIDENED_DTYPES = (torch.bfloat16, torch.float16)  # base dtypes whose adapters default to fp32
+
+
+def resolve_adapter_dtype(weight_dtype: torch.dtype, adapter_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The dtype of a new adapter's trainable tensors: ``adapter_dtype`` when given (a float dtype or its name),
+    else fp32 for a bf16/fp16 base weight (PEFT's ``autocast_adapter_dtype=True``) and the weight's dtype
+    otherwise."""
+    if adapter_dtype is not None:
+        return as_float_dtype(adapter_dtype, "adapter_dtype")
+    return torch.float32 if weight_dtype in WIDENED_DTYPES else weight_dtype
+
+
 class AdapterLinear(nn.Module):
     """What the adapter layers (:class:`LoRALinear`, :class:`lora_lab.vera.VeRALinear`) share: a frozen
     ``nn.Linear`` called ``base`` and ``merge()`` back to one ``nn.Linear``; ``kind`` names the method."""
@@ -94,7 +107,12 @@ class AdapterLinear(nn.Module):
 class LoRALinear(AdapterLinear):
     """``h = base(x) + s * (x @ A^T) @ B^T`` around a frozen ``nn.Linear``, s = alpha / r.
 
-    ``lora_A`` and ``lora_B`` live on the base weight's device and dtype. ``dropout`` applies to the
+    ``lora_A`` and ``lora_B`` (and DoRA's ``magnitude``) live on the base weight's device, in ``adapter_dtype``:
+    by default (``None``) fp32 when the base weight is bf16 or fp16 (as PEFT's ``autocast_adapter_dtype``: a bf16
+    factor near 1 cannot take an update below ~4e-3, so small optimizer steps are lost), else the weight's dtype;
+    pass ``adapter_dtype="bf16"`` (or any float dtype) to keep them in that dtype. The branch runs in the
+    adapter dtype (the input is cast to it) and the layer's output is rounded once to the input's dtype, as in
+    PEFT. ``dropout`` applies to the
     input of the low-rank branch only, as in PEFT. ``use_rslora=True`` takes s = alpha / sqrt(r);
     ``use_dora=True`` adds the trainable DoRA magnitude ``magnitude`` (see :meth:`forward`), else
     ``magnitude`` is None. ``init_lora_weights="pissa"`` starts A and B from W's principal singular
@@ -104,7 +122,8 @@ class LoRALinear(AdapterLinear):
     kind = "LoRA"
 
     def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0, *,
-                 use_rslora: bool = False, use_dora: bool = False, init_lora_weights: bool | str = True):
+                 use_rslora: bool = False, use_dora: bool = False, init_lora_weights: bool | str = True,
+                 adapter_dtype: torch.dtype | str | None = None):
         super().__init__()
         if not isinstance(base, nn.Linear):
             raise TypeError(f"LoRALinear wraps an nn.Linear, got {type(base).__name__}")
@@ -130,8 +149,9 @@ class LoRALinear(AdapterLinear):
         self.in_features = base.in_features
         self.out_features = base.out_features
         w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=w.dtype))
-        self.lora_B = nn.Parameter(torch.empty(base.out_features, r, device=w.device, dtype=w.dtype))
+        dtype = resolve_adapter_dtype(w.dtype, adapter_dtype)
+        self.lora_A = nn.Parameter(torch.empty(r, base.in_features, device=w.device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(base.out_features, r, device=w.device, dtype=dtype))
         # PEFT's default init of A: Kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         if init_lora_weights is False:
@@ -152,7 +172,7 @@ class LoRALinear(AdapterLinear):
         if use_dora:
             # m starts as ||W + s B A|| per row (= ||W||, B being 0): a fresh DoRA layer computes W x + b.
             with torch.no_grad():
-                m = torch.linalg.norm(w + self.scaling * (self.lora_B @ self.lora_A), dim=1).to(w.dtype)
+                m = torch.linalg.norm(w + self.scaling * (self.lora_B @ self.lora_A), dim=1).to(dtype)
             self.magnitude = nn.Parameter(m)
 
     @torch.no_grad()
@@ -180,6 +200,7 @@ class LoRALinear(AdapterLinear):
         """The low-rank branch without scaling: (dropout(x) @ A^T) @ B^T."""
         if self.dropout_p > 0 and self.training:
             x = F.dropout(x, p=self.dropout_p, training=True)
+        x = x.to(self.lora_A.dtype)  # fp32 adapters on a bf16 model: the branch runs in fp32, as in PEFT
         # F.linear(x, A) is x @ A^T: the same GEMM nn.Linear (and so PEFT) runs, which is what makes
         # bit-for-bit parity with PEFT possible.
         return F.linear(F.linear(x, self.lora_A), self.lora_B)
@@ -194,19 +215,20 @@ class LoRALinear(AdapterLinear):
         """
         result = self.base(x)
         if self.magnitude is None:
-            return result + self.lora_delta(x) * self.scaling
+            # with adapters in a wider dtype than W the sum is formed in it and rounded once (PEFT's order)
+            return (result + self.lora_delta(x) * self.scaling).to(result.dtype)
         dropped = self.dropout_p > 0 and self.training
         if dropped:
             x = F.dropout(x, p=self.dropout_p, training=True)
         g = (self.magnitude / self.weight_norm()).view(1, -1)
-        lora_result = F.linear(F.linear(x, self.lora_A), self.lora_B)
+        lora_result = F.linear(F.linear(x.to(self.lora_A.dtype), self.lora_A), self.lora_B)
         if dropped:
             base_result = F.linear(x, self.base.weight)
         elif self.base.bias is not None:
             base_result = result - self.base.bias
         else:
             base_result = result
-        return result + ((g - 1) * base_result + g * lora_result * self.scaling)
+        return (result + ((g - 1) * base_result + g * lora_result * self.scaling)).to(result.dtype)
 
     def weight_norm(self) -> torch.Tensor:
         """DoRA's n = ||W + s B A||, the L2 norm of each output row, detached (no gradient flows through it).
@@ -216,7 +238,9 @@ class LoRALinear(AdapterLinear):
         A, B, W = self.lora_A, self.lora_B, self.base.weight
         eye = torch.eye(A.shape[1], device=A.device, dtype=A.dtype)
         ba = F.linear(F.linear(eye, A), B).T
-        return torch.linalg.norm(W + self.scaling * ba.detach(), dim=1).to(W.dtype).detach()
+        # in the wider of W's and the adapter's dtypes (fp32 adapters on a bf16 W: an fp32 norm, as PEFT's)
+        norm = torch.linalg.norm(W + self.scaling * ba.detach(), dim=1)
+        return norm.to(torch.promote_types(W.dtype, A.dtype)).detach()
 
     def delta_weight(self, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """s * B A, the out x in matrix a LoRA merge adds to W (computed in ``dtype``, fp32 by default).
@@ -267,6 +291,8 @@ class LoRALinear(AdapterLinear):
 
     def extra_repr(self) -> str:
         variants = "".join(f", {n}=True" for n in ("use_rslora", "use_dora", "lora_fa") if getattr(self, n))
+        if self.lora_A.dtype != self.base.weight.dtype:
+            variants += f", adapter_dtype={self.lora_A.dtype}"
         if self.init_lora_weights is not True:
             variants += f", init_lora_weights={self.init_lora_weights!r}"
         return (
@@ -413,6 +439,7 @@ def add_lora(
     use_dora: bool = False,
     lora_fa: bool = False,
     init_lora_weights: bool | str = True,
+    adapter_dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
     """Freeze ``model`` and wrap every ``nn.Linear`` whose name matches ``targets`` in a LoRALinear.
 
@@ -425,6 +452,11 @@ def add_lora(
     PEFT: ``init_lora_weights=True`` (default) A Kaiming-uniform and B = 0, so the model computes what it did;
     ``"gaussian"`` A ~ N(0, 1/r^2) and B = 0; ``False`` A and B both drawn as nn.Linear's default weights (B not
     zero: the model's output changes at once; PEFT's setting for tests).
+
+    ``adapter_dtype``: the dtype of A, B and DoRA's magnitude. ``None`` (default) keeps them in fp32 on a bf16 or
+    fp16 model, as PEFT does (``autocast_adapter_dtype=True``): in bf16 most small optimizer updates round away
+    (notebook 09 measures the share); elsewhere they take the weight's dtype. ``"bf16"`` (or any float dtype)
+    forces that dtype, e.g. to save memory on a bf16 model.
 
     ``targets`` and ``exclude`` follow PEFT's ``target_modules``/``exclude_modules``: a list matches a
     module whose name equals an entry or ends with ``.entry``; a string is a regex matched against the
@@ -440,6 +472,8 @@ def add_lora(
     _check_rank_alpha(r, alpha)
     _check_flags(use_rslora=use_rslora, use_dora=use_dora, lora_fa=lora_fa)
     _check_init(init_lora_weights)
+    if adapter_dtype is not None:
+        as_float_dtype(adapter_dtype, "adapter_dtype")  # a bad dtype is refused before anything changes
     what = "lora_lab's DoRA (use_dora=True)" if use_dora else "LoRALinear"
     targets, exclude, matched = _matched_linears(model, targets, exclude, what)
     had_lora = bool(lora_layers(model))
@@ -449,7 +483,7 @@ def add_lora(
             n, m = small[0]
             raise ValueError(f"PiSSA needs r <= min(in, out); {n} is {m.in_features} -> {m.out_features}, r={r}")
     spec = {"r": r, "alpha": alpha, "dropout": dropout, "use_rslora": use_rslora, "use_dora": use_dora,
-            "init_lora_weights": init_lora_weights}
+            "init_lora_weights": init_lora_weights, "adapter_dtype": adapter_dtype}
     _wrap(model, {n: spec for n, _ in matched}, lora_fa=lora_fa)
     _record_config(model, had_lora, r, alpha, dropout, targets, exclude)
     return model

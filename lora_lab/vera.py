@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_lab.dtypes import as_float_dtype
-from lora_lab.layer import AdapterLinear, _install
+from lora_lab.layer import AdapterLinear, _install, resolve_adapter_dtype
 from lora_lab.targets import _matched_linears
 
 __all__ = ["VeRALinear", "add_vera", "vera_layers", "vera_projections"]
@@ -41,7 +41,10 @@ def vera_projections(r: int, in_features: int, out_features: int, projection_prn
 class VeRALinear(AdapterLinear):
     """``h = base(x) + lambda_b * F.linear(lambda_d * F.linear(dropout(x), A_s), B_s)`` around a frozen
     ``nn.Linear``; ``vera_A``/``vera_B`` are the shared projections (buffers, not saved with the module),
-    ``lambda_b``/``lambda_d`` the trainable vectors, on the base weight's device and dtype."""
+    ``lambda_b``/``lambda_d`` the trainable vectors, on the base weight's device, in the dtype of ``vera_A``
+    (``add_vera`` puts the projections and vectors in fp32 on a bf16/fp16 model, as PEFT does, unless
+    ``adapter_dtype`` says otherwise). The branch runs in that dtype; the output is rounded once to the input's
+    dtype."""
 
     kind = "VeRA"
 
@@ -65,8 +68,9 @@ class VeRALinear(AdapterLinear):
         w = base.weight
         self.register_buffer("vera_A", vera_A, persistent=False)
         self.register_buffer("vera_B", vera_B, persistent=False)
-        self.lambda_b = nn.Parameter(torch.zeros(base.out_features, device=w.device, dtype=w.dtype))
-        self.lambda_d = nn.Parameter(torch.full((r,), float(d_initial), device=w.device, dtype=w.dtype))
+        dtype = vera_A.dtype
+        self.lambda_b = nn.Parameter(torch.zeros(base.out_features, device=w.device, dtype=dtype))
+        self.lambda_d = nn.Parameter(torch.full((r,), float(d_initial), device=w.device, dtype=dtype))
         for p in self.base.parameters():
             p.requires_grad_(False)
 
@@ -76,7 +80,8 @@ class VeRALinear(AdapterLinear):
             x = F.dropout(x, p=self.dropout_p, training=True)
         a = self.vera_A[:, : self.in_features]
         b = self.vera_B[: self.out_features, :]
-        return result + self.lambda_b * F.linear(self.lambda_d * F.linear(x, a), b)
+        x = x.to(a.dtype)  # fp32 adapter on a bf16 model: the branch in fp32, one rounding at the end (PEFT's order)
+        return (result + self.lambda_b * F.linear(self.lambda_d * F.linear(x, a), b)).to(result.dtype)
 
     @torch.no_grad()
     def merge(self, compute_dtype: torch.dtype | str = torch.float32) -> nn.Linear:
@@ -117,11 +122,14 @@ def add_vera(
     *,
     projection_prng_key: int = 0,
     d_initial: float = 0.1,
+    adapter_dtype: torch.dtype | str | None = None,
 ) -> nn.Module:
     """Freeze ``model`` and wrap every ``nn.Linear`` matching ``targets`` (minus ``exclude``, PEFT's rules as in
     ``add_lora``) in a VeRALinear sharing one pair of projections sized for the largest of them. Defaults are
     ``VeraConfig``'s (r=256, projection_prng_key=0, d_initial=0.1). All targets come in one call: a model that
-    already has VeRA layers is refused (their projections could not grow). Returns the model, changed in place.
+    already has VeRA layers is refused (their projections could not grow). ``adapter_dtype``: the dtype of the
+    projections and trainable vectors, as in ``add_lora`` (default: fp32 on a bf16/fp16 model, else the weight's).
+    Returns the model, changed in place.
     """
     if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
         raise ValueError(f"VeRA rank r must be a positive integer, got r={r!r}")
@@ -131,6 +139,8 @@ def add_vera(
         raise ValueError(f"d_initial must be a finite number, got d_initial={d_initial!r}")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"VeRA dropout must be in [0, 1), got {dropout!r}")
+    if adapter_dtype is not None:
+        as_float_dtype(adapter_dtype, "adapter_dtype")
     if vera_layers(model):
         raise ValueError(
             f"{type(model).__name__} already has VeRA layers; VeRA's projections are shared and sized for every "
@@ -141,7 +151,8 @@ def add_vera(
     in_max = max(m.in_features for _, m in matched)
     a, b = vera_projections(r, in_max, out_max, projection_prng_key)
     w = matched[0][1].weight
-    a, b = a.to(device=w.device, dtype=w.dtype), b.to(device=w.device, dtype=w.dtype)
+    dtype = resolve_adapter_dtype(w.dtype, adapter_dtype)
+    a, b = a.to(device=w.device, dtype=dtype), b.to(device=w.device, dtype=dtype)
     wrapped = [(n, VeRALinear(m, a, b, dropout=dropout, d_initial=d_initial)) for n, m in matched]
     _install(model, wrapped)
     model._lora_lab_vera = {"projection_prng_key": projection_prng_key, "d_initial": float(d_initial)}

@@ -281,3 +281,118 @@ def test_the_top_level_holds_the_library_not_the_lab_harness():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split("\n")[-2] == "[]"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Adapter dtype: fp32 factors (and DoRA magnitude) on a bf16/fp16 base by default, as PEFT's autocast_adapter_dtype
+# ---------------------------------------------------------------------------------------------------------------
+def _bf16_holder(dtype=torch.bfloat16):
+    torch.manual_seed(3)
+    holder = nn.Sequential()
+    holder.add_module("proj", nn.Linear(32, 24, dtype=dtype))
+    return holder
+
+
+@pytest.mark.parametrize("base_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("variant", [{}, {"use_dora": True}, {"use_rslora": True}, {"init_lora_weights": "pissa"}])
+def test_adapters_on_a_half_precision_base_default_to_fp32(base_dtype, variant):
+    holder = add_lora(_bf16_holder(base_dtype), r=4, alpha=8, targets=("proj",), **variant)
+    layer = holder.proj
+    assert layer.base.weight.dtype == base_dtype
+    assert layer.lora_A.dtype == layer.lora_B.dtype == torch.float32
+    if "use_dora" in variant:
+        assert layer.magnitude.dtype == torch.float32
+    x = torch.randn(5, 32).to(base_dtype)
+    y = layer(x)
+    assert y.dtype == base_dtype  # the layer's output keeps the input's dtype
+    y.float().sum().backward()
+    assert layer.lora_A.grad.dtype == torch.float32 and layer.lora_B.grad.dtype == torch.float32
+    assert "adapter_dtype=torch.float32" in repr(layer)
+
+
+def test_fp32_and_fp64_bases_keep_their_dtype_for_adapters():
+    for dtype in (torch.float32, torch.float64):
+        layer = add_lora(_bf16_holder(dtype), r=4, alpha=8, targets=("proj",), use_dora=True).proj
+        assert layer.lora_A.dtype == layer.lora_B.dtype == layer.magnitude.dtype == dtype
+        assert "adapter_dtype" not in repr(layer)
+
+
+@pytest.mark.parametrize("name", ["bf16", torch.bfloat16])
+def test_bf16_adapters_stay_an_option(name):
+    layer = add_lora(_bf16_holder(), r=4, alpha=8, targets=("proj",), use_dora=True, adapter_dtype=name).proj
+    assert layer.lora_A.dtype == layer.lora_B.dtype == layer.magnitude.dtype == torch.bfloat16
+    x = torch.randn(5, 32).to(torch.bfloat16)
+    assert layer(x).dtype == torch.bfloat16
+
+
+def test_fp32_adapter_forward_is_the_fp32_branch_rounded_once():
+    """With fp32 factors on a bf16 base: h = round_bf16(W16 x16 + b16 + s (x Aᵀ) Bᵀ in fp32), PEFT's order."""
+    layer = add_lora(_bf16_holder(), r=4, alpha=8, targets=("proj",)).proj
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(6, 32).to(torch.bfloat16)
+    base = layer.base(x)
+    branch = (x.float() @ layer.lora_A.T) @ layer.lora_B.T
+    assert torch.equal(layer(x), (base + branch * layer.scaling).to(torch.bfloat16))
+
+
+def test_fp32_adapter_on_fp32_model_is_unchanged_by_the_option():
+    """On an fp32 model the default and adapter_dtype='fp32' are the same layer, bit for bit."""
+    torch.manual_seed(5)
+    one = add_lora(_bf16_holder(torch.float32), r=4, alpha=8, targets=("proj",), use_dora=True)
+    torch.manual_seed(5)
+    two = add_lora(_bf16_holder(torch.float32), r=4, alpha=8, targets=("proj",), use_dora=True, adapter_dtype="fp32")
+    x = torch.randn(3, 32)
+    assert torch.equal(one(x), two(x))
+
+
+def test_small_updates_survive_in_fp32_adapters_and_round_away_in_bf16():
+    """A DoRA magnitude near 1 takes an update of 1e-4 in fp32 and loses it in bf16 (half an ulp there is ~4e-3)."""
+    for dtype, moved in ((None, True), ("bf16", False)):
+        layer = add_lora(_bf16_holder(), r=4, alpha=8, targets=("proj",), use_dora=True, adapter_dtype=dtype).proj
+        with torch.no_grad():
+            layer.magnitude.fill_(1.0)
+            before = layer.magnitude.clone()
+            layer.magnitude.add_(1e-4)
+        assert bool((layer.magnitude != before).all()) is moved
+
+
+def test_merge_of_fp32_adapters_on_a_bf16_base_rounds_once_to_bf16():
+    layer = add_lora(_bf16_holder(), r=4, alpha=8, targets=("proj",), use_dora=True).proj
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+    merged = layer.merge()
+    assert merged.weight.dtype == torch.bfloat16
+    assert torch.equal(merged.weight, layer.merged_weight(torch.float32).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad", ["int8", torch.int32, "cuda", 3])
+def test_a_bad_adapter_dtype_is_named_and_leaves_the_model(bad):
+    holder = _bf16_holder()
+    with pytest.raises(ValueError, match="adapter_dtype"):
+        add_lora(holder, r=4, alpha=8, targets=("proj",), adapter_dtype=bad)
+    assert isinstance(holder.proj, nn.Linear) and not isinstance(holder.proj, LoRALinear)
+
+
+def test_an_adapter_saved_from_a_bf16_model_loads_as_fp32_and_as_peft_does(tmp_path):
+    """save/load on a bf16 model: the file holds the fp32 factors; load_adapter makes fp32 adapters (as PEFT's
+    from_pretrained does by default) with the same values, and PEFT's reload gives the same logits."""
+    import peft
+
+    spec = "random:tiny-qwen2"
+    ours = add_lora(lora_lab.load_model(spec, dtype="bf16"), r=4, alpha=8, targets=("q_proj", "v_proj"))
+    lora_lab.fill_lora_B(ours, std=0.02, generator=torch.Generator().manual_seed(0))
+    lora_lab.save_adapter(ours, tmp_path / "a")
+    back = lora_lab.load_adapter(lora_lab.load_model(spec, dtype="bf16"), tmp_path / "a")
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model(spec, dtype="bf16"), str(tmp_path / "a"))
+    for (n1, p1), (n2, p2) in zip(
+        sorted((n, p) for n, p in ours.named_parameters() if p.requires_grad),
+        sorted((n, p) for n, p in back.named_parameters() if p.requires_grad),
+    ):
+        assert n1 == n2 and p2.dtype == torch.float32 and torch.equal(p1, p2)
+    peft_a = [p for n, p in theirs.named_parameters() if "lora_A" in n]
+    assert peft_a and all(p.dtype == torch.float32 for p in peft_a)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=ids).logits, back(input_ids=ids).logits)
+        assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)

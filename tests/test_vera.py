@@ -170,3 +170,30 @@ def test_vera_tensor_shapes_are_checked(tmp_path):
     save_file(sd, str(f))
     with pytest.raises(AdapterError, match=r"base_model\.vera_A: adapter has shape \(8, 10\), .* needs \(8, 64\)"):
         load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
+
+
+def test_vera_on_a_bf16_model_keeps_fp32_vectors_by_default_and_bf16_on_request(tmp_path):
+    """As add_lora: fp32 projections and vectors on a bf16 model (PEFT's autocast), bf16 with adapter_dtype; the
+    output keeps the input's dtype; saved from bf16 and reloaded here and by PEFT, the same logits."""
+    import peft
+
+    model = lora_lab.add_vera(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), r=8)
+    layer = dict(lora_lab.vera.vera_layers(model))["model.layers.0.self_attn.q_proj"]
+    assert layer.lambda_b.dtype == layer.lambda_d.dtype == layer.vera_A.dtype == torch.float32
+    with torch.no_grad():
+        for _, vl in lora_lab.vera.vera_layers(model):
+            vl.lambda_b.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.bfloat16
+    lora_lab.save_adapter(model, tmp_path / "v")
+    back = lora_lab.load_adapter(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), tmp_path / "v")
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), str(tmp_path / "v"))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, logits)
+        assert torch.equal(theirs(input_ids=ids).logits, logits)
+    bf16 = lora_lab.add_vera(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), r=8, adapter_dtype="bf16")
+    assert all(vl.lambda_d.dtype == torch.bfloat16 for _, vl in lora_lab.vera.vera_layers(bf16))
+    with pytest.raises(ValueError, match="adapter_dtype"):
+        lora_lab.add_vera(lora_lab.load_model("random:tiny-qwen2"), r=8, adapter_dtype="int8")

@@ -12,7 +12,7 @@ from torch import nn
 from lora_lab.adapters.errors import AdapterError
 from lora_lab.adapters.peft_config import _peft_targets
 from lora_lab.adapters.peft_files import CONFIG_NAME, PREFIX, VERA_A_KEY, VERA_B_KEY, WEIGHTS_NAME, _check_destination
-from lora_lab.layer import _install
+from lora_lab.layer import _install, resolve_adapter_dtype
 from lora_lab.targets import _select
 from lora_lab.vera import VeRALinear, vera_layers, vera_projections
 
@@ -94,7 +94,8 @@ def _load_vera(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tensor], so
     else:
         a, b = vera_projections(r, in_max, out_max, cfg["projection_prng_key"])
     w = modules[0][1].weight
-    a, b = a.to(device=w.device, dtype=w.dtype), b.to(device=w.device, dtype=w.dtype)
+    dtype = resolve_adapter_dtype(w.dtype, None)  # fp32 on a bf16/fp16 model, as add_vera and PEFT's reload
+    a, b = a.to(device=w.device, dtype=dtype), b.to(device=w.device, dtype=dtype)
     wrapped = [(n, VeRALinear(m, a, b, dropout=cfg["vera_dropout"])) for n, m in modules]
     for n, layer in wrapped:
         layer.lambda_b.copy_(tensors[f"{PREFIX}{n}.vera_lambda_b"].to(layer.lambda_b.dtype))

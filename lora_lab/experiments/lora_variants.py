@@ -1,18 +1,13 @@
-"""A task with a known answer for comparing LoRA variants on random weights: the **planted adapter**.
+"""Notebook 09's experiments: LoRA variants fine-tuning a real model on a task it fails, with a held-out evaluation.
 
-The teacher is the base model plus a known low-rank update on chosen projections,
-
-    W_teacher = W + U diag(σ) Vᵀ          U [out x k], V [in x k] orthonormal columns, σ a chosen spectrum,
-
-and a student (the base with some adapter) learns it from the teacher's outputs on random token batches. Because
-the answer is known, three things are measurable for any variant: how fast the student's loss falls, where it ends,
-and whether the learned update ``ΔW = s·B A`` spans the planted subspace (principal angles between the column
-spaces of ``U`` and of ΔW's top-k left singular vectors).
-
-* :func:`orthonormal`      — a seeded [n x k] matrix with orthonormal columns
-* :func:`plant_adapter`    — the teacher: a copy of the base with the planted updates added to its weights
-* :func:`subspace_cosines` — cosines of the principal angles between the planted and the learned subspaces
-* :func:`distill`          — train a student on the teacher's final hidden states (MSE), recording the loss curve
+* :func:`digit_code_task`         — the digit code ("Code: 3 8 1 5 =>" answered " 6 2 9 4": reversed, each plus one),
+  disjoint train / validation / test codes, loss and accuracy on the answer digits only
+* :func:`evaluate`                — teacher-forced answer-digit loss and accuracy of a model on one split
+* :func:`train_to_convergence`    — AdamW until the stopping rule (validation loss no longer improving) or a limit
+* :func:`finetune_variant`        — one variant from one seed, trained and scored on the test codes
+* :func:`swallowed_update_shares` — the share of optimizer updates that round to no change in the adapter's dtype
+* :func:`step_cost_session`       — one session (process) of the side-by-side step-cost loop
+* :func:`interop_max_abs_diff`    — an adapter moved both ways between lora_lab and PEFT
 """
 from __future__ import annotations
 
@@ -22,97 +17,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["orthonormal", "plant_adapter", "subspace_cosines", "distill", "steps_to_threshold"]
-
-
-def orthonormal(n: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """[n x k] with orthonormal columns (QR of a seeded Gaussian), fp32 on the CPU."""
-    if not 0 < k <= n:
-        raise ValueError(f"need 0 < k <= n, got k={k}, n={n}")
-    q, r = torch.linalg.qr(torch.randn(n, k, generator=generator, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).float()  # fixed signs: the same seed gives the same matrix
-
-
-Planted = dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def plant_adapter(base: nn.Module, targets: Sequence[str], rank: int, spectrum: Sequence[float], seed: int = 0,
-                  relative: bool = True) -> tuple[nn.Module, Planted]:
-    """A copy of ``base`` with ``U diag(σ) Vᵀ`` added to every ``nn.Linear`` whose name ends in one of ``targets``.
-
-    ``spectrum`` gives σ (``rank`` values); with ``relative`` each σ_i is multiplied by the module's weight RMS
-    times sqrt(in·out) / rank, so that the update's size is a fixed fraction of the weight's whatever the shape.
-    Returns the teacher and ``{module name: (U, σ, V)}`` (fp32, CPU)."""
-    if len(spectrum) != rank:
-        raise ValueError(f"spectrum has {len(spectrum)} values for rank {rank}")
-    gen = torch.Generator().manual_seed(seed)
-    teacher = copy.deepcopy(base)
-    planted = {}
-    names = [n for n, m in teacher.named_modules() if isinstance(m, nn.Linear)
-             and any(n == t or n.endswith("." + t) for t in targets)]
-    if not names:
-        raise ValueError(f"no nn.Linear named like {list(targets)} in {type(base).__name__}")
-    for name in names:
-        module = teacher.get_submodule(name)
-        out_f, in_f = module.weight.shape
-        u, v = orthonormal(out_f, rank, gen), orthonormal(in_f, rank, gen)
-        sigma = torch.tensor([float(s) for s in spectrum])
-        if relative:
-            rms = module.weight.detach().float().pow(2).mean().sqrt().item()
-            sigma = sigma * rms * (in_f * out_f) ** 0.5 / rank
-        with torch.no_grad():
-            delta = (u * sigma) @ v.T
-            module.weight.add_(delta.to(module.weight.device, module.weight.dtype))
-        planted[name] = (u, sigma, v)
-    return teacher, planted
-
-
-def subspace_cosines(delta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Cosines of the principal angles between span(U) and the span of ``delta``'s top-k left singular vectors
-    (k = U's columns), largest first: all 1 means the learned update lies in the planted subspace."""
-    k = u.shape[1]
-    # on the CPU in fp64 (the planted U lives there; the learned update may come from a GPU)
-    left = torch.linalg.svd(delta.detach().double().cpu(), full_matrices=False).U[:, :k]
-    return torch.linalg.svdvals(u.double().cpu().T @ left).clamp(max=1.0)
-
-
-def steps_to_threshold(losses: Sequence[float], threshold: float) -> int | None:
-    """The first step (1-based) whose loss is at or below ``threshold``; None if never."""
-    for i, value in enumerate(losses):
-        if value <= threshold:
-            return i + 1
-    return None
-
-
-@torch.no_grad()
-def _targets_of(teacher: nn.Module, batches: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [teacher(input_ids=ids, output_hidden_states=True).hidden_states[-1] for ids in batches]
-
-
-def distill(student: nn.Module, teacher: nn.Module, batches: Sequence[torch.Tensor],
-            optimizer: torch.optim.Optimizer, steps: int,
-            on_step: Callable[[int, float], None] | None = None) -> list[float]:
-    """Train ``student`` to reproduce ``teacher``'s final hidden states on ``batches`` (cycled), MSE loss
-    normalised by the targets' mean square; returns the loss of every step (before its update)."""
-    targets = _targets_of(teacher, batches)
-    scales = [t.float().pow(2).mean() for t in targets]
-    losses = []
-    student.train()
-    for step in range(steps):
-        i = step % len(batches)
-        optimizer.zero_grad(set_to_none=True)
-        out = student(input_ids=batches[i], output_hidden_states=True).hidden_states[-1]
-        loss = (out.float() - targets[i].float()).pow(2).mean() / scales[i]
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step, losses[-1])
-    return losses
+__all__ = ["VARIANTS", "digit_code_task", "evaluate", "train_to_convergence", "finetune_variant",
+           "swallowed_update_shares", "step_cost_session", "interop_max_abs_diff"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The variants on the planted task
+# The variants
 # ----------------------------------------------------------------------------------------------------------------
 # name: (add_lora keyword arguments, optimizer: "adamw" or "loraplus")
 VARIANTS = {
@@ -125,69 +35,6 @@ VARIANTS = {
     "vera": ({}, "vera"),  # lora_lab.vera.add_vera: shared frozen random A, B; trainable vectors d, b
 }
 VERA_LR_FACTOR = 10.0  # VeRA trains scaling vectors: the VeRA paper uses a learning rate ~10x LoRA's
-
-
-def effective_updates(student: nn.Module, base: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
-    """``W_merged - W_base`` (fp32) of each named layer: what the adapter adds to the original weight, whatever the
-    variant (DoRA's rescaling and PiSSA's residual base included)."""
-    from lora_lab.layer import merge_lora
-
-    merged = merge_lora(copy.deepcopy(student))
-    return {n: merged.get_submodule(n).weight.detach().float() - base.get_submodule(n).weight.detach().float()
-            for n in names}
-
-
-def train_variant(variant: str, base: nn.Module, teacher: nn.Module, planted: Planted, batches, steps: int,
-                  r: int, alpha: float, lr: float, targets: Sequence[str], loraplus_ratio: float = 16.0,
-                  seed: int = 0) -> dict:
-    """Train one variant on the planted task from ``base`` (copied) and report its loss curve, its trainable
-    parameters and how well its effective update spans the planted subspace (mean over layers of the smallest
-    principal cosine)."""
-    from lora_lab.layer import add_lora, count_parameters
-
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
-    kwargs, optimizer = VARIANTS[variant]
-    student = copy.deepcopy(base)
-    torch.manual_seed(seed)
-    if optimizer == "vera":
-        from lora_lab.vera import add_vera
-
-        add_vera(student, r=r, targets=tuple(targets))
-        lr = lr * VERA_LR_FACTOR
-    else:
-        add_lora(student, r=r, alpha=alpha, targets=tuple(targets), **kwargs)
-    if optimizer == "loraplus":
-        from lora_lab.variants import loraplus_optimizer
-
-        opt = loraplus_optimizer(student, lr=lr, ratio=loraplus_ratio)
-    else:
-        opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr)
-    losses = distill(student, teacher, batches, opt, steps)
-    last = losses[-len(batches):]  # one pass over the batches: the final loss without the batch-to-batch noise
-    updates = effective_updates(student, base, list(planted))
-    cosines = [subspace_cosines(updates[n], planted[n][0]) for n in planted]
-    return {"variant": variant, "r": r, "alpha": alpha, "lr": lr, "losses": losses, "final_loss": sum(last) / len(last),
-            "trainable_params": count_parameters(student).trainable,
-            "subspace_min_cos": float(torch.stack([c.min() for c in cosines]).mean()),
-            "subspace_mean_cos": float(torch.stack([c.mean() for c in cosines]).mean())}
-
-
-def loss_at(losses: Sequence[float], fraction: float, window: int) -> float:
-    """Mean loss over ``window`` steps ending at ``fraction`` of the run (early-convergence comparisons)."""
-    end = max(window, int(round(fraction * len(losses))))
-    part = losses[end - window:end]
-    return sum(part) / len(part)
-
-
-def step_cost(model: nn.Module, ids: torch.Tensor, steps: int, lr: float = 1e-4) -> dict:
-    """Median ms of ``steps`` training steps (standard causal-LM loss, AdamW; :func:`measure.training_step_ms`)
-    and the peak bytes of one untimed step (CUDA only)."""
-    from lora_lab.lab import measure
-
-    times, _, peak = measure.training_step_ms(model, lambda m: m(input_ids=ids, labels=ids).loss, steps, lr=lr,
-                                              measure_peak=ids.is_cuda)
-    return {"ms": sorted(times)[len(times) // 2], "peak_bytes": peak}
 
 
 INTEROP_TARGETS = ("q_proj", "v_proj")
@@ -248,3 +95,307 @@ def interop_max_abs_diff(variant: str, spec: str, folder, r: int = 8, seed: int 
     with torch.no_grad():
         from_peft = (made(input_ids=ids).logits - back(input_ids=ids).logits).abs().max().item()
     return {"variant": variant, "to_peft": to_peft, "from_peft": from_peft}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A real fine-tuning task with a held-out evaluation: the digit code
+# ----------------------------------------------------------------------------------------------------------------
+# "Code: 3 8 1 5 => 6 2 9 4": the answer is the digits reversed, each plus one (mod 10). A pretrained LM has never
+# seen the rule, so its answer tokens are near chance; a LoRA learns it from a few hundred examples. Train,
+# validation (for the stopping rule) and test (the verdicts) use disjoint digit strings.
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens: a transformers tokenizer or lora_lab's ByteTokenizer."""
+    from lora_lab.models import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text, add_bos=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def code_answer(digits: Sequence[int]) -> list[int]:
+    """The rule: digits reversed, each plus one modulo 10."""
+    return [(d + 1) % 10 for d in reversed(digits)]
+
+
+def digit_code_task(tokenizer, n_digits: int, sizes: dict[str, int], seed: int = 0) -> dict[str, dict]:
+    """``{split: {"input_ids", "labels", "answer_mask"}}`` for each split in ``sizes`` ({"train": 512, ...}):
+    distinct digit strings drawn without replacement across splits, so no test string was trained on. Every
+    example has the same length (the prompt ``"Code: d d d =>"`` and the answer ``" e e e"``, whose tokens are
+    checked to be a suffix); ``answer_mask`` marks the answer's digit tokens (not the spaces between them, which
+    any model predicts) and ``labels`` are -100 elsewhere, so loss and accuracy are on the answer digits only."""
+    import random
+
+    if n_digits < 1:
+        raise ValueError(f"n_digits must be >= 1, got {n_digits}")
+    total = sum(sizes.values())
+    if any(v < 1 for v in sizes.values()) or total > 10**n_digits:
+        raise ValueError(f"need positive split sizes summing to at most 10**{n_digits}, got {sizes}")
+    digit_ids = set()
+    for d in range(10):
+        ids = _encode(tokenizer, str(d))
+        if len(ids) != 1:
+            raise ValueError(f"the tokenizer splits the digit {d} into {len(ids)} tokens; the task scores one token "
+                             "per digit")
+        digit_ids.add(ids[0])
+    rng = random.Random(seed)
+    strings = rng.sample(range(10**n_digits), total)
+    out, start = {}, 0
+    for split, size in sizes.items():
+        rows, masks = [], []
+        for value in strings[start:start + size]:
+            digits = [int(c) for c in str(value).zfill(n_digits)]
+            prompt = _encode(tokenizer, "Code: " + " ".join(map(str, digits)) + " =>")
+            full = _encode(tokenizer, "Code: " + " ".join(map(str, digits)) + " =>"
+                           + "".join(f" {d}" for d in code_answer(digits)))
+            if full[:len(prompt)] != prompt:
+                raise ValueError("the tokenizer does not keep the prompt's tokens as a prefix of the example")
+            answer = [int(t in digit_ids) for t in full[len(prompt):]]  # the digits, not the spaces between them
+            if sum(answer) != n_digits:
+                raise ValueError(f"the answer of {digits} does not tokenize to {n_digits} digit tokens")
+            rows.append(full)
+            masks.append([0] * len(prompt) + answer)
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError("examples tokenize to different lengths")
+        ids = torch.tensor(rows)
+        mask = torch.tensor(masks, dtype=torch.bool)
+        out[split] = {"input_ids": ids, "labels": ids.masked_fill(~mask, -100), "answer_mask": mask}
+        start += size
+    return out
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, split: dict, batch_size: int = 256) -> dict:
+    """Teacher-forced answer-token loss (nats per answer token) and accuracy (argmax = the right token) on
+    ``split``, on the model's device."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    loss_sum, correct, count = 0.0, 0, 0
+    for i in range(0, len(split["input_ids"]), batch_size):
+        ids = split["input_ids"][i:i + batch_size].to(device)
+        labels = split["labels"][i:i + batch_size].to(device)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        target = labels[:, 1:]
+        keep = target != -100
+        loss_sum += torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum").item()
+        correct += (logits.argmax(-1)[keep] == target[keep]).sum().item()
+        count += int(keep.sum())
+    model.train(was_training)
+    return {"loss": loss_sum / count, "accuracy": correct / count}
+
+
+def train_to_convergence(model: nn.Module, optimizer: torch.optim.Optimizer, task: dict, batch_size: int,
+                         max_steps: int, eval_every: int, patience: int = 3, min_rel_gain: float = 0.01,
+                         seed: int = 0) -> dict:
+    """AdamW steps on random training batches until the **stopping rule**: the validation answer loss has not
+    improved on its best by at least ``min_rel_gain`` (relative) in ``patience`` consecutive evaluations (every
+    ``eval_every`` steps), or ``max_steps``. Returns the validation curve, the steps run, whether the rule
+    (not the step limit) stopped it, and the final model's test loss and accuracy."""
+    if eval_every < 1 or max_steps < eval_every or patience < 1:
+        raise ValueError(f"need 1 <= eval_every <= max_steps and patience >= 1, got {eval_every}, {max_steps}, "
+                         f"{patience}")
+    device = next(model.parameters()).device
+    train = task["train"]
+    gen = torch.Generator().manual_seed(seed)
+    curve, best, stale, converged, step = [], float("inf"), 0, False, 0
+    model.train()
+    while step < max_steps:
+        rows = torch.randint(0, len(train["input_ids"]), (batch_size,), generator=gen)
+        ids, labels = train["input_ids"][rows].to(device), train["labels"][rows].to(device)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        if not torch.isfinite(loss):
+            break
+        if step % eval_every == 0:
+            val = evaluate(model, task["validation"])
+            curve.append({"step": step, "train_loss": float(loss.detach()), **{f"val_{k}": v for k, v in val.items()}})
+            if val["loss"] < best * (1 - min_rel_gain):
+                best, stale = val["loss"], 0
+            else:
+                stale += 1
+            if stale >= patience:
+                converged = True
+                break
+    test = evaluate(model, task["test"])
+    return {"curve": curve, "steps": step, "converged": converged, "test_loss": test["loss"],
+            "test_accuracy": test["accuracy"]}
+
+
+def attach_variant(model: nn.Module, variant: str, r: int, alpha: float, lr: float, targets: Sequence[str],
+                   vera_r: int, loraplus_ratio: float = 16.0) -> torch.optim.Optimizer:
+    """Put ``variant``'s adapter on ``model`` (in place) and return its optimizer (AdamW at ``lr``; LoRA+ with B at
+    ``ratio`` times; VeRA at ``VERA_LR_FACTOR`` times, its scaling vectors being all it trains)."""
+    from lora_lab.layer import add_lora
+
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
+    kwargs, kind = VARIANTS[variant]
+    if kind == "vera":
+        from lora_lab.vera import add_vera
+
+        add_vera(model, r=vera_r, targets=tuple(targets))
+        lr = lr * VERA_LR_FACTOR
+    else:
+        add_lora(model, r=r, alpha=alpha, targets=tuple(targets), **kwargs)
+    if kind == "loraplus":
+        from lora_lab.variants import loraplus_optimizer
+
+        return loraplus_optimizer(model, lr=lr, ratio=loraplus_ratio)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+
+def finetune_variant(base: nn.Module, variant: str, task: dict, seed: int, *, r: int, alpha: float, lr: float,
+                     targets: Sequence[str], vera_r: int, batch_size: int, max_steps: int, eval_every: int,
+                     patience: int = 3) -> dict:
+    """One variant, one seed: a fresh copy of ``base`` with the adapter (initialised from ``seed``), trained by
+    :func:`train_to_convergence` (batches drawn from ``seed`` too). Returns its result with the trainable count."""
+    from lora_lab.layer import count_parameters
+
+    model = copy.deepcopy(base)
+    torch.manual_seed(seed)
+    opt = attach_variant(model, variant, r=r, alpha=alpha, lr=lr, targets=targets, vera_r=vera_r)
+    res = train_to_convergence(model, opt, task, batch_size, max_steps, eval_every, patience=patience, seed=seed)
+    res.update(variant=variant, seed=seed, trainable_params=count_parameters(model).trainable)
+    del model, opt
+    return res
+
+
+def first_step_at_or_below(curve: Sequence[dict], key: str, value: float) -> int | None:
+    """The first evaluated step whose ``key`` is at or below ``value``; None if none."""
+    for point in curve:
+        if point[key] <= value:
+            return point["step"]
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Swallowed updates: how many optimizer updates round to no change in the adapter's stored dtype
+# ----------------------------------------------------------------------------------------------------------------
+def _kind(name: str) -> str | None:
+    for kind in ("lora_A", "lora_B", "magnitude"):
+        if name.endswith(kind):
+            return kind
+    return None
+
+
+def swallowed_update_shares(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                            lr: float = 1e-4) -> dict:
+    """Train ``model`` (its adapters already added) one AdamW step per ``(input_ids, labels)`` batch and count, per
+    tensor kind (``lora_A``, ``lora_B``, ``magnitude``), the elements whose gradient was non-zero but whose stored
+    value did not change: the update rounded away in the parameter's dtype. Returns ``{kind: share}`` over all
+    steps, plus ``{kind}_dtype`` and the losses."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad and _kind(n)}
+    if not params:
+        raise ValueError("no trainable lora_A / lora_B / magnitude parameter: add an adapter first")
+    opt = torch.optim.AdamW(list(params.values()), lr=lr)
+    moved = {k: 0 for k in ("lora_A", "lora_B", "magnitude")}
+    stuck = dict(moved)
+    losses = []
+    model.train()
+    for ids, labels in batches:
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        before = {n: p.detach().clone() for n, p in params.items()}
+        live = {n: p.grad != 0 for n, p in params.items()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        for n, p in params.items():
+            k = _kind(n)
+            moved[k] += int(live[n].sum())
+            stuck[k] += int((live[n] & (p.detach() == before[n])).sum())
+        losses.append(float(loss.detach()))
+    out = {k: stuck[k] / moved[k] for k in moved if moved[k]}
+    out.update({f"{k}_dtype": str(next(p.dtype for n, p in params.items() if _kind(n) == k))
+                for k in moved if moved[k]})
+    out["losses"] = losses
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Step cost: one session (process) of the side-by-side loop, for measure.repeat_in_processes
+# ----------------------------------------------------------------------------------------------------------------
+COST_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+COST_FAMILIES = ("lora_lab", "lora_lab_bf16", "lora_lab_fused", "peft")
+
+
+def _build_cost_model(base: nn.Module, family: str, variant: str, r: int, vera_r: int) -> nn.Module:
+    """``family``: ``lora_lab`` (add_lora's default adapter dtype), ``lora_lab_bf16`` (``adapter_dtype="bf16"``),
+    ``lora_lab_fused`` (the default, then ``patch_model``) or ``peft`` (PEFT's defaults)."""
+    import peft
+
+    if family not in COST_FAMILIES:
+        raise ValueError(f"unknown family {family!r}: one of {', '.join(COST_FAMILIES)}")
+    model = copy.deepcopy(base)
+    if family.startswith("lora_lab"):
+        dtype = "bf16" if family == "lora_lab_bf16" else None
+        if variant == "vera":
+            from lora_lab.vera import add_vera
+
+            add_vera(model, r=vera_r, targets=COST_TARGETS, adapter_dtype=dtype)
+        else:
+            from lora_lab.layer import add_lora
+
+            add_lora(model, r=r, alpha=2 * r, targets=COST_TARGETS, adapter_dtype=dtype, **VARIANTS[variant][0])
+        if family == "lora_lab_fused":
+            from lora_lab.kernels import patch_model
+
+            patch_model(model, strict=False)  # VeRA layers keep their own forward
+        return model.train()
+    if variant == "vera":
+        return peft.get_peft_model(model, peft.VeraConfig(r=vera_r, target_modules=list(COST_TARGETS))).train()
+    flags = {"lora": {}, "rslora": {"use_rslora": True}, "dora": {"use_dora": True},
+             "pissa": {"init_lora_weights": "pissa"}, "lora_fa": {}}[variant]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=list(COST_TARGETS),
+                                                       **flags))
+    if variant == "lora_fa":
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.requires_grad_(False)
+    return model.train()
+
+
+def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, seq: int, calls: int,
+                      dtype: str = "bf16", r: int = 16, vera_r: int = 256, seed: int = 0,
+                      ratios: dict | None = None) -> Callable[[], dict]:
+    """Build every ``(family, variant[, copy])`` of ``combos`` once on ``spec`` (a third element makes a second,
+    identical model: the check that identical configurations time alike) and return ``measure_once``: one
+    repetition, every combination in turn (order rotated by repetition), each timed by ``measure.loop_ms`` over
+    ``calls`` whole training steps (forward, backward, AdamW, zero_grad; synchronised after each) after two
+    warm-up steps. It returns ``{"ms|family|variant[|copy]": median ms}`` and, for each ``ratios`` entry
+    ``name: [numerator combo, denominator combo]``, ``name``: their ratio within the repetition."""
+    from lora_lab.lab import measure
+    from lora_lab.models import load_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    base = load_model(spec, dtype=dtype, device=device, attn_implementation="sdpa")
+    ids = torch.randint(0, base.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(seed))
+    ids = ids.to(device)
+    keys = ["|".join(c) for c in combos]
+    steps = {}
+    for key, combo in zip(keys, combos):
+        model = _build_cost_model(base, combo[0], combo[1], r, vera_r)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def step(model=model, opt=opt):
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps[key] = step
+    counter = {"rep": 0}
+
+    def measure_once() -> dict:
+        out = {}
+        for key in measure.rotation(keys, counter["rep"]):
+            times = measure.loop_ms(steps[key], calls=calls, warmup=2)
+            out[f"ms|{key}"] = sorted(times)[len(times) // 2]
+        counter["rep"] += 1
+        for name, (num, den) in (ratios or {}).items():
+            out[name] = out[f"ms|{'|'.join(num)}"] / out[f"ms|{'|'.join(den)}"]
+        return out
+
+    return measure_once

@@ -254,6 +254,8 @@ PARAMETER_RULES: dict[str, Rule] = {
     "LOWEST_CHUNK_SIZES": _list_of(_SIZE, non_empty=False),
     "RUN_BENCHMARKS": Rule("True or False", lambda value: isinstance(value, bool)),
     "REPETITIONS": _COUNT,
+    "SEEDS": _COUNT,
+    "CALLS": _COUNT,
     "NUMERICS_TOKENS_GPU": _SIZE,
     "ROUNDS": _COUNT,
     "SESSIONS": _COUNT,

@@ -95,6 +95,7 @@ class TrainingSetup:
     chunk_size: int = 1024
     embedding_grad: bool | None = None
     optimizer_foreach: bool = True  # AdamW's foreach path allocates one temporary the size of the trainable params
+    adapter_dtype: str | None = None  # LoRA factors' dtype; None: add_lora's default (fp32 on bf16/fp16, else dtype)
 
     def __post_init__(self):
         if self.method not in ("full", "lora"):
@@ -108,6 +109,16 @@ class TrainingSetup:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         dtype_of(self.dtype)
+        if self.adapter_dtype is not None:
+            dtype_of(self.adapter_dtype)
+
+    @property
+    def adapter_itemsize(self) -> int:
+        """Bytes per element of the LoRA factors (and their gradients and AdamW states)."""
+        if self.adapter_dtype is not None:
+            return dtype_of(self.adapter_dtype).itemsize
+        s = dtype_of(self.dtype).itemsize
+        return 4 if s == 2 else s
 
 
 class PhasePeaks:
@@ -193,14 +204,23 @@ def _layer_terms(shape: ModelShape, st: TrainingSetup, input_grad: bool,
 
     terms: dict[str, int] = {}
 
+    a = st.adapter_itemsize
+    widened = a != s  # adapters in another dtype: each LoRA branch casts its input and saves that copy for A's grad
+    inputs = {"q_proj": d, "k_proj": d, "v_proj": d, "o_proj": qd, "gate_proj": d, "up_proj": d, "down_proj": m}
+
     def lora_mid(name):  # (x A^T) is saved for B's grad
         if name in lora:
-            terms[f"{name} LoRA x A^T"] = N * st.lora_r * s
+            if widened:
+                terms[f"{name} LoRA input (adapter dtype copy)"] = N * inputs[name] * a
+            terms[f"{name} LoRA x A^T"] = N * st.lora_r * a
+
+    def input_saved(*names):  # is the shared model-dtype input saved (for W's grad, or A's in the adapter's dtype)?
+        return full or (not widened and any(n in lora for n in names))
 
     # --- attention block ---
     terms.update(_norm_terms("input_layernorm", N, d, s, input_grad, full))
     z_grad = input_grad or full
-    if any(weight_trained(n) for n in ("q_proj", "k_proj", "v_proj")):
+    if input_saved("q_proj", "k_proj", "v_proj"):
         terms["q/k/v input"] = N * d * s
     for n in ("q_proj", "k_proj", "v_proj"):
         lora_mid(n)
@@ -247,7 +267,7 @@ def _layer_terms(shape: ModelShape, st: TrainingSetup, input_grad: bool,
             terms["eager v (repeated)"] = N * qd * s
         if v_grad and s != 4:
             terms["eager P in model dtype (T x T)"] = B * h * T * T * s
-    if weight_trained("o_proj") and (out_copy or not saves_output):
+    if input_saved("o_proj") and (out_copy or not saves_output):
         terms["o_proj input"] = N * qd * s
     lora_mid("o_proj")
     h1_grad = input_grad or any_grad or weight_trained("o_proj")
@@ -255,7 +275,7 @@ def _layer_terms(shape: ModelShape, st: TrainingSetup, input_grad: bool,
     # --- MLP block ---
     terms.update(_norm_terms("post_attention_layernorm", N, d, s, h1_grad, full))
     z2_grad = h1_grad or full
-    if weight_trained("gate_proj") or weight_trained("up_proj"):
+    if input_saved("gate_proj", "up_proj"):
         terms["MLP input"] = N * d * s
     lora_mid("gate_proj")
     lora_mid("up_proj")
@@ -266,7 +286,7 @@ def _layer_terms(shape: ModelShape, st: TrainingSetup, input_grad: bool,
         terms["up (for SiLU(gate) * up)"] = N * m * s  # mul saves the other factor
     if up_grad:
         terms["SiLU(gate) (for SiLU(gate) * up)"] = N * m * s
-    if weight_trained("down_proj"):
+    if input_saved("down_proj"):
         terms["down_proj input"] = N * m * s
     lora_mid("down_proj")
     out_grad = h1_grad or gate_grad or up_grad or weight_trained("down_proj")
@@ -319,9 +339,10 @@ def analytic_memory(shape: ModelShape, setup: TrainingSetup) -> AnalyticMemory:
 
     n_params = shape.parameter_count()
     trainable = n_params if full else shape.lora_parameter_count(st.lora_r, st.lora_targets)
-    weights = (n_params + (0 if full else trainable)) * s
-    gradients = trainable * s
-    states = 2 * trainable * s
+    a = s if full else st.adapter_itemsize  # LoRA factors, their gradients and states: in the adapter dtype
+    weights = n_params * s + (0 if full else trainable * a)
+    gradients = trainable * a
+    states = 2 * trainable * a
 
     embedding_grad = st.embedding_grad if st.embedding_grad is not None else (full or st.checkpointing)
     layer_terms = []
@@ -385,7 +406,7 @@ def analytic_memory(shape: ModelShape, setup: TrainingSetup) -> AnalyticMemory:
             below = sum(saved_per_layer[: i + 1])
         worst = max(worst, fixed + grads_so_far + below + transient)
     phases["layers_backward"] = worst
-    foreach_tmp = trainable * s if st.optimizer_foreach else 0
+    foreach_tmp = trainable * a if st.optimizer_foreach else 0
     phases["optimizer"] = weights + gradients + states + foreach_tmp
     return AnalyticMemory(
         weights=weights, gradients=gradients, optimizer_states=states, layer_terms=layer_terms,

@@ -88,14 +88,21 @@ def fsdp_memory(shape: ModelShape, setup: TrainingSetup, world_size: int,
     N, L = world_size, shape.num_layers
     s = dtype_of(setup.dtype).itemsize
     units = unit_parameter_shapes(shape, setup)
-    local_all = sum(_local(p, N) for p, _ in units["root"]) + L * sum(_local(p, N) for p, _ in units["layer"])
     local_trainable = (sum(_local(p, N) for p, t in units["root"] if t)
                        + L * sum(_local(p, N) for p, t in units["layer"] if t))
-    weights, gradients, states = local_all * s, local_trainable * s, 2 * local_trainable * s
-    root_gathered = sum(_gathered(p, N) for p, _ in units["root"]) * s
-    layer_gathered = sum(_gathered(p, N) for p, _ in units["layer"]) * s
+    # trainable parameters (LoRA factors) in the adapter dtype (fp32 on a bf16 model by default), frozen in s
+    a = s if setup.method == "full" else setup.adapter_itemsize
+
+    def nbytes(p, t, count):
+        return count(p, N) * (a if t else s)
+
+    weights = sum(nbytes(p, t, _local) for p, t in units["root"]) + L * sum(nbytes(p, t, _local)
+                                                                         for p, t in units["layer"])
+    gradients, states = local_trainable * a, 2 * local_trainable * a
+    root_gathered = sum(nbytes(p, t, _gathered) for p, t in units["root"])
+    layer_gathered = sum(nbytes(p, t, _gathered) for p, t in units["layer"])
     layers_gathered = min(2, L) if reshard_after_forward else L
-    layer_grads = sum(_gathered(p, N) for p, t in units["layer"] if t) * s
+    layer_grads = sum(_gathered(p, N) for p, t in units["layer"] if t) * a
     reduce_scatter = 2 * layer_grads
 
     local_batch = math.ceil(setup.batch / N)
@@ -107,7 +114,7 @@ def fsdp_memory(shape: ModelShape, setup: TrainingSetup, world_size: int,
     for phase in ("forward", "loss_backward"):
         phases[phase] = single.phases[phase] - single_fixed + fixed + gathered
     phases["layers_backward"] = single.phases["layers_backward"] - single_fixed + fixed + gathered + reduce_scatter
-    foreach_tmp = local_trainable * s if setup.optimizer_foreach else 0
+    foreach_tmp = local_trainable * a if setup.optimizer_foreach else 0
     phases["optimizer"] = weights + gradients + states + foreach_tmp  # every unit resharded again
     return FsdpMemory(world_size=N, weights=weights, gradients=gradients, optimizer_states=states,
                       root_gathered=root_gathered, layer_gathered=layer_gathered, layers_gathered=layers_gathered,

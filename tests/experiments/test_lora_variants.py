@@ -1,59 +1,10 @@
-"""The planted-adapter task: the teacher holds exactly the planted update, the angle measure is right on known
-cases, and a plain LoRA student learns the update from the teacher's outputs."""
+"""Notebook 09's experiments: interop with PEFT, the digit-code task and its stopping rule, swallowed updates and the
+step-cost session."""
 import pytest
 import torch
 
 import lora_lab
 from lora_lab.experiments import lora_variants as lv
-
-
-def test_orthonormal_is_orthonormal_and_seeded():
-    q = lv.orthonormal(40, 6, torch.Generator().manual_seed(3))
-    assert torch.allclose(q.T @ q, torch.eye(6), atol=1e-6)
-    assert torch.equal(q, lv.orthonormal(40, 6, torch.Generator().manual_seed(3)))
-    with pytest.raises(ValueError, match="0 < k <= n"):
-        lv.orthonormal(4, 5, torch.Generator())
-
-
-def test_teacher_holds_exactly_the_planted_update(tiny_fp32):
-    teacher, planted = lv.plant_adapter(tiny_fp32, ["v_proj"], 3, [1.0, 0.5, 0.25], seed=1, relative=False)
-    assert len(planted) == tiny_fp32.config.num_hidden_layers
-    for name, (u, sigma, v) in planted.items():
-        delta = teacher.get_submodule(name).weight - tiny_fp32.get_submodule(name).weight
-        torch.testing.assert_close(delta, (u * sigma) @ v.T, rtol=0, atol=1e-6)
-    assert torch.equal(teacher.get_submodule("model.layers.0.self_attn.q_proj").weight,
-                       tiny_fp32.get_submodule("model.layers.0.self_attn.q_proj").weight)
-    with pytest.raises(ValueError, match="no nn.Linear"):
-        lv.plant_adapter(tiny_fp32, ["nothing"], 1, [1.0])
-    with pytest.raises(ValueError, match="spectrum"):
-        lv.plant_adapter(tiny_fp32, ["v_proj"], 2, [1.0])
-
-
-def test_subspace_cosines_on_known_cases():
-    gen = torch.Generator().manual_seed(0)
-    u, v = lv.orthonormal(30, 4, gen), lv.orthonormal(20, 4, gen)
-    same = lv.subspace_cosines((u * torch.tensor([4.0, 3, 2, 1])) @ v.T, u)
-    assert torch.allclose(same, torch.ones(4, dtype=torch.float64), atol=1e-9)
-    other = lv.orthonormal(30, 8, torch.Generator().manual_seed(1))
-    orth = other - u @ (u.T @ other)  # columns orthogonal to span(U)
-    assert lv.subspace_cosines(orth[:, :4] @ v.T, u).max() < 1e-6
-
-
-def test_plain_lora_learns_the_planted_update(tiny_fp32):
-    teacher, planted = lv.plant_adapter(tiny_fp32, ["v_proj"], 2, [1.0, 0.6], seed=0)
-    student = lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa")
-    lora_lab.add_lora(student, r=8, alpha=16, targets=("v_proj",))
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, student.config.vocab_size, (2, 24), generator=gen) for _ in range(2)]
-    opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=3e-3)
-    losses = lv.distill(student, teacher, batches, opt, 60)
-    assert losses[-1] < 0.1 * losses[0]
-    assert lv.steps_to_threshold(losses, 0.1 * losses[0]) is not None
-    assert lv.steps_to_threshold([3.0, 2.0], 1.0) is None
-    name = "model.layers.0.self_attn.v_proj"
-    layer = student.get_submodule(name)
-    delta = layer.scaling * (layer.lora_B @ layer.lora_A)
-    assert lv.subspace_cosines(delta.detach(), planted[name][0]).min() > 0.8
 
 
 @pytest.mark.parametrize("variant", ["dora", "vera"])
@@ -63,33 +14,108 @@ def test_interop_helper_reports_exact_round_trips(variant, tmp_path):
 
 
 @pytest.mark.parametrize("variant", list(lv.VARIANTS))
-def test_every_variant_trains_on_the_planted_task(variant, tiny_fp32):
-    teacher, planted = lv.plant_adapter(tiny_fp32, ["v_proj"], 2, [1.0, 0.6], seed=0)
-    gen = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, tiny_fp32.config.vocab_size, (2, 16), generator=gen)]
-    res = lv.train_variant(variant, tiny_fp32, teacher, planted, batches, steps=6, r=4, alpha=8, lr=1e-3,
-                           targets=("v_proj",))
-    assert len(res["losses"]) == 6 and res["trainable_params"] > 0
-    assert 0.0 <= res["subspace_min_cos"] <= res["subspace_mean_cos"] <= 1.0
+def test_every_variant_trains_on_the_digit_code_and_leaves_the_base(variant, tiny_fp32):
+    tok = lora_lab.load_tokenizer("random:tiny-qwen2")
+    task = lv.digit_code_task(tok, 2, {"train": 20, "validation": 5, "test": 5}, seed=0)
+    before = tiny_fp32.get_submodule("model.layers.0.self_attn.v_proj").weight.clone()
+    res = lv.finetune_variant(tiny_fp32, variant, task, 0, r=4, alpha=8, lr=1e-3, targets=("q_proj", "v_proj"),
+                              vera_r=8, batch_size=4, max_steps=4, eval_every=2)
+    assert res["steps"] == 4 and res["trainable_params"] > 0 and len(res["curve"]) == 2
+    assert res["variant"] == variant and 0.0 <= res["test_accuracy"] <= 1.0
     # the base is untouched (PiSSA rewrites the copy's weights, never the base's)
-    assert torch.equal(tiny_fp32.get_submodule("model.layers.0.self_attn.v_proj").weight,
-                       lora_lab.load_model("random:tiny-qwen2").get_submodule("model.layers.0.self_attn.v_proj").weight)
+    assert torch.equal(tiny_fp32.get_submodule("model.layers.0.self_attn.v_proj").weight, before)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The digit-code task, the stopping rule, swallowed updates, the step-cost session
+# ---------------------------------------------------------------------------------------------------------------
+def _tiny_task(sizes=None):
+    tok = lora_lab.load_tokenizer("random:tiny-qwen2")
+    return tok, lv.digit_code_task(tok, 3, sizes or {"train": 40, "validation": 10, "test": 20}, seed=1)
+
+
+def test_digit_code_splits_are_disjoint_and_score_only_the_answer_digits():
+    tok, task = _tiny_task()
+    seen = {}
+    for split, part in task.items():
+        strings = {tok.decode(row) for row in part["input_ids"].tolist()}
+        assert len(strings) == len(part["input_ids"])
+        for other, theirs in seen.items():
+            assert not strings & theirs, f"{split} and {other} share codes"
+        seen[split] = strings
+        assert (part["answer_mask"].sum(1) == 3).all()  # three answer digits, not the spaces between them
+        assert torch.equal(part["labels"] != -100, part["answer_mask"])
+    text = tok.decode(task["test"]["input_ids"][0].tolist())
+    digits = [int(c) for c in text.split("=>")[0].replace("Code:", "").split()]
+    answer = [int(c) for c in text.split("=>")[1].split()]
+    assert answer == lv.code_answer(digits) == [(d + 1) % 10 for d in digits[::-1]]
+    with pytest.raises(ValueError, match="at most 10\\*\\*2"):
+        lv.digit_code_task(tok, 2, {"train": 90, "test": 20})
+
+
+def test_evaluate_scores_a_model_that_knows_the_answer_as_perfect():
+    _, task = _tiny_task()
+    split = task["test"]
+
+    class Oracle(torch.nn.Module):  # logits that put all mass on the next token of each row
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids):
+            rows = {tuple(r.tolist()[:-3]): r for r in split["input_ids"]}
+            logits = torch.full((*input_ids.shape, 300), -30.0)
+            for i, row in enumerate(input_ids):
+                full = rows[tuple(row.tolist()[:-3])]
+                logits[i, torch.arange(len(row) - 1), full[1:]] = 30.0
+            return type("Out", (), {"logits": logits})
+
+    res = lv.evaluate(Oracle(), split)
+    assert res["accuracy"] == 1.0 and res["loss"] < 1e-6
+
+
+def test_training_stops_by_the_rule_or_the_limit_and_scores_the_test_split():
+    _, task = _tiny_task()
+    base = lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa")
+    res = lv.finetune_variant(base, "lora", task, 0, r=4, alpha=8, lr=0.0, targets=("q_proj", "v_proj"), vera_r=8,
+                              batch_size=4, max_steps=50, eval_every=5, patience=2)
+    assert res["converged"] and res["steps"] == 15  # lr 0: nothing improves, the rule stops after 2 stale evals
+    res = lv.finetune_variant(base, "lora", task, 0, r=4, alpha=8, lr=3e-3, targets=("q_proj", "v_proj"), vera_r=8,
+                              batch_size=4, max_steps=10, eval_every=5, patience=5)
+    assert not res["converged"] and res["steps"] == 10 and 0 <= res["test_accuracy"] <= 1
+    assert [p["step"] for p in res["curve"]] == [5, 10]
+    with pytest.raises(ValueError, match="eval_every"):
+        lv.train_to_convergence(base, None, task, 4, max_steps=3, eval_every=5)
     with pytest.raises(ValueError, match="unknown variant"):
-        lv.train_variant("qlora", tiny_fp32, teacher, planted, batches, 1, 4, 8, 1e-3, ("v_proj",))
+        lv.attach_variant(base, "qlora", r=4, alpha=8, lr=1e-3, targets=("q_proj",), vera_r=8)
 
 
-def test_loss_at_averages_a_window():
-    assert lv.loss_at([4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1, 0.1, 0.1, 0.1], 0.4, 2) == 1.5  # steps 3 and 4
+def test_swallowed_shares_see_bf16_rounding_and_not_fp32():
+    _, task = _tiny_task()
+    batches = [(task["train"]["input_ids"][:4], task["train"]["labels"][:4])] * 2
+    shares = {}
+    for stored in ("bf16", "fp32"):
+        model = lora_lab.load_model("random:tiny-qwen2", dtype="bf16", attn_implementation="sdpa")
+        torch.manual_seed(0)
+        lora_lab.add_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"), use_dora=True, adapter_dtype=stored)
+        shares[stored] = lv.swallowed_update_shares(model, batches, lr=1e-4)
+    assert shares["bf16"]["magnitude"] > 0.9 and shares["bf16"]["magnitude_dtype"] == "torch.bfloat16"
+    assert shares["fp32"]["magnitude"] == 0.0 and shares["fp32"]["lora_A_dtype"] == "torch.float32"
+    with pytest.raises(ValueError, match="add an adapter"):
+        lv.swallowed_update_shares(lora_lab.load_model("random:tiny-qwen2"), batches)
 
 
-def test_step_cost_times_real_training_steps(tiny_fp32):
-    import copy
-
-    model = copy.deepcopy(tiny_fp32)
-    lora_lab.add_lora(model, r=2, alpha=4, targets=("v_proj",))
-    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-    cost = lv.step_cost(model, ids, steps=2, lr=1e-2)
-    assert cost["ms"] > 0 and cost["peak_bytes"] is None  # no peak without CUDA
-    after = [p.detach() for p in model.parameters() if p.requires_grad]
-    assert any(not torch.equal(a, b) for a, b in zip(before, after))  # the optimizer stepped
+def test_step_cost_session_times_each_combination_and_pairs_ratios():
+    once = lv.step_cost_session("random:tiny-qwen2", [["lora_lab", "lora"], ["lora_lab", "lora", "copy"],
+                                                      ["peft", "dora"]],
+                                batch=1, seq=8, calls=1, dtype="fp32", r=2,
+                                ratios={"same": [["lora_lab", "lora", "copy"], ["lora_lab", "lora"]]})
+    out = once()
+    assert set(out) == {"ms|lora_lab|lora", "ms|lora_lab|lora|copy", "ms|peft|dora", "same"}
+    assert out["same"] == out["ms|lora_lab|lora|copy"] / out["ms|lora_lab|lora"]
+    bf16 = lv._build_cost_model(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), "lora_lab_bf16", "dora", 2, 8)
+    assert {p.dtype for p in bf16.parameters() if p.requires_grad} == {torch.bfloat16}
+    default = lv._build_cost_model(lora_lab.load_model("random:tiny-qwen2", dtype="bf16"), "lora_lab", "vera", 2, 8)
+    assert {p.dtype for p in default.parameters() if p.requires_grad} == {torch.float32}
+    with pytest.raises(ValueError, match="unknown family"):
+        lv.step_cost_session("random:tiny-qwen2", [["nope", "lora"]], batch=1, seq=8, calls=1, dtype="fp32")

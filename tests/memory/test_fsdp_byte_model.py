@@ -22,21 +22,25 @@ def test_units_hold_every_parameter_once():
         assert numel(units["root"]) + SMALL.num_layers * numel(units["layer"]) == SMALL.parameter_count() + lora
 
 
-def test_shards_gathered_units_and_buffers_by_hand():
-    """N = 3 ranks, bf16 (2 bytes): each parameter keeps ceil(rows / 3) rows on a rank."""
-    m = fsdp_memory(SMALL, LORA, world_size=3)
+@pytest.mark.parametrize("adapter_dtype, a", [(None, 4), ("bf16", 2)])
+def test_shards_gathered_units_and_buffers_by_hand(adapter_dtype, a):
+    """N = 3 ranks, bf16 (2 bytes): each parameter keeps ceil(rows / 3) rows on a rank. The LoRA factors, their
+    gradients and states take ``a`` bytes: fp32 by default on a bf16 model (add_lora's default), or bf16."""
+    setup = TrainingSetup(**{**LORA.__dict__, "adapter_dtype": adapter_dtype})
+    m = fsdp_memory(SMALL, setup, world_size=3)
     # one layer, local elements: q 2x4 + bias 2, k 1x4 + 1, v 1x4 + 1, o 2x4, gate 2x4, up 2x4, down 2x6,
     # two norms 2 + 2 = 60; LoRA q: A 1x4, B 2x2; v: A 1x4, B 1x2 = 14
-    layer_local, layer_lora = 60 + 14, 14
+    layer_frozen, layer_lora = 60, 14
+    layer_bytes = layer_frozen * 2 + layer_lora * a
     root_local = 4 * 4 + 2  # embeddings ceil(10/3) = 4 rows of 4, final norm 2
-    assert m.weights == (root_local + 2 * layer_local) * 2
-    assert m.gradients == 2 * layer_lora * 2
+    assert m.weights == root_local * 2 + 2 * layer_bytes
+    assert m.gradients == 2 * layer_lora * a
     assert m.optimizer_states == 2 * m.gradients
-    assert m.layer_gathered == 3 * layer_local * 2  # padded to 3 * ceil(rows / 3) rows
+    assert m.layer_gathered == 3 * layer_bytes  # padded to 3 * ceil(rows / 3) rows
     assert m.root_gathered == 3 * root_local * 2
-    assert m.reduce_scatter == 2 * 3 * layer_lora * 2
+    assert m.reduce_scatter == 2 * 3 * layer_lora * a
     assert m.layers_gathered == 2
-    assert m.activations.phases == analytic_memory(SMALL, TrainingSetup(**{**LORA.__dict__, "batch": 1})).phases
+    assert m.activations.phases == analytic_memory(SMALL, TrainingSetup(**{**setup.__dict__, "batch": 1})).phases
     assert m.phases["optimizer"] == m.weights + m.gradients + m.optimizer_states + m.gradients  # foreach temporary
     assert m.peak == max(m.phases.values())
 

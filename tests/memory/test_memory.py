@@ -124,21 +124,27 @@ CASES = [
     ("fp32", "lora", "sdpa", None, "cpu_flash", ("o_proj", "down_proj"), "standard"),
     ("fp32", "lora", "sdpa", None, "cpu_flash", ("gate_proj",), "standard"),
     ("bf16", "lora", "sdpa", None, "cpu_flash", mem.LINEARS, "standard"),
+    # bf16 adapters (add_lora's option; the default on a bf16 model is fp32 factors)
+    ("bf16", "lora", "sdpa", None, "cpu_flash", mem.LINEARS, "standard", "bf16"),
+    ("bf16", "lora", "sdpa", SDPBackend.MATH, "math", ("q_proj", "v_proj"), "standard", "bf16"),
+    ("bf16", "lora", "sdpa", None, "cpu_flash", ("o_proj", "down_proj"), "standard", None),
 ]
 
 
-@pytest.mark.parametrize("dtype, method, attn, backend, kernel, targets, loss", CASES)
-def test_accounting_matches_byte_model_exactly(dtype, method, attn, backend, kernel, targets, loss, random_ids):
+@pytest.mark.parametrize("dtype, method, attn, backend, kernel, targets, loss, adapter_dtype",
+                         [c if len(c) == 8 else (*c, None) for c in CASES])
+def test_accounting_matches_byte_model_exactly(dtype, method, attn, backend, kernel, targets, loss, adapter_dtype,
+                                               random_ids):
     model = lora_lab.load_model("random:tiny-qwen2", dtype=dtype, attn_implementation=attn).train()
     if method == "lora":
-        lora_lab.add_lora(model, r=4, alpha=8, targets=targets)
+        lora_lab.add_lora(model, r=4, alpha=8, targets=targets, adapter_dtype=adapter_dtype)
     batch, seq = 2, 40
     ids = random_ids(model, batch, seq)
     with (sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()):
         with mem.SavedTensorAccounting(model) as acc:
             out = causal_lm_loss(model, ids, chunked=(loss == "chunked"), chunk_size=16)
     setup = mem.TrainingSetup(batch=batch, seq_len=seq, dtype=dtype, method=method, lora_r=4,
-                              lora_targets=tuple(targets), attention=kernel, loss=loss)
+                              lora_targets=tuple(targets), attention=kernel, loss=loss, adapter_dtype=adapter_dtype)
     predicted = mem.analytic_memory(mem.ModelShape.from_config(model.config), setup)
     report = acc.report
     assert report.per_layer == predicted.saved_per_layer

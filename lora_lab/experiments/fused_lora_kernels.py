@@ -154,6 +154,8 @@ TARGET_CELL = "32k_4096x4096_r16"  # M = 32768 tokens, K = N = 4096, r = 16: the
 # issue #15's GEMM core as a LoRA linear: bench_lora_linear's persistent / folded variants (its default set; the
 # warp-specialised forms were removed in issue 26: their build failed to compile on the H200)
 CORE_VARIANTS = ("fused_persistent", "fused_fold")
+# issue #27: the shipped op with its four rank-r passes as cuBLAS calls (KernelConfig(rank_ops="torch"))
+RANK_OPS_VARIANT = "fused_torch_rank"
 TRAIN_MODELS = {"qwen3-4096": "qwen3_4096", "qwen2.5-0.5b": "qwen2_5_0_5b"}
 
 
@@ -219,6 +221,29 @@ def core_variant_metrics(rows, cells) -> dict:
     return out
 
 
+def rank_ops_metrics(rows, cells) -> dict:
+    """The rank-r passes as cuBLAS calls (``fused_torch_rank``), where the benchmark timed it in every cell: its
+    time over the frozen layer at the target cell and in its worst cell, over the shipped op at the target cell,
+    and its host time per call there."""
+    v, t = RANK_OPS_VARIANT, TARGET_CELL
+    mine = [r for r in rows if r["variant"] == v]
+    if not mine or any(r.get("status", "ok") != "ok" for r in mine):
+        return {f"lora_linear_{v}_failed_cells": len({r["cell"] for r in mine if r.get("status", "ok") != "ok"})} \
+            if mine else {}
+    out = {}
+    if t in cells:
+        out[f"lora_linear_{v}_time_vs_base_{t}"] = _ratio(rows, "fwd_bwd_ms", {"cell": t, "variant": v},
+                                                           {"cell": t, "variant": "base"})
+        out[f"lora_linear_{v}_time_vs_fused_{t}"] = _ratio(rows, "fwd_bwd_ms", {"cell": t, "variant": v},
+                                                            {"cell": t, "variant": "fused"})
+        host = measure.by_repetition(rows, "host_ms", cell=t, variant=v)
+        if host:
+            out[f"lora_linear_{v}_host_ms_{t}"] = measure.summarize((x for _, x in sorted(host.items())),
+                                                                    sessions=measure.sessions_in(rows))
+    out[f"lora_linear_{v}_worst_time_vs_base"] = _worst_cell(rows, cells, v)
+    return out
+
+
 def plot_pooled(root: Path | str, directory: Path | str) -> list[str]:
     """Redraw the benchmark scripts' figures and summary CSVs from the pooled per-repetition CSVs in ``directory``
     (each script's own ``summary_rows`` and ``plot``, imported from ``root/benchmarks``), so the published figures
@@ -279,6 +304,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         out["lora_linear_worst_time_vs_base"] = _worst_cell(rows, cells, "fused")
         out["lora_linear_cells"] = len(cells)
         out.update(core_variant_metrics(rows, cells))
+        out.update(rank_ops_metrics(rows, cells))
     if (d / GDN_CSV).exists():
         rows = _rows(d / GDN_CSV, allow_smoke)
         out["gdn_time_vs_base"] = _ratio(rows, "fwd_bwd_ms", {"variant": "fused"}, {"variant": "base"})

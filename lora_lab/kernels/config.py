@@ -29,6 +29,12 @@ field              variable                meaning
 ``fold_projection`` ``LORA_LAB_FOLD_P``    with ``gemm_loads="persistent"``: P = s·X Aᵀ computed inside the
                                            forward GEMM's K loop and Q = s·dY B inside dX's (r <= 64, no
                                            dropout), instead of separate passes over X and dY
+``rank_ops``       ``LORA_LAB_RANK_OPS``   the LoRA linear's four memory-bound rank-r products on the Triton
+                                           engine (P = s·X Aᵀ, Q = s·dY B, dA, dB): ``triton`` (its own
+                                           kernels), or ``torch`` (cuBLAS calls: each launch costs the host
+                                           a C++ call instead of Triton's Python launch path; the big GEMMs
+                                           stay Triton with the rank-r step in their loop; dropout keeps
+                                           ``triton``, whose kernels regenerate the mask)
 ``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first
                                            one that fits, for quick test runs)
 ``moe_autotune``   ``LORA_LAB_MOE_AUTOTUNE``  the same for the MoE kernels
@@ -65,6 +71,7 @@ CHOICES = {
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),
     "moe_engine": ("auto", "triton", "grouped_mm"),
+    "rank_ops": ("triton", "torch"),
 }
 # values that existed once, and why they are gone (named in the error)
 REMOVED = {
@@ -88,6 +95,7 @@ ENV_VARIABLES = {
     "moe_block_m": "LORA_LAB_MOE_BLOCK_M",
     "moe_loads": "LORA_LAB_MOE_LOADS",
     "moe_engine": "LORA_LAB_MOE_ENGINE",
+    "rank_ops": "LORA_LAB_RANK_OPS",
 }
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
 
@@ -128,6 +136,7 @@ class KernelConfig:
     moe_block_m: int | None = None
     moe_loads: str = "pointer"
     moe_engine: str = "auto"
+    rank_ops: str = "triton"
 
     def __post_init__(self):
         for name, allowed in CHOICES.items():

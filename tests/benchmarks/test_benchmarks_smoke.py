@@ -41,7 +41,10 @@ TIME_05 = ["lora_linear_time_vs_base_32k_4096x4096_r16", "peft_time_vs_base_32k_
            "gdn_speedup_vs_peft", "gdn_peft_time_vs_base", "train_speedup_vs_peft_qwen3_4096",
            "train_speedup_vs_peft_qwen2_5_0_5b", "lora_linear_base_tflops_32k_4096x4096_r16",
            "lora_linear_fused_tflops_32k_4096x4096_r16", "lora_linear_peft_tflops_32k_4096x4096_r16"]
-TIME_05 += ["lora_linear_base_host_ms_32k_4096x4096_r16", "lora_linear_fused_host_ms_32k_4096x4096_r16"]
+TIME_05 += ["lora_linear_base_host_ms_32k_4096x4096_r16", "lora_linear_fused_host_ms_32k_4096x4096_r16",
+            "lora_linear_fused_torch_rank_time_vs_base_32k_4096x4096_r16",
+            "lora_linear_fused_torch_rank_time_vs_fused_32k_4096x4096_r16",
+            "lora_linear_fused_torch_rank_host_ms_32k_4096x4096_r16", "lora_linear_fused_torch_rank_worst_time_vs_base"]
 TIME_05 += [f"lora_linear_{variant}_{metric}" for variant in fused_lora_kernels.CORE_VARIANTS  # issue #15's core
             for metric in ("time_vs_base_32k_4096x4096_r16", "tflops_32k_4096x4096_r16", "worst_time_vs_base")]
 MEMORY_05 = ["lora_linear_peak_vs_base_32k_4096x4096_r16", "train_peak_vs_peft_qwen3_4096",
@@ -132,8 +135,8 @@ def test_csvs_and_plots_carry_the_current_code(smoke_dir):
 def test_one_row_per_cell_variant_and_repetition(smoke_dir):
     rows = measure.read_csv(smoke_dir / "05_lora_linear.csv")
     keys = [(r["cell"], r["variant"], r["rep"]) for r in rows]
-    # two stand-in cells; base, peft, fused and the four GEMM-core variants
-    assert len(keys) == len(set(keys)) == 2 * (3 + len(fused_lora_kernels.CORE_VARIANTS)) * REPETITIONS
+    # two stand-in cells; base, peft, fused, fused_torch_rank and the GEMM-core variants
+    assert len(keys) == len(set(keys)) == 2 * (4 + len(fused_lora_kernels.CORE_VARIANTS)) * REPETITIONS
     assert all(r["status"] == "ok" for r in rows)
     layer = measure.read_csv(smoke_dir / "06_moe_layer.csv")
     assert {r["cell"] for r in layer} == set(fused_moe.GRADED_CELLS)  # --graded-only

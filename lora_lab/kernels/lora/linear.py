@@ -92,6 +92,40 @@ def _cublas_forward(x2, weight, bias, a, b, scaling):
     return y, p
 
 
+def _torch_rank_ops(config: KernelConfig, dropout_p: float) -> bool:
+    """Whether P, Q, dA and dB run as cuBLAS calls (``KernelConfig(rank_ops="torch")``, no dropout: the Triton
+    kernels regenerate the dropout mask from its seed, a cuBLAS call cannot)."""
+    return config.rank_ops == "torch" and dropout_p == 0.0
+
+
+def _scaled_mm(inp: torch.Tensor, mat: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale · inp @ mat`` in one cuBLAS call (the scale applied to the fp32 accumulator, one rounding)."""
+    out = torch.empty((inp.shape[0], mat.shape[1]), device=inp.device, dtype=inp.dtype)
+    return torch.addmm(out, inp, mat, beta=0.0, alpha=scale, out=out)
+
+
+def _wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 result for 16-bit operands where this torch build has ``out_dtype`` (CUDA; one
+    rounding, as the Triton reduction's fp32 output), else in the operands' dtype."""
+    if a.dtype != torch.float32 and a.is_cuda and _fp32_out_works(a.device, a.dtype):
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a, b)
+
+
+_FP32_OUT: dict = {}
+
+
+def _fp32_out_works(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device.index, dtype)
+    if key not in _FP32_OUT:
+        try:
+            one = torch.ones(16, 16, device=device, dtype=dtype)
+            _FP32_OUT[key] = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT[key] = False
+    return _FP32_OUT[key]
+
+
 # ----------------------------------------------------------------------------------------------
 # The autograd Function.
 # ----------------------------------------------------------------------------------------------
@@ -120,7 +154,10 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             lora_gemm(y, [(x2, weight.t())], rt=b.t(), bias=bias, project=(a.t(), scaling, p), config=config)
         else:
             # P = s · drop(X) Aᵀ          (M×r)
-            p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
+            if _torch_rank_ops(config, dropout_p):
+                p = _scaled_mm(x2, a.t(), scaling)
+            else:
+                p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
             y = torch.empty((M, N), device=x.device, dtype=cdt)
             if base_gemm_engine(config) == "cublas":
                 # Y = P Bᵀ + b (Triton, one write), then Y += X Wᵀ (cuBLAS, β = 1)
@@ -178,11 +215,19 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         elif fused_q_db:  # experimental: Q and dB in one pass over dY (atomic, non-deterministic dB)
             q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
             db = dbt.t().to(lora_B.dtype)
+        elif _torch_rank_ops(config, ctx.dropout_p):
+            q = _scaled_mm(dy2, b, ctx.scaling) if (need_x or need_a) else None
         else:
             q = rank_projection(dy2, b, ctx.scaling, tune=config.autotune) if (need_x or need_a) else None
 
         def low_rank_grads():
             grads = [None, db if fused_q_db else None]
+            if _torch_rank_ops(config, ctx.dropout_p):  # cuBLAS, fp32 results where the build allows
+                if need_lb and not fused_q_db:
+                    grads[1] = _wide_mm(dy2.t(), p).to(lora_B.dtype)  # dB = dYᵀ P
+                if need_a:
+                    grads[0] = _wide_mm(q.t(), x2).to(lora_A.dtype)  # dA = Qᵀ X
+                return grads
             if need_lb and not fused_q_db:
                 # dB = dYᵀ P = (Pᵀ dY)ᵀ    (N×r)
                 grads[1] = rank_reduction(p, dy2, tune=config.autotune).t().to(lora_B.dtype)

@@ -82,6 +82,40 @@ def test_matches_reference(M, K, N, r, bias, p, dtype):
     assert cosine(y, yr) >= 0.99999
 
 
+TORCH_RANK_OPS = KernelConfig.from_env(dispatch="triton", rank_ops="torch")
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N,r,bias,p", CPU_CASES)
+def test_torch_rank_ops_match_reference(M, K, N, r, bias, p, dtype, monkeypatch):
+    # rank_ops="torch": P, Q, dA, dB as cuBLAS (here CPU) calls around the Triton GEMMs; with dropout the
+    # Triton rank kernels stay (they regenerate the mask), without it they are never launched
+    from lora_lab.kernels.lora import linear
+
+    if p == 0.0:
+        def refuse(*args, **kwargs):
+            raise AssertionError("a Triton rank kernel ran under rank_ops='torch'")
+
+        monkeypatch.setattr(linear, "rank_projection", refuse)
+        monkeypatch.setattr(linear, "rank_reduction", refuse)
+    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
+    y, yr, _ = run_and_compare(x, w, b, A, B, 1.75, p=p, seed=1234 if p else None, tol=TOL[dtype],
+                               config=TORCH_RANK_OPS)
+    assert cosine(y, yr) >= 0.99999
+
+
+def test_torch_rank_ops_with_fp32_adapters_and_the_environment(monkeypatch):
+    x, w, b, A, B = make_case(29, 40, 36, 4, torch.float16, adapter_dtype=torch.float32)
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float16], config=TORCH_RANK_OPS)
+    monkeypatch.setenv("LORA_LAB_RANK_OPS", "torch")
+    assert KernelConfig.from_env().rank_ops == "torch"
+    monkeypatch.setenv("LORA_LAB_RANK_OPS", "cublas")
+    with pytest.raises(ValueError, match="LORA_LAB_RANK_OPS"):
+        KernelConfig.from_env()
+    with pytest.raises(ValueError, match="rank_ops must be one of triton, torch"):
+        KernelConfig(rank_ops="cuda")
+
+
 def test_fp32_adapters_with_fp16_input():
     # PEFT's default keeps adapters in fp32: the kernel casts A, B (tiny), never X, and returns fp32 grads
     x, w, b, A, B = make_case(29, 40, 36, 4, torch.float16, adapter_dtype=torch.float32)

@@ -10,8 +10,10 @@ the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent``
 with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
-The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, one timed call per
-repetition. TFLOP/s count the dense expert GEMMs (``fused_moe.expert_gemm_flops``).
+The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, the shapes in
+``--eager-shapes`` and the modes in ``--eager-modes`` (default: the 30B-A3B-like full cell at 8,192 tokens, the one
+notebook 06 grades against it), one timed call per repetition. TFLOP/s count the dense expert GEMMs
+(``fused_moe.expert_gemm_flops``).
 
 End to end: a Qwen3-MoE-shaped causal LM with the 30B-A3B layer shape and 4 layers (vocabulary 151,936, random
 init, bf16, sdpa), batch 4 × 2048: forward, backward, AdamW step, zero_grad; ``full`` trains everything, ``lora``
@@ -27,11 +29,15 @@ notebook 06 published before issue #27). Peak memory (``measure.peak_bytes``: pe
 bytes of one untimed call) is measured once per cell and implementation. Notebook 06 reads the per-repetition
 rows through ``fused_moe.benchmark_metrics``.
 
-``--budget-s`` bounds one session's layer cells (graded cells first; each cell's timed calls cut to its share of
-what is left, cells left when it is spent skipped and named); ``--sessions N`` runs the whole script N times in
-separate processes and pools their CSVs (``measure.pool_sessions``), so intervals span sessions.
-``first_call_s`` (each implementation's first call in a cell: compile and any tuning) and ``ours_untuned`` (ours with
-``moe_autotune=False``: the tile table alone) measure issue #24's "no traps".
+``--budget-s`` bounds one session's layer cells, first calls included (graded cells first; each cell's timed calls cut
+to its share of what is left; an implementation whose first call is expected, from ``COLD_FIRST_CALL_S`` unless it is
+tuned at that key already, to exceed what is left skipped and named, and the end-to-end steps then leave it out too
+where it is still untuned; cells left when it is spent skipped and named; one value per session allowed); ``--sessions
+N`` runs the whole script N times in separate processes and pools their CSVs (``measure.pool_sessions``), so intervals
+span sessions; the sessions share Triton's disk cache of autotuning results (``TRITON_CACHE_AUTOTUNING=1`` unless set
+otherwise), so a later session reuses an earlier one's picks (Liger's and our pointer-form kernels'; the persistent
+form tunes per process). ``first_call_s`` (each implementation's first call in a cell: compile and any tuning) and
+``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure issue #24's "no traps".
 
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
@@ -47,6 +53,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -94,9 +102,57 @@ SMOKE_SHAPES = {name: dict(hidden=32, num_experts=4, top_k=2, intermediate=16 + 
 SMOKE_TOKEN_DIVISOR = 1024
 
 
-# Liger's shapes by default: the graded ones and the 64-expert top-6 layer issue #24 measured it at
-LIGER_SHAPES = ("qwen3_30b_a3b", "qwen1_5_moe_a2_7b", "deepseek_v2_lite")
+# Liger's shapes by default: the 30B-A3B-like layer alone. Its first call at a new shape autotunes for minutes (221 s
+# on an H200 at that layer, 8,192 tokens, in the issue27_25_24 session log) and its autotune key is (H_dim, I_dim)
+# (liger_kernel/ops/fused_moe_kernels.py, 0.8.5): both token counts of one layer share one tuning
+LIGER_SHAPES = ("qwen3_30b_a3b",)
 OPTIONAL_IMPLS = (*OURS_VARIANTS, LIGER)  # their failure is a recorded result; the others' fails the run
+# First calls known to be expensive with a cold cache (compile + autotuning), in seconds: what the H200 run of
+# notebook 06 at 14de7b6 measured at the 30B-A3B-like layer, 8,192 tokens, full fine-tuning (session log
+# outputs/gpu/session_logs/issue27_25_24/unfinished/06_moe_layer.csv). --budget-s charges an implementation this
+# before its first call at an autotune key that is not tuned yet (an estimate for other shapes, not a measurement)
+COLD_FIRST_CALL_S = {LIGER: 221.4, "ours": 11.7, "ours_persistent": 19.2}
+# implementations whose tuning Triton's disk cache of autotuning results (TRITON_CACHE_AUTOTUNING=1, set for the
+# sessions) carries from one session to the next; the persistent form tunes per process (its TMA pre-hook)
+DISK_CACHED = (LIGER, "ours")
+FIRST_CALL_LEDGER = "first_calls.json"
+
+
+def autotune_disk_cache_on() -> bool:
+    """Whether Triton keeps autotuning results on disk in this process (``TRITON_CACHE_AUTOTUNING``)."""
+    return os.environ.get("TRITON_CACHE_AUTOTUNING", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def tuning_key(impl: str, shape, mode: str) -> str:
+    """What an implementation's tuning depends on: Liger's autotuners key on (H, I) only; ours per layer and mode."""
+    if impl == LIGER:
+        return f"{LIGER}|h{shape.hidden}|i{shape.intermediate}"
+    return f"{impl}|{shape.name}|{mode}"
+
+
+class FirstCalls:
+    """The autotune keys each implementation was tuned at: in this process, or in an earlier session of the same
+    run (``ledger``, a JSON file the sessions share) for those whose picks Triton's disk cache keeps
+    (:data:`DISK_CACHED`, when the cache is on). :meth:`expected_s` is what the budget charges a first call."""
+
+    def __init__(self, ledger: Path | None = None):
+        self.ledger = ledger
+        self.here: dict[str, float] = {}
+        self.shared: dict[str, float] = json.loads(ledger.read_text()) if ledger and ledger.exists() else {}
+        self.skipped: set[str] = set()  # implementations a cell left out for the budget
+
+    def expected_s(self, impl: str, shape, mode: str) -> float:
+        key = tuning_key(impl, shape, mode)
+        if key in self.here or (key in self.shared and impl in DISK_CACHED and autotune_disk_cache_on()):
+            return 0.0
+        return COLD_FIRST_CALL_S.get(impl, 0.0)
+
+    def record(self, impl: str, shape, mode: str, seconds: float) -> None:
+        key = tuning_key(impl, shape, mode)
+        self.here.setdefault(key, seconds)
+        if self.ledger is not None and key not in self.shared:
+            self.shared[key] = seconds
+            self.ledger.write_text(json.dumps(self.shared, indent=1))
 
 
 def runs_in(impl: str, mode: str) -> bool:
@@ -132,10 +188,14 @@ def calls_within(seconds: float | None, call_ms: dict, repetitions: int, most: i
     return max(1, min(most, int(seconds * 1e3 / per_round_ms)))
 
 
-def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, device, dtype, seconds=None):
+def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, device, dtype, seconds=None,
+                     first_calls=None, deadline=None):
     """Rows of one (shape, T, mode) cell: each implementation timed once per repetition (the caller frees the
     cell's memory after it returns). ``seconds``: the time the cell's timed loops may take (--budget-s), which
-    sets the calls per loop (:func:`calls_within`); ``first_call_s``: the first call (compile, any tuning)."""
+    sets the calls per loop (:func:`calls_within`); ``first_call_s``: the first call (compile, any tuning).
+    ``deadline`` (``time.perf_counter()`` value, --budget-s) with ``first_calls`` (:class:`FirstCalls`): an
+    implementation whose expected first call does not fit what is left is skipped (status ``skipped``, the reason
+    in ``skip_reason``, named on stdout); when that is ``ours``, the whole cell is."""
     holder, experts, params = layer_holder(shape, mode, device, dtype, seed=0)
     gen = torch.Generator(device=device).manual_seed(3)  # drawn on the device (T=32768: 67M values)
     x = torch.randn(num_tokens, shape.hidden, generator=gen, device=device).to(dtype).requires_grad_(True)
@@ -152,10 +212,33 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
                 experts=shape.num_experts, top_k=shape.top_k, intermediate=shape.intermediate, mode=mode,
                 smoke=args.smoke, gemm_flops=flops)
     once = {}
+
+    def budget_skip(impl):  # the reason an implementation's first call does not fit the budget, else None
+        if first_calls is None or deadline is None:
+            return None
+        expected, left = first_calls.expected_s(impl, shape, mode), deadline - time.perf_counter()
+        if expected <= left:
+            return None
+        first_calls.skipped.add(impl)
+        return (f"budget: its first call here is expected to take ~{expected:.0f} s (compile + tuning, cold cache), "
+                f"{max(left, 0.0):.0f} s of the session's budget left")
+
+    reason = budget_skip("ours") if "ours" in impls else None
+    if reason is not None:  # no cell without ours: every implementation is named as skipped
+        print(f"   {cell}: skipped ({reason})", flush=True)
+        return [dict(base, impl=i, rep=rep, ms=None, status="skipped", skip_reason=reason, peak_bytes=None,
+                     resident_bytes=None) for rep in range(args.repetitions) for i in impls]
     for impl in impls:  # warm-up (compile / autotune) and peak memory, outside the timed loops
+        reason = budget_skip(impl) if impl != "ours" else None  # ours: checked above
+        if reason is not None:
+            once[impl] = dict(status="skipped", skip_reason=reason, peak_bytes=None, resident_bytes=None)
+            print(f"   {cell}: {impl} skipped ({reason})", flush=True)
+            continue
         set_implementation(holder, experts, impl, cfg)
         try:
             first = synced_seconds(step)
+            if first_calls is not None:
+                first_calls.record(impl, shape, mode, first)
             again = synced_seconds(step)  # compiled and tuned: the time of one call, for the budget
             peak, resident = measure.peak_bytes(step) if device.type == "cuda" else (None, None)  # CUDA only
             once[impl] = dict(status="ok", peak_bytes=peak, resident_bytes=resident, first_call_s=first,
@@ -255,6 +338,15 @@ def bench_e2e_mode(model, root, ids, mode, args, cfg, device):
     # cells, unless --e2e-variants asks for them
     impls = [i for i in args.impls if (i != "eager" or mode in args.e2e_eager_modes) and runs_in(i, mode)
              and (i not in OURS_VARIANTS or args.e2e_variants)]
+    first_calls = getattr(args, "first_calls", None)
+    if first_calls is not None:  # an optional implementation the budget left out of the layer
+        # cells is left out here too when it is still untuned at this layer (its first call is the expensive part)
+        shape = LAYER_SHAPES["qwen3_30b_a3b"]
+        for impl in [i for i in impls if i in OPTIONAL_IMPLS and i in first_calls.skipped
+                     and first_calls.expected_s(i, shape, mode) > 0]:
+            print(f"   e2e {mode}: {impl} skipped (the budget left it out of the layer cells and it is not tuned at "
+                  f"this layer: first call ~{first_calls.expected_s(impl, shape, mode):.0f} s)", flush=True)
+            impls.remove(impl)
     once = {}
     for impl in impls:  # warm-up (optimizer state, compile / autotune) and peak memory, untimed
         use(impl)
@@ -353,9 +445,18 @@ def layer_cells(args) -> list[tuple[str, int, str]]:
     return sorted(cells, key=lambda c: f"{c[0]}_t{c[1]}_{c[2]}" not in GRADED_CELLS)
 
 
+def session_budget(args) -> float | None:
+    """This session's --budget-s: the value of its index (session k takes the k-th, the last one repeats)."""
+    if args.budget_s is None:
+        return None
+    return args.budget_s[min(args.session_index or 0, len(args.budget_s) - 1)]
+
+
 def run_session(args, impls, out: Path) -> None:
     """One process's layer cells (within --budget-s), then the end-to-end steps; CSVs into ``out``."""
     device = check_device(args.smoke)
+    ledger = Path(args.first_call_ledger) if args.first_call_ledger else None
+    args.first_calls = FirstCalls(ledger)
     from lora_lab.kernels import KernelConfig
 
     cfg = KernelConfig.from_env()
@@ -364,23 +465,26 @@ def run_session(args, impls, out: Path) -> None:
     rows = []
     cells = layer_cells(args)
     started = time.perf_counter()
+    budget = session_budget(args)
+    deadline = None if budget is None else started + budget
     for k, (name, label_tokens, mode) in enumerate(cells):
         seconds = None
-        if args.budget_s is not None:
-            left = args.budget_s - (time.perf_counter() - started)
+        if budget is not None:
+            left = budget - (time.perf_counter() - started)
             if left <= 0:
-                print(f"budget of {args.budget_s:.0f} s spent: {len(cells) - k} cells left out: "
+                print(f"budget of {budget:.0f} s spent: {len(cells) - k} cells left out: "
                       + " ".join(f"{n}_t{t}_{m}" for n, t, m in cells[k:]), flush=True)
                 break
             seconds = left / (len(cells) - k) / 2  # half of a cell's share for its timed loops (warm-ups, peaks)
         shape = LAYER_SHAPES[name].scaled(**SMOKE_SHAPES[name]) if args.smoke else LAYER_SHAPES[name]
         num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
-        with_eager = (not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
+        with_eager = ((not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
+                      and mode in args.eager_modes)
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
                       and (i not in OURS_PERSISTENT or name in args.persistent_shapes) and runs_in(i, mode)]
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,
-                                     seconds=seconds)
+                                     seconds=seconds, first_calls=args.first_calls, deadline=deadline)
         free_memory()
         rows += cell_rows
         measure.write_csv(rows, out / LAYER_CSV)  # after every cell: a run cut short keeps its cells
@@ -422,21 +526,28 @@ def main(argv=None):
                     help="T at which the eager loop is also timed (empty: every T)")
     ap.add_argument("--eager-shapes", nargs="*", default=["qwen3_30b_a3b"], choices=list(LAYER_SHAPES),
                     help="shapes whose cells (at --eager-tokens) also time the eager loop")
+    ap.add_argument("--eager-modes", nargs="*", default=["full"], choices=["full", "lora"],
+                    help="modes whose cells (at --eager-tokens and --eager-shapes) also time the eager loop (default: "
+                         "full, the cell notebook 06's eager metric reads; the loop costs seconds per cell)")
     ap.add_argument("--eager-calls", type=int, default=1, help="timed eager calls per repetition")
     ap.add_argument("--liger-shapes", nargs="*", default=list(LIGER_SHAPES), choices=list(LAYER_SHAPES),
-                    help="shapes whose full cells also run Liger (default: the fine-grained shapes notebook 06 grades "
-                         "or issue #24 measured Liger at; Liger autotunes at each new shape, 102 s at the Mixtral-like "
-                         "one in issue #24, where grouped_mm was the faster peer, so a session's budget holds few)")
+                    help="shapes whose full cells also run Liger (default: the 30B-A3B-like layer alone; Liger "
+                         "autotunes at each new (H, I), 221 s at that layer on an H200, 102 s at the Mixtral-like one "
+                         "in issue #24, so a session's budget holds at most one)")
     ap.add_argument("--persistent-shapes", nargs="*", default=["qwen3_30b_a3b"], choices=list(LAYER_SHAPES),
                     help="shapes whose cells also run the persistent form when --variants asks for it")
     add_timing_arguments(ap)
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="seconds the layer cells of one session may take: each cell's timed calls are cut to its "
-                         "share, and cells left when it is spent are skipped (graded cells run first)")
+    ap.add_argument("--budget-s", type=float, nargs="+", default=None,
+                    help="seconds the layer cells of one session may take, first calls (compile, autotuning) "
+                         "included: one value, or one per session (the last repeats). Each cell's timed calls are cut "
+                         "to its share; an implementation whose first call is expected (COLD_FIRST_CALL_S, unless "
+                         "already tuned at that key in this run) to exceed what is left is skipped and named, a cell "
+                         "is skipped when ours is, and cells left when it is spent are skipped (graded cells first)")
     ap.add_argument("--sessions", type=int, default=1,
                     help="separate processes (this script again, one after another), their CSVs pooled "
                          "(measure.pool_sessions): intervals then span sessions")
     ap.add_argument("--session-index", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--first-call-ledger", default=None, help=argparse.SUPPRESS)  # set for the sessions
     ap.add_argument("--graded-only", action="store_true",
                     help="only the layer cells notebook 06's metrics read (" + ", ".join(GRADED_CELLS) + ")")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training steps")
@@ -450,7 +561,7 @@ def main(argv=None):
                     help="modes whose end-to-end comparison includes the eager loop")
     ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens / --eager-shapes
     args = ap.parse_args(argv)
-    if args.sessions < 1 or (args.budget_s is not None and args.budget_s <= 0):
+    if args.sessions < 1 or (args.budget_s is not None and min(args.budget_s) <= 0):
         ap.error("--sessions must be >= 1 and --budget-s > 0")
     impls = chosen_variants(ap, args, ALL_IMPLS, ["grouped_mm", "ours"])
     if LIGER in impls and not liger_available():
@@ -471,12 +582,17 @@ def main(argv=None):
 
         raw = list(sys.argv[1:] if argv is None else argv)
         parts = []
+        ledger = out / FIRST_CALL_LEDGER  # which keys an earlier session tuned (and took how long): fresh per run
+        ledger.unlink(missing_ok=True)
+        # the sessions share Triton's disk cache of autotuning results: a later session reuses an earlier one's picks
+        env = {**os.environ, "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1")}
         for k in range(args.sessions):
             part = out / f"session{k}"
-            cmd = [sys.executable, str(Path(__file__).resolve()), *_child_argv(raw, part, k)]
+            cmd = [sys.executable, str(Path(__file__).resolve()), *_child_argv(raw, part, k),
+                   "--first-call-ledger", str(ledger)]
             print(f"--- session {k + 1}/{args.sessions}", flush=True)
             t0 = time.perf_counter()
-            done = subprocess.run(cmd)
+            done = subprocess.run(cmd, env=env)
             print(f"--- session {k + 1}/{args.sessions} done in {time.perf_counter() - t0:.0f} s", flush=True)
             if done.returncode != 0 and not (part / LAYER_CSV).exists():
                 raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / LAYER_CSV}")

@@ -616,6 +616,14 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
                  if r["cell"] == cell and r["impl"] == "ours" and r.get("first_call_s") is not None]
         if first:
             out[f"{cell}_ours_first_call_s"] = max(first)
+        # Liger's first call (its autotuning: minutes at a new shape), the slowest over the sessions (a later
+        # session may reuse an earlier one's picks through Triton's disk cache), and the fastest beside it
+        first = [r["first_call_s"] for r in layer
+                 if r["cell"] == cell and r["impl"] == LIGER and r.get("first_call_s") is not None]
+        if first:
+            out[f"{cell}_liger_first_call_s"] = max(first)
+            if len(set(r.get("session") for r in layer if r["cell"] == cell and r["impl"] == LIGER)) > 1:
+                out[f"{cell}_liger_first_call_min_s"] = min(first)
     panel_first = [v for k, v in out.items() if k.endswith("_ours_first_call_s")]
     if panel_first:
         out["panel_ours_first_call_max_s"] = max(panel_first)

@@ -69,3 +69,57 @@ def test_two_sessions_pooled_with_untuned_form_and_first_calls(tmp_path):
         assert metrics[f"{cell}_ours_untuned_slowdown_vs_ours"]["n"] == 4
         assert metrics[f"{cell}_ours_first_call_s"] > 0
     assert metrics["panel_ours_first_call_max_s"] > 0 and metrics["panel_ours_untuned_slowdown_max"] > 0
+
+
+def test_first_calls_known_to_be_tuned_cost_nothing_and_cold_ones_their_estimate(bench, tmp_path, monkeypatch):
+    """The budget's estimate of a first call: the cold figure until the key is tuned in this process, or, for an
+    implementation Triton's disk cache carries over, in an earlier session of the run (the ledger)."""
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
+    qwen3, qwen15 = fused_moe.LAYER_SHAPES["qwen3_30b_a3b"], fused_moe.LAYER_SHAPES["qwen1_5_moe_a2_7b"]
+    ledger = tmp_path / bench.FIRST_CALL_LEDGER
+    first = bench.FirstCalls(ledger)
+    cold = bench.COLD_FIRST_CALL_S
+    assert first.expected_s("liger", qwen3, "full") == cold["liger"] > 0
+    first.record("liger", qwen3, "full", 5.0)
+    first.record("ours_persistent", qwen3, "full", 3.0)
+    assert first.expected_s("liger", qwen3, "full") == 0.0
+    assert first.expected_s("liger", qwen15, "full") == cold["liger"]  # another (H, I): tuned again
+    later = bench.FirstCalls(ledger)  # the next session of the run
+    assert later.expected_s("liger", qwen3, "full") == 0.0
+    assert later.expected_s("ours_persistent", qwen3, "full") == cold["ours_persistent"]  # tuned per process
+    monkeypatch.delenv("TRITON_CACHE_AUTOTUNING")
+    assert bench.FirstCalls(ledger).expected_s("liger", qwen3, "full") == cold["liger"]  # no disk cache: cold
+
+
+def test_budget_skips_an_implementation_whose_first_call_does_not_fit_and_names_it(bench, monkeypatch, capsys):
+    """--budget-s counts first calls: an implementation whose cold first call is expected to exceed what is left is
+    a ``skipped`` row with the reason (the others are timed); when it is ours, the whole cell is skipped."""
+    import time
+
+    monkeypatch.setattr(bench, "COLD_FIRST_CALL_S", {"ours_persistent": 1e6, "ours": 0.0})
+    shape = fused_moe.LAYER_SHAPES["qwen3_30b_a3b"].scaled(**bench.SMOKE_SHAPES["qwen3_30b_a3b"])
+    args = argparse.Namespace(repetitions=2, eager_calls=1, warmup_ms=1.0, rep_ms=2.0, smoke=True, calls=1, warmup=0,
+                              secondary=[])
+    first = bench.FirstCalls()
+    deadline = time.perf_counter() + 600
+    rows = bench.bench_layer_cell(shape, 8, 8192, "full", ["grouped_mm", "ours", "ours_persistent"], args, None,
+                                  torch.device("cpu"), torch.float32, first_calls=first, deadline=deadline)
+    skipped = [r for r in rows if r["impl"] == "ours_persistent"]
+    assert len(skipped) == 2 and all(r["status"] == "skipped" and r["ms"] is None for r in skipped)
+    assert "first call" in skipped[0]["skip_reason"] and "ours_persistent skipped" in capsys.readouterr().out
+    assert {r["impl"] for r in rows if r["status"] == "ok"} == {"grouped_mm", "ours"}
+    assert first.skipped == {"ours_persistent"}
+
+    monkeypatch.setattr(bench, "COLD_FIRST_CALL_S", {"ours": 1e6})
+    rows = bench.bench_layer_cell(shape, 8, 8192, "lora", ["grouped_mm", "ours"], args, None, torch.device("cpu"),
+                                  torch.float32, first_calls=first, deadline=deadline)
+    assert rows and all(r["status"] == "skipped" and r["ms"] is None for r in rows)
+    assert "skipped" in capsys.readouterr().out
+
+
+def test_session_budgets_one_per_session_the_last_repeating(bench):
+    args = argparse.Namespace(budget_s=[250.0, 60.0], session_index=None)
+    assert bench.session_budget(args) == 250.0
+    assert [bench.session_budget(argparse.Namespace(budget_s=[250.0, 60.0], session_index=k)) for k in (1, 2)] == [
+        60.0, 60.0]
+    assert bench.session_budget(argparse.Namespace(budget_s=None, session_index=1)) is None

@@ -11,6 +11,7 @@ from test_moe_kernels import BF16_MAX_REL_L2, BF16_MIN_COSINE, assert_close_all,
 
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe import engine
+from lora_lab.kernels.moe.experts import moe_experts_reference
 from lora_lab.numerics import cosine, rel_l2
 
 BF16 = torch.bfloat16
@@ -21,6 +22,15 @@ QWEN3_30B = dict(num_experts=128, num_assignments=8192 * 8, hidden=2048, interme
 QWEN15_MOE = dict(num_experts=60, num_assignments=8192 * 4, hidden=2048, intermediate=1408)
 GPT_OSS_20B = dict(num_experts=32, num_assignments=8192 * 4, hidden=2880, intermediate=2880)
 MIXTRAL_8X22B = dict(num_experts=8, num_assignments=8192 * 2, hidden=6144, intermediate=16384)
+
+
+def reference_grads(x, index, weights, w1, w2, grad_seed=1):
+    """What ``run_both`` returns for the reference (output and every gradient, the same upstream gradient), without
+    running the fused kernels in that dtype too."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w1, w2)]
+    out = moe_experts_reference(leaves[0], index, leaves[1], leaves[2], leaves[3], None)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out)
+    return [out.detach(), *torch.autograd.grad(out, leaves, g)]
 
 
 def choose(layer, **overrides):
@@ -116,12 +126,15 @@ def test_grouped_mm_engine_drops_sentinel_expert_ids():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < HOPPER,
                     reason="needs a Hopper GPU")
-@pytest.mark.parametrize("T,H,I,E,K", [(1000, 264, 136, 16, 4), (4096, 1024, 4096, 8, 2), (5, 64, 32, 8, 2)])
+# one coarse shape (E <= 16, I >= 4096: the rule's grouped_mm class), kept small: T 1024 (issue #24's H200 run of
+# this test timed out at 120 s with T 4096, mostly in an fp32 pass of the Triton kernels, autotuned, that the
+# reference never needed), one fine-grained and one tiny shape
+@pytest.mark.parametrize("T,H,I,E,K", [(1000, 264, 136, 16, 4), (1024, 1024, 4096, 8, 2), (5, 64, 32, 8, 2)])
 def test_grouped_mm_engine_bf16_gpu_against_fp32_reference(T, H, I, E, K):
     problem = make_problem(T, H, I, E, K, device="cuda", dtype=BF16)
     x, index, weights, w1, w2, _ = problem
     got, _ = run_both(*problem, config=KernelConfig(moe_engine="grouped_mm"))
-    _, ref = run_both(x.float(), index, weights.float(), w1.float(), w2.float(), None)
+    ref = reference_grads(x.float(), index, weights.float(), w1.float(), w2.float())
     for name, a, b in zip(["out", "dx", "d_weights", "d_gate_up", "d_down"], got, ref):
         assert cosine(a, b) >= BF16_MIN_COSINE, (name, cosine(a, b))
         assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))

@@ -3,7 +3,7 @@
 * :func:`digit_code_task`         — the digit code ("Code: 3 8 1 5 =>" answered " 6 2 9 4": reversed, each plus one),
   disjoint train / validation / test codes, loss and accuracy on the answer digits only
 * :func:`evaluate`                — teacher-forced answer-digit loss and accuracy of a model on one split
-* :func:`train_to_convergence`    — AdamW until the stopping rule (validation loss no longer improving) or a limit
+* :func:`train_to_target`         — AdamW until the stopping rule (validation accuracy at a target) or a step limit
 * :func:`finetune_variant`        — one variant from one seed, trained and scored on the test codes
 * :func:`swallowed_update_shares` — the share of optimizer updates that round to no change in the adapter's dtype
 * :func:`step_cost_session`       — one session (process) of the side-by-side step-cost loop
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["VARIANTS", "digit_code_task", "evaluate", "train_to_convergence", "finetune_variant",
+__all__ = ["VARIANTS", "digit_code_task", "evaluate", "train_to_target", "censored_steps", "finetune_variant",
            "swallowed_update_shares", "step_cost_session", "interop_max_abs_diff"]
 
 
@@ -185,20 +185,25 @@ def evaluate(model: nn.Module, split: dict, batch_size: int = 256) -> dict:
     return {"loss": loss_sum / count, "accuracy": correct / count}
 
 
-def train_to_convergence(model: nn.Module, optimizer: torch.optim.Optimizer, task: dict, batch_size: int,
-                         max_steps: int, eval_every: int, patience: int = 3, min_rel_gain: float = 0.01,
-                         seed: int = 0) -> dict:
-    """AdamW steps on random training batches until the **stopping rule**: the validation answer loss has not
-    improved on its best by at least ``min_rel_gain`` (relative) in ``patience`` consecutive evaluations (every
-    ``eval_every`` steps), or ``max_steps``. Returns the validation curve, the steps run, whether the rule
-    (not the step limit) stopped it, and the final model's test loss and accuracy."""
-    if eval_every < 1 or max_steps < eval_every or patience < 1:
-        raise ValueError(f"need 1 <= eval_every <= max_steps and patience >= 1, got {eval_every}, {max_steps}, "
-                         f"{patience}")
+def train_to_target(model: nn.Module, optimizer: torch.optim.Optimizer, task: dict, batch_size: int,
+                    max_steps: int, eval_every: int, target_accuracy: float, loss_floor: float | None = None,
+                    seed: int = 0) -> dict:
+    """AdamW steps on random training batches until the **stopping rule**: every ``eval_every`` steps the validation
+    split is scored (one batched, teacher-forced pass) and the run stops at the first check whose answer accuracy
+    is at least ``target_accuracy`` (or whose answer loss is at most ``loss_floor``, if given), else at
+    ``max_steps``. Returns the validation curve, the steps run, ``reached`` (the target, not the limit, stopped it),
+    ``steps_to_target`` (the step of that check; None if never reached) and the final model's test loss and
+    accuracy. A non-finite training loss ends the run unreached."""
+    if eval_every < 1 or max_steps < eval_every:
+        raise ValueError(f"need 1 <= eval_every <= max_steps, got eval_every={eval_every}, max_steps={max_steps}")
+    if not 0.0 < target_accuracy <= 1.0:
+        raise ValueError(f"target_accuracy must be in (0, 1], got {target_accuracy}")
+    if loss_floor is not None and not loss_floor > 0:
+        raise ValueError(f"loss_floor must be positive or None, got {loss_floor}")
     device = next(model.parameters()).device
     train = task["train"]
     gen = torch.Generator().manual_seed(seed)
-    curve, best, stale, converged, step = [], float("inf"), 0, False, 0
+    curve, reached, step = [], False, 0
     model.train()
     while step < max_steps:
         rows = torch.randint(0, len(train["input_ids"]), (batch_size,), generator=gen)
@@ -208,21 +213,23 @@ def train_to_convergence(model: nn.Module, optimizer: torch.optim.Optimizer, tas
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
-        if not torch.isfinite(loss):
-            break
         if step % eval_every == 0:
+            if not torch.isfinite(loss):
+                break
             val = evaluate(model, task["validation"])
             curve.append({"step": step, "train_loss": float(loss.detach()), **{f"val_{k}": v for k, v in val.items()}})
-            if val["loss"] < best * (1 - min_rel_gain):
-                best, stale = val["loss"], 0
-            else:
-                stale += 1
-            if stale >= patience:
-                converged = True
+            if val["accuracy"] >= target_accuracy or (loss_floor is not None and val["loss"] <= loss_floor):
+                reached = True
                 break
     test = evaluate(model, task["test"])
-    return {"curve": curve, "steps": step, "converged": converged, "test_loss": test["loss"],
-            "test_accuracy": test["accuracy"]}
+    return {"curve": curve, "steps": step, "reached": reached, "steps_to_target": step if reached else None,
+            "test_loss": test["loss"], "test_accuracy": test["accuracy"]}
+
+
+def censored_steps(run: dict, max_steps: int, eval_every: int) -> int:
+    """Steps to the target of a run, a run that never reached it counted as ``max_steps + eval_every``: a lower
+    bound on its true value, finite so that ratios between runs stay defined."""
+    return run["steps_to_target"] if run["reached"] else max_steps + eval_every
 
 
 def attach_variant(model: nn.Module, variant: str, r: int, alpha: float, lr: float, targets: Sequence[str],
@@ -250,26 +257,19 @@ def attach_variant(model: nn.Module, variant: str, r: int, alpha: float, lr: flo
 
 def finetune_variant(base: nn.Module, variant: str, task: dict, seed: int, *, r: int, alpha: float, lr: float,
                      targets: Sequence[str], vera_r: int, batch_size: int, max_steps: int, eval_every: int,
-                     patience: int = 3) -> dict:
+                     target_accuracy: float, loss_floor: float | None = None) -> dict:
     """One variant, one seed: a fresh copy of ``base`` with the adapter (initialised from ``seed``), trained by
-    :func:`train_to_convergence` (batches drawn from ``seed`` too). Returns its result with the trainable count."""
+    :func:`train_to_target` (batches drawn from ``seed`` too). Returns its result with the trainable count."""
     from lora_lab.layer import count_parameters
 
     model = copy.deepcopy(base)
     torch.manual_seed(seed)
     opt = attach_variant(model, variant, r=r, alpha=alpha, lr=lr, targets=targets, vera_r=vera_r)
-    res = train_to_convergence(model, opt, task, batch_size, max_steps, eval_every, patience=patience, seed=seed)
+    res = train_to_target(model, opt, task, batch_size, max_steps, eval_every, target_accuracy,
+                          loss_floor=loss_floor, seed=seed)
     res.update(variant=variant, seed=seed, trainable_params=count_parameters(model).trainable)
     del model, opt
     return res
-
-
-def first_step_at_or_below(curve: Sequence[dict], key: str, value: float) -> int | None:
-    """The first evaluated step whose ``key`` is at or below ``value``; None if none."""
-    for point in curve:
-        if point[key] <= value:
-            return point["step"]
-    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------

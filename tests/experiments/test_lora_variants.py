@@ -1,5 +1,5 @@
-"""Notebook 09's experiments: interop with PEFT, the digit-code task and its stopping rule, swallowed updates and the
-step-cost session."""
+"""Notebook 09's experiments: interop with PEFT, the digit-code task and its stopping rule (an accuracy target),
+swallowed updates and the step-cost session."""
 import pytest
 import torch
 
@@ -19,8 +19,9 @@ def test_every_variant_trains_on_the_digit_code_and_leaves_the_base(variant, tin
     task = lv.digit_code_task(tok, 2, {"train": 20, "validation": 5, "test": 5}, seed=0)
     before = tiny_fp32.get_submodule("model.layers.0.self_attn.v_proj").weight.clone()
     res = lv.finetune_variant(tiny_fp32, variant, task, 0, r=4, alpha=8, lr=1e-3, targets=("q_proj", "v_proj"),
-                              vera_r=8, batch_size=4, max_steps=4, eval_every=2)
+                              vera_r=8, batch_size=4, max_steps=4, eval_every=2, target_accuracy=1.0)
     assert res["steps"] == 4 and res["trainable_params"] > 0 and len(res["curve"]) == 2
+    assert not res["reached"] and res["steps_to_target"] is None
     assert res["variant"] == variant and 0.0 <= res["test_accuracy"] <= 1.0
     # the base is untouched (PiSSA rewrites the copy's weights, never the base's)
     assert torch.equal(tiny_fp32.get_submodule("model.layers.0.self_attn.v_proj").weight, before)
@@ -74,18 +75,37 @@ def test_evaluate_scores_a_model_that_knows_the_answer_as_perfect():
     assert res["accuracy"] == 1.0 and res["loss"] < 1e-6
 
 
-def test_training_stops_by_the_rule_or_the_limit_and_scores_the_test_split():
+def test_training_stops_at_the_accuracy_target_or_the_limit_and_scores_the_test_split(monkeypatch):
     _, task = _tiny_task()
     base = lora_lab.load_model("random:tiny-qwen2", attn_implementation="sdpa")
-    res = lv.finetune_variant(base, "lora", task, 0, r=4, alpha=8, lr=0.0, targets=("q_proj", "v_proj"), vera_r=8,
-                              batch_size=4, max_steps=50, eval_every=5, patience=2)
-    assert res["converged"] and res["steps"] == 15  # lr 0: nothing improves, the rule stops after 2 stale evals
-    res = lv.finetune_variant(base, "lora", task, 0, r=4, alpha=8, lr=3e-3, targets=("q_proj", "v_proj"), vera_r=8,
-                              batch_size=4, max_steps=10, eval_every=5, patience=5)
-    assert not res["converged"] and res["steps"] == 10 and 0 <= res["test_accuracy"] <= 1
-    assert [p["step"] for p in res["curve"]] == [5, 10]
+    kw = dict(r=4, alpha=8, targets=("q_proj", "v_proj"), vera_r=8, batch_size=4, eval_every=5)
+    # the random model gets no answer digit right: a target of 0.5 is never reached, the limit stops the run
+    res = lv.finetune_variant(base, "lora", task, 0, lr=3e-3, max_steps=10, target_accuracy=0.5, **kw)
+    assert not res["reached"] and res["steps"] == 10 and res["steps_to_target"] is None
+    assert [p["step"] for p in res["curve"]] == [5, 10] and 0 <= res["test_accuracy"] <= 1
+    assert lv.censored_steps(res, max_steps=10, eval_every=5) == 15
+    # an absolute loss floor above the random model's loss fires at the first check
+    res = lv.finetune_variant(base, "lora", task, 0, lr=0.0, max_steps=50, target_accuracy=1.0, loss_floor=1e6, **kw)
+    assert res["reached"] and res["steps"] == res["steps_to_target"] == 5 and len(res["curve"]) == 1
+    assert lv.censored_steps(res, max_steps=50, eval_every=5) == 5
+    # the accuracy target: scripted validation accuracies 0.5, 0.9, 0.96 stop the run at the third check (step 15)
+    real = lv.evaluate
+    script = iter([0.5, 0.9, 0.96, 1.0])
+
+    def scripted(model, split, batch_size=256):
+        out = real(model, split, batch_size)
+        return {**out, "accuracy": next(script)} if split is task["validation"] else out
+
+    monkeypatch.setattr(lv, "evaluate", scripted)
+    res = lv.finetune_variant(base, "lora", task, 0, lr=0.0, max_steps=50, target_accuracy=0.95, **kw)
+    assert res["reached"] and res["steps_to_target"] == 15 and [p["val_accuracy"] for p in res["curve"]] == [
+        0.5, 0.9, 0.96]
     with pytest.raises(ValueError, match="eval_every"):
-        lv.train_to_convergence(base, None, task, 4, max_steps=3, eval_every=5)
+        lv.train_to_target(base, None, task, 4, max_steps=3, eval_every=5, target_accuracy=0.9)
+    with pytest.raises(ValueError, match="target_accuracy"):
+        lv.train_to_target(base, None, task, 4, max_steps=10, eval_every=5, target_accuracy=1.5)
+    with pytest.raises(ValueError, match="loss_floor"):
+        lv.train_to_target(base, None, task, 4, max_steps=10, eval_every=5, target_accuracy=0.9, loss_floor=0.0)
     with pytest.raises(ValueError, match="unknown variant"):
         lv.attach_variant(base, "qlora", r=4, alpha=8, lr=1e-3, targets=("q_proj",), vera_r=8)
 

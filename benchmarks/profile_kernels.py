@@ -189,7 +189,10 @@ def kernel_objects():
     found = {}
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         module = importlib.import_module(info.name)
-        for obj in vars(module).values():
+        objects = list(vars(module).values())
+        # the MoE kernels keep their autotuned forms in dicts ({persistent: Autotuner}, launch.make_tuned)
+        objects += [v for obj in list(objects) if isinstance(obj, dict) for v in obj.values()]
+        for obj in objects:
             fn, tuners = obj, []
             while not isinstance(fn, JITFunction) and hasattr(fn, "fn"):
                 tuners += [fn] if isinstance(fn, Autotuner) else []

@@ -257,6 +257,10 @@ PARAMETER_RULES: dict[str, Rule] = {
     "SEEDS": _COUNT,
     "CALLS": _COUNT,
     "NUMERICS_TOKENS_GPU": _SIZE,
+    "NUMERICS_SHAPES": Rule("a non-empty list of distinct MoE layer shape names of fused_moe.LAYER_SHAPES",
+                            lambda value: _moe_shape_names(value)),
+    "BUDGET_S": Rule("seconds > 0, or a list of them (one per session)",
+                     lambda value: _positive_seconds(value)),
     "ROUNDS": _COUNT,
     "SESSIONS": _COUNT,
     "LAYERS": _COUNT,
@@ -265,6 +269,19 @@ PARAMETER_RULES: dict[str, Rule] = {
                          and len(set(value.split(","))) == len(value.split(","))
                          and all(name in ("llama", "qwen2", "qwen3_moe") for name in value.split(","))),
 }
+
+
+def _moe_shape_names(value) -> bool:
+    from lora_lab.experiments.fused_moe import LAYER_SHAPES
+
+    names = list(value) if isinstance(value, (list, tuple)) else None
+    return bool(names) and len(set(names)) == len(names) and all(
+        isinstance(n, str) and n in LAYER_SHAPES for n in names)
+
+
+def _positive_seconds(value) -> bool:
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    return bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in values)
 
 
 def parameter_problem(name: str, value: Any) -> str | None:

@@ -501,3 +501,15 @@ def test_overrides_print_no_papermill_parse_warning(tmp_path, caplog, capfd):
     assert recorded["provenance"]["parameter_overrides"] == {"MODEL": "random:tiny-qwen2", "R": 4}
     executed = nbformat.read(str(tmp_path / "runs" / "cpu" / "01_parse.ipynb"), as_version=4)
     assert [cell.metadata.get("tags") for cell in executed.cells][:2] == [["parameters"], ["injected-parameters"]]
+
+
+def test_moe_notebook_rules_name_bad_shapes_and_budgets():
+    from lora_lab.lab.notebooks import parameter_problem
+
+    assert parameter_problem("NUMERICS_SHAPES", ("qwen3_30b_a3b",)) is None
+    assert "LAYER_SHAPES" in parameter_problem("NUMERICS_SHAPES", ("no_such_layer",))
+    assert parameter_problem("NUMERICS_SHAPES", ()) is not None
+    assert parameter_problem("NUMERICS_SHAPES", ("qwen3_30b_a3b", "qwen3_30b_a3b")) is not None
+    assert parameter_problem("BUDGET_S", 120) is None and parameter_problem("BUDGET_S", (260, 60)) is None
+    assert "seconds > 0" in parameter_problem("BUDGET_S", 0)
+    assert parameter_problem("BUDGET_S", (120, -1)) is not None and parameter_problem("BUDGET_S", True) is not None

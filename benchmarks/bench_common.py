@@ -9,7 +9,8 @@
   ``back_to_back_ms`` (``measure.kernel_loop_ms``, ``do_bench``'s unsynchronised loop);
 * :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides);
 * :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash);
-* :func:`error_text` — an exception as the one-line text an ``error`` row records.
+* :func:`error_text` — an exception as the one-line text an ``error`` row records;
+* :func:`session_argv` — a script's own arguments for one child session (``--out`` replaced, ``--sessions`` dropped).
 """
 from __future__ import annotations
 
@@ -116,3 +117,20 @@ def is_oom(exc: BaseException) -> bool:
 def error_text(exc: BaseException, limit: int = 300) -> str:
     """``exc`` as the text an ``error`` row records: its type and message, cut to ``limit`` characters."""
     return f"{type(exc).__name__}: {exc}"[:limit]
+
+
+def session_argv(argv: list[str], out) -> list[str]:
+    """``argv`` without its ``--out`` and ``--sessions`` (both spellings, ``--x v`` and ``--x=v``), then
+    ``--out out``: the arguments of one child session of a script that runs itself once per session."""
+    result, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--out", "--sessions"):
+            skip = True
+            continue
+        if a.startswith(("--out=", "--sessions=")):
+            continue
+        result.append(a)
+    return [*result, "--out", str(out)]

@@ -67,6 +67,7 @@ from bench_common import (
     chosen_variants,
     device_line,
     error_text,
+    session_argv,
     time_call,
 )
 
@@ -500,18 +501,7 @@ def run_session(args, impls, out: Path) -> None:
 
 def _child_argv(argv: list[str], out: Path, index: int) -> list[str]:
     """``argv`` for session ``index``: ``--out`` pointing at ``out``, without ``--sessions``."""
-    result, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--out", "--sessions"):
-            skip = True
-            continue
-        if a.startswith(("--out=", "--sessions=")):
-            continue
-        result.append(a)
-    return [*result, "--out", str(out), "--session-index", str(index)]
+    return [*session_argv(argv, out), "--session-index", str(index)]
 
 
 def main(argv=None):

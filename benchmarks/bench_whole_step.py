@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import check_device, error_text, is_oom
+from bench_common import check_device, error_text, is_oom, session_argv
 
 from lora_lab.lab import measure
 
@@ -390,18 +390,7 @@ def main(argv=None) -> None:
 
 def _replace_out(argv: list[str], new: Path) -> list[str]:
     """``argv`` with ``--out`` pointing at ``new`` (and without ``--sessions``: a child is one session)."""
-    result, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--out", "--sessions"):
-            skip = True
-            continue
-        if a.startswith("--out=") or a.startswith("--sessions="):
-            continue
-        result.append(a)
-    return [*result, "--out", str(new), "--sessions", "1"]
+    return [*session_argv(argv, new), "--sessions", "1"]
 
 
 if __name__ == "__main__":

@@ -72,11 +72,8 @@ from bench_common import (
 )
 
 from lora_lab.experiments.fused_moe import (
-    E2E_CSV,
-    GRADED_CELLS,
     H200_DENSE_BF16_TFLOPS,
     IMPLEMENTATIONS,
-    LAYER_CSV,
     LAYER_SHAPES,
     LIGER,
     OURS_PERSISTENT,
@@ -85,13 +82,13 @@ from lora_lab.experiments.fused_moe import (
     expert_gemm_flops,
     implementations,
     layer_holder,
-    layer_table,
     liger_available,
     ours_config,
     random_routing,
     register_liger,
     set_implementation,
 )
+from lora_lab.experiments.fused_moe_metrics import E2E_CSV, GRADED_CELLS, LAYER_CSV, layer_table
 from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"

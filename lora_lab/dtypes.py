@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DTYPE_NAMES", "FLOAT_DTYPES", "as_float_dtype"]
+__all__ = ["DTYPE_NAMES", "FLOAT_DTYPES", "as_float_dtype", "addmm_fp32_out_works"]
 
 DTYPE_NAMES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                "fp16": torch.float16, "float16": torch.float16, "fp64": torch.float64, "float64": torch.float64}
@@ -26,3 +26,22 @@ def as_float_dtype(dtype, what: str = "dtype") -> torch.dtype:
         f"unsupported {what} {dtype!r}; expected one of " + ", ".join(str(d) for d in FLOAT_DTYPES)
         + f" (or by name: {', '.join(DTYPE_NAMES)})"
     )
+
+
+_ADDMM_FP32_OUT: dict[tuple, bool] = {}
+
+
+def addmm_fp32_out_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` runs for ``dtype`` operands on
+    ``device``: 16-bit operands accumulated into an fp32 result by one cuBLAS call (CUDA builds that have
+    ``aten::addmm.dtype_out``; the CPU build has none). Probed once per device and dtype on 16 x 16 tensors."""
+    key = (device.type, device.index, dtype)
+    if key not in _ADDMM_FP32_OUT:
+        try:
+            a = torch.ones(16, 16, dtype=dtype, device=device)
+            acc = torch.ones(16, 16, dtype=torch.float32, device=device)
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _ADDMM_FP32_OUT[key] = bool(acc[0, 0].item() == 17.0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_FP32_OUT[key] = False
+    return _ADDMM_FP32_OUT[key]

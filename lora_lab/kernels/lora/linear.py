@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
@@ -105,25 +106,13 @@ def _scaled_mm(inp: torch.Tensor, mat: torch.Tensor, scale: float) -> torch.Tens
 
 
 def _wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with an fp32 result for 16-bit operands where this torch build has ``out_dtype`` (CUDA; one
-    rounding, as the Triton reduction's fp32 output), else in the operands' dtype."""
-    if a.dtype != torch.float32 and a.is_cuda and _fp32_out_works(a.device, a.dtype):
-        return torch.mm(a, b, out_dtype=torch.float32)
+    """``a @ b`` with an fp32 result for 16-bit operands where this torch build accumulates into one
+    (:func:`~lora_lab.dtypes.addmm_fp32_out_works`: CUDA; one rounding, as the Triton reduction's fp32 output),
+    else in the operands' dtype."""
+    if a.dtype != torch.float32 and addmm_fp32_out_works(a.device, a.dtype):
+        out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=torch.float32)
+        return torch.addmm(out, a, b, beta=0.0, out_dtype=torch.float32, out=out)
     return torch.mm(a, b)
-
-
-_FP32_OUT: dict = {}
-
-
-def _fp32_out_works(device: torch.device, dtype: torch.dtype) -> bool:
-    key = (device.index, dtype)
-    if key not in _FP32_OUT:
-        try:
-            one = torch.ones(16, 16, device=device, dtype=dtype)
-            _FP32_OUT[key] = torch.mm(one, one, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT[key] = False
-    return _FP32_OUT[key]
 
 
 # ----------------------------------------------------------------------------------------------

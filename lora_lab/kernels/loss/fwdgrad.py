@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.loss.kernels import logit_grad_kernel
 
 __all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_grads",
@@ -36,7 +37,6 @@ __all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_g
 
 GIB = 2**30
 ROW_MULTIPLE = 256  # chunk rows are a multiple of this (or all the rows): whole 128/256-row GEMM tiles
-_PROBED: dict[tuple, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -60,29 +60,14 @@ class FusedPlan:
         return self.logits + self.accumulator + self.grads + self.per_row
 
 
-def _out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=torch.float32, out=acc)`` runs for ``dtype`` operands on ``device``
-    (probed once on 16 x 16 tensors; the CPU build has no such kernel)."""
-    key = (device.type, device.index, dtype)
-    if key not in _PROBED:
-        try:
-            a = torch.ones(16, 16, dtype=dtype, device=device)
-            acc = torch.ones(16, 16, dtype=torch.float32, device=device)
-            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            _PROBED[key] = bool(acc[0, 0].item() == 17.0)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _PROBED[key] = False
-    return _PROBED[key]
-
-
 def dw_accumulate_mode(requested: str, dtype: torch.dtype, device: torch.device) -> str:
     """The dW accumulation actually used: ``"direct"`` for fp32 inputs (dW is its own fp32 accumulator), else
     ``requested`` (``"auto"`` resolved); ``"out_dtype"`` where it cannot run is refused."""
     if dtype == torch.float32:
         return "direct"
     if requested == "auto":
-        return "out_dtype" if _out_dtype_works(device, dtype) else "partial"
-    if requested == "out_dtype" and not _out_dtype_works(device, dtype):
+        return "out_dtype" if addmm_fp32_out_works(device, dtype) else "partial"
+    if requested == "out_dtype" and not addmm_fp32_out_works(device, dtype):
         raise ValueError(f"LossKernelConfig(dw_accumulate='out_dtype') needs torch.addmm(..., out_dtype=float32) for "
                          f"{dtype} on {device}, which this torch build does not run; use 'partial' or 'upcast'")
     return requested

@@ -225,6 +225,17 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 grads[0] = rank_reduction(q, x2, ctx.dropout_p, ctx.seed, tune=config.autotune).to(lora_A.dtype)
             return grads
 
+        def input_grad():
+            # dX = dY W + (Q A) ⊙ keep/(1-p)
+            out = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
+            if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
+                # dX = Q A (Triton, one write), then dX += dY W (cuBLAS, β = 1)
+                lora_gemm(out, [(q, a)], config=config)
+                out.addmm_(dy2, weight)
+            else:
+                lora_gemm(out, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed, config=config)
+            return out.reshape(ctx.x_shape)
+
         # dA and dB only read memory; the dX GEMM is compute-bound: optionally run them side by side
         side = side_stream(dy2.device, config) if need_x and (need_a or need_lb) and not fold else None
         if side is not None:
@@ -232,20 +243,15 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 da, db = low_rank_grads()
+            dx = input_grad()
+            join_side_stream(side, main, da, db)
+        elif need_x and not fold:
+            # one stream: the dX GEMM is launched first, right after Q, so the host time of the dA / dB launches
+            # is spent while it runs instead of in front of it (the GPU would idle while the host prepares them)
+            dx = input_grad()
+            da, db = low_rank_grads()
         else:
             da, db = low_rank_grads()
-        if need_x and not fold:
-            # dX = dY W + (Q A) ⊙ keep/(1-p)
-            dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
-            if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
-                # dX = Q A (Triton, one write), then dX += dY W (cuBLAS, β = 1)
-                lora_gemm(dx, [(q, a)], config=config)
-                dx.addmm_(dy2, weight)
-            else:
-                lora_gemm(dx, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed, config=config)
-            dx = dx.reshape(ctx.x_shape)
-        if side is not None:
-            join_side_stream(side, main, da, db)
         if need_w:  # only when the base weight is trained too (not LoRA's usual setting): dW = dYᵀ X
             dw = (dy2.t() @ x2).to(weight.dtype)
         if need_b:

@@ -4,8 +4,9 @@
 The *recipe* is what a user writes: Liger-Kernel applied to the transformers model, PEFT's LoRA on every projection,
 then :func:`lora_lab.kernels.patch_model` with ``fused_loss=True`` — which routes every LoRA projection through the
 fused kernels and picks whose fused loss runs (:func:`lora_lab.kernels.liger.choose_loss`). In the benchmark that is
-the variant ``peft_liger_patch`` (at the three heads measured there, the rule picks Liger's loss); the variant
-``peft_liger_patch_lora_lab_loss`` differs from it only in the loss.
+the variant ``peft_liger_patch_lora_lab_loss`` wherever ``LOSS_TABLE`` names lora_lab's loss — since the H200 runs
+of a9f0a02 and bec6a1b, at all three heads measured there — and ``peft_liger_patch`` (Liger's loss, the recipe as
+first registered, ``RECIPE``) elsewhere; the two differ only in the loss.
 """
 from __future__ import annotations
 

@@ -57,6 +57,9 @@ LOSS_TABLE: dict[tuple[int, int], tuple[str, str]] = {
     (3584, 151936): ("lora_lab", "notebook 10, H200 run of a9f0a02: Qwen2-7B-like 2-layer step, 2x4096 tokens, r=16; "
                                  "step with lora_lab's loss / with Liger's 0.937 [0.934, 0.951], 10 repetitions, "
                                  "2 sessions"),
+    (2048, 151936): ("lora_lab", "notebook 10, H200 run of bec6a1b: Qwen3-30B-A3B-like 2-layer step, 2x4096 tokens, "
+                                 "r=16; step with lora_lab's loss / with Liger's 0.832 [0.808, 0.851], 10 repetitions, "
+                                 "2 sessions"),
 }
 
 

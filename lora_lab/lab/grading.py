@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lora_lab.lab.errata import apply_errata
 from lora_lab.lab.measure import MIN_REPETITIONS
 from lora_lab.lab.predictions import Prediction, PredictionError, format_number, load_predictions, superseded_ids
 from lora_lab.lab.recording import STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
@@ -289,8 +290,10 @@ def why_void(
 def why_void_payload(
     prediction: Prediction, profile: str, payload: dict[str, Any], summary_entry: dict[str, Any] | None = None
 ) -> tuple[str, Any]:
-    """:func:`why_void` for a metrics file already read (``payload``)."""
+    """:func:`why_void` for a metrics file already read (``payload``; the errata naming its run applied,
+    :mod:`lora_lab.lab.errata`)."""
     summary_entry = summary_entry or {}
+    payload = apply_errata(payload)
     provenance = payload.get("provenance") or {}
     status = provenance.get("status")
     metrics = payload.get("metrics") or {}
@@ -324,7 +327,9 @@ def why_void_payload(
     elif not (isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value))):
         return f"metric {prediction.metric!r} is not a number: {format_value(value)}", value
     if prediction.is_speed_ratio and sessions_of(value) < MIN_SESSIONS:
-        return f"{ONE_SESSION_WHY} (recorded from {sessions_of(value)})", value
+        note = str((payload.get("notes") or {}).get(prediction.metric) or "")
+        erratum = f"; {note}" if note.startswith("erratum:") else ""
+        return f"{ONE_SESSION_WHY} (recorded from {sessions_of(value)}{erratum})", value
     return "", value
 
 
@@ -362,6 +367,38 @@ def registered_labels(predictions_path: Path) -> dict[str, str]:
         return {entry_id: f"{reg.short} {reg.date[:10]}" for entry_id, reg in registrations(root, relative).items()}
     except (GitError, ValueError, OSError):
         return {}
+
+
+def registration_times(predictions_path: Path) -> dict[str, str]:
+    """``{id: ISO date of the commit that registered it}`` from git history; empty when git cannot tell."""
+    from lora_lab.lab.verify import GitError, registrations, repository_root
+
+    try:
+        root = repository_root(predictions_path.parent)
+        relative = predictions_path.resolve().relative_to(root.resolve()).as_posix()
+        return {entry_id: reg.date for entry_id, reg in registrations(root, relative).items()}
+    except (GitError, ValueError, OSError):
+        return {}
+
+
+def _instant(text: Any) -> _dt.datetime | None:
+    try:
+        moment = _dt.datetime.fromisoformat(str(text))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=_dt.timezone.utc)
+
+
+def registered_after_run(registered_at: str | None, metrics_file: Path) -> str:
+    """Why a metrics file cannot be a prediction's test — the prediction was registered after that run started —
+    or ""; a prediction is graded only by runs that began after it was committed."""
+    when = _instant(registered_at) if registered_at else None
+    payload, _ = read_json(metrics_file)
+    started = _instant(((payload or {}).get("provenance") or {}).get("started")) if payload else None
+    if when is None or started is None or when <= started:
+        return ""
+    return (f"registered {when.isoformat(timespec='minutes')}, after this run started "
+            f"({started.isoformat(timespec='minutes')}): its test is the next run")
 
 
 def grade_row(prediction: Prediction, profile: str, metrics_file: Path, run_summary: dict[str, Any],
@@ -407,7 +444,7 @@ def fill_outcome(row: GradedRow, prediction: Prediction, why: str, value: Any) -
 
 def grade_predictions(
     predictions: list[Prediction], profile: str, profile_dir: Path | str, registered: dict[str, str] | None = None,
-    history: list[dict] | None = None,
+    history: list[dict] | None = None, registered_at: dict[str, str] | None = None,
 ) -> Scoreboard:
     """Grade ``predictions`` that apply to ``profile`` against the files in ``profile_dir``; with a run
     ``history`` (default: ``profile_dir``'s run_history.json, if any), each prediction's headline is its
@@ -432,6 +469,10 @@ def grade_predictions(
             row.ran = ran_labels[prediction.notebook]
             if row.outcome != "superseded":
                 apply_history(row, prediction, history)
+                tested = any(run["role"] == "test" for run in row.history)
+                late = "" if tested else registered_after_run((registered_at or {}).get(prediction.id), metrics_file)
+                if late and row.outcome in GRADED_OUTCOMES:
+                    row.outcome, row.why, row.one_session_outcome = "void", late, ""
             board.rows.append(row)
     return board
 
@@ -526,7 +567,8 @@ def grade(
                 f"{change}: commit the predictions before grading (a prediction counts from the commit that "
                 "registers it)"])
     predictions = load_predictions(predictions_path, notebooks_dir=notebooks_dir, known=known_notebooks)
-    board = grade_predictions(predictions, profile, profile_dir, registered_labels(predictions_path))
+    board = grade_predictions(predictions, profile, profile_dir, registered_labels(predictions_path),
+                              registered_at=registration_times(predictions_path))
     if write:
         unchanged = scoreboard_is_current(board, profile_dir)
         markdown_path, png_path = write_scoreboard(board, profile_dir)

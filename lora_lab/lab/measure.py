@@ -508,10 +508,12 @@ def repetition_ratios(rows: Iterable[dict], value: str, numerator: dict, denomin
 
 def ratio_summary(rows: Iterable[dict], value: str, numerator: dict, denominator: dict) -> dict:
     """:func:`summarize` of :func:`repetition_ratios`, with ``sessions`` counted from the rows (pooled by
-    :func:`pool_sessions`) of the two variants."""
+    :func:`pool_sessions`) of the two variants that hold a ``value``: a session whose rows were skipped or ran out
+    of memory gave no sample and does not count."""
     rows = list(rows)
-    used = [r for r in rows if all(r.get(k) == v for k, v in numerator.items())
-            or all(r.get(k) == v for k, v in denominator.items())]
+    used = [r for r in rows if r.get(value) is not None
+            and (all(r.get(k) == v for k, v in numerator.items())
+                 or all(r.get(k) == v for k, v in denominator.items()))]
     return summarize(repetition_ratios(rows, value, numerator, denominator), sessions=sessions_in(used))
 
 def _session_main(argv=None) -> None:

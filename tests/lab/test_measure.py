@@ -150,6 +150,16 @@ def test_pool_sessions_renumbers_repetitions_and_counts_sessions():
     assert ratio["n"] == 4 and ratio["sessions"] == 2 and ratio["median"] == 1.0
 
 
+def test_ratio_summary_counts_only_sessions_that_gave_samples():
+    # notebook 06's H200 run of bec6a1b: a budget skipped a cell in session 0 (rows without ``ms``) and session 1
+    # timed it; its interval rests on one session and must say so (it said 2)
+    s0 = [{"variant": v, "rep": r, "ms": None, "status": "skipped"} for r in range(2) for v in ("a", "b")]
+    s1 = [{"variant": v, "rep": r, "ms": 2.0 + r, "status": "ok"} for r in range(2) for v in ("a", "b")]
+    rows = measure.pool_sessions([s0, s1])
+    ratio = measure.ratio_summary(rows, "ms", {"variant": "a"}, {"variant": "b"})
+    assert ratio["n"] == 2 and ratio["sessions"] == 1
+
+
 def test_session_main_runs_in_this_interpreter(tmp_path, monkeypatch):
     target = _write_target(tmp_path, "def setup():\n    return lambda: {'x': 1.0}\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -42,7 +42,8 @@ def overstated(run_dir: Path) -> tuple[str, dict[str, int]]:
         impls = _impls(key[len(cell) + 1:]) if cell else None
         if impls is None:
             continue
-        held = {r["session"] for r in rows if r["cell"] == cell and r["impl"] in impls and r.get("ms") not in ("", None)}
+        held = {r["session"] for r in rows
+                if r["cell"] == cell and r["impl"] in impls and r.get("ms") not in ("", None)}
         if len(held) < value["sessions"]:
             fixed[key] = max(len(held), 1)
     return str((payload.get("provenance") or {}).get("git_commit") or ""), fixed

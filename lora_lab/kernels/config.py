@@ -48,8 +48,9 @@ field              variable                meaning
 ``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
                                            ``per_tile`` (one program per (expert, dW tile), its own
                                            pipelined loop over the expert's rows), or ``kgrouped``
-                                           (opt-in, untimed: one program per SM, one pipelined loop over
-                                           the rows of all its (expert, tile) items; see
+                                           (opt-in, untimed: one program per SM, one loop over the rows of
+                                           all its (expert, tile) items, not yet software-pipelined by
+                                           Triton 3.9; see
                                            :mod:`lora_lab.kernels.moe.kgrouped_weight_grad`)
 ``moe_engine``     ``LORA_LAB_MOE_ENGINE``    who runs the MoE expert GEMMs: ``auto`` (the rule of
                                            :func:`lora_lab.kernels.moe.engine.choose_engine`: CUTLASS's

@@ -24,8 +24,8 @@ Work decomposition (``KernelConfig.moe_weight_grad='per_tile'``, the default): n
 program per (tile of G_e, expert), each reducing over the expert's whole row range in its own pipelined K loop
 and storing its tile once. ``moe_weight_grad='kgrouped'`` (opt-in, not yet timed on a GPU) runs the same sum in
 :mod:`~lora_lab.kernels.moe.kgrouped_weight_grad`: one program per SM whose single loop walks the K-steps of all its
-(expert, tile) items, so the software pipeline does not drain and refill at every tile (its docstring says why
-that matters at ~8 K-steps per tile).
+(expert, tile) items, meant to keep the software pipeline from draining and refilling at every tile (its docstring
+says why that matters at ~8 K-steps per tile, and that Triton 3.9 does not yet pipeline that loop: opt-in only).
 """
 
 from __future__ import annotations

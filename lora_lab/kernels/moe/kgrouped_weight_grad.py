@@ -23,12 +23,20 @@ What this kernel changes
 One program per SM (grid ``min(SMs, E · tiles)``) owns the work items w ≡ program (mod SMs) of the list
 (expert-major, each expert's tiles in grouped order) and walks *all of their K-steps in one flat loop*: a step either
 continues the current tile or, after the last step of a tile, has stored it and reset the accumulator, then moves
-on to the next item. Triton's software pipeliner sees a single ``for`` over the program's whole K (Σ over its items of
-max(cdiv(rows_e, BLOCK_K), 1) steps, counted up front from the expert offsets in one vector load), so the loads of
-the next tile's first row blocks are in flight while the current tile's last MMAs and its store run: the fill is paid
-once per program instead of once per tile. The accumulator reset inside the loop is the form Triton folds into the
-MMA's "do not accumulate" flag. Triton's own nested-loop flattening (``tl.range(..., flatten=True)``) does not apply:
-it needs the inner trip count to be the same for every outer iteration, and here it is each expert's row count.
+on to the next item: a single ``for`` over the program's whole K (Σ over its items of max(cdiv(rows_e, BLOCK_K), 1)
+steps, counted up front from the expert offsets in one vector load). The intent: the loads of the next tile's first
+row blocks in flight while the current tile's last MMAs and its store run, the fill paid once per program instead
+of once per tile. Triton's own nested-loop flattening (``tl.range(..., flatten=True)``) does not apply: it needs the
+inner trip count to be the same for every outer iteration, and here it is each expert's row count.
+
+**Status (Triton 3.9, sm_90 compiled on a CPU with ``tools/moe_weight_grad_sm90.py``): the intent is not met.**
+Triton's software pipeliner leaves this flat loop unpipelined — every row block is copied and waited on before its
+MMA — because the loop stores and resets its accumulator inside it (a minimal kernel showed it: the same loop
+without the in-loop reset is pipelined; with it, as a select or an ``if``, with or without the store, it is not).
+The default kernel's per-tile K loop *is* pipelined (two buffers, the next row block loaded during the MMA). Expect
+this kernel to be slower than the default until the epilogue is taken out of the pipelined loop (a warp-specialised
+producer, a newer Triton's pipeliner, or CUTLASS / DeepGEMM-style K-grouped GEMM); it stays opt-in and correct
+(``tests/kernels/moe/test_moe_weight_grad_sm90.py`` holds an xfail that passes once it is pipelined).
 Consecutive programs take consecutive tiles of one expert at the same time, so an expert's rows (gathered X or dOut,
 sorted dGU or h) are read from L2 by all of them. This is the schedule of the K-grouped weight-gradient GEMMs of
 DeepGEMM and SonicMoE (a persistent producer that keeps streaming across tile boundaries), written here as one
@@ -95,42 +103,45 @@ def _kgrouped_weight_grad_kernel(
              - tl.cdiv(tl.maximum(first_item - pid, 0), NUM_SMS))
     total_steps = tl.sum(tl.where(e_mask, owned * expert_steps, 0), axis=0)
 
-    # the current item: its expert, tile offsets, rows [row_start, row_end), step ki of its steps
-    work = pid - NUM_SMS
-    expert = pid * 0
-    off_m = pid * 0
-    off_n = pid * 0
-    row_start = pid * 0
-    row_end = pid * 0
-    steps = pid * 0
+    # The current item (work: rows [row_start, row_end), step ki of steps) and the next item's rows, loaded one item
+    # ahead, so that no load in a step feeds that step's addresses but the row-index loads. (Tried for the pipeliner's
+    # sake; what still stops it is the store and accumulator reset below, see the module docstring.)
+    work = pid
+    row_start = tl.load(expert_offsets_ptr + pid // tiles)
+    row_end = tl.load(expert_offsets_ptr + pid // tiles + 1)
+    following = tl.minimum((pid + NUM_SMS) // tiles, num_experts - 1)  # (clamped: past the last item, unused)
+    next_start = tl.load(expert_offsets_ptr + following)
+    next_end = tl.load(expert_offsets_ptr + following + 1)
+    steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_K), 1)
     ki = pid * 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(0, total_steps):
-        if ki == steps:  # the previous tile is stored: on to this program's next item
-            work += NUM_SMS
-            expert = work // tiles
-            pid_m, pid_n = tile_coords(work % tiles, num_m, num_n, GROUP_M)
-            off_m = pid_m * BLOCK_M
-            off_n = pid_n * BLOCK_N
-            row_start = tl.load(expert_offsets_ptr + expert)
-            row_end = tl.load(expert_offsets_ptr + expert + 1)
-            steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_K), 1)
-            ki = pid * 0
+        advance = ki == steps  # the previous step was its item's last (stored): on to this program's next item
+        work = tl.where(advance, work + NUM_SMS, work)
+        row_start = tl.where(advance, next_start, row_start)
+        row_end = tl.where(advance, next_end, row_end)
+        steps = tl.maximum(tl.cdiv(row_end - row_start, BLOCK_K), 1)
+        ki = tl.where(advance, 0, ki)
+        following = tl.minimum((work + NUM_SMS) // tiles, num_experts - 1)
+        next_start = tl.where(advance, tl.load(expert_offsets_ptr + following, mask=advance, other=0), next_start)
+        next_end = tl.where(advance, tl.load(expert_offsets_ptr + following + 1, mask=advance, other=0), next_end)
+        expert = work // tiles
+        pid_m, pid_n = tile_coords(work % tiles, num_m, num_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
 
         k0 = row_start + ki * BLOCK_K
         rows = k0 + tl.arange(0, BLOCK_K)
         r_mask = rows < row_end
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        if GATHER_A or GATHER_B:
-            token = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
         # Aᵀ tile (BLOCK_M, BLOCK_K) read straight from row-major A, rows gathered by token when GATHER_A
         if A_TMA:
             a_block = a_ptr.load([k0, off_m])
             a_t = tl.trans(tl.where(r_mask[:, None], a_block, tl.zeros_like(a_block)))
         else:
-            if GATHER_A:
-                a_rows = token
+            if GATHER_A:  # the token each row came from (a gathered operand is never read through TMA)
+                a_rows = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
             else:
                 a_rows = rows.to(tl.int64)
             a_t = tl.load(
@@ -146,7 +157,7 @@ def _kgrouped_weight_grad_kernel(
             b = tl.where(r_mask[:, None], b, tl.zeros_like(b))
         else:
             if GATHER_B:
-                b_rows = token
+                b_rows = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
             else:
                 b_rows = rows.to(tl.int64)
             b = tl.load(

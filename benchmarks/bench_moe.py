@@ -7,7 +7,9 @@ forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing fr
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
 the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` is ours
-with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form).
+with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form;
+``ours_kgrouped``, opt-in (only when ``--variants`` names it), is ours with ``KernelConfig.moe_weight_grad='kgrouped'``:
+the K-grouped expert weight-gradient kernel in place of the one-program-per-tile one, everything else the same).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, the shapes in
@@ -47,6 +49,8 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
+    python benchmarks/bench_moe.py --out DIR --no-e2e --modes full --shapes qwen3_30b_a3b \
+        --variants ours_kgrouped ours_persistent                       # the K-grouped dW against ours (issue #24)
     TRITON_INTERPRET=1 python benchmarks/bench_moe.py --out DIR --smoke
 """
 from __future__ import annotations
@@ -76,6 +80,7 @@ from lora_lab.experiments.fused_moe import (
     IMPLEMENTATIONS,
     LAYER_SHAPES,
     LIGER,
+    OURS_KGROUPED,
     OURS_PERSISTENT,
     OURS_UNTUNED,
     OURS_VARIANTS,
@@ -93,7 +98,9 @@ from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
 # Liger: full fine-tuning only, when installed; ours_persistent: ours with KernelConfig.moe_loads set
-ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, LIGER]
+ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, *OURS_KGROUPED, LIGER]
+# what runs when --variants is not given: every implementation but the opt-in K-grouped weight gradient
+DEFAULT_RUN = [impl for impl in ALL_IMPLS if impl not in OURS_KGROUPED]
 # --smoke: tiny stand-ins of the layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {name: dict(hidden=32, num_experts=4, top_k=2, intermediate=16 + 8 * (k % 2))
                 for k, name in enumerate(LAYER_SHAPES)}
@@ -543,10 +550,11 @@ def main(argv=None):
     ap.add_argument("--e2e-batch", type=int, default=4)
     ap.add_argument("--e2e-seq", type=int, default=2048)
     ap.add_argument("--e2e-variants", action="store_true",
-                    help="also run our variants (ours_persistent, ours_untuned) in the end-to-end steps")
+                    help="also run our variants (ours_persistent, ours_untuned, ours_kgrouped) in the end-to-end "
+                         "steps")
     ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
                     help="modes whose end-to-end comparison includes the eager loop")
-    ap.set_defaults(variants=ALL_IMPLS)  # every implementation: eager is limited by --eager-tokens / --eager-shapes
+    ap.set_defaults(variants=DEFAULT_RUN)  # eager is limited by --eager-tokens / --eager-shapes
     args = ap.parse_args(argv)
     if args.sessions < 1 or (args.budget_s is not None and min(args.budget_s) <= 0):
         ap.error("--sessions must be >= 1 and --budget-s > 0")

@@ -8,7 +8,8 @@ Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the 
   lora_linear_8k  the same at M = 8192, where the shipped op hands the GEMMs to cuBLAS and the core's forms do not
   moe_full      the Qwen3-30B-A3B-like experts layer at T = 8192 (``--moe-shape``, ``--moe-tokens``: another
                 layer of notebook 06), full fine-tuning: ``ours`` (and, with
-                ``--variants``, ``grouped_mm``, ``liger``, ``ours_persistent``)
+                ``--variants``, ``grouped_mm``, ``liger``, ``ours_persistent``, ``ours_kgrouped``: the K-grouped
+                weight gradient)
   moe_lora      the same layer with PEFT LoRA on the experts: ``ours`` (and ``grouped_mm``)
 
 Each (case, implementation) runs a few warm-up steps, then ``--repetitions`` steps under the profiler. Every GPU
@@ -42,6 +43,7 @@ from torch import nn
 from lora_lab.experiments.fused_moe import (
     LAYER_SHAPES,
     LIGER,
+    OURS_KGROUPED,
     OURS_PERSISTENT,
     layer_holder,
     liger_available,
@@ -54,7 +56,7 @@ CSV = "profile_kernels.csv"
 COMPILED_CSV, PICKS_CSV = "profile_kernels_compiled.csv", "profile_kernels_picks.csv"
 CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora"]
 LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold"]
-MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, LIGER]
+MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, *OURS_KGROUPED, LIGER]
 ALL_VARIANTS = [*dict.fromkeys([*LINEAR_VARIANTS, *MOE_VARIANTS])]
 DEFAULT_VARIANTS = ["base", "fused", "ours"]
 LINEAR_CELL = (32768, 4096, 4096, 16)  # notebook 05's target cell (M, K, N, r)

@@ -48,7 +48,7 @@ from lora_lab.numerics import error_stats
 __all__ = [
     "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
     "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
-    "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_PERSISTENT", "OURS_UNTUNED", "OURS_VARIANTS",
+    "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_KGROUPED", "OURS_PERSISTENT", "OURS_UNTUNED", "OURS_VARIANTS",
     "COARSE_SHAPES", "ours_config", "MoeLayerShape",
     "LAYER_SHAPES", "random_routing",
     "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
@@ -234,12 +234,15 @@ IMPLEMENTATIONS = ("eager", "grouped_mm", "ours")
 OURS_PERSISTENT = {"ours_persistent": "persistent"}  # (the warp-specialised form was removed in issue 26)
 # ours without autotuning: the shape-aware tile table alone (issue #24: never worse than 1.3x the tuned form)
 OURS_UNTUNED = {"ours_untuned": {"moe_autotune": False}}
-OURS_VARIANTS = {**{name: {"moe_loads": loads} for name, loads in OURS_PERSISTENT.items()}, **OURS_UNTUNED}
+# ours with the K-grouped weight gradient (KernelConfig.moe_weight_grad, opt-in: issue #24's dW kernels)
+OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"}}
+OURS_VARIANTS = {**{name: {"moe_loads": loads} for name, loads in OURS_PERSISTENT.items()}, **OURS_UNTUNED,
+                 **OURS_KGROUPED}
 
 
 def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:
     """The kernel settings of one of our implementations: ``ours`` as given, the variants (persistent form,
-    untuned) with their fields replaced."""
+    untuned, K-grouped weight gradient) with their fields replaced."""
     if impl not in OURS_VARIANTS:
         return config
     return (config if config is not None else KernelConfig.from_env()).replace(**OURS_VARIANTS[impl])

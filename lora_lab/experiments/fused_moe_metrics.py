@@ -9,6 +9,7 @@ from lora_lab.experiments.fused_moe import (
     H200_DENSE_BF16_TFLOPS,
     LAYER_SHAPES,
     LIGER,
+    OURS_KGROUPED,
     OURS_PERSISTENT,
     OURS_UNTUNED,
 )
@@ -35,7 +36,8 @@ GRADED_SPEEDUPS = [
 TFLOPS_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full"]
 GRADED_PEAKS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t8192_lora"]
 GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm"), ("full", LIGER)]
-# cells where the persistent form (ours_persistent; bench_moe --variants) is compared with ours
+# cells where the persistent form and the K-grouped weight gradient (ours_persistent, ours_kgrouped; bench_moe
+# --variants) are compared with ours
 PERSISTENT_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full", "qwen3_30b_a3b_t8192_lora"]
 # the panel (issue #24): every shape at 8,192 and 32,768 tokens, full and LoRA; ours against each peer, the untuned
 # form against ours, peak memory against grouped_mm, ours' first call (compile + any tuning) in seconds
@@ -72,8 +74,8 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         if timed(layer, cell=cell, impl=base) and timed(layer, cell=cell, impl="ours"):
             out[f"{cell}_speedup_vs_{base}"] = measure.ratio_summary(
                 layer, "ms", {"cell": cell, "impl": base}, {"cell": cell, "impl": "ours"})
-    for cell in PERSISTENT_CELLS:  # the persistent form against ours, where the benchmark timed it
-        for impl in OURS_PERSISTENT:
+    for cell in PERSISTENT_CELLS:  # the persistent form, the K-grouped dW against ours, where the benchmark timed it
+        for impl in (*OURS_PERSISTENT, *OURS_KGROUPED):
             if timed(layer, cell=cell, impl=impl) and timed(layer, cell=cell, impl="ours"):
                 out[f"{cell}_{impl}_speedup_vs_ours"] = measure.ratio_summary(
                     layer, "ms", {"cell": cell, "impl": "ours"}, {"cell": cell, "impl": impl})
@@ -117,7 +119,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
     if slowdowns:
         out["panel_ours_untuned_slowdown_max"] = max(slowdowns)
     for cell in TFLOPS_CELLS:
-        for impl in ("ours", "grouped_mm", LIGER, *OURS_PERSISTENT):
+        for impl in ("ours", "grouped_mm", LIGER, *OURS_PERSISTENT, *OURS_KGROUPED):
             mine = [r for r in layer if r["cell"] == cell and r["impl"] == impl and r["ms"] is not None]
             if mine:
                 tflops = [r["gemm_flops"] / (r["ms"] * 1e-3) / 1e12 for r in mine]

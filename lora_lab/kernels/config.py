@@ -45,6 +45,13 @@ field              variable                meaning
                                            order, expert weights and sorted rows read through TMA
                                            descriptors where aligned (token rows are still gathered by
                                            pointer)
+``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
+                                           ``per_tile`` (one program per (expert, dW tile), its own
+                                           pipelined loop over the expert's rows), or ``kgrouped``
+                                           (opt-in, untimed: one program per SM, one loop over the rows of
+                                           all its (expert, tile) items, not yet software-pipelined by
+                                           Triton 3.9; see
+                                           :mod:`lora_lab.kernels.moe.kgrouped_weight_grad`)
 ``moe_engine``     ``LORA_LAB_MOE_ENGINE``    who runs the MoE expert GEMMs: ``auto`` (the rule of
                                            :func:`lora_lab.kernels.moe.engine.choose_engine`: CUTLASS's
                                            grouped GEMM on coarse experts, full fine-tuning, bf16, Hopper;
@@ -70,6 +77,7 @@ CHOICES = {
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),
+    "moe_weight_grad": ("per_tile", "kgrouped"),
     "moe_engine": ("auto", "triton", "grouped_mm"),
     "rank_ops": ("triton", "torch"),
 }
@@ -94,6 +102,7 @@ ENV_VARIABLES = {
     "moe_autotune": "LORA_LAB_MOE_AUTOTUNE",
     "moe_block_m": "LORA_LAB_MOE_BLOCK_M",
     "moe_loads": "LORA_LAB_MOE_LOADS",
+    "moe_weight_grad": "LORA_LAB_MOE_WEIGHT_GRAD",
     "moe_engine": "LORA_LAB_MOE_ENGINE",
     "rank_ops": "LORA_LAB_RANK_OPS",
 }
@@ -135,6 +144,7 @@ class KernelConfig:
     moe_autotune: bool = True
     moe_block_m: int | None = None
     moe_loads: str = "pointer"
+    moe_weight_grad: str = "per_tile"
     moe_engine: str = "auto"
     rank_ops: str = "triton"
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lora_lab.experiments import fused_moe
+from lora_lab.kernels.config import KernelConfig
 from lora_lab.lab import measure
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,3 +124,28 @@ def test_session_budgets_one_per_session_the_last_repeating(bench):
     assert [bench.session_budget(argparse.Namespace(budget_s=[250.0, 60.0], session_index=k)) for k in (1, 2)] == [
         60.0, 60.0]
     assert bench.session_budget(argparse.Namespace(budget_s=None, session_index=1)) is None
+
+
+def test_kgrouped_variant_is_opt_in_and_sets_the_weight_gradient_kernel(bench):
+    assert "ours_kgrouped" in bench.ALL_IMPLS and "ours_kgrouped" not in bench.DEFAULT_RUN
+    assert fused_moe.ours_config("ours_kgrouped", None).moe_weight_grad == "kgrouped"
+    assert fused_moe.ours_config("ours", KernelConfig()).moe_weight_grad == "per_tile"
+
+
+@pytest.mark.slow
+def test_kgrouped_variant_is_timed_beside_ours(tmp_path):
+    """``--variants ours_kgrouped``: the K-grouped weight gradient timed in the same loop as ours, its ratio to ours
+    among the metrics (smoke: tiny stand-in of the 30B-A3B-like layer, one session)."""
+    env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--out", str(tmp_path), "--smoke",
+           "--repetitions", "2", "--shapes", "qwen3_30b_a3b", "--tokens", "8192", "--modes", "full", "--no-e2e",
+           "--variants", "ours_kgrouped"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = measure.read_csv(tmp_path / fused_moe.LAYER_CSV)
+    assert {r["impl"] for r in rows} == {"grouped_mm", "ours", "ours_kgrouped"}
+    assert all(r["ms"] is not None for r in rows)
+    metrics = fused_moe.benchmark_metrics(tmp_path, allow_smoke=True)
+    assert metrics["qwen3_30b_a3b_t8192_full_ours_kgrouped_speedup_vs_ours"]["n"] == 2

@@ -9,6 +9,7 @@ def test_defaults_are_the_shipped_behaviour():
     config = KernelConfig()
     assert (config.dispatch, config.base_gemm, config.overlap, config.gemm_loads) == ("auto",) * 4
     assert config.autotune and config.moe_autotune and not config.fuse_q_db and config.moe_block_m is None
+    assert config.moe_weight_grad == "per_tile"  # the K-grouped weight gradient is opt-in until timed on a GPU
 
 
 def test_environment_seeds_defaults_and_arguments_win(monkeypatch):
@@ -18,8 +19,10 @@ def test_environment_seeds_defaults_and_arguments_win(monkeypatch):
     monkeypatch.setenv("LORA_LAB_OVERLAP", "1")
     monkeypatch.setenv("LORA_LAB_AUTOTUNE", "0")
     monkeypatch.setenv("LORA_LAB_MOE_BLOCK_M", "32")
+    monkeypatch.setenv("LORA_LAB_MOE_WEIGHT_GRAD", "KGrouped")
     config = KernelConfig.from_env()
     assert (config.dispatch, config.overlap, config.autotune, config.moe_block_m) == ("triton", "on", False, 32)
+    assert config.moe_weight_grad == "kgrouped"
     assert KernelConfig.from_env(dispatch="cublas").dispatch == "cublas"
     assert resolve_config(None) == config  # no config given: the environment's defaults, read at the call
     assert KernelConfig().dispatch == "auto"  # a plain KernelConfig() ignores the environment
@@ -29,6 +32,8 @@ def test_environment_seeds_defaults_and_arguments_win(monkeypatch):
     ("LORA_LAB_DISPATCH", "fast", "LORA_LAB_DISPATCH='fast': expected one of auto, triton, cublas"),
     ("LORA_LAB_FUSE_QDB", "maybe", "LORA_LAB_FUSE_QDB='maybe': expected 1 or 0"),
     ("LORA_LAB_MOE_BLOCK_M", "big", "LORA_LAB_MOE_BLOCK_M='big'"),
+    ("LORA_LAB_MOE_WEIGHT_GRAD", "rowsplit",
+     "LORA_LAB_MOE_WEIGHT_GRAD='rowsplit': expected one of per_tile, kgrouped"),
 ])
 def test_bad_environment_values_are_named(monkeypatch, variable, value, message):
     monkeypatch.setenv(variable, value)
@@ -41,6 +46,8 @@ def test_bad_arguments_are_named():
         KernelConfig(base_gemm="cutlass")
     with pytest.raises(TypeError, match="KernelConfig.autotune must be True or False"):
         KernelConfig(autotune="no")
+    with pytest.raises(ValueError, match="KernelConfig.moe_weight_grad must be one of per_tile, kgrouped; got 'split'"):
+        KernelConfig(moe_weight_grad="split")
     with pytest.raises(ValueError, match="moe_block_m must be a power of two >= 16"):
         KernelConfig(moe_block_m=24)
     with pytest.raises(TypeError, match="config must be a lora_lab.kernels.KernelConfig"):

@@ -19,6 +19,13 @@ An expert that received no token gets an exact zero gradient (the loop runs zero
 ``KernelConfig.moe_loads='persistent'``: one program per SM walks expert by expert, each
 expert's (M, N) tiles in grouped order, and a sorted operand (not gathered by token) is read through a TMA
 descriptor where its rows are 16-byte aligned (its rows past the expert's end are zeroed after the load).
+
+Work decomposition (``KernelConfig.moe_weight_grad='per_tile'``, the default): no split-K and no atomics; one
+program per (tile of G_e, expert), each reducing over the expert's whole row range in its own pipelined K loop
+and storing its tile once. ``moe_weight_grad='kgrouped'`` (opt-in, not yet timed on a GPU) runs the same sum in
+:mod:`~lora_lab.kernels.moe.kgrouped_weight_grad`: one program per SM whose single loop walks the K-steps of all its
+(expert, tile) items, meant to keep the software pipeline from draining and refilling at every tile (its docstring
+says why that matters at ~8 K-steps per tile, and that Triton 3.9 does not yet pipeline that loop: opt-in only).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import triton
 import triton.language as tl
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.moe.kgrouped_weight_grad import launch_kgrouped_weight_grad
 from lora_lab.kernels.moe.launch import (
     autotune_enabled,
     fixed_kernel,
@@ -148,6 +156,7 @@ def _expert_weight_grad_kernel(
         )
 
 
+KGROUPED_FLAGS = ("GATHER_A", "GATHER_B", "ROW_WEIGHT", "DOT_PRECISION", "A_TMA", "B_TMA")
 _expert_weight_grad_kernel_unspecialized = unspecialized_twin(_expert_weight_grad_kernel)
 _weight_grad_kernel_tuned = make_tuned(
     _expert_weight_grad_kernel, "weight_grad",
@@ -203,6 +212,12 @@ def expert_weight_grad(
         weight, routing.sorted_slot, routing.sorted_token, routing.expert_offsets,
         m_dim, n_dim, float(scale), num_experts,
     )
+
+    if config.moe_weight_grad == "kgrouped":  # one flat pipelined loop per SM over its items' K-steps
+        kgrouped_flags = {name: flags[name] for name in KGROUPED_FLAGS}
+        launch_kgrouped_weight_grad(args, kgrouped_flags, m_dim=m_dim, n_dim=n_dim, num_experts=num_experts,
+                                    num_rows=routing.num_assignments, device=a.device, tune=tune, config=config)
+        return out
 
     def grid_of(block_m, block_n):
         return launch_grid(flags, (cdiv(m_dim, block_m) * cdiv(n_dim, block_n), num_experts))

@@ -48,10 +48,13 @@ field              variable                meaning
 ``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
                                            ``per_tile`` (one program per (expert, dW tile), its own
                                            pipelined loop over the expert's rows), or ``kgrouped``
-                                           (opt-in, untimed: one program per SM, one loop over the rows of
-                                           all its (expert, tile) items, not yet software-pipelined by
-                                           Triton 3.9; see
-                                           :mod:`lora_lab.kernels.moe.kgrouped_weight_grad`)
+                                           (opt-in: one program per SM, one loop over the rows of all its
+                                           (expert, tile) items, not software-pipelined by Triton 3.6/3.9;
+                                           see :mod:`lora_lab.kernels.moe.kgrouped_weight_grad`), or
+                                           ``grouped_mm`` (opt-in: dW1 and dW2 of full fine-tuning as one
+                                           ``torch._grouped_mm`` each, K split at the expert offsets, rows
+                                           gathered before it; the LoRA factors' and unaligned shapes stay
+                                           ``per_tile``)
 ``moe_engine``     ``LORA_LAB_MOE_ENGINE``    who runs the MoE expert GEMMs: ``auto`` (the rule of
                                            :func:`lora_lab.kernels.moe.engine.choose_engine`: CUTLASS's
                                            grouped GEMM on coarse experts, full fine-tuning, bf16, Hopper;
@@ -77,7 +80,7 @@ CHOICES = {
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),
-    "moe_weight_grad": ("per_tile", "kgrouped"),
+    "moe_weight_grad": ("per_tile", "kgrouped", "grouped_mm"),
     "moe_engine": ("auto", "triton", "grouped_mm"),
     "rank_ops": ("triton", "torch"),
 }

@@ -213,6 +213,11 @@ def expert_weight_grad(
         m_dim, n_dim, float(scale), num_experts,
     )
 
+    if config.moe_weight_grad == "grouped_mm":  # CUTLASS's grouped GEMM with K split at the expert offsets
+        done = grouped_mm_weight_grad(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight,
+                                      scale=scale, out=out)
+        if done is not None:
+            return done
     if config.moe_weight_grad == "kgrouped":  # one flat pipelined loop per SM over its items' K-steps
         kgrouped_flags = {name: flags[name] for name in KGROUPED_FLAGS}
         launch_kgrouped_weight_grad(args, kgrouped_flags, m_dim=m_dim, n_dim=n_dim, num_experts=num_experts,
@@ -238,6 +243,38 @@ def expert_weight_grad(
         kernel = fixed_kernel(_expert_weight_grad_kernel, _expert_weight_grad_kernel_unspecialized, config,
                               volume=m_dim * n_dim * num_rows)
         kernel[grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **meta)
+    return out
+
+
+def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRouting, *, gather_a: bool,
+                           gather_b: bool, row_weight: torch.Tensor | None, scale: float,
+                           out: torch.Tensor) -> torch.Tensor | None:
+    """G into ``out`` by one ``torch._grouped_mm`` (``KernelConfig.moe_weight_grad='grouped_mm'``), or None where
+    it does not apply — torch without ``_grouped_mm``, a rank-sized side (the LoRA factors' gradients: the Triton
+    kernel's narrow tiles), rows whose byte width is not a multiple of 16, a dtype other than ``out``'s.
+
+    The rows are put in expert order first (``index_select`` of the gathered operand; the routing weight folded
+    into A's copy), then ``_grouped_mm(Aᵀ, B, offs)`` reduces each expert's rows — K split at the expert offsets,
+    one (M, N) block per expert. An expert without rows gets an exact zero."""
+    from lora_lab.kernels.moe.engine import grouped_mm_available
+
+    m_dim, n_dim = a.shape[1], b.shape[1]
+    if (not grouped_mm_available() or min(m_dim, n_dim) <= 128 or out.dtype != a.dtype
+            or (m_dim * a.element_size()) % 16 or (n_dim * b.element_size()) % 16):
+        return None
+    token = routing.sorted_token.long()
+    rows_a = a.index_select(0, token) if gather_a else a.contiguous()
+    if row_weight is not None:
+        weight = row_weight.index_select(0, routing.sorted_slot.long()).to(torch.float32)
+        rows_a = (rows_a.to(torch.float32) * weight[:, None]).to(a.dtype)
+    rows_b = b.index_select(0, token) if gather_b else b.contiguous()
+    offs = routing.expert_offsets[1:].to(torch.int32)
+    result = torch._grouped_mm(rows_a.t(), rows_b, offs=offs)
+    if scale != 1.0:
+        result.mul_(scale)
+    counts = routing.expert_offsets[1:] - routing.expert_offsets[:-1]
+    result.masked_fill_((counts == 0)[:, None, None], 0)
+    out.copy_(result)
     return out
 
 

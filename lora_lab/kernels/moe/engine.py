@@ -10,16 +10,20 @@ condition (all must hold)             engine
 ====================================  ==========================================================
 ``config.moe_engine`` given           that engine (``grouped_mm`` refuses what it cannot run)
 no LoRA on the experts                ``grouped_mm`` has no rank-r terms: LoRA stays on Triton
-E <= 16 experts                       coarse experts (fine-grained ones are Triton's win)
-I >= 4096                             big per-expert GEMMs
+E <= 32 experts                       coarse experts (fine-grained ones are Triton's win)
+I >= 2048                             big per-expert GEMMs
 S / E >= 1024 rows per expert         enough rows per expert to fill CUTLASS's tiles
 bf16, CUDA capability >= 9.0          ``torch._grouped_mm``'s fast path (Hopper and newer)
 H and I multiples of 8                its 16-byte stride rule
 otherwise                             ``triton``
 ====================================  ==========================================================
 
-The thresholds (16 experts, I 4096, 1024 rows per expert) are placeholders set between the measured cells of
-issue #24, not measured boundaries.
+The thresholds sit between the cells of notebook 06's H200 run of bec6a1b (full fine-tuning, the Triton kernels
+against plain ``grouped_mm``): the GPT-OSS-20B-like layer (E 32, I 2880) ran at 0.953 and 0.886 of grouped_mm's
+speed at 8,192 and 32,768 tokens (one session), so E <= 32 and I >= 2048 send it to this engine (first set at
+E <= 16, I >= 4096, placeholders); the Qwen1.5-MoE-like layer (E 60, I 1408) ran 1.146 and 1.166 times faster on
+Triton (two sessions) and stays there, as do the layers with 64 or more experts. The rows-per-expert bound (1024)
+is still a placeholder, and this engine has not been timed at the GPT-OSS-like shape yet.
 
 The grouped-GEMM engine (:func:`grouped_mm_experts`) keeps the work around the GEMMs in the same shape as the
 Triton path: the routing sort on the device (no host sync), X gathered by token, SiLU·up on [g | u], the routing
@@ -42,8 +46,8 @@ from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_refe
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
 ENGINES = ("triton", "grouped_mm")
-COARSE_MAX_EXPERTS = 16  # placeholders until measured per shape class (see the module docstring)
-COARSE_MIN_INTERMEDIATE = 4096
+COARSE_MAX_EXPERTS = 32  # from notebook 06's H200 run of bec6a1b (see the module docstring)
+COARSE_MIN_INTERMEDIATE = 2048
 COARSE_MIN_ROWS_PER_EXPERT = 1024
 
 

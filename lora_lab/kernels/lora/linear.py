@@ -156,22 +156,24 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 # Y = X Wᵀ + b + P Bᵀ     (one GEMM, rank-r step at the end of its K loop)
                 lora_gemm(y, [(x2, weight.t())], low=p, rt=b.t(), bias=bias, config=config)
 
-        ctx.save_for_backward(x2, p, weight, bias, lora_A, lora_B)
+        # the factors as the kernels read them (cast once here; a no-op when they are in x's dtype already):
+        # backward reuses them instead of casting again, and their dtypes say what the gradients return as
+        ctx.save_for_backward(x2, p, weight, bias, a, b)
+        ctx.factor_dtypes = (lora_A.dtype, lora_B.dtype)
         ctx.scaling, ctx.dropout_p, ctx.seed, ctx.config = scaling, dropout_p, seed, config
         ctx.x_shape = x.shape
         return y.reshape(*x.shape[:-1], N)
 
     @staticmethod
     def backward(ctx, dy):
-        x2, p, weight, bias, lora_A, lora_B = ctx.saved_tensors
+        x2, p, weight, bias, a, b = ctx.saved_tensors
+        a_dtype, b_dtype = ctx.factor_dtypes
         config = ctx.config
         N, K = weight.shape
         dy2 = dy.reshape(-1, N)
         cdt = x2.dtype
         if dy2.dtype != cdt:
             dy2 = dy2.to(cdt)
-        a = lora_A.to(cdt)
-        b = lora_B.to(cdt)
         need_x, need_w, need_b, need_a, need_lb = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                                    ctx.needs_input_grad[2], ctx.needs_input_grad[3],
                                                    ctx.needs_input_grad[4])
@@ -181,9 +183,9 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             # small GEMMs: the same formulas as cuBLAS calls (the Triton launches would leave the GPU idle)
             q = torch.mm(dy2, b).mul_(ctx.scaling) if (need_x or need_a) else None  # Q = s · dY B
             if need_lb:
-                db = torch.mm(dy2.t(), p).to(lora_B.dtype)  # dB = dYᵀ P
+                db = torch.mm(dy2.t(), p).to(b_dtype)  # dB = dYᵀ P
             if need_a:
-                da = torch.mm(q.t(), x2).to(lora_A.dtype)  # dA = Qᵀ X
+                da = torch.mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
             if need_x:
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
             if need_w:
@@ -194,7 +196,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
 
         # Q = s · dY B               (M×r)
         fold = need_x and _folds(config, ctx.dropout_p, a.shape[0])
-        fused_q_db = need_lb and lora_B.shape[1] <= 128 and config.fuse_q_db and not fold
+        fused_q_db = need_lb and b.shape[1] <= 128 and config.fuse_q_db and not fold
         if fold:
             # Q inside the dX GEMM's K loop (over N: the dY tiles it loads anyway); dA and dB wait for it
             q = torch.empty((dy2.shape[0], a.shape[0]), device=dy2.device, dtype=cdt)
@@ -203,7 +205,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             dx = dx.reshape(ctx.x_shape)
         elif fused_q_db:  # experimental: Q and dB in one pass over dY (atomic, non-deterministic dB)
             q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
-            db = dbt.t().to(lora_B.dtype)
+            db = dbt.t().to(b_dtype)
         elif _torch_rank_ops(config, ctx.dropout_p):
             q = _scaled_mm(dy2, b, ctx.scaling) if (need_x or need_a) else None
         else:
@@ -213,16 +215,16 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             grads = [None, db if fused_q_db else None]
             if _torch_rank_ops(config, ctx.dropout_p):  # cuBLAS, fp32 results where the build allows
                 if need_lb and not fused_q_db:
-                    grads[1] = _wide_mm(dy2.t(), p).to(lora_B.dtype)  # dB = dYᵀ P
+                    grads[1] = _wide_mm(dy2.t(), p).to(b_dtype)  # dB = dYᵀ P
                 if need_a:
-                    grads[0] = _wide_mm(q.t(), x2).to(lora_A.dtype)  # dA = Qᵀ X
+                    grads[0] = _wide_mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
                 return grads
             if need_lb and not fused_q_db:
                 # dB = dYᵀ P = (Pᵀ dY)ᵀ    (N×r)
-                grads[1] = rank_reduction(p, dy2, tune=config.autotune).t().to(lora_B.dtype)
+                grads[1] = rank_reduction(p, dy2, tune=config.autotune).t().to(b_dtype)
             if need_a:
                 # dA = Qᵀ drop(X)          (r×K, mask regenerated from the seed)
-                grads[0] = rank_reduction(q, x2, ctx.dropout_p, ctx.seed, tune=config.autotune).to(lora_A.dtype)
+                grads[0] = rank_reduction(q, x2, ctx.dropout_p, ctx.seed, tune=config.autotune).to(a_dtype)
             return grads
 
         def input_grad():

@@ -146,6 +146,8 @@ def _set_tma_block_shapes(nargs):
     bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
     mat_nk = nargs.get("MAT_NK", True)
     for i in range(4):
+        if nargs.get(f"in{i}_desc") is None:  # a segment the call does not use (passed as None)
+            continue
         nargs[f"in{i}_desc"].block_shape = [bm, bk]
         nargs[f"mat{i}_desc"].block_shape = [bn, bk] if mat_nk else [bk, bn]
 
@@ -427,7 +429,9 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
 
 
 def _descriptors(segments, layout: str, M: int, N: int) -> list:
-    """TMA descriptors (block shapes set per config by the pre-hook) and depth of each segment, padded to 4."""
+    """TMA descriptors (block shapes set per config by the pre-hook) and depth of each segment, padded to 4 with
+    None (a constexpr the kernel never reads: ``NUM_SEG`` prunes those segments), so a launch encodes only the
+    descriptors it uses — each one costs the launcher host time on the critical path before the GEMM starts."""
     descs = []
     for inp, mat in segments:
         d_in = TensorDescriptor(inp, [M, inp.shape[1]], [inp.stride(0), 1], [16, 16])
@@ -437,7 +441,7 @@ def _descriptors(segments, layout: str, M: int, N: int) -> list:
             d_mat = TensorDescriptor(mat, [mat.shape[0], N], [mat.stride(0), 1], [16, 16])
         descs += [d_in, d_mat, inp.shape[1]]
     for _ in range(4 - len(segments)):
-        descs += [descs[0], descs[1], 0]
+        descs += [None, None, 0]
     return descs
 
 

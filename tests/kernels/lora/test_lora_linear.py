@@ -529,3 +529,26 @@ def test_descriptor_gemm_encodes_only_the_segments_it_uses(loads, monkeypatch):
     tol = TOL[torch.float16]
     assert rel_l2(y, yr) < tol["y"] and rel_l2(dx, dxr) < tol["dx"]
     assert rel_l2(dA, dAr) < tol["dA"] and rel_l2(dB, dBr) < tol["dB"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("loads", ["tma", "persistent"])
+def test_gpu_descriptor_gemm_compiles_with_unused_segments_as_none(loads):
+    # the compiled TMA kernels take None for the unused segments; a failure would fall back to the pointer kernel
+    # with a RuntimeWarning (and a slower GEMM), so the warning is an error here
+    import warnings
+
+    from lora_lab.kernels.lora import gemm
+
+    x, w, bias, A, B = make_case(1000, 1024, 2056, 16, torch.bfloat16, adapter_dtype=torch.float32)
+    x.requires_grad_(True)
+    config = KernelConfig.from_env(dispatch="triton", gemm_loads=loads, autotune=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        y = fused_lora_linear(x, w, bias, A, B, 2.0, config=config)
+        dx, dA, dB = torch.autograd.grad(y, [x, A, B], torch.randn_like(y))
+    torch.cuda.synchronize()
+    assert torch.bfloat16 not in gemm._TMA_STATE
+    yr = lora_linear_reference(x.detach(), w, bias, A.detach(), B.detach(), 2.0)
+    assert rel_l2(y, yr) < TOL[torch.bfloat16]["y"]

@@ -87,16 +87,41 @@ lint: $(STAMP)
 
 TEST_RUNS := $(CURDIR)/build/test-runs
 
+# Threads per process. pytest runs TEST_WORKERS processes at once and, on the cpu profile, the notebook batch runs
+# beside verify + nbval (two at once); each process's torch (OpenMP) gets its share of the cores, since a thread more
+# than the cores only spin-waits for one that another process holds (on 2 cores, 2 workers with 2 threads each made
+# the unit tests a quarter slower). An OMP_NUM_THREADS of the caller's is kept.
+NPROC := $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+share = $(if $(filter 0,$(1)),$(NPROC),$(shell expr $(NPROC) / '$(1)' 2>/dev/null | grep -vx 0 || echo 1))
+THREADS = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(call share,$(1))}
+
+# The stages after the unit tests: the cpu notebook batch, then its grading (BATCH); verify, then nbval (CHECKS).
+# On the cpu profile the two run at the same time (each uses about one core: on 2 cores this saves 2 of their
+# 5 minutes), the batch's output going to $(TEST_RUNS)/batch.log, printed when both are done; on other
+# profiles they run one after the other, so the batch cannot disturb a GPU notebook's timings under nbval.
+BATCH  = TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_RUNS); run_status=$$?; \
+	$(VENV)/bin/lora-lab grade --profile cpu --outputs-dir $(TEST_RUNS) && exit $$run_status
+NBVAL_RUN = $(if $(filter cpu,$(PROFILE)),TRITON_INTERPRET=1,) TQDM_DISABLE=1 \
+	$(PY) -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/
+CHECKS = echo "$(VENV)/bin/lora-lab verify"; $(VENV)/bin/lora-lab verify || exit $$?; \
+	$(if $(filter 1,$(NBVAL)),if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+	  echo "nbval: $(strip $(NBVAL_RUN))"; $(NBVAL_RUN); \
+	else echo "nbval: no notebooks yet"; fi,:)
+
 test: $(STAMP)
 	$(PY) -m ruff check lora_lab tests benchmarks
 	$(VENV)/bin/lora-lab check-prose
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
-	TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_RUNS); run_status=$$?; \
-	$(VENV)/bin/lora-lab grade --profile cpu --outputs-dir $(TEST_RUNS) && exit $$run_status
-	$(VENV)/bin/lora-lab verify
-ifeq ($(NBVAL),1)
-	@if ls notebooks/*.ipynb >/dev/null 2>&1; then \
-	  $(if $(filter cpu,$(PROFILE)),TRITON_INTERPRET=1,) TQDM_DISABLE=1 \
-	  $(PY) -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/; \
-	else echo "nbval: no notebooks yet"; fi
+	$(call THREADS,$(TEST_WORKERS)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+ifeq ($(PROFILE),cpu)
+	@mkdir -p $(TEST_RUNS); start=$$(date +%s); export $(call THREADS,2); \
+	echo "cpu notebook batch and grading (log: $(TEST_RUNS)/batch.log) beside verify and nbval, $$OMP_NUM_THREADS thread(s) each"; \
+	( $(BATCH) ) > $(TEST_RUNS)/batch.log 2>&1 & batch=$$!; \
+	( $(CHECKS) ); checks_status=$$?; wait $$batch; batch_status=$$?; \
+	echo "---- cpu notebook batch and grading: $(TEST_RUNS)/batch.log ----"; cat $(TEST_RUNS)/batch.log; \
+	echo "make test: notebook batch, grading, verify and nbval took $$(( $$(date +%s) - start )) s" \
+	  "(batch and grading exit $$batch_status, verify and nbval exit $$checks_status)"; \
+	[ $$batch_status -eq 0 ] && [ $$checks_status -eq 0 ]
+else
+	$(BATCH)
+	@$(CHECKS)
 endif

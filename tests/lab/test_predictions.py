@@ -187,3 +187,23 @@ def test_validate_command(tmp_path, capsys):
     bad.write_text(second_entry(comparator='"=>"'))
     assert main(["validate", "--predictions", str(bad), "--notebooks-dir", str(FIXTURE_NOTEBOOKS)]) == 2
     assert "entry #2 id 'p01-b' (line 10): field 'comparator'" in capsys.readouterr().err
+
+
+def test_libyaml_reads_every_file_as_the_pure_python_loader_does():
+    """parse_predictions_yaml reads through libyaml when PyYAML has it (verify reads every committed version of the
+    file); the entries, their lines and the 1e-4-is-a-number resolver are PredictionsLoader's, on the project's file
+    and on the fixtures."""
+    import yaml
+
+    from lora_lab.lab import predictions
+
+    root = Path(__file__).resolve().parents[2]
+    files = [root / "predictions" / "predictions.yaml", EVERY_COMPARATOR]
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        pure = yaml.load(text, Loader=predictions.PredictionsLoader)  # noqa: S506 - a SafeLoader subclass
+        lines = [item.start_mark.line + 1 for item in yaml.compose(text, Loader=predictions.PredictionsLoader).value]
+        assert parse_predictions_yaml(text, source=path.name) == (pure, lines), path
+    assert parse_predictions_yaml(GOOD_ENTRY.replace("50", "1e-4"))[0][0]["threshold"] == pytest.approx(1e-4)
+    if getattr(yaml, "__with_libyaml__", False):
+        assert issubclass(predictions._LibyamlPredictionsLoader, yaml.CSafeLoader)

@@ -335,9 +335,13 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     notebooks.mkdir()
     params = nbformat.v4.new_code_cell('PROFILE = "auto"')
     params.metadata["tags"] = ["parameters"]
+    # 'before' is recorded by the cell that then sleeps: once the file shows it, the kernel is busy in that cell.
+    # (Recorded one cell earlier, the interrupt could land between the two cells under load: a CI run of 17f96e6
+    # then waited out its 120 s on the runner.)
     cells = [params, nbformat.v4.new_code_cell("import time\nfrom lora_lab import lab\n"
-                                               "run = lab.start_run('01_sleeps', PROFILE)\nlab.record('before', 1)"),
-             nbformat.v4.new_code_cell("time.sleep(120)"), nbformat.v4.new_code_cell("lab.finish_run()")]
+                                               "run = lab.start_run('01_sleeps', PROFILE)"),
+             nbformat.v4.new_code_cell("lab.record('before', 1)\ntime.sleep(120)"),
+             nbformat.v4.new_code_cell("lab.finish_run()")]
     nbformat.write(nbformat.v4.new_notebook(cells=cells), str(notebooks / "01_sleeps.ipynb"))
     command = [sys.executable, "-m", "lora_lab", "run", "--profile", "cpu", "--notebooks-dir", str(notebooks),
                "--outputs-dir", str(tmp_path / "runs")]
@@ -347,8 +351,15 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "before" not in (metrics_file.read_text() if metrics_file.exists() else ""):
         time.sleep(0.5)
+    seen = "before" in (metrics_file.read_text() if metrics_file.exists() else "")
     os.killpg(child.pid, signal.SIGINT)  # Ctrl-C reaches the runner and the kernel alike
-    out, _ = child.communicate(timeout=120)
+    try:
+        out, _ = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired as expired:  # say what state the run was in, then stop it
+        os.killpg(child.pid, signal.SIGKILL)
+        kernel_logs = {p.name: p.read_text()[-2000:] for p in (tmp_path / "runs" / "cpu").glob(".*.kernel.log")}
+        pytest.fail(f"the runner did not stop within 120 s of Ctrl-C ('before' recorded when it was sent: {seen}); "
+                    f"its output: {expired.output!r}; kernel logs: {kernel_logs}")
     assert child.returncode == 130
     lines = [line for line in out.splitlines() if line.strip()]
     assert lines[-1].startswith("interrupted: 01_sleeps.ipynb stopped after") and "Traceback" not in out

@@ -345,8 +345,13 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     nbformat.write(nbformat.v4.new_notebook(cells=cells), str(notebooks / "01_sleeps.ipynb"))
     command = [sys.executable, "-m", "lora_lab", "run", "--profile", "cpu", "--notebooks-dir", str(notebooks),
                "--outputs-dir", str(tmp_path / "runs")]
+    # the runner as a terminal starts it: Ctrl-C at its default action. A signal the test process ignores is
+    # ignored by its children too (and Python then never raises KeyboardInterrupt); this pytest worker's
+    # disposition is reported if the runner does not stop.
+    disposition = signal.getsignal(signal.SIGINT)
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True, env={**os.environ, "TQDM_DISABLE": "1"})
+                             start_new_session=True, env={**os.environ, "TQDM_DISABLE": "1"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics_file = tmp_path / "runs" / "cpu" / "01_sleeps.metrics.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "before" not in (metrics_file.read_text() if metrics_file.exists() else ""):
@@ -358,7 +363,8 @@ def test_ctrl_c_records_the_running_notebook_as_interrupted_in_one_line(tmp_path
     except subprocess.TimeoutExpired as expired:  # say what state the run was in, then stop it
         os.killpg(child.pid, signal.SIGKILL)
         kernel_logs = {p.name: p.read_text()[-2000:] for p in (tmp_path / "runs" / "cpu").glob(".*.kernel.log")}
-        pytest.fail(f"the runner did not stop within 120 s of Ctrl-C ('before' recorded when it was sent: {seen}); "
+        pytest.fail(f"the runner did not stop within 120 s of Ctrl-C ('before' recorded when it was sent: {seen}; "
+                    f"SIGINT in the test process: {disposition!r}); "
                     f"its output: {expired.output!r}; kernel logs: {kernel_logs}")
     assert child.returncode == 130
     lines = [line for line in out.splitlines() if line.strip()]

@@ -264,9 +264,13 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
         return None
     token = routing.sorted_token.long()
     rows_a = a.index_select(0, token) if gather_a else a.contiguous()
-    if row_weight is not None:
-        weight = row_weight.index_select(0, routing.sorted_slot.long()).to(torch.float32)
-        rows_a = (rows_a.to(torch.float32) * weight[:, None]).to(a.dtype)
+    # rows of out-of-range expert ids sort outside [offsets[0], offsets[E]); _grouped_mm's first group starts at
+    # row 0, so those rows are zeroed (on the device: no host sync) and add nothing to expert 0
+    position = torch.arange(rows_a.shape[0], device=a.device)
+    in_range = ((position >= routing.expert_offsets[0]) & (position < routing.expert_offsets[-1])).to(torch.float32)
+    weight = in_range if row_weight is None else in_range * row_weight.index_select(
+        0, routing.sorted_slot.long()).to(torch.float32)
+    rows_a = (rows_a.to(torch.float32) * weight[:, None]).to(a.dtype)
     rows_b = b.index_select(0, token) if gather_b else b.contiguous()
     offs = routing.expert_offsets[1:].to(torch.int32)
     result = torch._grouped_mm(rows_a.t(), rows_b, offs=offs)

@@ -55,6 +55,24 @@ def test_grouped_mm_matches_fp64_with_exact_zeros_for_empty_experts(T, H, I, E, 
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@needs_grouped_mm
+@pytest.mark.parametrize("piece", ["gate_up", "down"])
+def test_rows_of_out_of_range_expert_ids_add_nothing(piece, monkeypatch):
+    # negative ids sort before expert 0 (offsets[0] > 0), ids >= E after the last expert: neither reaches a dW
+    index = torch.randint(0, 5, (23, 2), generator=torch.Generator().manual_seed(5))
+    index[::4, 0] = -1
+    index[1::5, 1] = 7
+    routing = route_experts(index, 5, 16)
+    assert int(routing.expert_offsets[0]) > 0 and int(routing.expert_offsets[-1]) < routing.num_assignments
+    a, b, gather_a, gather_b, row_weight = operands(routing, 144, 136, torch.float32, piece)
+    calls = counting_grouped_mm(monkeypatch)
+    got = expert_weight_grad(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight,
+                             config=GROUPED)
+    ref = reference_fp64(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight)
+    assert len(calls) == 1
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 @interpreter
 @needs_grouped_mm
 @pytest.mark.parametrize("H,I", [(37, 19), (36, 144), (144, 100)])

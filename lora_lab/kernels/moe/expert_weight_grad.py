@@ -46,7 +46,7 @@ from lora_lab.kernels.moe.launch import (
     unspecialized_twin,
 )
 from lora_lab.kernels.moe.routing import ExpertRouting
-from lora_lab.kernels.moe.tiles import launch_grid, row_descriptor, schedule_flags
+from lora_lab.kernels.moe.tiles import launch_grid, row_descriptor, schedule_flags, weight_grad_k_step
 from lora_lab.kernels.triton_helpers import (
     cdiv,
     check_interpreter_dtype,
@@ -81,39 +81,10 @@ def _expert_weight_grad_tile(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # reduce over this expert's rows, BLOCK_K rows at a time
     for k0 in range(row_start, row_end, BLOCK_K):
-        rows = k0 + tl.arange(0, BLOCK_K)
-        r_mask = rows < row_end
-        token = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
-        if GATHER_A:
-            a_rows = token
-        else:
-            a_rows = rows.to(tl.int64)
-        if GATHER_B:
-            b_rows = token
-        else:
-            b_rows = rows.to(tl.int64)
-        # Aᵀ tile (BLOCK_M, BLOCK_K) read straight from row-major A
-        if A_TMA:
-            a_rows_tile = a_ptr.load([k0, off_m])
-            a_t = tl.trans(tl.where(r_mask[:, None], a_rows_tile, tl.zeros_like(a_rows_tile)))
-        else:
-            a_t = tl.load(
-                a_ptr + a_rows[None, :] * stride_a_row + offs_m[:, None] * stride_a_m,
-                mask=m_mask[:, None] & r_mask[None, :], other=0.0,
-            )
-        if ROW_WEIGHT:
-            slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=0)
-            weight = tl.load(row_weight_ptr + slot, mask=r_mask, other=0.0).to(tl.float32)
-            a_t = (a_t.to(tl.float32) * weight[None, :]).to(a_t.dtype)
-        if B_TMA:
-            b = b_ptr.load([k0, off_n])
-            b = tl.where(r_mask[:, None], b, tl.zeros_like(b))
-        else:
-            b = tl.load(
-                b_ptr + b_rows[:, None] * stride_b_row + offs_n[None, :] * stride_b_n,
-                mask=r_mask[:, None] & n_mask[None, :], other=0.0,
-            )
-        acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
+        acc = weight_grad_k_step(acc, k0, row_end, off_m, off_n, a_ptr, stride_a_row, stride_a_m, b_ptr,
+                                 stride_b_row, stride_b_n, row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, M, N,
+                                 GATHER_A, GATHER_B, ROW_WEIGHT, DOT_PRECISION, A_TMA, B_TMA,
+                                 BLOCK_M, BLOCK_N, BLOCK_K)
 
     acc = acc * scale
     out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_m[:, None] * stride_out_m
@@ -299,15 +270,18 @@ def expert_weight_grad_reference(
     gather_b: bool,
     row_weight: torch.Tensor | None = None,
     scale: float = 1.0,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Plain-torch per-expert loop in fp32."""
+    """Plain-torch per-expert loop in fp32, returned in A's dtype; with ``dtype`` (e.g. fp64), computed and
+    returned in that dtype."""
+    work = dtype or torch.float32
     token = routing.sorted_token.long()
-    out = torch.zeros(routing.num_experts, a.shape[1], b.shape[1], device=a.device, dtype=torch.float32)
+    out = torch.zeros(routing.num_experts, a.shape[1], b.shape[1], device=a.device, dtype=work)
     for e, lo, hi in routing.nonempty_experts():
         rows = torch.arange(lo, hi, device=a.device)
-        a_rows = a[token[lo:hi] if gather_a else rows].float()
-        b_rows = b[token[lo:hi] if gather_b else rows].float()
+        a_rows = a[token[lo:hi] if gather_a else rows].to(work)
+        b_rows = b[token[lo:hi] if gather_b else rows].to(work)
         if row_weight is not None:
-            a_rows = a_rows * row_weight.float()[routing.sorted_slot[lo:hi].long()][:, None]
+            a_rows = a_rows * row_weight.to(work)[routing.sorted_slot[lo:hi].long()][:, None]
         out[e] = scale * a_rows.T @ b_rows
-    return out.to(a.dtype)
+    return out if dtype is not None else out.to(a.dtype)

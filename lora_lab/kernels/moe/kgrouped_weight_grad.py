@@ -70,7 +70,7 @@ from lora_lab.kernels.moe.launch import (
     set_expert_block_shape,
     unspecialized_twin,
 )
-from lora_lab.kernels.moe.tiles import GROUP_M
+from lora_lab.kernels.moe.tiles import GROUP_M, weight_grad_k_step
 from lora_lab.kernels.triton_helpers import cdiv, next_power_of_2, num_sms, tile_coords
 
 
@@ -130,44 +130,15 @@ def _kgrouped_weight_grad_kernel(
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
 
-        k0 = row_start + ki * BLOCK_K
-        rows = k0 + tl.arange(0, BLOCK_K)
-        r_mask = rows < row_end
-        offs_m = off_m + tl.arange(0, BLOCK_M)
-        offs_n = off_n + tl.arange(0, BLOCK_N)
-        # Aᵀ tile (BLOCK_M, BLOCK_K) read straight from row-major A, rows gathered by token when GATHER_A
-        if A_TMA:
-            a_block = a_ptr.load([k0, off_m])
-            a_t = tl.trans(tl.where(r_mask[:, None], a_block, tl.zeros_like(a_block)))
-        else:
-            if GATHER_A:  # the token each row came from (a gathered operand is never read through TMA)
-                a_rows = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
-            else:
-                a_rows = rows.to(tl.int64)
-            a_t = tl.load(
-                a_ptr + a_rows[None, :] * stride_a_row + offs_m[:, None] * stride_a_m,
-                mask=(offs_m < M)[:, None] & r_mask[None, :], other=0.0,
-            )
-        if ROW_WEIGHT:
-            slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=0)
-            weight = tl.load(row_weight_ptr + slot, mask=r_mask, other=0.0).to(tl.float32)
-            a_t = (a_t.to(tl.float32) * weight[None, :]).to(a_t.dtype)
-        if B_TMA:
-            b = b_ptr.load([k0, off_n])
-            b = tl.where(r_mask[:, None], b, tl.zeros_like(b))
-        else:
-            if GATHER_B:
-                b_rows = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
-            else:
-                b_rows = rows.to(tl.int64)
-            b = tl.load(
-                b_ptr + b_rows[:, None] * stride_b_row + offs_n[None, :] * stride_b_n,
-                mask=r_mask[:, None] & (offs_n < N)[None, :], other=0.0,
-            )
-        acc = tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
+        acc = weight_grad_k_step(acc, row_start + ki * BLOCK_K, row_end, off_m, off_n, a_ptr, stride_a_row,
+                                 stride_a_m, b_ptr, stride_b_row, stride_b_n, row_weight_ptr, sorted_slot_ptr,
+                                 sorted_token_ptr, M, N, GATHER_A, GATHER_B, ROW_WEIGHT, DOT_PRECISION, A_TMA, B_TMA,
+                                 BLOCK_M, BLOCK_N, BLOCK_K)
 
         ki += 1
         if ki == steps:  # the tile's last step: one store, then a fresh accumulator for the next item
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
             out_ptrs = (out_ptr + expert.to(tl.int64) * stride_out_e + offs_m[:, None] * stride_out_m
                         + offs_n[None, :] * stride_out_n)
             tl.store(out_ptrs, (acc * scale).to(out_ptr.dtype.element_ty),

@@ -85,6 +85,46 @@ def load_expert_block(desc, expert, k0, off_n, MAT_NK: tl.constexpr, BLOCK_K: tl
 
 
 @triton.jit
+def weight_grad_k_step(acc, k0, row_end, off_m, off_n, a_ptr, stride_a_row, stride_a_m, b_ptr, stride_b_row,
+                       stride_b_n, row_weight_ptr, sorted_slot_ptr, sorted_token_ptr, M, N,
+                       GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, ROW_WEIGHT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of an expert weight gradient: acc += (w · A[src_a(rows)])ᵀ B[src_b(rows)] over the sorted rows
+    [k0, k0 + BLOCK_K) below ``row_end`` (rows gathered by token where GATHER_*, read through a TMA descriptor
+    where *_TMA; rows past the expert's end read as zero). Shared by the per-tile and the K-grouped kernels."""
+    rows = k0 + tl.arange(0, BLOCK_K)
+    r_mask = rows < row_end
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    if A_TMA:
+        a_block = a_ptr.load([k0, off_m])
+        a_t = tl.trans(tl.where(r_mask[:, None], a_block, tl.zeros_like(a_block)))
+    else:
+        if GATHER_A:  # the token each row came from (a gathered operand is never read through TMA)
+            a_rows = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+        else:
+            a_rows = rows.to(tl.int64)
+        a_t = tl.load(a_ptr + a_rows[None, :] * stride_a_row + offs_m[:, None] * stride_a_m,
+                      mask=(offs_m < M)[:, None] & r_mask[None, :], other=0.0)
+    if ROW_WEIGHT:
+        slot = tl.load(sorted_slot_ptr + rows, mask=r_mask, other=0)
+        weight = tl.load(row_weight_ptr + slot, mask=r_mask, other=0.0).to(tl.float32)
+        a_t = (a_t.to(tl.float32) * weight[None, :]).to(a_t.dtype)
+    if B_TMA:
+        b = b_ptr.load([k0, off_n])
+        b = tl.where(r_mask[:, None], b, tl.zeros_like(b))
+    else:
+        if GATHER_B:
+            b_rows = tl.load(sorted_token_ptr + rows, mask=r_mask, other=0).to(tl.int64)
+        else:
+            b_rows = rows.to(tl.int64)
+        b = tl.load(b_ptr + b_rows[:, None] * stride_b_row + offs_n[None, :] * stride_b_n,
+                    mask=r_mask[:, None] & (offs_n < N)[None, :], other=0.0)
+    return tl.dot(a_t, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def rows_times_expert_matrix(
     a_ptr, a_rows, row_mask, stride_a_row, stride_a_k,
     b_ptr, expert, off_n, cols, col_mask, stride_b_e, stride_b_k, stride_b_n, K,

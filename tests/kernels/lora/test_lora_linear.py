@@ -502,26 +502,33 @@ def test_triton_launches_per_forward_and_backward(fold, want, monkeypatch):
     assert len(launches) == want, launches
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check; the GPU tests cover the compiled path")
-@pytest.mark.parametrize("loads", ["tma", "persistent"])
-def test_descriptor_gemm_encodes_only_the_segments_it_uses(loads, monkeypatch):
-    # fp16 takes the TMA-descriptor GEMM; a one-segment call passes None for the three unused segments (the
-    # launcher encodes no descriptor for them) and still matches the fp64 reference, with no fallback warning
+def descriptor_gemm_call(shape, dtype, loads):
+    """(inputs, y, g, grads) of one fused call on the descriptor GEMM (``gemm_loads``), fp32 adapters, a fallback
+    RuntimeWarning raised as an error."""
     import warnings
 
-    from lora_lab.kernels.lora import gemm
-
-    built = []
-    real = gemm._descriptors
-    monkeypatch.setattr(gemm, "_descriptors", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
-    x, w, bias, A, B = make_case(96, 64, 80, 8, torch.float16, adapter_dtype=torch.float32)
+    x, w, bias, A, B = make_case(*shape, dtype, adapter_dtype=torch.float32)
     x.requires_grad_(True)
     config = KernelConfig.from_env(dispatch="triton", gemm_loads=loads, autotune=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         y = fused_lora_linear(x, w, bias, A, B, 2.0, config=config)
         g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)
-        dx, dA, dB = torch.autograd.grad(y, [x, A, B], g)
+        grads = torch.autograd.grad(y, [x, A, B], g)
+    return (x, w, bias, A, B), y, g, grads
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter check; the GPU tests cover the compiled path")
+@pytest.mark.parametrize("loads", ["tma", "persistent"])
+def test_descriptor_gemm_encodes_only_the_segments_it_uses(loads, monkeypatch):
+    # fp16 takes the TMA-descriptor GEMM; a one-segment call passes None for the three unused segments (the
+    # launcher encodes no descriptor for them) and still matches the fp64 reference, with no fallback warning
+    from lora_lab.kernels.lora import gemm
+
+    built = []
+    real = gemm._descriptors
+    monkeypatch.setattr(gemm, "_descriptors", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    (x, w, bias, A, B), y, g, (dx, dA, dB) = descriptor_gemm_call((96, 64, 80, 8), torch.float16, loads)
     assert len(built) == 2 and all(d[3:] == [None, None, 0] * 3 for d in built)  # forward Y and backward dX
     xr, Ar, Br = (t.detach().double().requires_grad_(True) for t in (x, A, B))
     yr = lora_linear_reference(xr, w, bias, Ar, Br, 2.0, dtype=torch.float64)
@@ -537,17 +544,9 @@ def test_descriptor_gemm_encodes_only_the_segments_it_uses(loads, monkeypatch):
 def test_gpu_descriptor_gemm_compiles_with_unused_segments_as_none(loads):
     # the compiled TMA kernels take None for the unused segments; a failure would fall back to the pointer kernel
     # with a RuntimeWarning (and a slower GEMM), so the warning is an error here
-    import warnings
-
     from lora_lab.kernels.lora import gemm
 
-    x, w, bias, A, B = make_case(1000, 1024, 2056, 16, torch.bfloat16, adapter_dtype=torch.float32)
-    x.requires_grad_(True)
-    config = KernelConfig.from_env(dispatch="triton", gemm_loads=loads, autotune=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        y = fused_lora_linear(x, w, bias, A, B, 2.0, config=config)
-        dx, dA, dB = torch.autograd.grad(y, [x, A, B], torch.randn_like(y))
+    (x, w, bias, A, B), y, _, _ = descriptor_gemm_call((1000, 1024, 2056, 16), torch.bfloat16, loads)
     torch.cuda.synchronize()
     assert torch.bfloat16 not in gemm._TMA_STATE
     yr = lora_linear_reference(x.detach(), w, bias, A.detach(), B.detach(), 2.0)

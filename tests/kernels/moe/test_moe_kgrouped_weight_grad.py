@@ -13,7 +13,7 @@ import torch
 from lora_lab.experiments.fused_moe import make_moe_problem
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe import expert_weight_grad as weight_grad_module
-from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad
+from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad, expert_weight_grad_reference
 from lora_lab.kernels.moe.experts import ExpertLoRA, fused_moe_experts
 from lora_lab.kernels.moe.routing import route_experts
 from lora_lab.kernels.triton_helpers import running_in_interpreter
@@ -26,17 +26,10 @@ KGROUPED = KernelConfig(moe_weight_grad="kgrouped", moe_autotune=False)
 
 
 def reference_fp64(a, b, routing, *, gather_a, gather_b, row_weight=None, scale=1.0):
-    """G_e = scale · Σ_{j ∈ e} (w_j A[src_a(j)])ᵀ B[src_b(j)] in fp64, one expert at a time."""
-    token = routing.sorted_token.long()
-    out = torch.zeros(routing.num_experts, a.shape[1], b.shape[1], dtype=torch.float64, device=a.device)
-    for e, lo, hi in routing.nonempty_experts():
-        rows = torch.arange(lo, hi, device=a.device)
-        a_rows = a[token[lo:hi] if gather_a else rows].double()
-        b_rows = b[token[lo:hi] if gather_b else rows].double()
-        if row_weight is not None:
-            a_rows = a_rows * row_weight.double()[routing.sorted_slot[lo:hi].long()][:, None]
-        out[e] = scale * a_rows.T @ b_rows
-    return out
+    """G_e = scale · Σ_{j ∈ e} (w_j A[src_a(j)])ᵀ B[src_b(j)] in fp64, one expert at a time (the package's
+    reference loop, computed in fp64)."""
+    return expert_weight_grad_reference(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight,
+                                        scale=scale, dtype=torch.float64)
 
 
 def routing_of(kind: str, num_tokens: int, num_experts: int, top_k: int):

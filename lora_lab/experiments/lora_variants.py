@@ -363,10 +363,11 @@ def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, se
                       ratios: dict | None = None) -> Callable[[], dict]:
     """Build every ``(family, variant[, copy])`` of ``combos`` once on ``spec`` (a third element makes a second,
     identical model: the check that identical configurations time alike) and return ``measure_once``: one
-    repetition, every combination in turn (order rotated by repetition), each timed by ``measure.loop_ms`` over
-    ``calls`` whole training steps (forward, backward, AdamW, zero_grad; synchronised after each) after two
-    warm-up steps. It returns ``{"ms|family|variant[|copy]": median ms}`` and, for each ``ratios`` entry
-    ``name: [numerator combo, denominator combo]``, ``name``: their ratio within the repetition."""
+    repetition of ``calls`` rounds, each round one whole training step (forward, backward, AdamW, zero_grad;
+    synchronised after it) of every combination in turn (``measure.interleaved_loop_ms``; order rotated by
+    repetition), after two warm-up rounds; each combination's median. It returns
+    ``{"ms|family|variant[|copy]": median ms}`` and, for each ``ratios`` entry ``name: [numerator combo, denominator
+    combo]``, ``name``: their ratio within the repetition."""
     from lora_lab.lab import measure
     from lora_lab.models import load_model
 
@@ -389,10 +390,9 @@ def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, se
     counter = {"rep": 0}
 
     def measure_once() -> dict:
-        out = {}
-        for key in measure.rotation(keys, counter["rep"]):
-            times = measure.loop_ms(steps[key], calls=calls, warmup=2)
-            out[f"ms|{key}"] = sorted(times)[len(times) // 2]
+        order = measure.rotation(keys, counter["rep"])
+        times = measure.interleaved_loop_ms({key: steps[key] for key in order}, calls=calls, warmup=2)
+        out = {f"ms|{key}": sorted(times[key])[len(times[key]) // 2] for key in keys}
         counter["rep"] += 1
         for name, (num, den) in (ratios or {}).items():
             out[name] = out[f"ms|{'|'.join(num)}"] / out[f"ms|{'|'.join(den)}"]

@@ -72,6 +72,28 @@ def _cuda():
     return torch if torch.cuda.is_available() else None
 
 
+def _timed_call(torch, fn: Callable[[], object]) -> float:
+    """Milliseconds of one call of ``fn`` as the user's loop pays it: CUDA events around it and a synchronisation
+    after it (the caller starts it on an idle device), or ``time.perf_counter`` without CUDA."""
+    if torch is None:
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return float(start.elapsed_time(end))
+
+
+def _check_loop(name: str, calls: int, warmup: int) -> None:
+    if calls < 1:
+        raise ValueError(f"{name} needs calls >= 1, got {calls}")
+    if warmup < 0:
+        raise ValueError(f"{name} needs warmup >= 0, got {warmup}")
+
+
 def loop_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[float]:
     """Milliseconds of each of ``calls`` calls of ``fn`` after ``warmup`` untimed ones: the user's loop.
 
@@ -79,30 +101,41 @@ def loop_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[
     call starts on an idle device and everything the call costs — host time, launches, its own syncs, GPU work —
     is inside its interval. Without CUDA, ``time.perf_counter`` around each call (CPU smoke runs).
     """
-    if calls < 1:
-        raise ValueError(f"loop_ms needs calls >= 1, got {calls}")
-    if warmup < 0:
-        raise ValueError(f"loop_ms needs warmup >= 0, got {warmup}")
+    _check_loop("loop_ms", calls, warmup)
     torch = _cuda()
     for _ in range(warmup):
         fn()
         if torch is not None:
             torch.cuda.synchronize()
-    times = []
-    if torch is None:
-        for _ in range(calls):
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-        return times
-    torch.cuda.synchronize()
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+    if torch is not None:
         torch.cuda.synchronize()
-        times.append(float(start.elapsed_time(end)))
+    return [_timed_call(torch, fn) for _ in range(calls)]
+
+
+def interleaved_loop_ms(fns: dict[str, Callable[[], object]], calls: int = 10,
+                        warmup: int = 2) -> dict[str, list[float]]:
+    """:func:`loop_ms` of several callables taken in turns: round k times call k of each, in ``fns``' order.
+
+    Each call is timed exactly as :func:`loop_ms` times it (events around it, synchronised after it), so every
+    figure is still the user's loop; only the order differs. Consecutive blocks of one callable sit seconds apart,
+    and whatever drifts in between (clocks, temperature, the allocator's state, other processes on the host) lands
+    on one of them; in turns, it lands on all of them alike, so a ratio of two medians compares like with like.
+    ``warmup`` untimed rounds first. Returns ``{name: [ms of each timed call]}``."""
+    _check_loop("interleaved_loop_ms", calls, warmup)
+    if not fns:
+        raise ValueError("interleaved_loop_ms needs at least one callable")
+    torch = _cuda()
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+            if torch is not None:
+                torch.cuda.synchronize()
+    if torch is not None:
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(calls):
+        for name, fn in fns.items():
+            times[name].append(_timed_call(torch, fn))
     return times
 
 

@@ -54,6 +54,33 @@ def test_loop_ms_on_cpu_times_each_call():
         measure.loop_ms(lambda: None, warmup=-1)
 
 
+def test_interleaved_loop_ms_takes_turns_and_times_each_call_like_loop_ms(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(measure, "_cuda", lambda: fake)
+    fns = {name: (lambda name=name: fake.log.append(name)) for name in ("a", "b", "c")}
+    times = measure.interleaved_loop_ms(fns, calls=3, warmup=1)
+    assert {k: len(v) for k, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    # one warm-up round, each call synchronised, then an idle device
+    assert fake.log[:fake.log.index("record")] == ["a", "sync", "b", "sync", "c", "sync", "sync"]
+    timed = fake.log[fake.log.index("record"):]
+    # in turns: a, b, c, a, b, c, ... each between its own events and followed by a synchronisation
+    assert timed == [x for _ in range(3) for name in "abc" for x in ("record", name, "record", "sync")]
+    assert all(t == 2.0 for v in times.values() for t in v)  # the fake's events: record, call, record
+
+
+def test_interleaved_loop_ms_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="at least one callable"):
+        measure.interleaved_loop_ms({})
+    with pytest.raises(ValueError, match="calls >= 1"):
+        measure.interleaved_loop_ms({"a": lambda: None}, calls=0)
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        measure.interleaved_loop_ms({"a": lambda: None}, warmup=-1)
+    calls = []
+    times = measure.interleaved_loop_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                                        calls=2, warmup=0)
+    assert calls == ["a", "b", "a", "b"] and all(math.isfinite(t) for v in times.values() for t in v)
+
+
 def test_host_ms_keeps_synchronisation_outside_the_timed_interval(monkeypatch):
     fake = _FakeCuda()
     monkeypatch.setattr(measure, "_cuda", lambda: fake)

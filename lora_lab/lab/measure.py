@@ -527,27 +527,36 @@ def by_repetition(rows: Iterable[dict], value: str, **match) -> dict[int, float]
 def repetition_ratios(rows: Iterable[dict], value: str, numerator: dict, denominator: dict) -> list[float]:
     """``numerator[value] / denominator[value]`` per repetition (rows paired by their ``rep``), in rep order.
 
-    Both sides must have been measured in the same repetitions: a ratio pairs two variants timed in the same
-    side-by-side loop, never numbers from different loops."""
+    A ratio pairs two variants timed in the same side-by-side loop, never numbers from different loops: only the
+    repetitions that hold both sides count. A repetition where one side has no value (a budget skipped it, or it
+    ran out of memory) gives no sample; no repetition in common is an error."""
+    return [top / bottom for _, top, bottom in _paired(rows, value, numerator, denominator)]
+
+
+def _paired(rows: Iterable[dict], value: str, numerator: dict, denominator: dict) -> list[tuple[int, float, float]]:
+    """``(rep, numerator's value, denominator's value)`` for the repetitions that hold both, in rep order."""
     rows = list(rows)
     top = by_repetition(rows, value, **numerator)
     bottom = by_repetition(rows, value, **denominator)
-    if not top or top.keys() != bottom.keys():
+    common = sorted(top.keys() & bottom.keys())
+    if not common:
         raise ValueError(f"{value}: repetitions of {numerator} ({sorted(top)}) and {denominator} "
-                         f"({sorted(bottom)}) do not pair up")
-    return [top[rep] / bottom[rep] for rep in sorted(top)]
+                         f"({sorted(bottom)}) do not pair up: no repetition holds both")
+    return [(rep, top[rep], bottom[rep]) for rep in common]
 
 
 
 def ratio_summary(rows: Iterable[dict], value: str, numerator: dict, denominator: dict) -> dict:
     """:func:`summarize` of :func:`repetition_ratios`, with ``sessions`` counted from the rows (pooled by
-    :func:`pool_sessions`) of the two variants that hold a ``value``: a session whose rows were skipped or ran out
-    of memory gave no sample and does not count."""
+    :func:`pool_sessions`) of the repetitions that gave a sample: a session whose rows of either variant were
+    skipped or ran out of memory gave no sample and does not count."""
     rows = list(rows)
-    used = [r for r in rows if r.get(value) is not None
+    pairs = _paired(rows, value, numerator, denominator)
+    reps = {rep for rep, _, _ in pairs}
+    used = [r for r in rows if r.get(value) is not None and int(r["rep"]) in reps
             and (all(r.get(k) == v for k, v in numerator.items())
                  or all(r.get(k) == v for k, v in denominator.items()))]
-    return summarize(repetition_ratios(rows, value, numerator, denominator), sessions=sessions_in(used))
+    return summarize([top / bottom for _, top, bottom in pairs], sessions=sessions_in(used))
 
 def _session_main(argv=None) -> None:
     """One session of :func:`repeat_in_processes`: build with the target, run ``n`` repetitions, write JSON."""

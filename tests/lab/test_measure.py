@@ -187,6 +187,19 @@ def test_ratio_summary_counts_only_sessions_that_gave_samples():
     assert ratio["n"] == 2 and ratio["sessions"] == 1
 
 
+def test_ratio_summary_pairs_only_repetitions_that_hold_both_sides():
+    # notebook 06's H200 run of bfc8cc2 failed here: a budget skipped one variant (ours_persistent) in session 0
+    # while ours was timed in both; the ratio rests on session 1's repetitions alone and says so
+    s0 = ([{"variant": "a", "rep": r, "ms": 2.0, "status": "ok"} for r in range(3)]
+          + [{"variant": "b", "rep": r, "ms": None, "status": "skipped"} for r in range(3)])
+    s1 = [{"variant": v, "rep": r, "ms": 4.0 if v == "a" else 2.0, "status": "ok"} for r in range(2) for v in "ab"]
+    rows = measure.pool_sessions([s0, s1])
+    ratio = measure.ratio_summary(rows, "ms", {"variant": "a"}, {"variant": "b"})
+    assert ratio["n"] == 2 and ratio["sessions"] == 1 and ratio["median"] == 2.0
+    with pytest.raises(ValueError, match="no repetition holds both"):
+        measure.ratio_summary(s0, "ms", {"variant": "a"}, {"variant": "b"})
+
+
 def test_session_main_runs_in_this_interpreter(tmp_path, monkeypatch):
     target = _write_target(tmp_path, "def setup():\n    return lambda: {'x': 1.0}\n")
     monkeypatch.syspath_prepend(str(tmp_path))

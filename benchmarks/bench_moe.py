@@ -8,8 +8,9 @@ softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients fo
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
 the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` is ours
 with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form;
-``ours_kgrouped``, opt-in (only when ``--variants`` names it), is ours with ``KernelConfig.moe_weight_grad='kgrouped'``:
-the K-grouped expert weight-gradient kernel in place of the one-program-per-tile one, everything else the same).
+``ours_kgrouped``, ``ours_dw_grouped_mm`` and ``ours_per_tile``, opt-in (only when ``--variants`` names them, in
+``full`` cells only), are ours with ``KernelConfig.moe_weight_grad`` set to ``kgrouped``, ``grouped_mm`` or
+``per_tile``: another engine for the expert weight gradients, everything else the same).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, the shapes in
@@ -45,7 +46,7 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
 
     python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --repetitions 5 --secondary \
-        --variants eager liger ours_untuned ours_persistent              # what notebook 06 records (the panel)
+        --variants eager liger ours_untuned ours_persistent ours_per_tile  # what notebook 06 records (the panel)
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
@@ -111,6 +112,9 @@ SMOKE_TOKEN_DIVISOR = 1024
 # on an H200 at that layer, 8,192 tokens, in the issue27_25_24 session log) and its autotune key is (H_dim, I_dim)
 # (liger_kernel/ops/fused_moe_kernels.py, 0.8.5): both token counts of one layer share one tuning
 LIGER_SHAPES = ("qwen3_30b_a3b",)
+# our variants that change only the expert weights' gradient engine: full fine-tuning cells only (LoRA cells compute
+# no expert weight gradient, so there they would repeat ours)
+WEIGHT_GRAD_VARIANTS = tuple(OURS_KGROUPED)
 OPTIONAL_IMPLS = (*OURS_VARIANTS, LIGER)  # their failure is a recorded result; the others' fails the run
 # First calls known to be expensive with a cold cache (compile + autotuning), in seconds: what the H200 run of
 # notebook 06 at 14de7b6 measured at the 30B-A3B-like layer, 8,192 tokens, full fine-tuning (session log
@@ -486,7 +490,8 @@ def run_session(args, impls, out: Path) -> None:
         with_eager = ((not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
                       and mode in args.eager_modes)
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
-                      and (i not in OURS_PERSISTENT or name in args.persistent_shapes) and runs_in(i, mode)]
+                      and (i not in OURS_PERSISTENT or name in args.persistent_shapes)
+                      and (i not in WEIGHT_GRAD_VARIANTS or mode == "full") and runs_in(i, mode)]
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,
                                      seconds=seconds, first_calls=args.first_calls, deadline=deadline)

@@ -46,12 +46,15 @@ field              variable                meaning
                                            descriptors where aligned (token rows are still gathered by
                                            pointer)
 ``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
+                                           ``auto`` (``grouped_mm`` for bf16 on a CUDA GPU of capability
+                                           9.0 or newer, else ``per_tile``: the rule of
+                                           :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`),
                                            ``per_tile`` (one program per (expert, dW tile), its own
                                            pipelined loop over the expert's rows), or ``kgrouped``
                                            (opt-in: one program per SM, one loop over the rows of all its
                                            (expert, tile) items, not software-pipelined by Triton 3.6/3.9;
                                            see :mod:`lora_lab.kernels.moe.kgrouped_weight_grad`), or
-                                           ``grouped_mm`` (opt-in: dW1 and dW2 of full fine-tuning as one
+                                           ``grouped_mm`` (dW1 and dW2 of full fine-tuning as one
                                            ``torch._grouped_mm`` each, K split at the expert offsets, rows
                                            gathered before it; the LoRA factors' and unaligned shapes stay
                                            ``per_tile``)
@@ -80,7 +83,7 @@ CHOICES = {
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),
-    "moe_weight_grad": ("per_tile", "kgrouped", "grouped_mm"),
+    "moe_weight_grad": ("auto", "per_tile", "kgrouped", "grouped_mm"),
     "moe_engine": ("auto", "triton", "grouped_mm"),
     "rank_ops": ("triton", "torch"),
 }
@@ -147,7 +150,7 @@ class KernelConfig:
     moe_autotune: bool = True
     moe_block_m: int | None = None
     moe_loads: str = "pointer"
-    moe_weight_grad: str = "per_tile"
+    moe_weight_grad: str = "auto"
     moe_engine: str = "auto"
     rank_ops: str = "triton"
 

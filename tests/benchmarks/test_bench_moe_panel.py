@@ -127,9 +127,12 @@ def test_session_budgets_one_per_session_the_last_repeating(bench):
 
 
 def test_kgrouped_variant_is_opt_in_and_sets_the_weight_gradient_kernel(bench):
-    assert "ours_kgrouped" in bench.ALL_IMPLS and "ours_kgrouped" not in bench.DEFAULT_RUN
-    assert fused_moe.ours_config("ours_kgrouped", None).moe_weight_grad == "kgrouped"
-    assert fused_moe.ours_config("ours", KernelConfig()).moe_weight_grad == "per_tile"
+    for variant, engine in (("ours_kgrouped", "kgrouped"), ("ours_dw_grouped_mm", "grouped_mm"),
+                            ("ours_per_tile", "per_tile")):
+        assert variant in bench.ALL_IMPLS and variant not in bench.DEFAULT_RUN
+        assert variant in bench.WEIGHT_GRAD_VARIANTS  # full fine-tuning cells only
+        assert fused_moe.ours_config(variant, None).moe_weight_grad == engine
+    assert fused_moe.ours_config("ours", KernelConfig()).moe_weight_grad == "auto"
 
 
 @pytest.mark.slow

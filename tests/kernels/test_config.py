@@ -9,7 +9,8 @@ def test_defaults_are_the_shipped_behaviour():
     config = KernelConfig()
     assert (config.dispatch, config.base_gemm, config.overlap, config.gemm_loads) == ("auto",) * 4
     assert config.autotune and config.moe_autotune and not config.fuse_q_db and config.moe_block_m is None
-    assert config.moe_weight_grad == "per_tile"  # the K-grouped weight gradient is opt-in until timed on a GPU
+    # the rule of weight_grad_engine (grouped_mm for bf16 on Hopper, else per_tile); the K-grouped kernel is opt-in
+    assert config.moe_weight_grad == "auto"
 
 
 def test_environment_seeds_defaults_and_arguments_win(monkeypatch):
@@ -33,7 +34,7 @@ def test_environment_seeds_defaults_and_arguments_win(monkeypatch):
     ("LORA_LAB_FUSE_QDB", "maybe", "LORA_LAB_FUSE_QDB='maybe': expected 1 or 0"),
     ("LORA_LAB_MOE_BLOCK_M", "big", "LORA_LAB_MOE_BLOCK_M='big'"),
     ("LORA_LAB_MOE_WEIGHT_GRAD", "rowsplit",
-     "LORA_LAB_MOE_WEIGHT_GRAD='rowsplit': expected one of per_tile, kgrouped"),
+     "LORA_LAB_MOE_WEIGHT_GRAD='rowsplit': expected one of auto, per_tile, kgrouped"),
 ])
 def test_bad_environment_values_are_named(monkeypatch, variable, value, message):
     monkeypatch.setenv(variable, value)
@@ -47,7 +48,7 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="KernelConfig.autotune must be True or False"):
         KernelConfig(autotune="no")
     with pytest.raises(ValueError,
-                       match="KernelConfig.moe_weight_grad must be one of per_tile, kgrouped, grouped_mm; got 'split'"):
+                       match="KernelConfig.moe_weight_grad must be one of auto, per_tile, kgrouped, grouped_mm; got 'split'"):
         KernelConfig(moe_weight_grad="split")
     with pytest.raises(ValueError, match="moe_block_m must be a power of two >= 16"):
         KernelConfig(moe_block_m=24)

@@ -20,7 +20,15 @@ An expert that received no token gets an exact zero gradient (the loop runs zero
 expert's (M, N) tiles in grouped order, and a sorted operand (not gathered by token) is read through a TMA
 descriptor where its rows are 16-byte aligned (its rows past the expert's end are zeroed after the load).
 
-Work decomposition (``KernelConfig.moe_weight_grad='per_tile'``, the default): no split-K and no atomics; one
+**Which engine** (``KernelConfig.moe_weight_grad='auto'``, the default; :func:`weight_grad_engine`): bf16 on a CUDA
+GPU of capability 9.0 or newer takes ``torch._grouped_mm`` (:func:`grouped_mm_weight_grad`); everything else, and
+every gradient that function declines (the LoRA factors' rank-sized sides, unaligned rows), takes the Triton kernel
+below. The rule rests on one isolated measurement (H200, the Qwen3-30B-A3B-like layer, 8,192 tokens, bf16:
+``_grouped_mm`` with its gathers ran dW1 1.43x and dW2 2.08x as fast as ``per_tile``;
+``outputs/gpu/session_logs/issue27_25_24_run2/extra_call/moe_weight_grad.csv``); the whole layer with each engine
+is timed side by side in notebook 06 (``ours`` against ``ours_per_tile``).
+
+Work decomposition (``KernelConfig.moe_weight_grad='per_tile'``): no split-K and no atomics; one
 program per (tile of G_e, expert), each reducing over the expert's whole row range in its own pipelined K loop
 and storing its tile once. ``moe_weight_grad='kgrouped'`` (opt-in, not yet timed on a GPU) runs the same sum in
 :mod:`~lora_lab.kernels.moe.kgrouped_weight_grad`: one program per SM whose single loop walks the K-steps of all its
@@ -184,12 +192,13 @@ def expert_weight_grad(
         m_dim, n_dim, float(scale), num_experts,
     )
 
-    if config.moe_weight_grad == "grouped_mm":  # CUTLASS's grouped GEMM with K split at the expert offsets
+    engine = weight_grad_engine(a, config)
+    if engine == "grouped_mm":  # CUTLASS's grouped GEMM with K split at the expert offsets
         done = grouped_mm_weight_grad(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight,
                                       scale=scale, out=out)
         if done is not None:
             return done
-    if config.moe_weight_grad == "kgrouped":  # one flat pipelined loop per SM over its items' K-steps
+    if engine == "kgrouped":  # one flat pipelined loop per SM over its items' K-steps
         kgrouped_flags = {name: flags[name] for name in KGROUPED_FLAGS}
         launch_kgrouped_weight_grad(args, kgrouped_flags, m_dim=m_dim, n_dim=n_dim, num_experts=num_experts,
                                     num_rows=routing.num_assignments, device=a.device, tune=tune, config=config)
@@ -217,6 +226,21 @@ def expert_weight_grad(
     return out
 
 
+def weight_grad_engine(a: torch.Tensor, config: KernelConfig) -> str:
+    """``config.moe_weight_grad`` with ``auto`` resolved: ``grouped_mm`` for a bf16 operand on a CUDA device of
+    capability >= 9.0 (outside Triton's interpreter), else ``per_tile``. A pure function of the operand's dtype and
+    device and the config (what the whole-layer comparison in notebook 06 times)."""
+    if config.moe_weight_grad != "auto":
+        return config.moe_weight_grad
+    from lora_lab.kernels.moe.engine import grouped_mm_available
+    from lora_lab.kernels.triton_helpers import running_in_interpreter
+
+    if (a.dtype == torch.bfloat16 and a.device.type == "cuda" and grouped_mm_available()
+            and not running_in_interpreter() and torch.cuda.get_device_capability(a.device) >= (9, 0)):
+        return "grouped_mm"
+    return "per_tile"
+
+
 def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRouting, *, gather_a: bool,
                            gather_b: bool, row_weight: torch.Tensor | None, scale: float,
                            out: torch.Tensor) -> torch.Tensor | None:
@@ -234,14 +258,16 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
             or (m_dim * a.element_size()) % 16 or (n_dim * b.element_size()) % 16):
         return None
     token = routing.sorted_token.long()
-    rows_a = a.index_select(0, token) if gather_a else a.contiguous()
+    # a fresh buffer in A's dtype either way (the gather makes one; a sorted operand is copied), scaled in place
+    rows_a = a.index_select(0, token) if gather_a else a.clone(memory_format=torch.contiguous_format)
     # rows of out-of-range expert ids sort outside [offsets[0], offsets[E]); _grouped_mm's first group starts at
     # row 0, so those rows are zeroed (on the device: no host sync) and add nothing to expert 0
     position = torch.arange(rows_a.shape[0], device=a.device)
     in_range = ((position >= routing.expert_offsets[0]) & (position < routing.expert_offsets[-1])).to(torch.float32)
     weight = in_range if row_weight is None else in_range * row_weight.index_select(
         0, routing.sorted_slot.long()).to(torch.float32)
-    rows_a = (rows_a.to(torch.float32) * weight[:, None]).to(a.dtype)
+    # the product formed in fp32 and rounded once into A's dtype, as before, without an fp32 copy of the rows
+    rows_a.mul_(weight[:, None])
     rows_b = b.index_select(0, token) if gather_b else b.contiguous()
     offs = routing.expert_offsets[1:].to(torch.int32)
     result = torch._grouped_mm(rows_a.t(), rows_b, offs=offs)

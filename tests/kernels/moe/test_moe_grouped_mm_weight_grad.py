@@ -7,6 +7,8 @@ compares against them. GPU (@pytest.mark.gpu): bf16 against an fp32 reference.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_moe_kgrouped_weight_grad import (
@@ -21,7 +23,7 @@ from test_moe_kgrouped_weight_grad import (
 from lora_lab.experiments.fused_moe import make_moe_problem
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe.engine import grouped_mm_available
-from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad
+from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad, grouped_mm_weight_grad, weight_grad_engine
 from lora_lab.kernels.moe.routing import route_experts
 
 GROUPED = KernelConfig(moe_weight_grad="grouped_mm", moe_autotune=False)
@@ -101,6 +103,56 @@ def test_moe_layer_gradients_match_the_default_setting(rank, monkeypatch):
     assert len(calls) == 2
     for name, g, d in zip(["out", "dx", "d_weights", "dW1", "dW2", "dA1", "dB1", "dA2", "dB2"], got, default):
         torch.testing.assert_close(g, d, rtol=2e-5, atol=2e-5 * d.abs().max().item(), msg=name)
+
+
+def test_auto_takes_grouped_mm_for_bf16_on_hopper_only(monkeypatch):
+    import lora_lab.kernels.moe.engine as engine
+    import lora_lab.kernels.triton_helpers as helpers
+
+    auto = KernelConfig()
+    assert auto.moe_weight_grad == "auto"  # the default
+    cpu = torch.zeros(2, 2, dtype=torch.bfloat16)
+    assert weight_grad_engine(cpu, auto) == "per_tile"  # off CUDA
+    for explicit in ("per_tile", "kgrouped", "grouped_mm"):  # a setting is taken as given, on any device
+        assert weight_grad_engine(cpu, KernelConfig(moe_weight_grad=explicit)) == explicit
+
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(helpers, "running_in_interpreter", lambda: False)
+    monkeypatch.setattr(engine, "grouped_mm_available", lambda: True)
+
+    def on_gpu(dtype):
+        return SimpleNamespace(dtype=dtype, device=torch.device("cuda", 0))
+
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "grouped_mm"
+    assert weight_grad_engine(on_gpu(torch.float16), auto) == "per_tile"  # measured in bf16 only
+    assert weight_grad_engine(on_gpu(torch.float32), auto) == "per_tile"
+    capability["value"] = (8, 0)  # before Hopper
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "per_tile"
+    capability["value"] = (9, 0)
+    monkeypatch.setattr(engine, "grouped_mm_available", lambda: False)  # a torch without _grouped_mm
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "per_tile"
+    monkeypatch.setattr(engine, "grouped_mm_available", lambda: True)
+    monkeypatch.setattr(helpers, "running_in_interpreter", lambda: True)
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "per_tile"
+
+
+@needs_grouped_mm
+def test_grouped_mm_leaves_a_sorted_operand_untouched():
+    # dW1's A (dGU) is read in sorted order, not gathered: the out-of-range mask and any routing weight are applied
+    # to a copy, never to the caller's tensor
+    _, routing = routing_of("random", 48, 6, 2)
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(routing.num_assignments, 144, generator=gen)
+    b = torch.randn(routing.num_assignments, 136, generator=gen)
+    weight = torch.rand(routing.num_assignments, generator=gen)
+    before = a.clone()
+    out = torch.empty(6, 144, 136)
+    assert grouped_mm_weight_grad(a, b, routing, gather_a=False, gather_b=False, row_weight=weight, scale=1.0,
+                                  out=out) is out
+    assert torch.equal(a, before)
+    ref = reference_fp64(a, b, routing, gather_a=False, gather_b=False, row_weight=weight)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
 
 
 def test_the_setting_is_validated():

@@ -47,8 +47,8 @@ def test_bad_arguments_are_named():
         KernelConfig(base_gemm="cutlass")
     with pytest.raises(TypeError, match="KernelConfig.autotune must be True or False"):
         KernelConfig(autotune="no")
-    with pytest.raises(ValueError,
-                       match="KernelConfig.moe_weight_grad must be one of auto, per_tile, kgrouped, grouped_mm; got 'split'"):
+    with pytest.raises(ValueError, match="KernelConfig.moe_weight_grad must be one of auto, per_tile, kgrouped, "
+                                         "grouped_mm; got 'split'"):
         KernelConfig(moe_weight_grad="split")
     with pytest.raises(ValueError, match="moe_block_m must be a power of two >= 16"):
         KernelConfig(moe_block_m=24)

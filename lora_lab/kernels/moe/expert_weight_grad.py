@@ -216,9 +216,9 @@ def expert_weight_grad(
         meta = heuristic_meta("weight_grad", block_m=128, n_dim=n_dim, k_dim=num_rows,
                               rows_per_expert=num_rows / max(num_experts, 1))
         if m_dim <= 128:
-            meta["BLOCK_M"] = narrow_block_size(m_dim, config)
+            meta["BLOCK_M"] = narrow_block_size(m_dim, config, volume=m_dim * n_dim * num_rows)
         if n_dim <= 128:
-            meta["BLOCK_N"] = narrow_block_size(n_dim, config)
+            meta["BLOCK_N"] = narrow_block_size(n_dim, config, volume=m_dim * n_dim * num_rows)
         set_expert_block_shape({"a_ptr": a_arg, "b_ptr": b_arg, **flags, **meta})
         kernel = fixed_kernel(_expert_weight_grad_kernel, _expert_weight_grad_kernel_unspecialized, config,
                               volume=m_dim * n_dim * num_rows)

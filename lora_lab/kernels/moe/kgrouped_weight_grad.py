@@ -174,12 +174,13 @@ def launch_kgrouped_weight_grad(args: tuple, flags: dict, *, m_dim: int, n_dim: 
         return
     meta = heuristic_meta("weight_grad", block_m=128, n_dim=n_dim, k_dim=num_rows,
                           rows_per_expert=num_rows / max(num_experts, 1))
+    volume = m_dim * n_dim * num_rows
     if m_dim <= 128:
-        meta["BLOCK_M"] = narrow_block_size(m_dim, config)
+        meta["BLOCK_M"] = narrow_block_size(m_dim, config, volume=volume)
     if n_dim <= 128:
-        meta["BLOCK_N"] = narrow_block_size(n_dim, config)
+        meta["BLOCK_N"] = narrow_block_size(n_dim, config, volume=volume)
     if with_tma:
         set_expert_block_shape({"a_ptr": args[0], "b_ptr": args[3], **flags, **meta})
     kernel = fixed_kernel(_kgrouped_weight_grad_kernel, _kgrouped_weight_grad_kernel_unspecialized, config,
-                          volume=m_dim * n_dim * num_rows)
+                          volume=volume)
     kernel[grid_of(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **flags, **meta)

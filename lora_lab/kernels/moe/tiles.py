@@ -289,7 +289,7 @@ def launch_row_tiles(
         meta = heuristic_meta(kind, block_m=flags["BLOCK_M"], n_dim=num_cols, k_dim=k_dim,
                               rows_per_expert=num_rows / max(num_experts, 1))
         if narrow:
-            meta["BLOCK_N"] = narrow_block_size(num_cols, config)
+            meta["BLOCK_N"] = narrow_block_size(num_cols, config, volume=num_rows * num_cols * k_dim)
         if flags["W_TMA"]:
             set_expert_block_shape({**dict(enumerate(args)), **flags, **meta})
         kernel = fixed_kernel(specialized, unspecialized, config, volume=num_rows * num_cols * k_dim)

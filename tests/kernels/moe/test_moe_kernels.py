@@ -396,7 +396,13 @@ def test_kernel_config_switches_moe_tuning_off(monkeypatch):
     assert lc.autotune_enabled(tuned) and lc.fixed_kernel("spec", "unspec", tuned) == "spec"
     assert lc.narrow_block_size(3, tuned) == 16
     assert not lc.autotune_enabled(fixed) and lc.fixed_kernel("spec", "unspec", fixed) == "unspec"
+    # tuning off: the twin's wider tile only for a tiny problem (the correctness checks' shapes share variants);
+    # a real layer's rank-16 side keeps the tuned launch's tile (the untuned LoRA cells of notebook 06)
     assert lc.narrow_block_size(3, fixed) == 64 and lc.narrow_block_size(100, fixed) == 128
+    real = 16 * 2048 * 8192 * 8  # dA of the 30B-A3B-like layer at 8,192 tokens: r x H x rows
+    assert not lc.tiny_problem(real) and lc.fixed_kernel("spec", "unspec", fixed, volume=real) == "spec"
+    assert lc.narrow_block_size(16, fixed, volume=real) == 16 == lc.narrow_block_size(16, tuned, volume=real)
+    assert lc.narrow_block_size(16, fixed, volume=1000) == 64
     assert lc.row_block_size(8192 * 8, 128, KernelConfig(moe_block_m=32)) == 32
     monkeypatch.setenv("LORA_LAB_MOE_AUTOTUNE", "0")  # the environment only seeds the default
     assert not KernelConfig.from_env().moe_autotune and KernelConfig().moe_autotune

@@ -157,33 +157,45 @@ class _GroupedMmExperts(torch.autograd.Function):
             h = torch.nn.functional.silu(g) * u
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
         del h
-        ctx.save_for_backward(x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts)
+        ctx.save_for_backward(x, w1, w2, weight, perm, position, token, offsets, valid, counts)
+        # [g | u] (S x 2I, the largest saved tensor) is an intermediate, held on ctx so that backward can free it
+        # right after its one use, SiLU·up's backward, instead of keeping it alive through the four GEMMs after it
+        ctx.gu = gu
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
         return _unsort_sum(y, position, num_tokens, top_k, weight_slot)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts = ctx.saved_tensors
+        x, w1, w2, weight, perm, position, token, offsets, valid, counts = ctx.saved_tensors
+        gu = ctx.gu
+        if gu is None:
+            raise RuntimeError("the grouped_mm MoE engine frees its [g | u] buffer in backward, so it cannot run "
+                               "backward twice (retain_graph=True); run the layer forward again, or use "
+                               "KernelConfig(moe_engine='triton')")
+        ctx.gu = None
         num_tokens, top_k, weights_dtype = ctx.shape
         need = ctx.needs_input_grad
         grad_out = grad_out.to(x.dtype).contiguous()
         dout_rows = grad_out.index_select(0, token)  # (S, H)
         d = torch._grouped_mm(dout_rows, w2, offs=offsets)  # D = dOut_t W2_e, (S, I)
         dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2])
-        del d
+        del d, gu
         d_weights = None
         if need[2]:
             d_weights = dw_sorted[position].view(num_tokens, top_k).to(weights_dtype)
         dx = dw1 = dw2 = None
-        if need[0]:
-            dx = _unsort_sum(torch._grouped_mm(dgu, w1, offs=offsets), position, num_tokens, top_k)
         empty = (counts == 0)[:, None, None]  # an expert with no rows gets an exact zero gradient
-        if need[3]:
-            dw1 = torch._grouped_mm(dgu.t(), x.index_select(0, token), offs=offsets)  # (E, 2I, H)
-            dw1 = dw1.masked_fill_(empty, 0)
+        # dW2 first: h and the dOut rows (S x I and S x H) are freed before dX and dW1 allocate theirs
         if need[4]:
             scaled = (dout_rows * weight.to(x.dtype)[:, None]).t()  # (H, S)
             dw2 = torch._grouped_mm(scaled, h, offs=offsets).masked_fill_(empty, 0)  # (E, H, I)
+            del scaled
+        del h, dout_rows
+        if need[0]:
+            dx = _unsort_sum(torch._grouped_mm(dgu, w1, offs=offsets), position, num_tokens, top_k)
+        if need[3]:
+            dw1 = torch._grouped_mm(dgu.t(), x.index_select(0, token), offs=offsets)  # (E, 2I, H)
+            dw1 = dw1.masked_fill_(empty, 0)
         return dx, None, d_weights, dw1, dw2
 
 

@@ -86,6 +86,20 @@ def test_grouped_mm_engine_matches_reference_fp32(T, H, I, E, K, routing):
 
 
 @needs_grouped_mm
+def test_grouped_mm_engine_frees_gate_up_after_backward_and_says_so_on_a_second_one():
+    """[g | u] is freed inside backward (peak memory, issue #24): a second backward through the same graph is
+    refused by name instead of reading a freed buffer."""
+    x, index, weights, w1, w2, _ = make_problem(37, 20, 12, 5, 2, routing="random")
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w1, w2)]
+    out = engine.grouped_mm_experts(leaves[0], index, leaves[1], leaves[2], leaves[3])
+    grad = torch.randn_like(out)
+    first = torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    assert all(g is not None and torch.isfinite(g).all() for g in first)
+    with pytest.raises(RuntimeError, match="cannot run backward twice"):
+        torch.autograd.grad(out, leaves, grad)
+
+
+@needs_grouped_mm
 def test_grouped_mm_engine_plain_torch_passes_match_reference_fp32(monkeypatch):
     """The engine's torch fallback for its elementwise passes (a CPU without the interpreter)."""
     monkeypatch.setattr(engine, "_triton_runs", lambda t: False)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from lora_lab.kernels.config import KernelConfig
+from lora_lab.kernels.moe.routing import free_saved, refuse_second_backward
 from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference, silu_mul, unsort_sum
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
@@ -157,29 +158,22 @@ class _GroupedMmExperts(torch.autograd.Function):
             h = torch.nn.functional.silu(g) * u
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
         del h
-        ctx.save_for_backward(x, w1, w2, weight, perm, position, token, offsets, valid, counts)
-        # [g | u] (S x 2I, the largest saved tensor) is an intermediate, held on ctx so that backward can free it
-        # right after its one use, SiLU·up's backward, instead of keeping it alive through the four GEMMs after it
-        ctx.gu = gu
+        ctx.save_for_backward(x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts)
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
         return _unsort_sum(y, position, num_tokens, top_k, weight_slot)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, weight, perm, position, token, offsets, valid, counts = ctx.saved_tensors
-        gu = ctx.gu
-        if gu is None:
-            raise RuntimeError("the grouped_mm MoE engine frees its [g | u] buffer in backward, so it cannot run "
-                               "backward twice (retain_graph=True); run the layer forward again, or use "
-                               "KernelConfig(moe_engine='triton')")
-        ctx.gu = None
+        x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts = ctx.saved_tensors
+        refuse_second_backward(ctx, "the grouped_mm MoE engine")
         num_tokens, top_k, weights_dtype = ctx.shape
         need = ctx.needs_input_grad
         grad_out = grad_out.to(x.dtype).contiguous()
         dout_rows = grad_out.index_select(0, token)  # (S, H)
         d = torch._grouped_mm(dout_rows, w2, offs=offsets)  # D = dOut_t W2_e, (S, I)
         dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2])
-        del d, gu
+        del d
+        free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the four GEMMs below
         d_weights = None
         if need[2]:
             d_weights = dw_sorted[position].view(num_tokens, top_k).to(weights_dtype)

@@ -168,11 +168,19 @@ def expert_weight_grad(
     check_interpreter_dtype(a, op="expert_weight_grad")
     m_dim, n_dim = a.shape[1], b.shape[1]
     num_experts = routing.num_experts
-    out = torch.empty(num_experts, m_dim, n_dim, device=a.device, dtype=out_dtype or a.dtype)
-    if out.numel() == 0:
-        return out
-    weight = row_weight if row_weight is not None else a
+    if num_experts * m_dim * n_dim == 0:
+        return torch.empty(num_experts, m_dim, n_dim, device=a.device, dtype=out_dtype or a.dtype)
     config = resolve_config(config)
+    engine = weight_grad_engine(a, config)
+    if engine == "grouped_mm" and (out_dtype or a.dtype) == a.dtype:
+        # CUTLASS's grouped GEMM with K split at the expert offsets; its result is the gradient (no second E x M x N
+        # buffer to copy it into)
+        done = grouped_mm_weight_grad(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight,
+                                      scale=scale)
+        if done is not None:
+            return done
+    out = torch.empty(num_experts, m_dim, n_dim, device=a.device, dtype=out_dtype or a.dtype)
+    weight = row_weight if row_weight is not None else a
     flags = dict(
         GATHER_A=gather_a, GATHER_B=gather_b, ROW_WEIGHT=row_weight is not None,
         DOT_PRECISION=dot_precision(a.dtype), A_TMA=False, B_TMA=False, **schedule_flags(config, a.device),
@@ -192,12 +200,6 @@ def expert_weight_grad(
         m_dim, n_dim, float(scale), num_experts,
     )
 
-    engine = weight_grad_engine(a, config)
-    if engine == "grouped_mm":  # CUTLASS's grouped GEMM with K split at the expert offsets
-        done = grouped_mm_weight_grad(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight,
-                                      scale=scale, out=out)
-        if done is not None:
-            return done
     if engine == "kgrouped":  # one flat pipelined loop per SM over its items' K-steps
         kgrouped_flags = {name: flags[name] for name in KGROUPED_FLAGS}
         launch_kgrouped_weight_grad(args, kgrouped_flags, m_dim=m_dim, n_dim=n_dim, num_experts=num_experts,
@@ -243,38 +245,47 @@ def weight_grad_engine(a: torch.Tensor, config: KernelConfig) -> str:
 
 def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRouting, *, gather_a: bool,
                            gather_b: bool, row_weight: torch.Tensor | None, scale: float,
-                           out: torch.Tensor) -> torch.Tensor | None:
-    """G into ``out`` by one ``torch._grouped_mm`` (``KernelConfig.moe_weight_grad='grouped_mm'``), or None where
-    it does not apply — torch without ``_grouped_mm``, a rank-sized side (the LoRA factors' gradients: the Triton
-    kernel's narrow tiles), rows whose byte width is not a multiple of 16, a dtype other than ``out``'s.
+                           out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """G (E, M, N) in A's dtype by one ``torch._grouped_mm`` (``KernelConfig.moe_weight_grad='grouped_mm'``), copied
+    into ``out`` when one is given; or None where it does not apply — torch without ``_grouped_mm``, a rank-sized
+    side (the LoRA factors' gradients: the Triton kernel's narrow tiles), rows whose byte width is not a multiple
+    of 16, an ``out`` of another dtype.
 
-    The rows are put in expert order first (``index_select`` of the gathered operand; the routing weight folded
-    into A's copy), then ``_grouped_mm(Aᵀ, B, offs)`` reduces each expert's rows — K split at the expert offsets,
-    one (M, N) block per expert. An expert without rows gets an exact zero."""
+    The rows are put in expert order first (``index_select`` of a gathered operand), each row scaled by its routing
+    weight (A's rows, as the Triton kernel does) and by whether its expert id is in range. With no routing weight
+    the scale is 0 or 1, so it goes on whichever operand is a fresh gathered copy: dW1's sorted dGU is then read as
+    it is, not copied. Then ``_grouped_mm(Aᵀ, B, offs)`` reduces each expert's rows — K split at the expert
+    offsets, one (M, N) block per expert. An expert without rows gets an exact zero."""
     from lora_lab.kernels.moe.engine import grouped_mm_available
 
     m_dim, n_dim = a.shape[1], b.shape[1]
-    if (not grouped_mm_available() or min(m_dim, n_dim) <= 128 or out.dtype != a.dtype
+    if (not grouped_mm_available() or min(m_dim, n_dim) <= 128 or (out is not None and out.dtype != a.dtype)
             or (m_dim * a.element_size()) % 16 or (n_dim * b.element_size()) % 16):
         return None
     token = routing.sorted_token.long()
-    # a fresh buffer in A's dtype either way (the gather makes one; a sorted operand is copied), scaled in place
-    rows_a = a.index_select(0, token) if gather_a else a.clone(memory_format=torch.contiguous_format)
     # rows of out-of-range expert ids sort outside [offsets[0], offsets[E]); _grouped_mm's first group starts at
     # row 0, so those rows are zeroed (on the device: no host sync) and add nothing to expert 0
-    position = torch.arange(rows_a.shape[0], device=a.device)
+    position = torch.arange(routing.num_assignments, device=a.device)
     in_range = ((position >= routing.expert_offsets[0]) & (position < routing.expert_offsets[-1])).to(torch.float32)
     weight = in_range if row_weight is None else in_range * row_weight.index_select(
         0, routing.sorted_slot.long()).to(torch.float32)
-    # the product formed in fp32 and rounded once into A's dtype, as before, without an fp32 copy of the rows
-    rows_a.mul_(weight[:, None])
     rows_b = b.index_select(0, token) if gather_b else b.contiguous()
+    if row_weight is None and gather_b and not gather_a:
+        rows_a = a.contiguous()  # read as it is; the 0/1 mask goes on B's fresh gathered copy
+        rows_b.mul_(weight[:, None])
+    else:
+        # a fresh buffer in A's dtype (the gather makes one; a sorted operand is copied), scaled in place: the
+        # product formed in fp32 and rounded once into A's dtype, without an fp32 copy of the rows
+        rows_a = a.index_select(0, token) if gather_a else a.clone(memory_format=torch.contiguous_format)
+        rows_a.mul_(weight[:, None])
     offs = routing.expert_offsets[1:].to(torch.int32)
     result = torch._grouped_mm(rows_a.t(), rows_b, offs=offs)
     if scale != 1.0:
         result.mul_(scale)
     counts = routing.expert_offsets[1:] - routing.expert_offsets[:-1]
     result.masked_fill_((counts == 0)[:, None, None], 0)
+    if out is None:
+        return result
     out.copy_(result)
     return out
 

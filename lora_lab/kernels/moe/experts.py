@@ -40,7 +40,7 @@ from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
 from lora_lab.kernels.moe.launch import row_block_size
 from lora_lab.kernels.moe.lora import ExpertLoRA, moe_experts_reference
-from lora_lab.kernels.moe.routing import ExpertRouting, route_experts
+from lora_lab.kernels.moe.routing import ExpertRouting, free_saved, refuse_second_backward, route_experts
 from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
 __all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA"]
@@ -83,6 +83,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, row_weight, w1, w2, gu, h, a1, b1, a2, b2, p1, p2, *routing_tensors = ctx.saved_tensors
+        refuse_second_backward(ctx, "the fused MoE experts")
         routing = ExpertRouting(*ctx.routing_meta, *routing_tensors)
         scale1, scale2 = ctx.scales
         has_lora1, has_lora2 = ctx.has_lora
@@ -95,6 +96,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             grad_out, w2, gu, row_weight, routing, compute_router_grad=need[2],
             lora=(q2, a2, scale2) if has_lora2 else None, config=c,
         )
+        free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not when backward returns
         q1 = grouped_rows_gemm(dgu, b1, routing, gather_rows=False, config=c) if has_lora1 else None
 
         dx = None

@@ -135,3 +135,23 @@ def route_experts_reference(top_k_index: torch.Tensor, num_experts: int, block_m
         "expert_offsets": offsets,
         "tiles": tiles,
     }
+
+
+def free_saved(tensor: torch.Tensor) -> None:
+    """Release a saved intermediate's memory inside backward, after its last use, while autograd still holds the
+    tensor until backward returns: its storage is resized to zero bytes. Saved-tensor accounting
+    (:func:`lora_lab.memory.saved_bytes_excluding`) still counts it, as it was saved. Only for a tensor that owns
+    its storage alone (a fresh allocation, not a view); anything else is left as it is."""
+    storage = tensor.untyped_storage()
+    alone = storage.nbytes() == tensor.numel() * tensor.element_size()
+    if tensor._base is None and tensor.storage_offset() == 0 and alone:
+        storage.resize_(0)
+
+
+def refuse_second_backward(ctx, what: str) -> None:
+    """Backward frees saved buffers (:func:`free_saved`): a second backward through the same graph
+    (``retain_graph=True``) is refused by name instead of reading freed memory."""
+    if getattr(ctx, "backward_ran", False):
+        raise RuntimeError(f"{what} frees its saved [g | u] buffer in backward, so it cannot run backward twice "
+                           "(retain_graph=True); run the layer forward again")
+    ctx.backward_ran = True

@@ -99,6 +99,18 @@ def test_grouped_mm_engine_frees_gate_up_after_backward_and_says_so_on_a_second_
         torch.autograd.grad(out, leaves, grad)
 
 
+def test_free_saved_releases_only_a_tensor_that_owns_its_storage():
+    from lora_lab.kernels.moe.routing import free_saved
+
+    fresh = torch.randn(6, 4)
+    free_saved(fresh)
+    assert fresh.untyped_storage().nbytes() == 0
+    whole = torch.randn(6, 4)
+    view = whole[2:]
+    free_saved(view)  # a view: left alone
+    assert whole.untyped_storage().nbytes() == whole.numel() * whole.element_size()
+
+
 @needs_grouped_mm
 def test_grouped_mm_engine_plain_torch_passes_match_reference_fp32(monkeypatch):
     """The engine's torch fallback for its elementwise passes (a CPU without the interpreter)."""

@@ -67,11 +67,14 @@ def test_rows_of_out_of_range_expert_ids_add_nothing(piece, monkeypatch):
     routing = route_experts(index, 5, 16)
     assert int(routing.expert_offsets[0]) > 0 and int(routing.expert_offsets[-1]) < routing.num_assignments
     a, b, gather_a, gather_b, row_weight = operands(routing, 144, 136, torch.float32, piece)
+    before = (a.clone(), b.clone())
     calls = counting_grouped_mm(monkeypatch)
     got = expert_weight_grad(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight,
                              config=GROUPED)
     ref = reference_fp64(a, b, routing, gather_a=gather_a, gather_b=gather_b, row_weight=row_weight)
     assert len(calls) == 1
+    # the mask went on a copy (gate_up: B's gathered rows, dGU read as it is; down: A's gathered, weighted rows)
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 

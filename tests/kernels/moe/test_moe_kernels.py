@@ -507,3 +507,28 @@ def test_fused_bf16_gpu_against_grouped_mm_and_eager():
         got = grads(impl, torch.bfloat16)
         for a, b in zip(got, ref):
             assert _cos(a, b) >= BF16_MIN_COSINE and _rel_l2(a, b) <= BF16_MAX_REL_L2, impl
+
+
+@interpreter
+def test_backward_frees_gate_up_and_refuses_a_second_backward():
+    """[g | u] is released right after down_backward_silu (peak memory, issue #24); a second backward through the
+    same graph is refused by name, and the saved-tensor accounting still counts [g | u] as saved."""
+    from lora_lab.kernels import KernelConfig
+
+    x, index, weights, w1, w2, _ = make_problem(21, 32, 24, 4, 2, routing="random")
+    config = KernelConfig(moe_engine="triton", moe_autotune=False)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w1, w2)]
+    out = fused_moe_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], config=config)
+    grad = torch.randn_like(out)
+    torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    with pytest.raises(RuntimeError, match="cannot run backward twice"):
+        torch.autograd.grad(out, leaves, grad)
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fused_moe_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], config=config)
+    assert (21 * 2, 2 * 24) in shapes  # [g | u] (S = T * K rows, 2I columns) goes through save_for_backward

@@ -244,12 +244,10 @@ def weight_grad_engine(a: torch.Tensor, config: KernelConfig) -> str:
 
 
 def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRouting, *, gather_a: bool,
-                           gather_b: bool, row_weight: torch.Tensor | None, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """G (E, M, N) in A's dtype by one ``torch._grouped_mm`` (``KernelConfig.moe_weight_grad='grouped_mm'``), copied
-    into ``out`` when one is given; or None where it does not apply — torch without ``_grouped_mm``, a rank-sized
-    side (the LoRA factors' gradients: the Triton kernel's narrow tiles), rows whose byte width is not a multiple
-    of 16, an ``out`` of another dtype.
+                           gather_b: bool, row_weight: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """G (E, M, N) in A's dtype by one ``torch._grouped_mm`` (``KernelConfig.moe_weight_grad='grouped_mm'``), or None
+    where it does not apply — torch without ``_grouped_mm``, a rank-sized side (the LoRA factors' gradients: the
+    Triton kernel's narrow tiles), rows whose byte width is not a multiple of 16.
 
     The rows are put in expert order first (``index_select`` of a gathered operand), each row scaled by its routing
     weight (A's rows, as the Triton kernel does) and by whether its expert id is in range. With no routing weight
@@ -259,7 +257,7 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
     from lora_lab.kernels.moe.engine import grouped_mm_available
 
     m_dim, n_dim = a.shape[1], b.shape[1]
-    if (not grouped_mm_available() or min(m_dim, n_dim) <= 128 or (out is not None and out.dtype != a.dtype)
+    if (not grouped_mm_available() or min(m_dim, n_dim) <= 128
             or (m_dim * a.element_size()) % 16 or (n_dim * b.element_size()) % 16):
         return None
     token = routing.sorted_token.long()
@@ -283,11 +281,7 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
     if scale != 1.0:
         result.mul_(scale)
     counts = routing.expert_offsets[1:] - routing.expert_offsets[:-1]
-    result.masked_fill_((counts == 0)[:, None, None], 0)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+    return result.masked_fill_((counts == 0)[:, None, None], 0)
 
 
 def _descriptor_or_pointer(rows: torch.Tensor):

@@ -235,10 +235,10 @@ OURS_PERSISTENT = {"ours_persistent": "persistent"}  # (the warp-specialised for
 # ours without autotuning: the shape-aware tile table alone (issue #24: never worse than 1.3x the tuned form)
 OURS_UNTUNED = {"ours_untuned": {"moe_autotune": False}}
 # ours with another engine for the expert weight gradients (KernelConfig.moe_weight_grad; issue #24's dW), timed when
-# a benchmark asks for them: the K-grouped Triton kernel; torch._grouped_mm everywhere it applies (what `auto`, the
-# default, picks for bf16 on Hopper: its dW alone ran 1.43x (dW1) and 2.08x (dW2) the Triton kernel's speed at the
-# 30B-A3B-like layer, 8,192 tokens, outputs/gpu/session_logs/issue27_25_24_run2/extra_call); and the Triton
-# per-tile kernel, the default before that rule (the layer with each engine, side by side)
+# a benchmark asks for them: the K-grouped Triton kernel; torch._grouped_mm everywhere it applies (its dW alone ran
+# 1.43x (dW1) and 2.08x (dW2) the Triton kernel's speed at the 30B-A3B-like layer, 8,192 tokens,
+# outputs/gpu/session_logs/issue27_25_24_run2/extra_call, but the whole layer ran slower with it at 8k tokens:
+# outputs/gpu/session_logs/issue27_24_23_run4/diag); and the Triton per-tile kernel (the default) named explicitly
 OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
                  "ours_dw_grouped_mm": {"moe_weight_grad": "grouped_mm"},
                  "ours_per_tile": {"moe_weight_grad": "per_tile"}}

@@ -46,11 +46,13 @@ field              variable                meaning
                                            descriptors where aligned (token rows are still gathered by
                                            pointer)
 ``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
-                                           ``auto`` (``grouped_mm`` for bf16 on a CUDA GPU of capability
-                                           9.0 or newer, else ``per_tile``: the rule of
-                                           :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`),
-                                           ``per_tile`` (one program per (expert, dW tile), its own
-                                           pipelined loop over the expert's rows), or ``kgrouped``
+                                           ``per_tile`` (the default: one program per (expert, dW tile),
+                                           its own pipelined loop over the expert's rows), ``auto``
+                                           (opt-in: ``grouped_mm`` for bf16 on a CUDA GPU of capability
+                                           9.0 or newer, else ``per_tile``, the rule of
+                                           :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`;
+                                           slower than ``per_tile`` in the whole layer at 8k tokens), or
+                                           ``kgrouped``
                                            (opt-in: one program per SM, one loop over the rows of all its
                                            (expert, tile) items, not software-pipelined by Triton 3.6/3.9;
                                            see :mod:`lora_lab.kernels.moe.kgrouped_weight_grad`), or
@@ -150,7 +152,7 @@ class KernelConfig:
     moe_autotune: bool = True
     moe_block_m: int | None = None
     moe_loads: str = "pointer"
-    moe_weight_grad: str = "auto"
+    moe_weight_grad: str = "per_tile"
     moe_engine: str = "auto"
     rank_ops: str = "triton"
 

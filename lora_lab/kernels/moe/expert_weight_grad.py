@@ -20,13 +20,16 @@ An expert that received no token gets an exact zero gradient (the loop runs zero
 expert's (M, N) tiles in grouped order, and a sorted operand (not gathered by token) is read through a TMA
 descriptor where its rows are 16-byte aligned (its rows past the expert's end are zeroed after the load).
 
-**Which engine** (``KernelConfig.moe_weight_grad='auto'``, the default; :func:`weight_grad_engine`): bf16 on a CUDA
-GPU of capability 9.0 or newer takes ``torch._grouped_mm`` (:func:`grouped_mm_weight_grad`); everything else, and
-every gradient that function declines (the LoRA factors' rank-sized sides, unaligned rows), takes the Triton kernel
-below. The rule rests on one isolated measurement (H200, the Qwen3-30B-A3B-like layer, 8,192 tokens, bf16:
-``_grouped_mm`` with its gathers ran dW1 1.43x and dW2 2.08x as fast as ``per_tile``;
-``outputs/gpu/session_logs/issue27_25_24_run2/extra_call/moe_weight_grad.csv``); the whole layer with each engine
-is timed side by side in notebook 06 (``ours`` against ``ours_per_tile``).
+**Which engine** (``KernelConfig.moe_weight_grad``; :func:`weight_grad_engine`). The default, ``per_tile``, is the
+Triton kernel below. ``grouped_mm`` sends dW1 and dW2 of full fine-tuning to ``torch._grouped_mm``
+(:func:`grouped_mm_weight_grad`), and ``auto`` does so for bf16 on a CUDA GPU of capability 9.0 or newer; every
+gradient that function declines (the LoRA factors' rank-sized sides, unaligned rows) stays with the Triton kernel.
+Both are opt-in. In isolation ``_grouped_mm`` with its gathers ran dW1 1.43x and dW2 2.08x as fast as ``per_tile``
+(H200, the Qwen3-30B-A3B-like layer, 8,192 tokens, bf16;
+``outputs/gpu/session_logs/issue27_25_24_run2/extra_call/moe_weight_grad.csv``). The whole layer told otherwise.
+With ``auto`` it took 8.94 ms against 7.58 ms with ``per_tile`` at 8,192 tokens, and 25.54 against 25.77 ms at
+32,768 (one session, 3 repetitions, ``outputs/gpu/session_logs/issue27_24_23_run4/diag/``). Notebook 06 times
+``ours_dw_grouped_mm`` beside ours in its full fine-tuning cells.
 
 Work decomposition (``KernelConfig.moe_weight_grad='per_tile'``): no split-K and no atomics; one
 program per (tile of G_e, expert), each reducing over the expert's whole row range in its own pipelined K loop

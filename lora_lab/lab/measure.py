@@ -87,11 +87,25 @@ def _timed_call(torch, fn: Callable[[], object]) -> float:
     return float(start.elapsed_time(end))
 
 
-def _check_loop(name: str, calls: int, warmup: int) -> None:
+def _turns(fns: dict[str, Callable[[], object]], calls: int, warmup: int, name: str) -> dict[str, list[float]]:
+    """The timed loop of :func:`loop_ms` and :func:`interleaved_loop_ms` (``name`` says which, in errors)."""
     if calls < 1:
         raise ValueError(f"{name} needs calls >= 1, got {calls}")
     if warmup < 0:
         raise ValueError(f"{name} needs warmup >= 0, got {warmup}")
+    torch = _cuda()
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+            if torch is not None:
+                torch.cuda.synchronize()
+    if torch is not None:
+        torch.cuda.synchronize()
+    times: dict[str, list[float]] = {key: [] for key in fns}
+    for _ in range(calls):
+        for key, fn in fns.items():
+            times[key].append(_timed_call(torch, fn))
+    return times
 
 
 def loop_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[float]:
@@ -101,15 +115,7 @@ def loop_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[
     call starts on an idle device and everything the call costs — host time, launches, its own syncs, GPU work —
     is inside its interval. Without CUDA, ``time.perf_counter`` around each call (CPU smoke runs).
     """
-    _check_loop("loop_ms", calls, warmup)
-    torch = _cuda()
-    for _ in range(warmup):
-        fn()
-        if torch is not None:
-            torch.cuda.synchronize()
-    if torch is not None:
-        torch.cuda.synchronize()
-    return [_timed_call(torch, fn) for _ in range(calls)]
+    return _turns({"call": fn}, calls, warmup, "loop_ms")["call"]
 
 
 def interleaved_loop_ms(fns: dict[str, Callable[[], object]], calls: int = 10,
@@ -121,22 +127,9 @@ def interleaved_loop_ms(fns: dict[str, Callable[[], object]], calls: int = 10,
     and whatever drifts in between (clocks, temperature, the allocator's state, other processes on the host) lands
     on one of them; in turns, it lands on all of them alike, so a ratio of two medians compares like with like.
     ``warmup`` untimed rounds first. Returns ``{name: [ms of each timed call]}``."""
-    _check_loop("interleaved_loop_ms", calls, warmup)
     if not fns:
         raise ValueError("interleaved_loop_ms needs at least one callable")
-    torch = _cuda()
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-            if torch is not None:
-                torch.cuda.synchronize()
-    if torch is not None:
-        torch.cuda.synchronize()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(calls):
-        for name, fn in fns.items():
-            times[name].append(_timed_call(torch, fn))
-    return times
+    return _turns(fns, calls, warmup, "interleaved_loop_ms")
 
 
 def host_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[float]:

@@ -16,6 +16,9 @@ Methods (all by default; ``--methods`` picks some):
                         softmax-gradient pass per chunk; backward only scales the saved gradients
   lora_lab_fwdgrad_lowmem  lora_lab_fwdgrad with dw_accumulate="input_dtype" (a trainable head's dW accumulated in
                         bf16 by cuBLAS, no fp32 buffer: the memory-capped setting)
+  lora_lab_fwdgrad_r256, lora_lab_fwdgrad_r1024  lora_lab_fwdgrad with fwdgrad_chunk_rows 256 or 1024 (opt-in): the
+                        logits chunk, the path's largest buffer, 16x or 4x smaller than the default 4,096 rows, for
+                        the time it costs (issue #23: extra peak at most Liger's, whose chunks are 128-512 rows here)
   lora_lab_recompute    the same, impl="recompute" forced: the Triton kernels that never hold a logit (4 GEMM-sized
                         loops trainable, 3 frozen)
   lora_lab_two_pass     the same with trainable_plan="two_pass" (dH, then dW: logits recomputed once more, small
@@ -100,11 +103,13 @@ TOKENS, SMOKE_TOKENS = [4096, 16384, 65536], [24]
 HEADS = ["trainable", "frozen"]
 BASELINES = ["torch_fp32", "torch_bf16", "chunked", "liger", "cce", "cce_exact"]
 FLOORS = ["gemm_floor", "gemm_floor_recompute"]
+CHUNK_ROWS = {"lora_lab_fwdgrad_r256": 256, "lora_lab_fwdgrad_r1024": 1024}  # opt-in: the fwdgrad chunk's rows
 METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
-           "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", *FLOORS]
+           *CHUNK_ROWS, "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", *FLOORS]
 # issue #23's panel: ours (both paths), torch bf16, Liger, CCE, the 3-GEMM (2 frozen) floor
 PANEL_METHODS = ["lora_lab_fwdgrad", "lora_lab_recompute", "torch_bf16", "liger", "cce", "gemm_floor"]
-OURS = ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem", "lora_lab_recompute", "lora_lab_two_pass")
+OURS = ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem", *CHUNK_ROWS, "lora_lab_recompute",
+        "lora_lab_two_pass")
 LOGIT_BUFFERS = {"torch_fp32": 5, "torch_bf16": 3}  # [N x V] bf16-sized buffers alive at the standard paths' peak
 TRAINABLE_ONLY = {"lora_lab_two_pass": "the plan only changes a trainable head's backward (frozen: same as lora_lab)",
                   "lora_lab_fwdgrad_lowmem": "dW's accumulation only matters for a trainable head (frozen: same as "
@@ -163,6 +168,8 @@ def resolve(method: str, device: torch.device):
             config = config.replace(impl="fwdgrad")
         elif method == "lora_lab_fwdgrad_lowmem":
             config = config.replace(impl="fwdgrad", dw_accumulate="input_dtype")
+        elif method in CHUNK_ROWS:
+            config = config.replace(impl="fwdgrad", fwdgrad_chunk_rows=CHUNK_ROWS[method])
         elif method == "lora_lab_recompute":
             config = config.replace(impl="recompute")
 

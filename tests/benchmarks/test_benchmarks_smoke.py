@@ -56,8 +56,8 @@ TIME_06 = ["qwen3_30b_a3b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t819
            "e2e_lora_speedup_vs_eager", "e2e_lora_speedup_vs_grouped_mm", "e2e_full_speedup_vs_grouped_mm"]
 MEMORY_06 = ["qwen3_30b_a3b_t8192_full_peak_ratio_vs_grouped_mm", "qwen3_30b_a3b_t8192_lora_peak_ratio_vs_grouped_mm"]
 LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
-                "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", "gemm_floor",
-                "gemm_floor_recompute"]
+                "lora_lab_fwdgrad_r256", "lora_lab_fwdgrad_r1024", "lora_lab_recompute", "lora_lab_two_pass", "liger",
+                "cce", "cce_exact", "gemm_floor", "gemm_floor_recompute"]
 LOSS_TORCH_METHODS = ["torch_fp32", "torch_bf16", "chunked"]  # run everywhere; the floors too, with no loss
 LOSS_BLOCK_COLUMNS = ["shape", "hidden", "vocab", "tokens", "head", "method", "rep", "status", "ms", "calls", "tflops",
                       "peak_extra_gib", "grad_floor_gib", "peak_vs_floor", "loss", "loss_rel_err",
@@ -234,6 +234,7 @@ def test_loss_block_rows(smoke_dir):
 def test_loss_block_lora_lab_rows(smoke_dir):
     rows, _ = _loss_block(smoke_dir)
     mine = [r for r in rows if r["method"] in ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
+                                               "lora_lab_fwdgrad_r256", "lora_lab_fwdgrad_r1024",
                                                "lora_lab_recompute", "lora_lab_two_pass")]
     reason = _fused_loss_missing()
     if reason is not None:

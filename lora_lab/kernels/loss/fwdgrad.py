@@ -73,11 +73,12 @@ def dw_accumulate_mode(requested: str, dtype: torch.dtype, device: torch.device)
     return requested
 
 
-def _rows_per_chunk(n: int, vocab: int, itemsize: int, cfg) -> int:
+def _rows_per_chunk(n: int, vocab: int, itemsize: int, cfg, need_w: bool = True) -> int:
     if cfg.fwdgrad_chunk_rows is not None:
         return max(1, min(n, cfg.fwdgrad_chunk_rows))
     by_bytes = cfg.fwdgrad_chunk_bytes // max(1, vocab * itemsize)
-    rows = min(cfg.fwdgrad_max_rows, by_bytes) // ROW_MULTIPLE * ROW_MULTIPLE
+    most = cfg.fwdgrad_max_rows if need_w else min(cfg.fwdgrad_max_rows, cfg.fwdgrad_frozen_max_rows)
+    rows = min(most, by_bytes) // ROW_MULTIPLE * ROW_MULTIPLE
     return max(1, min(n, max(ROW_MULTIPLE, rows)))
 
 
@@ -86,7 +87,7 @@ def plan_chunks(n: int, d: int, vocab: int, dtype: torch.dtype, need_h: bool, ne
     """The chunk plan (rows per chunk, bytes) of :func:`fwdgrad_loss_and_grads` for these sizes and settings."""
     device = torch.device("cpu") if device is None else device
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    rows = _rows_per_chunk(n, vocab, itemsize, cfg) if rows is None else max(1, min(n, rows))
+    rows = _rows_per_chunk(n, vocab, itemsize, cfg, need_w) if rows is None else max(1, min(n, rows))
     chunks = -(-n // rows) if n else 0
     dw_mode = dw_accumulate_mode(cfg.dw_accumulate, dtype, device) if need_w else None
     accumulator = 0

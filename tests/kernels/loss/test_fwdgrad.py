@@ -240,7 +240,16 @@ def test_chunk_plan_sizes():
     assert bf16.rows == 4096 and bf16.chunks == 4 and bf16.logits == 4096 * 128256 * 2
     assert bf16.accumulator == 6 * 128256 * 4096  # fp32 acc + the bf16 partial product
     big_vocab = fwdgrad.plan_chunks(16384, 2304, 256000, torch.bfloat16, True, False, cfg)
-    assert big_vocab.rows == 4096 and big_vocab.accumulator == 0 and big_vocab.grads == 16384 * 2304 * 2
+    # a frozen head (no dW) takes at most fwdgrad_frozen_max_rows rows per chunk
+    assert big_vocab.rows == 1024 and big_vocab.accumulator == 0 and big_vocab.grads == 16384 * 2304 * 2
+    assert big_vocab.logits == 1024 * 256000 * 2
+    wide = fwdgrad.plan_chunks(16384, 2304, 256000, torch.bfloat16, True, False,
+                               cfg.replace(fwdgrad_frozen_max_rows=4096))
+    assert wide.rows == 4096
+    trainable = fwdgrad.plan_chunks(16384, 2304, 256000, torch.bfloat16, True, True, cfg)
+    assert trainable.rows == 4096  # the trainable head keeps fwdgrad_max_rows
+    forced = fwdgrad.plan_chunks(16384, 2304, 256000, torch.bfloat16, True, False, cfg.replace(fwdgrad_chunk_rows=3000))
+    assert forced.rows == 3000  # an explicit chunk size wins over both bounds
     fp32 = fwdgrad.plan_chunks(16384, 2304, 256000, torch.float32, True, True, cfg)
     assert fp32.rows == 2048 and fp32.accumulator == 0  # 2 GiB of fp32 logits; dW is its own accumulator
     one = fwdgrad.plan_chunks(1000, 896, 151936, torch.bfloat16, True, True, cfg.replace(dw_accumulate="partial"))
@@ -263,9 +272,10 @@ def test_a_plan_that_cannot_fit_is_refused_before_allocating(monkeypatch):
 def test_automatic_chunk_shrinks_to_fit(monkeypatch):
     cfg = LossKernelConfig()
     full = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, False, cfg)
+    assert full.rows == 1024  # a frozen head's bound
     monkeypatch.setattr(fwdgrad, "free_bytes", lambda device: full.total - full.logits // 2)
     plan, fits = fwdgrad.fitting_plan(16384, 4096, 128256, torch.bfloat16, True, False, cfg, DEVICE)
-    assert fits and plan.rows == 2048
+    assert fits and plan.rows == 512
 
 
 # ------------------------------------------------------------------------------------------------------------

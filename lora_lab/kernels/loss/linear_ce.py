@@ -87,11 +87,11 @@ class LossKernelConfig:
     logits in the input dtype, a multiple of 256, at most ``fwdgrad_max_rows`` (placeholders until the H200 runs:
     QuACK's 4,096 rows; a 256k vocabulary's 4,096 bf16 rows take 1.95 GiB);
     ``fwdgrad_frozen_max_rows``: the same bound for a frozen head (no dW), 1,024 rows by default. With no dW to
-    accumulate, a smaller chunk costs only more, smaller GEMM launches. At 16,384 tokens on an H200, 1,024-row chunks ran
-    within 2% of 4,096-row ones at the Llama-3-8B and Qwen2.5-0.5B heads and held 0.37 and 0.32 GiB extra instead of
-    1.10 and 1.19 (``outputs/gpu/session_logs/issue27_24_23_run4/diag/``, one session). A trainable head keeps
-    ``fwdgrad_max_rows``: there every chunk adds into the fp32 [V, d] dW accumulator, and 1,024-row chunks were
-    8-11% slower;
+    accumulate, a smaller chunk costs only more, smaller GEMM launches. At 16,384 tokens on an H200, 1,024-row
+    chunks ran within 2% of 4,096-row ones at the Llama-3-8B and Qwen2.5-0.5B heads and held 0.37 and 0.32 GiB
+    extra instead of 1.10 and 1.19 (``outputs/gpu/session_logs/issue27_24_23_run4/diag/``, one session). A trainable
+    head keeps ``fwdgrad_max_rows``: there every chunk adds into the fp32 [V, d] dW accumulator, and 1,024-row
+    chunks were 8-11% slower;
     ``dw_accumulate``: how a trainable head's dW is accumulated in fp32 over the chunks (:mod:`.fwdgrad`);
     ``ce_block_v``, ``ce_warps``: the softmax pass's vocabulary block and warps (placeholders, not tuned yet).
     """

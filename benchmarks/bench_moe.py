@@ -81,6 +81,7 @@ from lora_lab.experiments.fused_moe import (
     IMPLEMENTATIONS,
     LAYER_SHAPES,
     LIGER,
+    OURS_GMM_ENGINE,
     OURS_KGROUPED,
     OURS_PERSISTENT,
     OURS_UNTUNED,
@@ -95,13 +96,14 @@ from lora_lab.experiments.fused_moe import (
     set_implementation,
 )
 from lora_lab.experiments.fused_moe_metrics import E2E_CSV, GRADED_CELLS, LAYER_CSV, layer_table
+from lora_lab.kernels.moe.engine import COARSE_MAX_EXPERTS
 from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
 # Liger: full fine-tuning only, when installed; ours_persistent: ours with KernelConfig.moe_loads set
-ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, *OURS_KGROUPED, LIGER]
-# what runs when --variants is not given: every implementation but the opt-in K-grouped weight gradient
-DEFAULT_RUN = [impl for impl in ALL_IMPLS if impl not in OURS_KGROUPED]
+ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, *OURS_KGROUPED, *OURS_GMM_ENGINE, LIGER]
+# what runs when --variants is not given: every implementation but the opt-in weight-gradient and engine variants
+DEFAULT_RUN = [impl for impl in ALL_IMPLS if impl not in OURS_KGROUPED and impl not in OURS_GMM_ENGINE]
 # --smoke: tiny stand-ins of the layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {name: dict(hidden=32, num_experts=4, top_k=2, intermediate=16 + 8 * (k % 2))
                 for k, name in enumerate(LAYER_SHAPES)}
@@ -491,7 +493,9 @@ def run_session(args, impls, out: Path) -> None:
                       and mode in args.eager_modes)
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
                       and (i not in OURS_PERSISTENT or name in args.persistent_shapes)
-                      and (i not in WEIGHT_GRAD_VARIANTS or mode == "full") and runs_in(i, mode)]
+                      and (i not in WEIGHT_GRAD_VARIANTS or mode == "full")
+                      and (i not in OURS_GMM_ENGINE or (mode == "lora" and shape.num_experts <= COARSE_MAX_EXPERTS))
+                      and runs_in(i, mode)]
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,
                                      seconds=seconds, first_calls=args.first_calls, deadline=deadline)

@@ -49,6 +49,7 @@ __all__ = [
     "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
     "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
     "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_KGROUPED", "OURS_PERSISTENT", "OURS_UNTUNED", "OURS_VARIANTS",
+    "OURS_GMM_ENGINE",
     "COARSE_SHAPES", "ours_config", "MoeLayerShape",
     "LAYER_SHAPES", "random_routing",
     "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
@@ -242,8 +243,11 @@ OURS_UNTUNED = {"ours_untuned": {"moe_autotune": False}}
 OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
                  "ours_dw_grouped_mm": {"moe_weight_grad": "grouped_mm"},
                  "ours_per_tile": {"moe_weight_grad": "per_tile"}}
+# ours with its GEMMs on CUTLASS's grouped GEMM (KernelConfig.moe_engine='grouped_mm'), timed in the LoRA cells of
+# the coarse layers (the rule sends their full fine-tuning there already; its LoRA form is opt-in until timed)
+OURS_GMM_ENGINE = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}}
 OURS_VARIANTS = {**{name: {"moe_loads": loads} for name, loads in OURS_PERSISTENT.items()}, **OURS_UNTUNED,
-                 **OURS_KGROUPED}
+                 **OURS_KGROUPED, **OURS_GMM_ENGINE}
 
 
 def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:

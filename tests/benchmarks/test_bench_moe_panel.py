@@ -135,6 +135,12 @@ def test_kgrouped_variant_is_opt_in_and_sets_the_weight_gradient_kernel(bench):
     assert fused_moe.ours_config("ours", KernelConfig()).moe_weight_grad == "per_tile"
 
 
+def test_gmm_engine_variant_is_opt_in_and_forces_the_grouped_mm_engine(bench):
+    assert "ours_gmm_engine" in bench.ALL_IMPLS and "ours_gmm_engine" not in bench.DEFAULT_RUN
+    assert fused_moe.ours_config("ours_gmm_engine", None).moe_engine == "grouped_mm"
+    assert fused_moe.ours_config("ours", KernelConfig()).moe_engine == "auto"
+
+
 @pytest.mark.slow
 def test_kgrouped_variant_is_timed_beside_ours(tmp_path):
     """``--variants ours_kgrouped``: the K-grouped weight gradient timed in the same loop as ours, its ratio to ours

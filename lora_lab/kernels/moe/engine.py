@@ -9,7 +9,7 @@ routes a layer by its shape class:
 condition (all must hold)             engine
 ====================================  ==========================================================
 ``config.moe_engine`` given           that engine (``grouped_mm`` refuses what it cannot run)
-no LoRA on the experts                ``grouped_mm`` has no rank-r terms: LoRA stays on Triton
+no LoRA on the experts                its LoRA form is opt-in (``moe_engine='grouped_mm'``) until timed
 E <= 32 experts                       coarse experts (fine-grained ones are Triton's win)
 I >= 2048                             big per-expert GEMMs
 S / E >= 1024 rows per expert         enough rows per expert to fill CUTLASS's tiles
@@ -35,6 +35,13 @@ gathered again in backward. Backward: D = dOut_e W2_e (one grouped GEMM); one fu
 router gradient ⟨D, h⟩, the routing weight and SiLU·up's backward (:mod:`~lora_lab.kernels.moe.silu_backward`);
 dX = dGU W1_e; the weight gradients as K-grouped GEMMs (``_grouped_mm`` of two 2-D operands, K split at the expert
 offsets): dW1_e = dGU_eᵀ X_e, dW2_e = (w · dOut)_eᵀ h_e. Expert ids outside [0, E) contribute nothing.
+
+LoRA on the experts (``moe_engine='grouped_mm'`` only; the rule above keeps LoRA layers on Triton until this form is
+timed): each LoRA term is two more grouped GEMMs on the same sorted rows, P = X_e A_eᵀ (S x r, saved) and s·P B_eᵀ
+added to the frozen GEMM's result, for gate/up and for down. Backward: Q2 = dOut_e B2_e joins D (D += s2 Q2 A2_e),
+Q1 = dGU_e B1_e joins dX (+= s1 Q1 A1_e), and the factors' gradients are K-grouped GEMMs: dB2_e = s2 (w·dOut)_eᵀ P2,
+dA2_e = s2 (w·Q2)_eᵀ h_e, dB1_e = s1 dGU_eᵀ P1, dA1_e = s1 Q1_eᵀ X_e. This is PEFT's arithmetic on CUTLASS's
+grouped GEMM (the LoRA term is added in the model's dtype); the Triton path adds it inside the fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -57,26 +64,27 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def grouped_mm_blockers(*, hidden: int, intermediate: int, dtype: torch.dtype, lora: bool,
-                        available: bool) -> list[str]:
-    """Why the grouped-GEMM engine cannot run a layer (empty: it can)."""
+def grouped_mm_blockers(*, hidden: int, intermediate: int, dtype: torch.dtype, lora: bool = False,
+                        available: bool = True, ranks: tuple[int, ...] = ()) -> list[str]:
+    """Why the grouped-GEMM engine cannot run a layer (empty: it can). ``ranks``: the LoRA factors' ranks."""
     reasons = []
     if not available:
         reasons.append(f"torch {torch.__version__} has no torch._grouped_mm")
-    if lora:
-        reasons.append("it runs full fine-tuning only (no LoRA on the experts)")
     if dtype not in (torch.bfloat16, torch.float32):
         reasons.append(f"dtype {dtype} (bf16 on CUDA, fp32 where torch has its fallback)")
     align = 16 // (2 if dtype in (torch.bfloat16, torch.float16) else 4)
     if hidden % align or intermediate % align:
         reasons.append(f"hidden {hidden} and intermediate {intermediate} must be multiples of {align} "
                        "(16-byte strides)")
+    if any(rank % align for rank in ranks):
+        reasons.append(f"LoRA rank {', '.join(map(str, ranks))} must be a multiple of {align} (16-byte strides of "
+                       "the rank-wide products)")
     return reasons
 
 
 def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, intermediate: int, dtype: torch.dtype,
                   capability: tuple[int, int] | None, lora: bool, requested: str = "auto",
-                  available: bool = True) -> str:
+                  available: bool = True, ranks: tuple[int, ...] = ()) -> str:
     """'triton' or 'grouped_mm' for one MoE layer call: the rule in the module docstring (a pure function).
 
     ``capability``: the CUDA device's (major, minor), None off CUDA; ``requested``: ``KernelConfig.moe_engine``;
@@ -86,13 +94,13 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
     if requested not in ("auto", *ENGINES):
         raise ValueError(f"moe_engine must be one of auto, {', '.join(ENGINES)}; got {requested!r}")
     blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, lora=lora,
-                                   available=available)
+                                   available=available, ranks=ranks)
     if requested == "grouped_mm":
         if blockers:
             raise ValueError("moe_engine='grouped_mm' cannot run this layer: " + "; ".join(blockers))
         return "grouped_mm"
-    if requested == "triton" or blockers:
-        return "triton"
+    if requested == "triton" or blockers or lora:
+        return "triton"  # LoRA on the experts: this engine runs it only when asked (not yet timed on a GPU)
     coarse = (num_experts <= COARSE_MAX_EXPERTS and intermediate >= COARSE_MIN_INTERMEDIATE
               and num_assignments / max(num_experts, 1) >= COARSE_MIN_ROWS_PER_EXPERT)
     hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
@@ -100,14 +108,14 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
 
 
 def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor, *, lora: bool,
-               config: KernelConfig) -> str:
-    """:func:`choose_engine` for one call's tensors and ``config``."""
+               config: KernelConfig, ranks: tuple[int, ...] = ()) -> str:
+    """:func:`choose_engine` for one call's tensors and ``config`` (``ranks``: the LoRA factors' ranks)."""
     device = hidden_states.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     num_experts, two_i, hidden = gate_up_proj.shape
     return choose_engine(num_experts=num_experts, num_assignments=top_k_index.numel(), hidden=hidden,
                          intermediate=two_i // 2, dtype=hidden_states.dtype, capability=capability, lora=lora,
-                         requested=config.moe_engine, available=grouped_mm_available())
+                         requested=config.moe_engine, available=grouped_mm_available(), ranks=ranks)
 
 
 def _sort_by_expert(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int):
@@ -145,52 +153,95 @@ def _unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top
 
 
 class _GroupedMmExperts(torch.autograd.Function):
+    """Inputs: x, the routing, w1 (E, 2I, H), w2 (E, H, I), and LoRA's factors or None: a1 (E, r, H), b1 (E, 2I, r),
+    a2 (E, r, I), b2 (E, H, r), with their scales s1, s2. A LoRA term adds s·(X Aᵀ) Bᵀ to its GEMM's rows through two
+    more grouped GEMMs: P = X_e A_eᵀ (S x r, saved for backward) and P B_eᵀ, added in the GEMM's dtype."""
+
     @staticmethod
-    def forward(ctx, x, top_k_index, top_k_weights, w1, w2):
+    def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, s1, s2):
         num_tokens, top_k = top_k_index.shape
         perm, position, token, offsets, weight_slot, weight, valid, counts = _sort_by_expert(
             top_k_index, top_k_weights, w1.shape[0])
-        gu = torch._grouped_mm(x.index_select(0, token), w1.transpose(1, 2), offs=offsets)  # (S, 2I)
+        xs = x.index_select(0, token)
+        gu = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # (S, 2I)
+        p1 = p2 = None
+        if a1 is not None:
+            p1 = torch._grouped_mm(xs, a1.transpose(1, 2), offs=offsets)  # (S, r)
+            gu.add_(torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets), alpha=s1)
+        del xs
         if _triton_runs(gu):
             h = silu_mul(gu)
         else:
             g, u = gu.chunk(2, dim=-1)
             h = torch.nn.functional.silu(g) * u
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
+        if a2 is not None:
+            p2 = torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)  # (S, r)
+            y.add_(torch._grouped_mm(p2, b2.transpose(1, 2), offs=offsets), alpha=s2)
         del h
-        ctx.save_for_backward(x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts)
+        ctx.save_for_backward(x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts,
+                              a1, b1, a2, b2, p1, p2)
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
+        ctx.scales = (s1, s2)
         return _unsort_sum(y, position, num_tokens, top_k, weight_slot)
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts = ctx.saved_tensors
+        (x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts,
+         a1, b1, a2, b2, p1, p2) = ctx.saved_tensors
         refuse_second_backward(ctx, "the grouped_mm MoE engine")
         num_tokens, top_k, weights_dtype = ctx.shape
+        s1, s2 = ctx.scales
         need = ctx.needs_input_grad
         grad_out = grad_out.to(x.dtype).contiguous()
         dout_rows = grad_out.index_select(0, token)  # (S, H)
         d = torch._grouped_mm(dout_rows, w2, offs=offsets)  # D = dOut_t W2_e, (S, I)
+        q2 = None
+        if a2 is not None:  # D += s2 (dOut_t B2_e) A2_e
+            q2 = torch._grouped_mm(dout_rows, b2, offs=offsets)  # (S, r)
+            d.add_(torch._grouped_mm(q2, a2, offs=offsets), alpha=s2)
         dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2])
         del d
-        free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the four GEMMs below
+        free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the GEMMs below
         d_weights = None
         if need[2]:
             d_weights = dw_sorted[position].view(num_tokens, top_k).to(weights_dtype)
-        dx = dw1 = dw2 = None
+        dx = dw1 = dw2 = da1 = db1 = da2 = db2 = None
         empty = (counts == 0)[:, None, None]  # an expert with no rows gets an exact zero gradient
-        # dW2 first: h and the dOut rows (S x I and S x H) are freed before dX and dW1 allocate theirs
-        if need[4]:
-            scaled = (dout_rows * weight.to(x.dtype)[:, None]).t()  # (H, S)
-            dw2 = torch._grouped_mm(scaled, h, offs=offsets).masked_fill_(empty, 0)  # (E, H, I)
+        w = weight.to(x.dtype)[:, None]
+
+        def k_grouped(left, right, scale=1.0):  # Σ over each expert's rows of leftᵀ right: (E, M, N)
+            out = torch._grouped_mm(left.t(), right, offs=offsets).masked_fill_(empty, 0)
+            return out.mul_(scale) if scale != 1.0 else out
+
+        # the down projection's gradients first: h and the dOut rows (S x I and S x H) are freed before dX and dW1
+        # allocate theirs
+        if need[4] or need[8]:
+            scaled = dout_rows * w  # the routing weight's share of each row's gradient, (S, H)
+            if need[4]:
+                dw2 = k_grouped(scaled, h)  # (E, H, I)
+            if need[8]:
+                db2 = k_grouped(scaled, p2, s2)  # (E, H, r)
             del scaled
-        del h, dout_rows
+        if need[7]:
+            da2 = k_grouped(q2 * w, h, s2)  # (E, r, I)
+        del h, dout_rows, q2
+        q1 = torch._grouped_mm(dgu, b1, offs=offsets) if a1 is not None and (need[0] or need[5]) else None  # (S, r)
         if need[0]:
-            dx = _unsort_sum(torch._grouped_mm(dgu, w1, offs=offsets), position, num_tokens, top_k)
-        if need[3]:
-            dw1 = torch._grouped_mm(dgu.t(), x.index_select(0, token), offs=offsets)  # (E, 2I, H)
-            dw1 = dw1.masked_fill_(empty, 0)
-        return dx, None, d_weights, dw1, dw2
+            dx_rows = torch._grouped_mm(dgu, w1, offs=offsets)
+            if q1 is not None:
+                dx_rows.add_(torch._grouped_mm(q1, a1, offs=offsets), alpha=s1)
+            dx = _unsort_sum(dx_rows, position, num_tokens, top_k)
+            del dx_rows
+        if need[6]:
+            db1 = k_grouped(dgu, p1, s1)  # (E, 2I, r)
+        if need[3] or need[5]:
+            xs = x.index_select(0, token)
+            if need[3]:
+                dw1 = k_grouped(dgu, xs)  # (E, 2I, H)
+            if need[5]:
+                da1 = k_grouped(q1, xs, s1)  # (E, r, H)
+        return dx, None, d_weights, dw1, dw2, da1, db1, da2, db2, None, None
 
 
 def _silu_backward(d, gu, weight, valid, *, compute_router_grad):
@@ -202,9 +253,20 @@ def _silu_backward(d, gu, weight, valid, *, compute_router_grad):
 
 
 def grouped_mm_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                       gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
-    """Σ_k w_tk · Expert_{e_tk}(x_t) with ``torch._grouped_mm`` for the expert GEMMs (module docstring); inputs
-    validated by :func:`~lora_lab.kernels.moe.experts.fused_moe_experts`."""
+                       gate_up_proj: torch.Tensor, down_proj: torch.Tensor, lora=None) -> torch.Tensor:
+    """Σ_k w_tk · Expert_{e_tk}(x_t) with ``torch._grouped_mm`` for the expert GEMMs (module docstring), with the
+    LoRA terms of ``lora`` (an :class:`~lora_lab.kernels.moe.lora.ExpertLoRA` in the weights' dtype, or None);
+    inputs validated by :func:`~lora_lab.kernels.moe.experts.fused_moe_experts`."""
     if not grouped_mm_available():
         raise RuntimeError(f"torch {torch.__version__} has no torch._grouped_mm; use moe_engine='triton'")
-    return _GroupedMmExperts.apply(hidden_states.contiguous(), top_k_index, top_k_weights, gate_up_proj, down_proj)
+    a1 = b1 = a2 = b2 = None
+    s1 = s2 = 0.0
+    if lora is not None:  # PEFT's factors are strided views (B's expert index is its fastest): _grouped_mm needs a
+        # plain layout, so each factor is copied once per call (E·r·(H + 2I) numbers, differentiably)
+        def plain(t):
+            return None if t is None else t.contiguous()
+
+        a1, b1, s1 = plain(lora.gate_up_A), plain(lora.gate_up_B), float(lora.gate_up_scale)
+        a2, b2, s2 = plain(lora.down_A), plain(lora.down_B), float(lora.down_scale)
+    return _GroupedMmExperts.apply(hidden_states.contiguous(), top_k_index, top_k_weights, gate_up_proj, down_proj,
+                                   a1, b1, a2, b2, s1, s2)

@@ -579,7 +579,9 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true",
                     help="the whole code path on tiny stand-in shapes (d 20 / 40, V 100 / 72, N 24), fp32 "
                          "(CPU: set TRITON_INTERPRET=1); no peak memory; Liger and CCE skipped on a CPU")
-    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS, help="methods to time (default: all)")
+    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m not in CHUNK_ROWS], choices=METHODS,
+                    help="methods to time (default: all but the opt-in fixed-chunk ones, "
+                         + ", ".join(CHUNK_ROWS) + ")")
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS, help="token counts N (default %(default)s)")
     ap.add_argument("--heads", nargs="+", default=HEADS, choices=HEADS)

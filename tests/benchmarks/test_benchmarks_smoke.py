@@ -21,10 +21,14 @@ from lora_lab.lab.provenance import code_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 REPETITIONS = 2  # the scripts' default is measure.MIN_REPETITIONS; two suffice to check the pairing
+# every loss method, the opt-in fixed-chunk ones included (in bench_loss.METHODS's order); the smoke run names them all
+LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
+                "lora_lab_fwdgrad_r256", "lora_lab_fwdgrad_r1024", "lora_lab_recompute", "lora_lab_two_pass", "liger",
+                "cce", "cce_exact", "gemm_floor", "gemm_floor_recompute"]
 SCRIPTS = {  # longest first: two run at a time
     "bench_moe.py": ["--graded-only", "--variants", "eager", "ours_persistent"],
     "bench_lora_train_step.py": [],
-    "bench_loss.py": [],
+    "bench_loss.py": ["--methods", *LOSS_METHODS],
     "bench_lora_linear.py": ["--components", "target"],
     "bench_loss_train_step.py": ["--variants", "all"],
     "bench_gated_deltanet.py": ["--check-seq", "32"],
@@ -55,9 +59,6 @@ TIME_06 = ["qwen3_30b_a3b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t819
            "qwen1_5_moe_a2_7b_t8192_full_speedup_vs_grouped_mm", "qwen3_30b_a3b_t32768_full_speedup_vs_grouped_mm",
            "e2e_lora_speedup_vs_eager", "e2e_lora_speedup_vs_grouped_mm", "e2e_full_speedup_vs_grouped_mm"]
 MEMORY_06 = ["qwen3_30b_a3b_t8192_full_peak_ratio_vs_grouped_mm", "qwen3_30b_a3b_t8192_lora_peak_ratio_vs_grouped_mm"]
-LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
-                "lora_lab_fwdgrad_r256", "lora_lab_fwdgrad_r1024", "lora_lab_recompute", "lora_lab_two_pass", "liger",
-                "cce", "cce_exact", "gemm_floor", "gemm_floor_recompute"]
 LOSS_TORCH_METHODS = ["torch_fp32", "torch_bf16", "chunked"]  # run everywhere; the floors too, with no loss
 LOSS_BLOCK_COLUMNS = ["shape", "hidden", "vocab", "tokens", "head", "method", "rep", "status", "ms", "calls", "tflops",
                       "peak_extra_gib", "grad_floor_gib", "peak_vs_floor", "loss", "loss_rel_err",

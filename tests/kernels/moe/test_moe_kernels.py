@@ -120,6 +120,49 @@ def test_routing_rejects_bad_input():
 
 
 @interpreter
+@pytest.mark.parametrize("router_grad", [False, True])
+def test_autotuner_zeroes_only_scratch_or_outputs(monkeypatch, router_grad):
+    """The autotuner zeroes each ``reset_to_zero`` argument before every config it times and once more before the
+    real launch. Those arguments must be the kernel's own outputs or scratch, never an input: the routing weights
+    once stood in for down_backward's unused router-gradient buffer, and the first (tuning) call of a layer whose
+    router needs no gradient zeroed them, so every LoRA gradient of that layer came back zero (H200, session 8).
+    The interpreter never tunes, so this checks the arguments each launch would hand the autotuner."""
+    import lora_lab.kernels.moe.down_backward as down_module
+    import lora_lab.kernels.moe.grouped_gemm as rows_module
+
+    launches = []
+    for module in (down_module, rows_module):
+        real = module.launch_row_tiles
+
+        def spy(tuned, *rest, _real=real, **kw):
+            launches.append((tuned[False], rest[2]))
+            return _real(tuned, *rest, **kw)
+
+        monkeypatch.setattr(module, "launch_row_tiles", spy)
+    T, H, I, E, K = 9, 24, 16, 3, 2
+    x, index, weights, w1, w2, _ = make_problem(T, H, I, E, K)
+    routing = route_experts(index, E, 16)
+    gen = torch.Generator().manual_seed(4)
+    gu, dout = torch.randn(T * K, 2 * I, generator=gen), torch.randn(T, H, generator=gen)
+    row_weight = weights.reshape(-1).contiguous()
+    kept = row_weight.clone()
+    dgu, _ = down_backward_silu(dout, w2, gu, row_weight, routing, compute_router_grad=router_grad)
+    out = torch.zeros(T, H)
+    grouped_rows_gemm(dgu[:, :I].contiguous(), w2.transpose(1, 2), routing, gather_rows=False, scatter_into=out,
+                      row_weight=row_weight)
+    inputs = [dout, w2, gu, row_weight, x, *(getattr(routing, f) for f in ("sorted_slot", "sorted_token",
+                                                                          "tile_expert", "tile_row_start",
+                                                                          "expert_offsets"))]
+    assert len(launches) == 2
+    for tuner, args in launches:
+        named = dict(zip(tuner.arg_names, args))
+        for name in tuner.reset_to_zero:
+            buffer = named[name]
+            assert all(buffer.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in inputs), name
+    assert torch.equal(row_weight, kept)
+
+
+@interpreter
 def test_single_kernels_match_references():
     T, H, I, E, K, r = 11, 37, 19, 5, 2, 3
     x, index, weights, w1, w2, lora = make_problem(T, H, I, E, K, rank=r)

@@ -10,7 +10,9 @@ the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent``
 with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form;
 ``ours_kgrouped``, ``ours_dw_grouped_mm`` and ``ours_per_tile``, opt-in (only when ``--variants`` names them, in
 ``full`` cells only), are ours with ``KernelConfig.moe_weight_grad`` set to ``kgrouped``, ``grouped_mm`` or
-``per_tile``: another engine for the expert weight gradients, everything else the same).
+``per_tile``: another engine for the expert weight gradients, everything else the same; ``ours_gmm_engine``, opt-in, in
+``lora`` cells only, is ours with ``KernelConfig.moe_engine='grouped_mm'``: every expert GEMM on CUTLASS's grouped
+GEMM, the engine the rule already picks for coarse experts).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, the shapes in
@@ -96,7 +98,6 @@ from lora_lab.experiments.fused_moe import (
     set_implementation,
 )
 from lora_lab.experiments.fused_moe_metrics import E2E_CSV, GRADED_CELLS, LAYER_CSV, layer_table
-from lora_lab.kernels.moe.engine import COARSE_MAX_EXPERTS
 from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
@@ -494,7 +495,7 @@ def run_session(args, impls, out: Path) -> None:
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
                       and (i not in OURS_PERSISTENT or name in args.persistent_shapes)
                       and (i not in WEIGHT_GRAD_VARIANTS or mode == "full")
-                      and (i not in OURS_GMM_ENGINE or (mode == "lora" and shape.num_experts <= COARSE_MAX_EXPERTS))
+                      and (i not in OURS_GMM_ENGINE or mode == "lora")
                       and runs_in(i, mode)]
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,

@@ -56,7 +56,8 @@ def one(shape_name: str, tokens: int, mode: str, autotune: bool, smoke: bool = F
         start = time.perf_counter()
         step()
         times.append((time.perf_counter() - start) * 1e3)
-    engine = engine_for(x, index, experts.gate_up_proj, lora=mode == "lora", config=config)
+    ranks = (16, 16) if mode == "lora" else ()  # layer_holder's rank on both expert weights
+    engine = engine_for(x, index, experts.gate_up_proj, config=config, ranks=ranks)
     return dict(shape=shape_name, tokens=tokens, mode=mode, autotune=autotune, engine=engine,
                 first_call_s=round(first, 2), steady_ms=round(sorted(times)[2], 3))
 

@@ -239,12 +239,14 @@ OURS_UNTUNED = {"ours_untuned": {"moe_autotune": False}}
 # a benchmark asks for them: the K-grouped Triton kernel; torch._grouped_mm everywhere it applies (its dW alone ran
 # 1.43x (dW1) and 2.08x (dW2) the Triton kernel's speed at the 30B-A3B-like layer, 8,192 tokens,
 # outputs/gpu/session_logs/issue27_25_24_run2/extra_call, but the whole layer ran slower with it at 8k tokens:
-# outputs/gpu/session_logs/issue27_24_23_run4/diag); and the Triton per-tile kernel (the default) named explicitly
+# outputs/gpu/session_logs/issue27_24_23_run4/diag; the default ``auto`` takes it above 2,112 rows per expert since
+# notebook 06's run of 6c94d2c); and the Triton per-tile kernel named explicitly
 OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
                  "ours_dw_grouped_mm": {"moe_weight_grad": "grouped_mm"},
                  "ours_per_tile": {"moe_weight_grad": "per_tile"}}
-# ours with its GEMMs on CUTLASS's grouped GEMM (KernelConfig.moe_engine='grouped_mm'), timed in the LoRA cells of
-# the coarse layers (the rule sends their full fine-tuning there already; its LoRA form is opt-in until timed)
+# ours with its GEMMs on CUTLASS's grouped GEMM (KernelConfig.moe_engine='grouped_mm'), timed in every LoRA cell: on
+# the coarse layers it is what the rule runs since notebook 06's run of 6c94d2c (a replication of that run's
+# measurement), on the fine-grained ones the engine the rule does not pick there
 OURS_GMM_ENGINE = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}}
 OURS_VARIANTS = {**{name: {"moe_loads": loads} for name, loads in OURS_PERSISTENT.items()}, **OURS_UNTUNED,
                  **OURS_KGROUPED, **OURS_GMM_ENGINE}

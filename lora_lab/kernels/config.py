@@ -46,12 +46,12 @@ field              variable                meaning
                                            descriptors where aligned (token rows are still gathered by
                                            pointer)
 ``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
-                                           ``per_tile`` (the default: one program per (expert, dW tile),
-                                           its own pipelined loop over the expert's rows), ``auto``
-                                           (opt-in: ``grouped_mm`` for bf16 on a CUDA GPU of capability
-                                           9.0 or newer, else ``per_tile``, the rule of
-                                           :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`;
-                                           slower than ``per_tile`` in the whole layer at 8k tokens), or
+                                           ``auto`` (the default: ``grouped_mm`` for bf16 on a CUDA GPU of
+                                           capability 9.0 or newer when experts get more than 2,112 rows on
+                                           average, else ``per_tile``, the rule of
+                                           :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`,
+                                           measured in notebook 06), ``per_tile`` (one program per (expert,
+                                           dW tile), its own pipelined loop over the expert's rows), or
                                            ``kgrouped``
                                            (opt-in: one program per SM, one loop over the rows of all its
                                            (expert, tile) items, not software-pipelined by Triton 3.6/3.9;
@@ -152,7 +152,7 @@ class KernelConfig:
     moe_autotune: bool = True
     moe_block_m: int | None = None
     moe_loads: str = "pointer"
-    moe_weight_grad: str = "per_tile"
+    moe_weight_grad: str = "auto"
     moe_engine: str = "auto"
     rank_ops: str = "triton"
 

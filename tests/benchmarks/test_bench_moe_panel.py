@@ -132,7 +132,7 @@ def test_kgrouped_variant_is_opt_in_and_sets_the_weight_gradient_kernel(bench):
         assert variant in bench.ALL_IMPLS and variant not in bench.DEFAULT_RUN
         assert variant in bench.WEIGHT_GRAD_VARIANTS  # full fine-tuning cells only
         assert fused_moe.ours_config(variant, None).moe_weight_grad == engine
-    assert fused_moe.ours_config("ours", KernelConfig()).moe_weight_grad == "per_tile"
+    assert fused_moe.ours_config("ours", KernelConfig()).moe_weight_grad == "auto"
 
 
 def test_gmm_engine_variant_is_opt_in_and_forces_the_grouped_mm_engine(bench):

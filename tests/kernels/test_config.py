@@ -9,8 +9,8 @@ def test_defaults_are_the_shipped_behaviour():
     config = KernelConfig()
     assert (config.dispatch, config.base_gemm, config.overlap, config.gemm_loads) == ("auto",) * 4
     assert config.autotune and config.moe_autotune and not config.fuse_q_db and config.moe_block_m is None
-    # the Triton per-tile kernel: grouped_mm / auto (torch._grouped_mm on bf16 Hopper) and kgrouped are opt-in
-    assert config.moe_weight_grad == "per_tile"
+    # auto: torch._grouped_mm on bf16 Hopper with many rows per expert, else the Triton per-tile kernel
+    assert config.moe_weight_grad == "auto"
 
 
 def test_environment_seeds_defaults_and_arguments_win(monkeypatch):

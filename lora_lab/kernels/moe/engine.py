@@ -9,12 +9,11 @@ routes a layer by its shape class:
 condition (all must hold)             engine
 ====================================  ==========================================================
 ``config.moe_engine`` given           that engine (``grouped_mm`` refuses what it cannot run)
-no LoRA on the experts                its LoRA form is opt-in (``moe_engine='grouped_mm'``) until timed
 E <= 32 experts                       coarse experts (fine-grained ones are Triton's win)
 I >= 2048                             big per-expert GEMMs
 S / E >= 1024 rows per expert         enough rows per expert to fill CUTLASS's tiles
 bf16, CUDA capability >= 9.0          ``torch._grouped_mm``'s fast path (Hopper and newer)
-H and I multiples of 8                its 16-byte stride rule
+H, I (and a LoRA rank) multiples of 8  its 16-byte stride rule
 otherwise                             ``triton``
 ====================================  ==========================================================
 
@@ -23,7 +22,14 @@ against plain ``grouped_mm``): the GPT-OSS-20B-like layer (E 32, I 2880) ran at 
 speed at 8,192 and 32,768 tokens (one session), so E <= 32 and I >= 2048 send it to this engine (first set at
 E <= 16, I >= 4096, placeholders); the Qwen1.5-MoE-like layer (E 60, I 1408) ran 1.146 and 1.166 times faster on
 Triton (two sessions) and stays there, as do the layers with 64 or more experts. The rows-per-expert bound (1024)
-is still a placeholder, and this engine has not been timed at the GPT-OSS-like shape yet.
+is still a placeholder.
+
+The same rule holds with LoRA on the experts since notebook 06's H200 run of 6c94d2c
+(``outputs/gpu/06_moe_layer_summary.csv`` of that run), which timed this engine's LoRA form (``ours_gmm_engine``)
+in every LoRA cell with E <= 32: it ran 2.41x and 2.42x as fast as the Triton kernels on the Mixtral-8x7B-like
+layer (8k and 32k tokens; 1.84x and 1.65x grouped_mm + PEFT), 2.56x on the Mixtral-8x22B-like layer (8k) and
+1.77x and 1.84x on the GPT-OSS-20B-like layer (E 32, I 2880), the last two cells one session each. Before that run,
+LoRA layers stayed on Triton. LoRA on fine-grained experts stays on Triton (not timed on this engine).
 
 The grouped-GEMM engine (:func:`grouped_mm_experts`) keeps the work around the GEMMs in the same shape as the
 Triton path: the routing sort on the device (no host sync), X gathered by token, SiLU·up on [g | u], the routing
@@ -36,12 +42,12 @@ router gradient ⟨D, h⟩, the routing weight and SiLU·up's backward (:mod:`~l
 dX = dGU W1_e; the weight gradients as K-grouped GEMMs (``_grouped_mm`` of two 2-D operands, K split at the expert
 offsets): dW1_e = dGU_eᵀ X_e, dW2_e = (w · dOut)_eᵀ h_e. Expert ids outside [0, E) contribute nothing.
 
-LoRA on the experts (``moe_engine='grouped_mm'`` only; the rule above keeps LoRA layers on Triton until this form is
-timed): each LoRA term is two more grouped GEMMs on the same sorted rows, P = X_e A_eᵀ (S x r, saved) and s·P B_eᵀ
-added to the frozen GEMM's result, for gate/up and for down. Backward: Q2 = dOut_e B2_e joins D (D += s2 Q2 A2_e),
-Q1 = dGU_e B1_e joins dX (+= s1 Q1 A1_e), and the factors' gradients are K-grouped GEMMs: dB2_e = s2 (w·dOut)_eᵀ P2,
-dA2_e = s2 (w·Q2)_eᵀ h_e, dB1_e = s1 dGU_eᵀ P1, dA1_e = s1 Q1_eᵀ X_e. This is PEFT's arithmetic on CUTLASS's
-grouped GEMM (the LoRA term is added in the model's dtype); the Triton path adds it inside the fp32 accumulators.
+LoRA on the experts (the rule above, or ``moe_engine='grouped_mm'``): each LoRA term is two more grouped GEMMs on the
+same sorted rows, P = X_e A_eᵀ (S x r, saved) and s·P B_eᵀ added to the frozen GEMM's result, for gate/up and for down.
+Backward: Q2 = dOut_e B2_e joins D (D += s2 Q2 A2_e), Q1 = dGU_e B1_e joins dX (+= s1 Q1 A1_e), and the factors'
+gradients are K-grouped GEMMs: dB2_e = s2 (w·dOut)_eᵀ P2, dA2_e = s2 (w·Q2)_eᵀ h_e, dB1_e = s1 dGU_eᵀ P1, dA1_e = s1
+Q1_eᵀ X_e. This is PEFT's arithmetic on CUTLASS's grouped GEMM (the LoRA term is added in the model's dtype); the Triton
+path adds it inside the fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -83,13 +89,14 @@ def grouped_mm_blockers(*, hidden: int, intermediate: int, dtype: torch.dtype, a
 
 
 def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, intermediate: int, dtype: torch.dtype,
-                  capability: tuple[int, int] | None, lora: bool, requested: str = "auto",
+                  capability: tuple[int, int] | None, requested: str = "auto",
                   available: bool = True, ranks: tuple[int, ...] = ()) -> str:
     """'triton' or 'grouped_mm' for one MoE layer call: the rule in the module docstring (a pure function).
 
     ``capability``: the CUDA device's (major, minor), None off CUDA; ``requested``: ``KernelConfig.moe_engine``;
-    ``available``: whether torch has ``_grouped_mm``. Asking for 'grouped_mm' where it cannot run raises a
-    ValueError naming why.
+    ``available``: whether torch has ``_grouped_mm``; ``ranks``: the LoRA factors' ranks (empty without LoRA; the
+    rule is the same with LoRA, only a rank that breaks the 16-byte strides keeps a layer on Triton). Asking for
+    'grouped_mm' where it cannot run raises a ValueError naming why.
     """
     if requested not in ("auto", *ENGINES):
         raise ValueError(f"moe_engine must be one of auto, {', '.join(ENGINES)}; got {requested!r}")
@@ -99,22 +106,22 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
         if blockers:
             raise ValueError("moe_engine='grouped_mm' cannot run this layer: " + "; ".join(blockers))
         return "grouped_mm"
-    if requested == "triton" or blockers or lora:
-        return "triton"  # LoRA on the experts: this engine runs it only when asked (not yet timed on a GPU)
+    if requested == "triton" or blockers:
+        return "triton"
     coarse = (num_experts <= COARSE_MAX_EXPERTS and intermediate >= COARSE_MIN_INTERMEDIATE
               and num_assignments / max(num_experts, 1) >= COARSE_MIN_ROWS_PER_EXPERT)
     hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
     return "grouped_mm" if coarse and hopper_bf16 else "triton"
 
 
-def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor, *, lora: bool,
+def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor, *,
                config: KernelConfig, ranks: tuple[int, ...] = ()) -> str:
     """:func:`choose_engine` for one call's tensors and ``config`` (``ranks``: the LoRA factors' ranks)."""
     device = hidden_states.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     num_experts, two_i, hidden = gate_up_proj.shape
     return choose_engine(num_experts=num_experts, num_assignments=top_k_index.numel(), hidden=hidden,
-                         intermediate=two_i // 2, dtype=hidden_states.dtype, capability=capability, lora=lora,
+                         intermediate=two_i // 2, dtype=hidden_states.dtype, capability=capability,
                          requested=config.moe_engine, available=grouped_mm_available(), ranks=ranks)
 
 

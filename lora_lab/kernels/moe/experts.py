@@ -213,8 +213,8 @@ def fused_moe_experts(
     ``gate_up_proj``); expert ids outside [0, E) contribute nothing. ``lora`` adds per-expert
     LoRA terms (factors are cast to the weights' dtype, differentiably). ``config``: kernel settings
     (:class:`~lora_lab.kernels.KernelConfig`; None: the defaults). ``config.moe_engine`` and the shape pick
-    the engine (:func:`~lora_lab.kernels.moe.engine.choose_engine`): coarse experts without LoRA, bf16 on
-    Hopper, run their GEMMs on ``torch._grouped_mm``; ``moe_engine='grouped_mm'`` runs LoRA layers there too.
+    the engine (:func:`~lora_lab.kernels.moe.engine.choose_engine`): coarse experts, bf16 on Hopper, with or
+    without LoRA, run their GEMMs on ``torch._grouped_mm``; ``moe_engine`` forces either engine.
     """
     config = resolve_config(config)
     _validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
@@ -223,7 +223,7 @@ def fused_moe_experts(
         _validate_lora(lora, gate_up_proj, down_proj)
         lora = lora.cast(gate_up_proj.dtype)
     ranks = tuple(a.shape[1] for a in ((lora.gate_up_A, lora.down_A) if has_lora else ()) if a is not None)
-    engine = engine_for(hidden_states, top_k_index, gate_up_proj, lora=has_lora, config=config, ranks=ranks)
+    engine = engine_for(hidden_states, top_k_index, gate_up_proj, config=config, ranks=ranks)
     if engine == "grouped_mm":
         if top_k_index.numel() == 0:
             return torch.zeros_like(hidden_states)

@@ -27,6 +27,15 @@ kernel kind         coarse (rows/expert >= 512, N >= 2048)  otherwise
 (``weight_grad``: "coarse" is rows/expert >= 512 there too, its K being the expert's rows.) BLOCK_M of the
 row kernels comes from the routing (:func:`row_block_size`).
 
+**LoRA on the experts** (a row kernel launched with ``HAS_LORA``: the rank-r term rides in its loop and epilogue)
+takes its own column, whatever the regime: ``rows`` 128 x 64, ``gate_up`` and ``down_backward`` 64 x 64, all 4 warps
+and 3 stages. Measured, not reasoned: with the table above, ``moe_autotune=False`` ran every LoRA cell of notebook
+06's H200 run of 6c94d2c at 1.46-1.62x the tuned time (at most 1.12x in full fine-tuning, the same kernels without
+the LoRA term), and an H200 run printing the autotuner's picks (``TRITON_PRINT_AUTOTUNING=1``, 30B-A3B-like and
+Mixtral-8x7B-like LoRA cells, 8k tokens; ``outputs/gpu/session_logs/issue24_27_23_run5/autotune_lora/``) found
+this column's tiles best in 7 of the 8 tuned launches (the other, ``down_backward`` at the 30B-A3B-like layer,
+preferred 8 warps and 4 stages). The column has not been timed untuned yet.
+
 The untuned launch on a GPU uses the *specialised* kernel (Triton knows which sizes and strides are multiples of
 16 and vectorises the loads) except on tiny problems (:func:`tiny_problem`), where the unspecialised twin
 (:func:`unspecialized_twin`) keeps the dozens of odd shapes of the correctness checks from compiling one
@@ -94,7 +103,8 @@ def narrow_block_size(size: int, config: KernelConfig, volume: int = 0) -> int:
     and notebook 06's H200 run of bec6a1b measured the untuned layer at 1.57-1.63x the tuned one in every LoRA
     cell (1.01-1.10x in full fine-tuning, where no narrow GEMM runs). That was not the cause: after this change an H200
     diagnostic still measured 13.95 ms untuned against 8.71 ms tuned at the 30B-A3B-like LoRA cell, 8k tokens
-    (``outputs/gpu/session_logs/issue27_24_23_run4/diag/``)."""
+    (``outputs/gpu/session_logs/issue27_24_23_run4/diag/``). The tiles of the LoRA-carrying launches were (the
+    table's LoRA column, module docstring)."""
     twin = not running_in_interpreter() and not autotune_enabled(config) and tiny_problem(volume)
     return max(64 if twin else 16, next_power_of_2(size))
 
@@ -132,15 +142,18 @@ def is_coarse(rows_per_expert: float, n_dim: int, kind: str) -> bool:
 
 
 def heuristic_meta(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_expert: float,
-                   interpret: bool | None = None) -> dict:
+                   interpret: bool | None = None, lora: bool = False) -> dict:
     """The tile the table picks (module docstring) for one launch: BLOCK_N, BLOCK_K (BLOCK_M for weight_grad),
-    num_warps, num_stages. A pure function of its arguments; ``interpret`` None: whether the interpreter runs."""
+    num_warps, num_stages. A pure function of its arguments; ``interpret`` None: whether the interpreter runs;
+    ``lora``: a row kernel launched with its LoRA term (``HAS_LORA``), which takes the table's LoRA column."""
     if kind not in KINDS:
         raise ValueError(f"unknown MoE kernel kind {kind!r}; expected one of {', '.join(KINDS)}")
     if interpret if interpret is not None else running_in_interpreter():
         return {"BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1} | (
             {"BLOCK_M": 32} if kind == "weight_grad" else {}
         )
+    if lora and kind != "weight_grad":
+        return {"BLOCK_N": 128 if kind == "rows" else 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
     coarse = is_coarse(rows_per_expert, n_dim, kind)
     warps = 8 if block_m >= 128 else 4
     deep = 4 if k_dim >= 1024 else 3
@@ -204,12 +217,13 @@ def candidate_metas(kind: str) -> list[dict]:
     return list(unique.values())
 
 
-def shape_candidates(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_expert: float) -> list[dict]:
+def shape_candidates(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_expert: float,
+                     lora: bool = False) -> list[dict]:
     """The tiles worth timing at one shape, best guess first: the table's pick, then up to two neighbours that
     fit (no BLOCK_N above the output width rounded up to a power of two, no 256-wide tile off the coarse
     regime). Pure function; what :func:`prune_configs` keeps."""
     first = heuristic_meta(kind, block_m=block_m, n_dim=n_dim, k_dim=k_dim, rows_per_expert=rows_per_expert,
-                           interpret=False)
+                           interpret=False, lora=lora)
     width = max(64, next_power_of_2(n_dim))
     coarse = is_coarse(rows_per_expert, n_dim, kind)
     keep = [first]
@@ -244,7 +258,8 @@ def prune_configs(kind: str):
         else:
             n_name = "N" if "N" in nargs else "I"
             shape = dict(block_m=int(kwargs.get("BLOCK_M", 64)), n_dim=int(nargs[n_name]), k_dim=int(nargs["K"]),
-                         rows_per_expert=_rows_per_expert(nargs, kwargs))
+                         rows_per_expert=_rows_per_expert(nargs, kwargs),
+                         lora=bool(kwargs.get("HAS_LORA", nargs.get("HAS_LORA", False))))
         wanted = [_meta_key(m) for m in shape_candidates(kind, **shape)]
         by_key = {_meta_key(_config_meta(c)): c for c in configs}
         kept = [by_key[key] for key in wanted if key in by_key]

@@ -287,7 +287,7 @@ def launch_row_tiles(
         tuned[flags["PERSISTENT"]][lambda meta: grid_of(meta["BLOCK_N"])](*args, **flags)
     else:
         meta = heuristic_meta(kind, block_m=flags["BLOCK_M"], n_dim=num_cols, k_dim=k_dim,
-                              rows_per_expert=num_rows / max(num_experts, 1))
+                              rows_per_expert=num_rows / max(num_experts, 1), lora=bool(flags.get("HAS_LORA")))
         if narrow:
             meta["BLOCK_N"] = narrow_block_size(num_cols, config, volume=num_rows * num_cols * k_dim)
         if flags["W_TMA"]:

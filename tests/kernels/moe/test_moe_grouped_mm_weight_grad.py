@@ -108,16 +108,18 @@ def test_moe_layer_gradients_match_the_default_setting(rank, monkeypatch):
         torch.testing.assert_close(g, d, rtol=2e-5, atol=2e-5 * d.abs().max().item(), msg=name)
 
 
-def test_auto_takes_grouped_mm_for_bf16_on_hopper_only(monkeypatch):
+def test_auto_takes_grouped_mm_for_bf16_on_hopper_with_many_rows_per_expert_only(monkeypatch):
     import lora_lab.kernels.moe.engine as engine
     import lora_lab.kernels.triton_helpers as helpers
+    from lora_lab.kernels.moe.expert_weight_grad import GROUPED_MM_MIN_ROWS_PER_EXPERT as bound
 
-    assert KernelConfig().moe_weight_grad == "per_tile"  # the default: auto is opt-in (slower in the whole layer)
+    assert KernelConfig().moe_weight_grad == "auto"  # the default since notebook 06's run of 6c94d2c
     auto = KernelConfig(moe_weight_grad="auto")
+    many = 4096.0  # OLMoE-like layer at 32k tokens: grouped_mm 1.139x faster in that run
     cpu = torch.zeros(2, 2, dtype=torch.bfloat16)
-    assert weight_grad_engine(cpu, auto) == "per_tile"  # off CUDA
+    assert weight_grad_engine(cpu, auto, many) == "per_tile"  # off CUDA
     for explicit in ("per_tile", "kgrouped", "grouped_mm"):  # a setting is taken as given, on any device
-        assert weight_grad_engine(cpu, KernelConfig(moe_weight_grad=explicit)) == explicit
+        assert weight_grad_engine(cpu, KernelConfig(moe_weight_grad=explicit), 1.0) == explicit
 
     capability = {"value": (9, 0)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
@@ -127,17 +129,22 @@ def test_auto_takes_grouped_mm_for_bf16_on_hopper_only(monkeypatch):
     def on_gpu(dtype):
         return SimpleNamespace(dtype=dtype, device=torch.device("cuda", 0))
 
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "grouped_mm"
-    assert weight_grad_engine(on_gpu(torch.float16), auto) == "per_tile"  # measured in bf16 only
-    assert weight_grad_engine(on_gpu(torch.float32), auto) == "per_tile"
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "grouped_mm"
+    # the rows per expert decide: every 8k cell of the panel (512-1,024 rows) and the 30B-A3B-like layer at 32k
+    # (2,048 rows, a tie) stay per_tile; the Qwen1.5-MoE-like layer at 32k (2,185 rows) goes to grouped_mm
+    for rows, expected in ((512.0, "per_tile"), (1024.0, "per_tile"), (2048.0, "per_tile"), (bound, "per_tile"),
+                           (32768 * 4 / 60, "grouped_mm"), (3072.0, "grouped_mm")):
+        assert weight_grad_engine(on_gpu(torch.bfloat16), auto, rows) == expected, rows
+    assert weight_grad_engine(on_gpu(torch.float16), auto, many) == "per_tile"  # measured in bf16 only
+    assert weight_grad_engine(on_gpu(torch.float32), auto, many) == "per_tile"
     capability["value"] = (8, 0)  # before Hopper
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "per_tile"
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "per_tile"
     capability["value"] = (9, 0)
     monkeypatch.setattr(engine, "grouped_mm_available", lambda: False)  # a torch without _grouped_mm
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "per_tile"
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "per_tile"
     monkeypatch.setattr(engine, "grouped_mm_available", lambda: True)
     monkeypatch.setattr(helpers, "running_in_interpreter", lambda: True)
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto) == "per_tile"
+    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "per_tile"
 
 
 @needs_grouped_mm

@@ -127,10 +127,10 @@ def test_kernels_match_reference_with_the_gpu_table_tiles(regime, rank, monkeypa
     rows = 4096.0 if regime == "coarse" else 64.0
     seen = []
 
-    def gpu_table(kind, *, block_m, n_dim, k_dim, rows_per_expert, interpret=None):
+    def gpu_table(kind, *, block_m, n_dim, k_dim, rows_per_expert, interpret=None, lora=False):
         meta = lc.heuristic_meta(kind, block_m=block_m, n_dim=max(n_dim, lc.COARSE_N) if regime == "coarse"
-                                 else n_dim, k_dim=k_dim, rows_per_expert=rows, interpret=False)
-        seen.append((kind, meta["BLOCK_N"], meta.get("BLOCK_M")))
+                                 else n_dim, k_dim=k_dim, rows_per_expert=rows, interpret=False, lora=lora)
+        seen.append((kind, meta["BLOCK_N"], meta.get("BLOCK_M"), lora))
         return meta
 
     monkeypatch.setattr(tiles, "heuristic_meta", gpu_table)
@@ -140,5 +140,32 @@ def test_kernels_match_reference_with_the_gpu_table_tiles(regime, rank, monkeypa
     index[index == 4] = 3  # expert 4 receives no row
     got, ref = run_both(*problem, config=KernelConfig(moe_autotune=False))
     assert_close_all(got, ref)
-    widths = {n for kind, n, _ in seen if kind == "rows"}
+    widths = {n for kind, n, _, lora in seen if kind == "rows" and not lora}
     assert (256 in widths) if regime == "coarse" else (widths <= {128, 16, 32, 64})
+    lora_launches = {(kind, n) for kind, n, _, lora in seen if lora}
+    # with LoRA, the four big row launches carry the rank term and take the table's LoRA column in either regime
+    assert lora_launches == ({("gate_up", 64), ("rows", 128), ("down_backward", 64)} if rank else set())
+
+
+def test_lora_launches_take_the_measured_lora_column_in_every_regime():
+    """The LoRA column (module docstring: the autotuner's picks in the H200 LoRA cells): 4 warps, 3 stages, 128-wide
+    tiles for the rows kernel and 64-wide for the two I-wide kernels; first in the pruned candidates; unchanged for
+    full fine-tuning and for the weight gradient."""
+    for layer in (MIXTRAL, QWEN3_30B):
+        for kind, bm, n, k, r in launches(layer):
+            full = lc.heuristic_meta(kind, block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, interpret=False)
+            with_lora = lc.heuristic_meta(kind, block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, interpret=False,
+                                          lora=True)
+            if kind == "weight_grad":
+                assert with_lora == full
+                continue
+            assert with_lora == {"BLOCK_N": 128 if kind == "rows" else 64, "BLOCK_K": 64, "num_warps": 4,
+                                 "num_stages": 3}
+            assert lc._meta_key(with_lora) in [lc._meta_key(m) for m in lc.candidate_metas(kind)]
+            assert lc.shape_candidates(kind, block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, lora=True)[0] == with_lora
+    configs = [triton.Config({k: v for k, v in m.items() if not k.startswith("num_")}, num_warps=m["num_warps"],
+                             num_stages=m["num_stages"]) for m in lc.candidate_metas("rows")]
+    nargs = dict(N=4096, K=14336, num_experts=8, num_tiles=16384 // 128 + 8)
+    kept = lc.prune_configs("rows")(configs, nargs, BLOCK_M=128, HAS_LORA=True)
+    assert lc._config_meta(kept[0]) == {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3}
+    assert lc._config_meta(lc.prune_configs("rows")(configs, nargs, BLOCK_M=128, HAS_LORA=False)[0])["BLOCK_N"] == 256

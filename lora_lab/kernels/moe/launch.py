@@ -57,6 +57,10 @@ COARSE_ROWS_PER_EXPERT = 512  # rows per expert from which the big tiles pay (pl
 COARSE_N = 2048
 TINY_VOLUME = 1 << 30  # rows · N · K below which the untuned launch uses the unspecialised twin
 MAX_TUNED_CONFIGS = 3  # configs timed per shape: the table's pick and at most two neighbours
+# with LoRA: the LoRA column's pick and one neighbour. In the H200 diagnostic that printed the picks (module docstring)
+# the tuner chose the column in 7 of 8 LoRA launches and the first neighbour in the eighth, never a third config; each
+# config timed is one more compile in the first call (15.5 s at the 30B-A3B-like LoRA cell, issue #24 asks <= 15)
+MAX_TUNED_CONFIGS_LORA = 2
 
 
 def autotune_enabled(config: KernelConfig) -> bool:
@@ -219,16 +223,17 @@ def candidate_metas(kind: str) -> list[dict]:
 
 def shape_candidates(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_expert: float,
                      lora: bool = False) -> list[dict]:
-    """The tiles worth timing at one shape, best guess first: the table's pick, then up to two neighbours that
-    fit (no BLOCK_N above the output width rounded up to a power of two, no 256-wide tile off the coarse
-    regime). Pure function; what :func:`prune_configs` keeps."""
+    """The tiles worth timing at one shape, best guess first: the table's pick, then up to two neighbours (one with
+    ``lora``: ``MAX_TUNED_CONFIGS_LORA``) that fit (no BLOCK_N above the output width rounded up to a power of two,
+    no 256-wide tile off the coarse regime). Pure function; what :func:`prune_configs` keeps."""
     first = heuristic_meta(kind, block_m=block_m, n_dim=n_dim, k_dim=k_dim, rows_per_expert=rows_per_expert,
                            interpret=False, lora=lora)
+    limit = MAX_TUNED_CONFIGS_LORA if lora and kind != "weight_grad" else MAX_TUNED_CONFIGS
     width = max(64, next_power_of_2(n_dim))
     coarse = is_coarse(rows_per_expert, n_dim, kind)
     keep = [first]
     for meta in candidate_metas(kind):
-        if len(keep) >= MAX_TUNED_CONFIGS:
+        if len(keep) >= limit:
             break
         if _meta_key(meta) == _meta_key(first) or meta["BLOCK_N"] > width:
             continue

@@ -162,7 +162,12 @@ def test_lora_launches_take_the_measured_lora_column_in_every_regime():
             assert with_lora == {"BLOCK_N": 128 if kind == "rows" else 64, "BLOCK_K": 64, "num_warps": 4,
                                  "num_stages": 3}
             assert lc._meta_key(with_lora) in [lc._meta_key(m) for m in lc.candidate_metas(kind)]
-            assert lc.shape_candidates(kind, block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, lora=True)[0] == with_lora
+            kept = lc.shape_candidates(kind, block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, lora=True)
+            assert kept[0] == with_lora and len(kept) == lc.MAX_TUNED_CONFIGS_LORA
+    # the one neighbour timed with LoRA at the 30B-A3B-like down_backward is the pick the H200 diagnostic printed there
+    bm, n, k, r = launches(QWEN3_30B)[2][1:]
+    assert lc.shape_candidates("down_backward", block_m=bm, n_dim=n, k_dim=k, rows_per_expert=r, lora=True)[1] == {
+        "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
     configs = [triton.Config({k: v for k, v in m.items() if not k.startswith("num_")}, num_warps=m["num_warps"],
                              num_stages=m["num_stages"]) for m in lc.candidate_metas("rows")]
     nargs = dict(N=4096, K=14336, num_experts=8, num_tiles=16384 // 128 + 8)

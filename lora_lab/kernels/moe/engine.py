@@ -13,7 +13,7 @@ E <= 32 experts                       coarse experts (fine-grained ones are Trit
 I >= 2048                             big per-expert GEMMs
 S / E >= 1024 rows per expert         enough rows per expert to fill CUTLASS's tiles
 bf16, CUDA capability >= 9.0          ``torch._grouped_mm``'s fast path (Hopper and newer)
-H, I (and a LoRA rank) multiples of 8  its 16-byte stride rule
+H, I, LoRA rank: multiples of 8       its 16-byte stride rule
 otherwise                             ``triton``
 ====================================  ==========================================================
 

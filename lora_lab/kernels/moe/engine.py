@@ -114,6 +114,15 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
     return "grouped_mm" if coarse and hopper_bf16 else "triton"
 
 
+def k_grouped_mm(left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor, empty: torch.Tensor,
+                 scale: float = 1.0) -> torch.Tensor:
+    """(E, M, N): Σ over each expert's rows of leftᵀ right, times ``scale``, as one ``torch._grouped_mm`` with K split
+    at ``offsets`` (each expert's end row, int32); ``empty`` ((E, 1, 1) bool): experts without rows, given an exact
+    zero. The weight-gradient GEMM of this engine and of ``moe_weight_grad='grouped_mm'``."""
+    out = torch._grouped_mm(left.t(), right, offs=offsets).masked_fill_(empty, 0)
+    return out.mul_(scale) if scale != 1.0 else out
+
+
 def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_proj: torch.Tensor, *,
                config: KernelConfig, ranks: tuple[int, ...] = ()) -> str:
     """:func:`choose_engine` for one call's tensors and ``config`` (``ranks``: the LoRA factors' ranks)."""
@@ -217,9 +226,8 @@ class _GroupedMmExperts(torch.autograd.Function):
         empty = (counts == 0)[:, None, None]  # an expert with no rows gets an exact zero gradient
         w = weight.to(x.dtype)[:, None]
 
-        def k_grouped(left, right, scale=1.0):  # Σ over each expert's rows of leftᵀ right: (E, M, N)
-            out = torch._grouped_mm(left.t(), right, offs=offsets).masked_fill_(empty, 0)
-            return out.mul_(scale) if scale != 1.0 else out
+        def k_grouped(left, right, scale=1.0):
+            return k_grouped_mm(left, right, offsets, empty, scale)
 
         # the down projection's gradients first: h and the dOut rows (S x I and S x H) are freed before dX and dW1
         # allocate theirs

@@ -268,7 +268,7 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
     the scale is 0 or 1, so it goes on whichever operand is a fresh gathered copy: dW1's sorted dGU is then read as
     it is, not copied. Then ``_grouped_mm(Aᵀ, B, offs)`` reduces each expert's rows — K split at the expert
     offsets, one (M, N) block per expert. An expert without rows gets an exact zero."""
-    from lora_lab.kernels.moe.engine import grouped_mm_available
+    from lora_lab.kernels.moe.engine import grouped_mm_available, k_grouped_mm
 
     m_dim, n_dim = a.shape[1], b.shape[1]
     if (not grouped_mm_available() or min(m_dim, n_dim) <= 128
@@ -290,12 +290,8 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
         # product formed in fp32 and rounded once into A's dtype, without an fp32 copy of the rows
         rows_a = a.index_select(0, token) if gather_a else a.clone(memory_format=torch.contiguous_format)
         rows_a.mul_(weight[:, None])
-    offs = routing.expert_offsets[1:].to(torch.int32)
-    result = torch._grouped_mm(rows_a.t(), rows_b, offs=offs)
-    if scale != 1.0:
-        result.mul_(scale)
     counts = routing.expert_offsets[1:] - routing.expert_offsets[:-1]
-    return result.masked_fill_((counts == 0)[:, None, None], 0)
+    return k_grouped_mm(rows_a, rows_b, routing.expert_offsets[1:].to(torch.int32), (counts == 0)[:, None, None], scale)
 
 
 def _descriptor_or_pointer(rows: torch.Tensor):

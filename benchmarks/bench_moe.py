@@ -10,9 +10,9 @@ the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent``
 with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form;
 ``ours_kgrouped``, ``ours_dw_grouped_mm`` and ``ours_per_tile``, opt-in (only when ``--variants`` names them, in
 ``full`` cells only), are ours with ``KernelConfig.moe_weight_grad`` set to ``kgrouped``, ``grouped_mm`` or
-``per_tile``: another engine for the expert weight gradients, everything else the same; ``ours_gmm_engine``, opt-in, in
-``lora`` cells only, is ours with ``KernelConfig.moe_engine='grouped_mm'``: every expert GEMM on CUTLASS's grouped
-GEMM, the engine the rule already picks for coarse experts).
+``per_tile``: another engine for the expert weight gradients, everything else the same; ``ours_gmm_engine`` and
+``ours_triton``, opt-in, in ``lora`` cells only, are ours with ``KernelConfig.moe_engine`` set to ``grouped_mm`` or
+``triton``: every expert GEMM on CUTLASS's grouped GEMM, or on the Triton kernels, whatever the rule picks).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, the shapes in
@@ -83,7 +83,7 @@ from lora_lab.experiments.fused_moe import (
     IMPLEMENTATIONS,
     LAYER_SHAPES,
     LIGER,
-    OURS_GMM_ENGINE,
+    OURS_ENGINES,
     OURS_KGROUPED,
     OURS_PERSISTENT,
     OURS_UNTUNED,
@@ -102,9 +102,9 @@ from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
 # Liger: full fine-tuning only, when installed; ours_persistent: ours with KernelConfig.moe_loads set
-ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, *OURS_KGROUPED, *OURS_GMM_ENGINE, LIGER]
+ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, *OURS_KGROUPED, *OURS_ENGINES, LIGER]
 # what runs when --variants is not given: every implementation but the opt-in weight-gradient and engine variants
-DEFAULT_RUN = [impl for impl in ALL_IMPLS if impl not in OURS_KGROUPED and impl not in OURS_GMM_ENGINE]
+DEFAULT_RUN = [impl for impl in ALL_IMPLS if impl not in OURS_KGROUPED and impl not in OURS_ENGINES]
 # --smoke: tiny stand-ins of the layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {name: dict(hidden=32, num_experts=4, top_k=2, intermediate=16 + 8 * (k % 2))
                 for k, name in enumerate(LAYER_SHAPES)}
@@ -495,7 +495,7 @@ def run_session(args, impls, out: Path) -> None:
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
                       and (i not in OURS_PERSISTENT or name in args.persistent_shapes)
                       and (i not in WEIGHT_GRAD_VARIANTS or mode == "full")
-                      and (i not in OURS_GMM_ENGINE or mode == "lora")
+                      and (i not in OURS_ENGINES or mode == "lora")
                       and runs_in(i, mode)]
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,

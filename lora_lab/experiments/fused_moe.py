@@ -49,7 +49,7 @@ __all__ = [
     "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
     "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
     "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_KGROUPED", "OURS_PERSISTENT", "OURS_UNTUNED", "OURS_VARIANTS",
-    "OURS_GMM_ENGINE",
+    "OURS_ENGINES",
     "COARSE_SHAPES", "ours_config", "MoeLayerShape",
     "LAYER_SHAPES", "random_routing",
     "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
@@ -244,12 +244,13 @@ OURS_UNTUNED = {"ours_untuned": {"moe_autotune": False}}
 OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
                  "ours_dw_grouped_mm": {"moe_weight_grad": "grouped_mm"},
                  "ours_per_tile": {"moe_weight_grad": "per_tile"}}
-# ours with its GEMMs on CUTLASS's grouped GEMM (KernelConfig.moe_engine='grouped_mm'), timed in every LoRA cell: on
-# the coarse layers it is what the rule runs since notebook 06's run of 6c94d2c (a replication of that run's
-# measurement), on the fine-grained ones the engine the rule does not pick there
-OURS_GMM_ENGINE = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}}
+# ours with its expert GEMMs on one engine, whatever the rule picks (KernelConfig.moe_engine), timed in LoRA cells
+# when a benchmark asks for them: ``ours_gmm_engine`` on CUTLASS's grouped GEMM (notebook 06's run of 6c94d2c timed it
+# in every LoRA cell, before the rule sent LoRA there), ``ours_triton`` on the Triton kernels (what the rule picked for
+# LoRA on fine-grained experts before session 7's diagnostic: the path the rule now leaves)
+OURS_ENGINES = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}, "ours_triton": {"moe_engine": "triton"}}
 OURS_VARIANTS = {**{name: {"moe_loads": loads} for name, loads in OURS_PERSISTENT.items()}, **OURS_UNTUNED,
-                 **OURS_KGROUPED, **OURS_GMM_ENGINE}
+                 **OURS_KGROUPED, **OURS_ENGINES}
 
 
 def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:

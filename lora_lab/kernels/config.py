@@ -62,8 +62,9 @@ field              variable                meaning
                                            ``per_tile``)
 ``moe_engine``     ``LORA_LAB_MOE_ENGINE``    who runs the MoE expert GEMMs: ``auto`` (the rule of
                                            :func:`lora_lab.kernels.moe.engine.choose_engine`: CUTLASS's
-                                           grouped GEMM on coarse experts, full fine-tuning, bf16, Hopper;
-                                           the Triton kernels elsewhere), ``triton``, ``grouped_mm``
+                                           grouped GEMM on coarse experts and on every layer with LoRA
+                                           on its experts, bf16, Hopper; the Triton kernels elsewhere),
+                                           ``triton``, ``grouped_mm``
 =================  ======================  ==============================================================
 
 The warp-specialised persistent forms (``persistent_ws`` for ``gemm_loads`` and ``moe_loads``) were removed: on the

@@ -135,9 +135,10 @@ def test_kgrouped_variant_is_opt_in_and_sets_the_weight_gradient_kernel(bench):
     assert fused_moe.ours_config("ours", KernelConfig()).moe_weight_grad == "auto"
 
 
-def test_gmm_engine_variant_is_opt_in_and_forces_the_grouped_mm_engine(bench):
-    assert "ours_gmm_engine" in bench.ALL_IMPLS and "ours_gmm_engine" not in bench.DEFAULT_RUN
-    assert fused_moe.ours_config("ours_gmm_engine", None).moe_engine == "grouped_mm"
+def test_engine_variants_are_opt_in_and_force_their_engine(bench):
+    for variant, engine in (("ours_gmm_engine", "grouped_mm"), ("ours_triton", "triton")):
+        assert variant in bench.ALL_IMPLS and variant not in bench.DEFAULT_RUN
+        assert fused_moe.ours_config(variant, None).moe_engine == engine
     assert fused_moe.ours_config("ours", KernelConfig()).moe_engine == "auto"
 
 

@@ -9,9 +9,10 @@ routes a layer by its shape class:
 condition (all must hold)             engine
 ====================================  ==========================================================
 ``config.moe_engine`` given           that engine (``grouped_mm`` refuses what it cannot run)
-E <= 32 experts                       coarse experts (fine-grained ones are Triton's win)
-I >= 2048                             big per-expert GEMMs
-S / E >= 1024 rows per expert         enough rows per expert to fill CUTLASS's tiles
+LoRA on the experts, or all three:    (LoRA: any shape class, see below)
+  E <= 32 experts                     coarse experts (fine-grained ones are Triton's win)
+  I >= 2048                           big per-expert GEMMs
+  S / E >= 1024 rows per expert       enough rows per expert to fill CUTLASS's tiles
 bf16, CUDA capability >= 9.0          ``torch._grouped_mm``'s fast path (Hopper and newer)
 H, I, LoRA rank: multiples of 8       its 16-byte stride rule
 otherwise                             ``triton``
@@ -24,12 +25,17 @@ E <= 16, I >= 4096, placeholders); the Qwen1.5-MoE-like layer (E 60, I 1408) ran
 Triton (two sessions) and stays there, as do the layers with 64 or more experts. The rows-per-expert bound (1024)
 is still a placeholder.
 
-The same rule holds with LoRA on the experts since notebook 06's H200 run of 6c94d2c
-(``outputs/gpu/06_moe_layer_summary.csv`` of that run), which timed this engine's LoRA form (``ours_gmm_engine``)
-in every LoRA cell with E <= 32: it ran 2.41x and 2.42x as fast as the Triton kernels on the Mixtral-8x7B-like
-layer (8k and 32k tokens; 1.84x and 1.65x grouped_mm + PEFT), 2.56x on the Mixtral-8x22B-like layer (8k) and
-1.77x and 1.84x on the GPT-OSS-20B-like layer (E 32, I 2880), the last two cells one session each. Before that run,
-LoRA layers stayed on Triton. LoRA on fine-grained experts stays on Triton (not timed on this engine).
+With LoRA on the experts the shape class does not matter: this engine's LoRA form ran faster than the Triton
+kernels' in every cell it was timed in. Notebook 06's H200 run of 6c94d2c (``outputs/gpu/06_moe_layer_summary.csv``
+of that run) timed it (``ours_gmm_engine``) in every LoRA cell with E <= 32: 2.41x and 2.42x the Triton kernels'
+speed on the Mixtral-8x7B-like layer (8k and 32k tokens; 1.84x and 1.65x grouped_mm + PEFT), 2.56x on the
+Mixtral-8x22B-like layer (8k) and 1.77x and 1.84x on the GPT-OSS-20B-like layer (E 32, I 2880), the last two cells
+one session each. A diagnostic of session 7 (one session, 2 repetitions, 8k tokens:
+``outputs/gpu/session_logs/issue27_24_23_run6/diag_moe_lora_column/``) timed it on two fine-grained layers: 6.277
+against 8.668 ms on the 30B-A3B-like layer (E 128, I 768) and 5.531 against 7.748 ms on the Qwen1.5-MoE-like one
+(E 60, I 1408), where full fine-tuning is Triton's win. Before the first of those runs LoRA layers stayed on Triton;
+between them, only coarse ones left it. The Triton kernels keep LoRA layers this engine cannot run (a rank that is
+not a multiple of 8, fp16, pre-Hopper GPUs).
 
 The grouped-GEMM engine (:func:`grouped_mm_experts`) keeps the work around the GEMMs in the same shape as the
 Triton path: the routing sort on the device (no host sync), X gathered by token, SiLU·up on [g | u], the routing
@@ -94,9 +100,9 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
     """'triton' or 'grouped_mm' for one MoE layer call: the rule in the module docstring (a pure function).
 
     ``capability``: the CUDA device's (major, minor), None off CUDA; ``requested``: ``KernelConfig.moe_engine``;
-    ``available``: whether torch has ``_grouped_mm``; ``ranks``: the LoRA factors' ranks (empty without LoRA; the
-    rule is the same with LoRA, only a rank that breaks the 16-byte strides keeps a layer on Triton). Asking for
-    'grouped_mm' where it cannot run raises a ValueError naming why.
+    ``available``: whether torch has ``_grouped_mm``; ``ranks``: the LoRA factors' ranks (empty without LoRA; with
+    LoRA every shape class goes to the grouped-GEMM engine where it runs fast, and a rank that breaks the 16-byte
+    strides keeps a layer on Triton). Asking for 'grouped_mm' where it cannot run raises a ValueError naming why.
     """
     if requested not in ("auto", *ENGINES):
         raise ValueError(f"moe_engine must be one of auto, {', '.join(ENGINES)}; got {requested!r}")
@@ -111,7 +117,7 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
     coarse = (num_experts <= COARSE_MAX_EXPERTS and intermediate >= COARSE_MIN_INTERMEDIATE
               and num_assignments / max(num_experts, 1) >= COARSE_MIN_ROWS_PER_EXPERT)
     hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
-    return "grouped_mm" if coarse and hopper_bf16 else "triton"
+    return "grouped_mm" if (coarse or bool(ranks)) and hopper_bf16 else "triton"
 
 
 def k_grouped_mm(left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor, empty: torch.Tensor,

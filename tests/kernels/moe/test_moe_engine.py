@@ -38,18 +38,24 @@ def choose(layer, **overrides):
     return engine.choose_engine(**args)
 
 
-def test_coarse_experts_go_to_grouped_mm_and_fine_grained_ones_stay_on_triton():
+def test_coarse_experts_and_lora_go_to_grouped_mm_and_fine_grained_full_layers_stay_on_triton():
     assert choose(MIXTRAL) == "grouped_mm" and choose(MIXTRAL_8X22B) == "grouped_mm"
     # GPT-OSS-20B-like (E 32, I 2880): the Triton kernels ran slower than grouped_mm in notebook 06 (bec6a1b)
     assert choose(GPT_OSS_20B) == "grouped_mm"
     assert choose(QWEN3_30B) == "triton" and choose(QWEN15_MOE) == "triton"
     assert choose(GPT_OSS_20B, num_experts=33) == "triton" and choose(GPT_OSS_20B, intermediate=2040) == "triton"
     # the same coarse layer off its fast path stays on Triton
-    # LoRA on coarse experts goes there too (notebook 06, 6c94d2c: 1.77-2.56x the Triton kernels), unless a rank
-    # breaks the 16-byte strides; LoRA on fine-grained experts stays on Triton
+    # LoRA on the experts goes there at every shape class (coarse: notebook 06, 6c94d2c, 1.77-2.56x the Triton
+    # kernels; fine-grained: session 7's diagnostic, 1.38x and 1.40x at 8k tokens), unless a rank breaks the 16-byte
+    # strides or the layer is off the fast path
     assert choose(MIXTRAL, ranks=(16, 16)) == "grouped_mm" and choose(GPT_OSS_20B, ranks=(8,)) == "grouped_mm"
+    assert choose(QWEN3_30B, ranks=(16, 16)) == "grouped_mm" and choose(QWEN15_MOE, ranks=(16, 16)) == "grouped_mm"
+    assert choose(MIXTRAL, num_assignments=8 * 1000, ranks=(16, 16)) == "grouped_mm"  # few rows per expert too
     assert choose(MIXTRAL, ranks=(16, 4)) == "triton" and choose(MIXTRAL, ranks=(3,)) == "triton"
-    assert choose(QWEN3_30B, ranks=(16, 16)) == "triton"
+    assert choose(QWEN3_30B, ranks=(16, 4)) == "triton"
+    assert choose(QWEN3_30B, ranks=(16, 16), capability=(8, 0)) == "triton"
+    assert choose(QWEN3_30B, ranks=(16, 16), dtype=torch.float16) == "triton"
+    assert choose(QWEN3_30B, ranks=(16, 16), available=False) == "triton"
     assert choose(MIXTRAL, capability=(8, 0)) == "triton" and choose(MIXTRAL, capability=None) == "triton"
     assert choose(MIXTRAL, dtype=torch.float16) == "triton" and choose(MIXTRAL, dtype=torch.float32) == "triton"
     assert choose(MIXTRAL, available=False) == "triton"

@@ -59,8 +59,15 @@ def run_both(x, index, weights, w1, w2, lora, *, grad_seed=1, config=None):
 
 
 def assert_bf16_matches_fp32(problem, config=None):
-    """The fused kernels in bf16 against the reference in fp32 on the same bf16-rounded inputs: output and every
-    gradient within the stated cosine and relative-L2 thresholds."""
+    """The fused Triton kernels in bf16 against the reference in fp32 on the same bf16-rounded inputs: output and
+    every gradient within the stated cosine and relative-L2 thresholds. The engine is forced to ``triton`` unless
+    ``config`` names one: on a Hopper GPU the rule sends bf16 LoRA layers to the grouped-GEMM engine, which
+    ``test_moe_engine.py`` checks on its own."""
+    from lora_lab.kernels.config import KernelConfig
+
+    config = config if config is not None else KernelConfig()
+    if config.moe_engine == "auto":
+        config = config.replace(moe_engine="triton")
     x, index, weights, w1, w2, lora = problem
     got, _ = run_both(*problem, config=config)
 

@@ -7,7 +7,8 @@ forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing fr
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
 expert weights) and ``lora`` (frozen experts, PEFT ``target_parameters`` LoRA r=16 on gate_up_proj and down_proj;
 the baselines run PEFT's wrapper, ours patches that wrapper; ``ours_persistent`` is ours
-with ``KernelConfig.moe_loads`` set: the persistent form of the kernels, timed next to the one-tile form;
+with ``KernelConfig.moe_loads`` set: the persistent form of the Triton kernels, timed next to the one-tile form, in
+``full`` cells only (with LoRA ours runs on the grouped-GEMM engine, which has no persistent form);
 ``ours_kgrouped``, ``ours_dw_grouped_mm`` and ``ours_per_tile``, opt-in (only when ``--variants`` names them, in
 ``full`` cells only), are ours with ``KernelConfig.moe_weight_grad`` set to ``kgrouped``, ``grouped_mm`` or
 ``per_tile``: another engine for the expert weight gradients, everything else the same; ``ours_gmm_engine`` and
@@ -493,7 +494,7 @@ def run_session(args, impls, out: Path) -> None:
         with_eager = ((not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
                       and mode in args.eager_modes)
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
-                      and (i not in OURS_PERSISTENT or name in args.persistent_shapes)
+                      and (i not in OURS_PERSISTENT or (name in args.persistent_shapes and mode == "full"))
                       and (i not in WEIGHT_GRAD_VARIANTS or mode == "full")
                       and (i not in OURS_ENGINES or mode == "lora")
                       and runs_in(i, mode)]

@@ -249,7 +249,9 @@ OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
 # in every LoRA cell, before the rule sent LoRA there), ``ours_triton`` on the Triton kernels (what the rule picked for
 # LoRA on fine-grained experts before session 7's diagnostic: the path the rule now leaves)
 OURS_ENGINES = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}, "ours_triton": {"moe_engine": "triton"}}
-OURS_VARIANTS = {**{name: {"moe_loads": loads} for name, loads in OURS_PERSISTENT.items()}, **OURS_UNTUNED,
+# (the persistent form is one of the Triton kernels': forced there, whatever engine the rule picks for ours)
+OURS_VARIANTS = {**{name: {"moe_loads": loads, "moe_engine": "triton"} for name, loads in OURS_PERSISTENT.items()},
+                 **OURS_UNTUNED,
                  **OURS_KGROUPED, **OURS_ENGINES}
 
 

@@ -139,6 +139,9 @@ def test_engine_variants_are_opt_in_and_force_their_engine(bench):
     for variant, engine in (("ours_gmm_engine", "grouped_mm"), ("ours_triton", "triton")):
         assert variant in bench.ALL_IMPLS and variant not in bench.DEFAULT_RUN
         assert fused_moe.ours_config(variant, None).moe_engine == engine
+    # the persistent form is a form of the Triton kernels, whatever engine the rule picks for ours
+    persistent = fused_moe.ours_config("ours_persistent", None)
+    assert persistent.moe_engine == "triton" and persistent.moe_loads == "persistent"
     assert fused_moe.ours_config("ours", KernelConfig()).moe_engine == "auto"
 
 

@@ -33,9 +33,9 @@ Mixtral-8x22B-like layer (8k) and 1.77x and 1.84x on the GPT-OSS-20B-like layer 
 one session each. A diagnostic of session 7 (one session, 2 repetitions, 8k tokens:
 ``outputs/gpu/session_logs/issue27_24_23_run6/diag_moe_lora_column/``) timed it on two fine-grained layers: 6.277
 against 8.668 ms on the 30B-A3B-like layer (E 128, I 768) and 5.531 against 7.748 ms on the Qwen1.5-MoE-like one
-(E 60, I 1408), where full fine-tuning is Triton's win. Before the first of those runs LoRA layers stayed on Triton;
-between them, only coarse ones left it. The Triton kernels keep LoRA layers this engine cannot run (a rank that is
-not a multiple of 8, fp16, pre-Hopper GPUs).
+(E 60, I 1408), where full fine-tuning is Triton's win. Before these measurements LoRA layers stayed on Triton. The
+Triton kernels keep the LoRA layers this engine cannot run (a rank that is not a multiple of 8, fp16, pre-Hopper
+GPUs).
 
 The grouped-GEMM engine (:func:`grouped_mm_experts`) keeps the work around the GEMMs in the same shape as the
 Triton path: the routing sort on the device (no host sync), X gathered by token, SiLU·up on [g | u], the routing

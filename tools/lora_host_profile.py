@@ -15,6 +15,7 @@ A diagnostic (no notebook reads it); on CPU it runs the code path only (no kerne
 from __future__ import annotations
 
 import argparse
+import gzip
 import statistics
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def step_fn(variant, x, w, a, b, dy):
     return step
 
 
-def trace(step, calls: int, cuda: bool):
+def trace(step, calls: int, cuda: bool, chrome: Path | None = None):
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -78,6 +79,12 @@ def trace(step, calls: int, cuda: bool):
                      "busy_us": sum(e - s for s, e in mine), "kernels": len(mine),
                      "span_us": max(e for _, e in mine) - start})
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    if chrome is not None:  # the whole timeline (host ops, launches, kernels), gzip-compressed
+        raw = chrome.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(chrome, "wb") as dst:
+            dst.write(src.read())
+        raw.unlink()
     return rows, table
 
 

@@ -9,8 +9,10 @@ Each implementation runs the call notebook 06 times (``benchmarks/bench_moe.py``
   * from a ``torch.profiler`` trace of ``--traced`` calls, each synchronised (``lora_host_profile.trace``): per call,
     the time from the call's start to its first kernel (``lead_us``), the GPU idle time between its kernels
     (``gaps_us``), the kernels' busy time (``busy_us``), the number of kernels; medians over the traced calls.
-The top host operators of each implementation (self CPU time) go to ``<impl>_host_ops.txt``, rows to
-``moe_host_profile.csv``.
+The top host operators of each implementation (self CPU time) go to ``<impl>_host_ops.txt``, its whole traced
+timeline (host ops, launches, kernels; first repetition) to ``<impl>_trace.json.gz`` (chrome://tracing, Perfetto),
+a ``cProfile`` of ``--calls`` synchronised calls (Python functions by own and by cumulative time: the autotuner,
+Triton's launcher, torch ops) to ``<impl>_cprofile.txt``, rows to ``moe_host_profile.csv``.
 
     python tools/moe_host_profile.py --out DIR [--shape qwen3_30b_a3b] [--tokens 8192] [--mode full]
         [--impls ours grouped_mm liger]
@@ -20,6 +22,9 @@ A diagnostic (no notebook reads it). On CPU it runs a scaled-down layer through 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -48,6 +53,23 @@ def cell_step(shape, num_tokens: int, mode: str, device, dtype):
         return torch.autograd.grad(holder(x, index, weights), inputs, grad_out)
 
     return holder, experts, step
+
+
+def cprofile_text(step, calls: int, cuda: bool, top: int = 40) -> str:
+    """``cProfile`` of ``calls`` synchronised calls: the top functions by own time, then by cumulative time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"{calls} calls, each synchronised (times are totals)\n")
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return text.getvalue()
 
 
 def main(argv=None):
@@ -86,12 +108,13 @@ def main(argv=None):
                 measure.loop_ms(step, calls=1, warmup=1)
             loop = statistics.median(measure.loop_ms(step, calls=args.calls, warmup=2))
             host = statistics.median(measure.host_ms(step, calls=args.calls, warmup=2))
-            rows, table = trace(step, args.traced, cuda)
+            rows, table = trace(step, args.traced, cuda, chrome=out / f"{impl}_trace.json.gz" if rep == 0 else None)
             summary = {key: statistics.median(r[key] for r in rows) for key in rows[0]} if rows else {}
             results.append({"impl": impl, "rep": rep, "shape": shape.name, "tokens": tokens, "mode": args.mode,
                             "first_call_s": first_s[impl], "loop_ms": loop, "host_ms": host, **summary})
             if rep == 0:
                 (out / f"{impl}_host_ops.txt").write_text(table)
+                (out / f"{impl}_cprofile.txt").write_text(cprofile_text(step, args.calls, cuda))
             print(results[-1], flush=True)
             measure.write_csv(results, out / "moe_host_profile.csv")  # after every row: a time limit keeps what ran
     fused_moe.set_implementation(holder, experts, "eager")  # unpatch

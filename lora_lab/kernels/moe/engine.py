@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 
 from lora_lab.kernels.config import KernelConfig
-from lora_lab.kernels.moe.routing import free_saved, refuse_second_backward
+from lora_lab.kernels.moe.routing import free_saved, refuse_second_backward, sort_assignments
 from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference, silu_mul, unsort_sum
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
@@ -141,9 +141,15 @@ def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_p
 
 
 def _sort_by_expert(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int):
-    """Device ops only: (perm, position, token, offsets, weight in assignment order, weight in sorted order, valid in
-    sorted order, counts). ``position[s]``: the sorted row of assignment s. Ids outside [0, E) go to expert 0 with
-    weight 0 (so they add nothing to the output or to any gradient) and their router gradient is masked."""
+    """Device ops only: (position, token, offsets, weight in assignment order, weight in sorted order, valid in sorted
+    order). ``position[s]``: the sorted row of assignment s; ``offsets`` (E + 1,) int32: expert e owns sorted rows
+    [offsets[e], offsets[e+1]). Ids outside [0, E) go to expert 0 with weight 0 (so they add nothing to the output
+    or to any gradient) and their router gradient is masked. Where Triton runs, the counting sort of
+    :func:`~lora_lab.kernels.moe.routing.sort_assignments` (three launches); plain torch elsewhere."""
+    if _triton_runs(top_k_index):
+        s = sort_assignments(top_k_index, num_experts, invalid_to_first=True, with_position=True,
+                             weights=top_k_weights)
+        return s.position, s.sorted_token, s.expert_offsets, s.weight_slot, s.weight_sorted, s.valid_sorted
     top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
@@ -152,10 +158,10 @@ def _sort_by_expert(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_
     position = torch.empty_like(perm)
     position[perm] = torch.arange(perm.numel(), device=perm.device)
     counts = torch.bincount(expert, minlength=num_experts)
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
     weight_slot = torch.where(valid, top_k_weights.reshape(-1), 0)
     token = torch.div(perm, top_k, rounding_mode="floor")
-    return perm, position, token, offsets, weight_slot, weight_slot[perm], valid[perm], counts
+    return position, token, offsets, weight_slot, weight_slot[perm], valid[perm]
 
 
 def _triton_runs(t: torch.Tensor) -> bool:
@@ -182,8 +188,9 @@ class _GroupedMmExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, s1, s2):
         num_tokens, top_k = top_k_index.shape
-        perm, position, token, offsets, weight_slot, weight, valid, counts = _sort_by_expert(
+        position, token, expert_offsets, weight_slot, weight, valid = _sort_by_expert(
             top_k_index, top_k_weights, w1.shape[0])
+        offsets = expert_offsets[1:]  # _grouped_mm's group ends
         xs = x.index_select(0, token)
         gu = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # (S, 2I)
         p1 = p2 = None
@@ -201,7 +208,7 @@ class _GroupedMmExperts(torch.autograd.Function):
             p2 = torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)  # (S, r)
             y.add_(torch._grouped_mm(p2, b2.transpose(1, 2), offs=offsets), alpha=s2)
         del h
-        ctx.save_for_backward(x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts,
+        ctx.save_for_backward(x, w1, w2, gu, weight, position, token, expert_offsets, valid,
                               a1, b1, a2, b2, p1, p2)
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
         ctx.scales = (s1, s2)
@@ -209,8 +216,9 @@ class _GroupedMmExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x, w1, w2, gu, weight, perm, position, token, offsets, valid, counts,
+        (x, w1, w2, gu, weight, position, token, expert_offsets, valid,
          a1, b1, a2, b2, p1, p2) = ctx.saved_tensors
+        offsets = expert_offsets[1:]
         refuse_second_backward(ctx, "the grouped_mm MoE engine")
         num_tokens, top_k, weights_dtype = ctx.shape
         s1, s2 = ctx.scales
@@ -227,9 +235,9 @@ class _GroupedMmExperts(torch.autograd.Function):
         free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the GEMMs below
         d_weights = None
         if need[2]:
-            d_weights = dw_sorted[position].view(num_tokens, top_k).to(weights_dtype)
+            d_weights = dw_sorted.index_select(0, position).view(num_tokens, top_k).to(weights_dtype)
         dx = dw1 = dw2 = da1 = db1 = da2 = db2 = None
-        empty = (counts == 0)[:, None, None]  # an expert with no rows gets an exact zero gradient
+        empty = (expert_offsets[1:] == expert_offsets[:-1])[:, None, None]  # an expert with no rows: exact zero
         w = weight.to(x.dtype)[:, None]
 
         def k_grouped(left, right, scale=1.0):

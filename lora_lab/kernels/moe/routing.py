@@ -21,6 +21,21 @@ at once.
 
 Expert ids outside ``[0, E)`` (transformers' expert-parallel sentinels) sort outside every
 expert's block and are simply dropped, as transformers' ``grouped_mm`` path drops them.
+
+**How it is built.** Where Triton runs (CUDA, or the interpreter) the sort is a stable counting sort in three
+Triton launches (:func:`sort_assignments`): the assignments are cut into blocks of ``ROUTE_BLOCK`` and each id into
+a *bin* (0: id < 0, e + 1: expert e, E + 1: id >= E);
+
+    count   : counts[b, bin]  = #{s in block b : bin(s) = bin}                         one program per block
+    scan    : base[b, bin]    = Σ_{b' < b} counts[b', bin],  total[bin]                  one program per 16 bins
+    scatter : pos(s) = start[bin] + base[b, bin] + #{s' < s in block b : bin(s') = bin},  start = exclusive
+              prefix of total over bins; writes sorted_slot / sorted_token (and the inverse map) at pos; the
+              programs of the first tiles also write the row-tile map and the offsets
+
+Before issue #24's host-time profile the same routing took about 20 small torch ops (a 64-bit radix sort alone is
+over 15 kernels), each paying its launch on the host while the GPU waited: at the 30B-A3B-like layer, 8k tokens, the
+first expert GEMM started about 1.1 ms into the call (H200, ``outputs/gpu/session_logs/session8/``). The plain-torch
+form stays as the reference (:func:`route_experts_torch`) and for a CPU without the interpreter.
 """
 
 from __future__ import annotations
@@ -28,6 +43,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+
+from lora_lab.kernels.triton_helpers import cdiv, next_power_of_2, running_in_interpreter
 
 
 @dataclass(frozen=True)
@@ -66,8 +85,7 @@ def max_row_tiles(num_assignments: int, num_experts: int, block_m: int) -> int:
     return -(-num_assignments // block_m) + min(num_experts, num_assignments)
 
 
-def route_experts(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
-    """Sort the assignments by expert and build the row-tile map, all with device ops (no host sync)."""
+def _check_routing_args(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> None:
     if top_k_index.dim() != 2:
         raise ValueError(f"top_k_index must be 2-D (tokens, top_k), got shape {tuple(top_k_index.shape)}")
     if top_k_index.dtype not in (torch.int32, torch.int64):
@@ -76,6 +94,27 @@ def route_experts(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if block_m < 1 or block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
+
+
+def route_experts(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
+    """Sort the assignments by expert and build the row-tile map, all on the device (no host sync): three Triton
+    launches where Triton runs (module docstring), the plain-torch form elsewhere."""
+    _check_routing_args(top_k_index, num_experts, block_m)
+    num_tokens, top_k = top_k_index.shape
+    if num_tokens * top_k == 0 or not (top_k_index.device.type == "cuda" or running_in_interpreter()):
+        return route_experts_torch(top_k_index, num_experts, block_m)
+    sort = sort_assignments(top_k_index, num_experts, block_m=block_m)
+    return ExpertRouting(
+        num_tokens=num_tokens, top_k=top_k, num_experts=num_experts, block_m=block_m,
+        sorted_slot=sort.sorted_slot, sorted_token=sort.sorted_token, expert_offsets=sort.expert_offsets,
+        tile_expert=sort.tile_expert, tile_row_start=sort.tile_row_start,
+    )
+
+
+def route_experts_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
+    """:func:`route_experts` with plain torch ops (a stable sort, searchsorted, cumsum): the reference for the Triton
+    form, and the routing on a CPU without Triton's interpreter."""
+    _check_routing_args(top_k_index, num_experts, block_m)
     num_tokens, top_k = top_k_index.shape
     device = top_k_index.device
     num_assignments = num_tokens * top_k
@@ -110,6 +149,184 @@ def route_experts(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> 
         expert_offsets=offsets.to(torch.int32),
         tile_expert=tile_expert.to(torch.int32),
         tile_row_start=tile_row_start.to(torch.int32),
+    )
+
+
+ROUTE_BLOCK = 256  # assignments per program of the count and scatter kernels (32 in the interpreter)
+ROUTE_CHUNK = 32  # assignments per step inside a program: a CHUNK x BINS one-hot matrix
+ROUTE_SCAN_BINS = 16  # bins per program of the scan kernel
+
+
+@dataclass(frozen=True)
+class SortedAssignments:
+    """What :func:`sort_assignments` returns; every tensor int32 on the routing device unless said otherwise."""
+
+    sorted_slot: torch.Tensor  # (S,) assignment s of each sorted row
+    sorted_token: torch.Tensor  # (S,) its token s // K
+    expert_offsets: torch.Tensor  # (E + 1,) expert e owns sorted rows [offsets[e], offsets[e+1])
+    tile_expert: torch.Tensor | None  # (max_tiles,) or None (``block_m`` None)
+    tile_row_start: torch.Tensor | None
+    position: torch.Tensor | None  # (S,) the sorted row of assignment s (``with_position``)
+    weight_slot: torch.Tensor | None  # (S,) the routing weight in assignment order, 0 for a dropped id (``weights``)
+    weight_sorted: torch.Tensor | None  # (S,) the same in sorted order
+    valid_sorted: torch.Tensor | None  # (S,) bool: whether the sorted row's id was in [0, E)
+
+
+@triton.jit
+def _route_bins(idx_ptr, offs, mask, num_experts, INVALID_TO_FIRST: tl.constexpr):
+    """(bin, valid) of the assignments ``offs``: bin 0 for id < 0, e + 1 for expert e, E + 1 for id >= E (with
+    INVALID_TO_FIRST an out-of-range id takes expert 0's bin); -1 for a masked lane (no bin)."""
+    ids = tl.load(idx_ptr + offs, mask=mask, other=0)
+    valid = (ids >= 0) & (ids < num_experts)
+    if INVALID_TO_FIRST:
+        bins = tl.where(valid, ids, 0).to(tl.int32) + 1
+    else:
+        bins = tl.where(ids < 0, 0, tl.where(valid, ids, num_experts).to(tl.int32) + 1)
+    return tl.where(mask, bins, -1), valid
+
+
+@triton.jit
+def _route_count_kernel(idx_ptr, counts_ptr, num_assignments, num_experts,
+                        INVALID_TO_FIRST: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                        BINS: tl.constexpr):
+    # counts[pid, bin]: how many of this block's assignments fall in each bin
+    pid = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    total = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, BLOCK, CHUNK):
+        offs = pid * BLOCK + start + tl.arange(0, CHUNK)
+        b, _valid = _route_bins(idx_ptr, offs, offs < num_assignments, num_experts, INVALID_TO_FIRST)
+        total += tl.sum((b[:, None] == bins[None, :]).to(tl.int32), axis=0)
+    tl.store(counts_ptr + pid * BINS + bins, total)
+
+
+@triton.jit
+def _route_scan_kernel(counts_ptr, base_ptr, total_ptr, num_blocks,
+                       BINS: tl.constexpr, SCAN_BINS: tl.constexpr, ROWS: tl.constexpr):
+    # for this program's bins: base[b, bin] = Σ_{b' < b} counts[b', bin] (exclusive scan over blocks), and the total
+    bins = tl.program_id(0) * SCAN_BINS + tl.arange(0, SCAN_BINS)
+    running = tl.zeros([SCAN_BINS], dtype=tl.int32)
+    for r0 in range(0, num_blocks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        m = rows[:, None] < num_blocks
+        c = tl.load(counts_ptr + rows[:, None] * BINS + bins[None, :], mask=m, other=0)
+        tl.store(base_ptr + rows[:, None] * BINS + bins[None, :], tl.cumsum(c, axis=0) - c + running[None, :], mask=m)
+        running += tl.sum(c, axis=0)
+    tl.store(total_ptr + bins, running)
+
+
+@triton.jit
+def _route_scatter_kernel(idx_ptr, base_ptr, total_ptr, weight_ptr,
+                          slot_ptr, token_ptr, offsets_ptr, tile_expert_ptr, tile_row_start_ptr,
+                          position_ptr, weight_slot_ptr, weight_sorted_ptr, valid_sorted_ptr,
+                          num_assignments, num_experts, top_k, num_blocks, max_tiles,
+                          INVALID_TO_FIRST: tl.constexpr, WITH_POSITION: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
+                          TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    bins = tl.arange(0, BINS)
+    total = tl.load(total_ptr + bins)
+    start = tl.cumsum(total, axis=0) - total  # first sorted row of each bin
+    if pid == 0:  # offsets[e] = start of expert e's bin (e + 1), e = 0..E (offsets[E]: where the ids >= E begin)
+        tl.store(offsets_ptr + bins - 1, start, mask=(bins >= 1) & (bins <= num_experts + 1))
+    if pid < num_blocks:
+        running = tl.load(base_ptr + pid * BINS + bins) + start
+        for s0 in range(0, BLOCK, CHUNK):
+            offs = pid * BLOCK + s0 + tl.arange(0, CHUNK)
+            mask = offs < num_assignments
+            b, valid = _route_bins(idx_ptr, offs, mask, num_experts, INVALID_TO_FIRST)
+            onehot = (b[:, None] == bins[None, :]).to(tl.int32)
+            # stable: an assignment's row is its bin's next free row plus the earlier same-bin lanes of this chunk
+            pos = tl.sum(onehot * (tl.cumsum(onehot, axis=0) - 1 + running[None, :]), axis=1)
+            tl.store(slot_ptr + pos, offs, mask=mask)
+            tl.store(token_ptr + pos, offs // top_k, mask=mask)
+            if WITH_POSITION:
+                tl.store(position_ptr + offs, pos, mask=mask)
+            if WITH_WEIGHTS:
+                w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+                w = tl.where(valid, w, tl.zeros_like(w))
+                tl.store(weight_slot_ptr + offs, w, mask=mask)
+                tl.store(weight_sorted_ptr + pos, w, mask=mask)
+                tl.store(valid_sorted_ptr + pos, valid.to(tl.int8), mask=mask)
+            running += tl.sum(onehot, axis=0)
+    if pid * TILES < max_tiles:  # this program's share of the row-tile map
+        is_expert = (bins >= 1) & (bins <= num_experts)
+        tiles = tl.where(is_expert, (total + BLOCK_M - 1) // BLOCK_M, 0)
+        tile_end = tl.cumsum(tiles, axis=0)
+        tile_first = tile_end - tiles
+        row_base = start - tile_first * BLOCK_M  # tile t of an expert starts at sorted row row_base + t * BLOCK_M
+        t = pid * TILES + tl.arange(0, TILES)
+        own = ((tile_first[None, :] <= t[:, None]) & (t[:, None] < tile_end[None, :])).to(tl.int32)
+        found = tl.sum(own, axis=1) > 0  # tiles past the last real one belong to no expert
+        expert = tl.where(found, tl.sum(own * bins[None, :], axis=1) - 1, num_experts)
+        row_start = tl.where(found, tl.sum(own * row_base[None, :], axis=1) + t * BLOCK_M, 0)
+        tl.store(tile_expert_ptr + t, expert, mask=t < max_tiles)
+        tl.store(tile_row_start_ptr + t, row_start, mask=t < max_tiles)
+
+
+def sort_assignments(top_k_index: torch.Tensor, num_experts: int, *, block_m: int | None = None,
+                     invalid_to_first: bool = False, with_position: bool = False,
+                     weights: torch.Tensor | None = None) -> SortedAssignments:
+    """The stable counting sort of the module docstring: three Triton launches, no host sync.
+
+    ``block_m``: also build the row-tile map for tiles of that many rows (None: no map). ``invalid_to_first``: an id
+    outside [0, E) sorts into expert 0's rows instead of outside every expert's (the grouped-GEMM engine, whose
+    ``torch._grouped_mm`` groups start at row 0, then gives it weight 0). ``with_position``: also the inverse map.
+    ``weights`` (T, K): also the routing weights in assignment and sorted order, 0 for a dropped id, and whether
+    each sorted row's id is in range. Needs CUDA or Triton's interpreter and at least one assignment."""
+    num_tokens, top_k = top_k_index.shape
+    num_assignments = num_tokens * top_k
+    device = top_k_index.device
+    if num_assignments == 0:
+        raise ValueError("sort_assignments needs at least one assignment")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if weights is not None and weights.shape != top_k_index.shape:
+        raise ValueError(f"weights {tuple(weights.shape)} must match top_k_index {tuple(top_k_index.shape)}")
+    idx = top_k_index.reshape(-1)
+    interp = running_in_interpreter()
+    block, chunk = (32, 16) if interp else (ROUTE_BLOCK, ROUTE_CHUNK)
+    bins = max(ROUTE_SCAN_BINS, next_power_of_2(num_experts + 2))
+    num_blocks = cdiv(num_assignments, block)
+    counts = torch.empty(num_blocks, bins, device=device, dtype=torch.int32)
+    base = torch.empty_like(counts)
+    total = torch.empty(bins, device=device, dtype=torch.int32)
+    slot = torch.empty(num_assignments, device=device, dtype=torch.int32)
+    token = torch.empty_like(slot)
+    offsets = torch.empty(num_experts + 1, device=device, dtype=torch.int32)
+    max_tiles = max_row_tiles(num_assignments, num_experts, block_m) if block_m is not None else 0
+    tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32) if block_m is not None else None
+    tile_row_start = torch.empty_like(tile_expert) if block_m is not None else None
+    position = torch.empty_like(slot) if with_position else None
+    weight_slot = weight_sorted = valid_sorted = None
+    if weights is not None:
+        weight_slot = torch.empty(num_assignments, device=device, dtype=weights.dtype)
+        weight_sorted = torch.empty_like(weight_slot)
+        valid_sorted = torch.empty(num_assignments, device=device, dtype=torch.int8)
+    warps = 4
+    _route_count_kernel[(num_blocks,)](idx, counts, num_assignments, num_experts,
+                                       INVALID_TO_FIRST=invalid_to_first, BLOCK=block, CHUNK=chunk, BINS=bins,
+                                       num_warps=warps)
+    _route_scan_kernel[(bins // ROUTE_SCAN_BINS,)](counts, base, total, num_blocks, BINS=bins,
+                                                   SCAN_BINS=ROUTE_SCAN_BINS, ROWS=16 if interp else 64,
+                                                   num_warps=warps)
+    tiles_per_program = 16 if interp else 64
+    unused = slot  # a placeholder for pointers a launch leaves unused
+    _route_scatter_kernel[(max(num_blocks, cdiv(max_tiles, tiles_per_program)),)](
+        idx, base, total, weights.reshape(-1) if weights is not None else unused,
+        slot, token, offsets,
+        tile_expert if tile_expert is not None else unused, tile_row_start if tile_row_start is not None else unused,
+        position if position is not None else unused,
+        weight_slot if weight_slot is not None else unused, weight_sorted if weight_sorted is not None else unused,
+        valid_sorted if valid_sorted is not None else unused,
+        num_assignments, num_experts, top_k, num_blocks, max_tiles,
+        INVALID_TO_FIRST=invalid_to_first, WITH_POSITION=with_position, WITH_WEIGHTS=weights is not None,
+        BLOCK_M=block_m or 1, BLOCK=block, CHUNK=chunk, BINS=bins, TILES=tiles_per_program, num_warps=warps,
+    )
+    return SortedAssignments(
+        sorted_slot=slot, sorted_token=token, expert_offsets=offsets, tile_expert=tile_expert,
+        tile_row_start=tile_row_start, position=position, weight_slot=weight_slot, weight_sorted=weight_sorted,
+        valid_sorted=valid_sorted.view(torch.bool) if valid_sorted is not None else None,
     )
 
 

@@ -71,8 +71,9 @@ def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid
         return dgu, h, dw
     block_s, block_i = (16, 32) if running_in_interpreter() else (32, 256)
     grid = (cdiv(num_rows, block_s), cdiv(inter, block_i))
+    valid8 = valid.view(torch.int8) if valid.dtype == torch.bool else valid.to(torch.int8)  # a bool mask: no copy
     _silu_backward_kernel[grid](
-        d, gu, weight, valid.to(torch.int8), dgu, h, dw if dw is not None else weight,
+        d, gu, weight, valid8, dgu, h, dw if dw is not None else weight,
         num_rows, inter, d.stride(0), gu.stride(0), dgu.stride(0), h.stride(0),
         COMPUTE_DW=compute_router_grad, BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=8 if not running_in_interpreter() else 4,

@@ -114,6 +114,50 @@ def test_routing_matches_python_reference(block_m):
     assert all(e == E for e in routing.tile_expert.tolist()[len(real):])
 
 
+@interpreter
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("T,K,E,block_m", [(29, 3, 7, 16), (1, 1, 1, 16), (100, 2, 4, 64), (257, 8, 130, 16),
+                                           (64, 6, 64, 128), (5, 2, 3, 16)])
+def test_triton_routing_matches_torch_routing(T, K, E, block_m, dtype):
+    """The counting sort (three Triton launches) against the plain-torch routing: the same stable order, offsets and
+    tile map, with ids below 0 and >= E mixed in; odd sizes, one expert, more than 128 experts (256 bins)."""
+    from lora_lab.kernels.moe.routing import route_experts_torch
+
+    index = torch.randint(-1, E + 1, (T, K), generator=torch.Generator().manual_seed(T + E)).to(dtype)
+    got, ref = route_experts(index, E, block_m), route_experts_torch(index, E, block_m)
+    for name in ("sorted_slot", "sorted_token", "expert_offsets", "tile_expert"):
+        assert getattr(got, name).tolist() == getattr(ref, name).tolist(), name
+    real = got.tile_expert < E
+    assert got.tile_row_start[real].tolist() == ref.tile_row_start[real].tolist()
+
+
+@interpreter
+def test_sort_assignments_for_the_grouped_mm_engine():
+    """invalid_to_first: out-of-range ids sort into expert 0 with weight 0 (a stable sort of where(valid, id, 0)),
+    plus the inverse map and the weights in both orders."""
+    from lora_lab.kernels.moe.routing import sort_assignments
+
+    gen = torch.Generator().manual_seed(0)
+    T, K, E = 37, 3, 5
+    index = torch.randint(-2, E + 2, (T, K), generator=gen)
+    weights = torch.rand(T, K, generator=gen)
+    got = sort_assignments(index, E, invalid_to_first=True, with_position=True, weights=weights)
+    flat = index.reshape(-1)
+    valid = (flat >= 0) & (flat < E)
+    expert = torch.where(valid, flat, 0)
+    perm = torch.sort(expert, stable=True).indices
+    assert got.sorted_slot.tolist() == perm.tolist()
+    assert got.sorted_token.tolist() == (perm // K).tolist()
+    assert got.position[perm].tolist() == list(range(T * K))
+    assert got.expert_offsets.tolist() == [0, *torch.cumsum(torch.bincount(expert, minlength=E), 0).tolist()]
+    w = torch.where(valid, weights.reshape(-1), 0)
+    assert torch.equal(got.weight_slot, w) and torch.equal(got.weight_sorted, w[perm])
+    assert torch.equal(got.valid_sorted, valid[perm])
+    assert got.tile_expert is None
+    with pytest.raises(ValueError, match="at least one assignment"):
+        sort_assignments(index[:0], E)
+
+
 def test_routing_rejects_bad_input():
     with pytest.raises(ValueError, match="2-D"):
         route_experts(torch.zeros(4, dtype=torch.long), 4, 16)

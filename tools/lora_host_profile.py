@@ -67,7 +67,10 @@ def trace(step, calls: int, cuda: bool, chrome: Path | None = None):
                 torch.cuda.synchronize()
     events = list(prof.events())
     marks = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("call_"))
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    # GPU work only: the call_<i> annotation is mirrored on the GPU timeline too (a CUDA-side event spanning the
+    # call), which counted as a kernel before session 8 and made lead_us 0 and busy_us larger than the span
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events
+                     if e.device_type == DeviceType.CUDA and not e.name.startswith("call_"))
     rows = []
     for k, (start, _end) in enumerate(marks):
         nxt = marks[k + 1][0] if k + 1 < len(marks) else float("inf")

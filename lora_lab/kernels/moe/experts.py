@@ -7,9 +7,12 @@ Forward (per expert-sorted row j of expert e, token t, weight w_j; see ``moe_rou
 
     route   : sort assignments by expert on the device (no host sync)
     [P1     : P1_j = X_t A1_eᵀ                                   LoRA only, (S, r)]
-    gate_up : [g_j | u_j] = X_t W1_eᵀ (+ s₁ P1_j B1_eᵀ),  h_j = SiLU(g_j) u_j      one kernel
+    gate_up : [g_j | u_j] = X_t W1_eᵀ (+ s₁ P1_j B1_eᵀ),  h_j = w_j SiLU(g_j) u_j   one kernel
     [P2     : P2_j = h_j A2_eᵀ                                   LoRA only]
-    down    : Out_t += w_j (h_j W2_eᵀ (+ s₂ P2_j B2_eᵀ))          one kernel, scatter-add by token
+    down    : Out_t += h_j W2_eᵀ (+ s₂ P2_j B2_eᵀ)                one kernel, scatter-add by token
+
+The routing weight w_j rides in h_j (and so in P2_j) from the gate/up epilogue on: the down GEMM and every weight
+gradient of the down projection then read plain rows (see ``moe_gate_up_silu``).
 
 Saved for backward: X, W1, W2, weights, GU (S, 2I), h (S, I), the routing, P1/P2 (LoRA).
 Nothing of size (S, H) is saved (transformers' grouped_mm path saves sorted copies of X and of
@@ -18,11 +21,12 @@ the down output).
 Backward, given dOut (T, H):
 
     [Q2     : Q2_j = dOut_t B2_e]
-    down_bw : D_j = dOut_t W2_e (+ s₂ Q2_j A2_e);  dw_j = ⟨D_j, h_j⟩;  dGU_j = SiLU·up backward of w_j D_j
+    down_bw : D_j = dOut_t W2_e (+ s₂ Q2_j A2_e);  dw_j = ⟨D_j, SiLU(g_j) u_j⟩ (from the saved [g | u]);
+              dGU_j = SiLU·up backward of w_j D_j
     [Q1     : Q1_j = dGU_j B1_e]
     dX      : dX_t += dGU_j W1_e (+ s₁ Q1_j A1_e)                  scatter-add by token
-    dW1_e   = Σ_j dGU_jᵀ X_t,            dW2_e = Σ_j (w_j dOut_t)ᵀ h_j          full fine-tuning only
-    dA1_e   = s₁ Σ Q1_jᵀ X_t,  dB1_e = s₁ Σ dGU_jᵀ P1_j,  dA2_e = s₂ Σ w_j Q2_jᵀ h_j,  dB2_e = s₂ Σ w_j dOut_tᵀ P2_j
+    dW1_e   = Σ_j dGU_jᵀ X_t,            dW2_e = Σ_j dOut_tᵀ h_j (h_j weighted)   full fine-tuning only
+    dA1_e   = s₁ Σ Q1_jᵀ X_t,  dB1_e = s₁ Σ dGU_jᵀ P1_j,  dA2_e = s₂ Σ Q2_jᵀ h_j,  dB2_e = s₂ Σ dOut_tᵀ P2_j
 
 Each gradient is computed only when autograd asks for it, so LoRA on frozen experts runs two
 big grouped GEMMs in backward instead of four.
@@ -57,12 +61,13 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
 
         c = config
         p1 = grouped_rows_gemm(x, a1.transpose(1, 2), routing, gather_rows=True, config=c) if a1 is not None else None
-        gu, h = gate_up_silu(x, w1, routing, lora=(p1, b1, scale1) if a1 is not None else None, config=c)
+        gu, h = gate_up_silu(x, w1, routing, lora=(p1, b1, scale1) if a1 is not None else None,
+                             row_weight=row_weight, config=c)  # h_j carries w_j
         p2 = grouped_rows_gemm(h, a2.transpose(1, 2), routing, gather_rows=False, config=c) if a2 is not None else None
 
         out = torch.zeros(num_tokens, w2.shape[1], device=x.device, dtype=torch.float32)
         grouped_rows_gemm(
-            h, w2.transpose(1, 2), routing, gather_rows=False, scatter_into=out, row_weight=row_weight,
+            h, w2.transpose(1, 2), routing, gather_rows=False, scatter_into=out,
             lora=(p2, b2.transpose(1, 2), scale2) if a2 is not None else None, config=c,
         )
 
@@ -109,10 +114,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             dx = dx.to(x.dtype)
         d_weights = dw.view(ctx.weights_shape).to(ctx.weights_dtype) if need[2] else None
         dw1 = expert_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, config=c) if need[3] else None
-        dw2 = (
-            expert_weight_grad(grad_out, h, routing, gather_a=True, gather_b=False, row_weight=row_weight, config=c)
-            if need[4] else None
-        )
+        dw2 = expert_weight_grad(grad_out, h, routing, gather_a=True, gather_b=False, config=c) if need[4] else None
         da1 = (
             expert_weight_grad(q1, x, routing, gather_a=False, gather_b=True, scale=scale1, config=c)
             if has_lora1 and need[5] else None
@@ -122,13 +124,11 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             if has_lora1 and need[6] else None
         )
         da2 = (
-            expert_weight_grad(q2, h, routing, gather_a=False, gather_b=False, row_weight=row_weight, scale=scale2,
-                               config=c)
+            expert_weight_grad(q2, h, routing, gather_a=False, gather_b=False, scale=scale2, config=c)
             if has_lora2 and need[7] else None
         )
         db2 = (
-            expert_weight_grad(grad_out, p2, routing, gather_a=True, gather_b=False, row_weight=row_weight,
-                               scale=scale2, config=c)
+            expert_weight_grad(grad_out, p2, routing, gather_a=True, gather_b=False, scale=scale2, config=c)
             if has_lora2 and need[8] else None
         )
         return dx, None, d_weights, dw1, dw2, da1, db1, da2, db2, None, None, None, None

@@ -5,7 +5,7 @@ rows [I, 2I) the up projection. For sorted row j of expert e and token t = sorte
 
     g_j = X[t] @ W1_e[:I]ᵀ  + s₁ · P1_j @ B1_e[:I]ᵀ       P1_j = X[t] @ A1_eᵀ  (LoRA, optional)
     u_j = X[t] @ W1_e[I:]ᵀ  + s₁ · P1_j @ B1_e[I:]ᵀ
-    h_j = SiLU(g_j) · u_j = g_j · σ(g_j) · u_j
+    h_j = w_j · SiLU(g_j) · u_j = w_j · g_j · σ(g_j) · u_j      w_j: the row's routing weight (1 without one)
 
 One program owns a (BLOCK_M rows) × (BLOCK_N columns of I) tile and keeps two accumulators, the
 gate and the up column blocks, so SiLU·up is applied before anything leaves registers. X rows
@@ -13,6 +13,12 @@ are gathered by token inside the load (no sorted copy of X). Outputs, in X's dty
 
     GU (S, 2I) = [g | u]   saved for backward (SiLU'·up needs g and u)
     h  (S, I)              the input of the down projection, also saved (dW2, dA2 need it)
+
+With ``row_weight`` the routing weight is folded into h here, once, in fp32 before the rounding: every later use of h
+in the layer is weighted (the down projection's output, dW2 = Σ dOutᵀ h, dA2 = s₂ Σ Q2ᵀ h), so the down GEMM and the
+weight-gradient GEMMs need no per-row scaling. Scaling the gathered operand inside the dW2 GEMM cost it half its
+speed: on the H200 at the 30B-A3B-like layer, 8k tokens, dW2 (gathered, weighted) took 1.68 ms and dW1 (twice the
+FLOPs, not weighted) 1.17 ms (session 8, ``outputs/gpu/session_logs/session8/phase_b/host_full/ours_timeline.txt``).
 """
 
 from __future__ import annotations
@@ -47,9 +53,10 @@ def _gate_up_silu_tile(
     gu_ptr, stride_gu_row, stride_gu_n,
     h_ptr, stride_h_row, stride_h_n,
     sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    row_weight_ptr, sorted_slot_ptr,
     I, K, R, lora_scale, num_experts,
-    HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, W_TMA: tl.constexpr,
-    MAT_NK: tl.constexpr,
+    HAS_LORA: tl.constexpr, ROW_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # one (row tile, column block of I); W1 through pointers, or (W_TMA) w_ptr is its (E, 2I, H) TMA descriptor
@@ -96,8 +103,11 @@ def _gate_up_silu_tile(
             acc_g += lora_scale * tl.dot(p, bg, input_precision=DOT_PRECISION)
             acc_u += lora_scale * tl.dot(p, bu, input_precision=DOT_PRECISION)
 
-        # h = g · σ(g) · u
+        # h = g · σ(g) · u, times the row's routing weight (ROW_WEIGHT; w of sorted row j: row_weight[sorted_slot[j]])
         h = acc_g * tl.sigmoid(acc_g) * acc_u
+        if ROW_WEIGHT:
+            slot = tl.load(sorted_slot_ptr + rows64, mask=row_mask, other=0)
+            h = h * tl.load(row_weight_ptr + slot, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         mask = row_mask[:, None] & col_mask[None, :]
         gu_ptrs = gu_ptr + rows64[:, None] * stride_gu_row + cols[None, :] * stride_gu_n
         out_ty = gu_ptr.dtype.element_ty
@@ -115,8 +125,9 @@ def _gate_up_silu_kernel(
     gu_ptr, stride_gu_row, stride_gu_n,
     h_ptr, stride_h_row, stride_h_n,
     sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
+    row_weight_ptr, sorted_slot_ptr,
     I, K, R, lora_scale, num_experts, num_tiles,
-    HAS_LORA: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_LORA: tl.constexpr, ROW_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PERSISTENT: tl.constexpr, W_TMA: tl.constexpr, MAT_NK: tl.constexpr,
     NUM_SMS: tl.constexpr, GROUP_M: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -131,7 +142,8 @@ def _gate_up_silu_kernel(
                 lora_p_ptr, stride_p_row, stride_p_r, lora_b_ptr, stride_lb_e, stride_lb_n, stride_lb_r,
                 gu_ptr, stride_gu_row, stride_gu_n, h_ptr, stride_h_row, stride_h_n,
                 sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-                I, K, R, lora_scale, num_experts, HAS_LORA, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+                row_weight_ptr, sorted_slot_ptr,
+                I, K, R, lora_scale, num_experts, HAS_LORA, ROW_WEIGHT, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
                 BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
             )
     else:
@@ -140,7 +152,8 @@ def _gate_up_silu_kernel(
             stride_w_k, lora_p_ptr, stride_p_row, stride_p_r, lora_b_ptr, stride_lb_e, stride_lb_n, stride_lb_r,
             gu_ptr, stride_gu_row, stride_gu_n, h_ptr, stride_h_row, stride_h_n,
             sorted_token_ptr, tile_expert_ptr, tile_row_start_ptr, expert_offsets_ptr,
-            I, K, R, lora_scale, num_experts, HAS_LORA, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
+            row_weight_ptr, sorted_slot_ptr,
+            I, K, R, lora_scale, num_experts, HAS_LORA, ROW_WEIGHT, EVEN_K, DOT_PRECISION, W_TMA, MAT_NK,
             BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_R,
         )
 
@@ -149,7 +162,7 @@ _gate_up_kernel = with_even_k(_gate_up_silu_kernel)
 _gate_up_kernel_unspecialized = with_even_k(unspecialized_twin(_gate_up_silu_kernel))
 _gate_up_kernel_tuned = make_tuned(
     _gate_up_kernel, "gate_up",
-    key=["I", "K", "HAS_LORA", "BLOCK_M", "PERSISTENT"],
+    key=["I", "K", "HAS_LORA", "ROW_WEIGHT", "BLOCK_M", "PERSISTENT"],
 )
 
 
@@ -159,10 +172,12 @@ def gate_up_silu(
     routing: ExpertRouting,
     *,
     lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    row_weight: torch.Tensor | None = None,
     tune: bool = True,
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(GU, h) for X (T, H) and W1 (E, 2I, H); ``lora = (P1 (S, R), B1 (E, 2I, R), scale)``."""
+    """(GU, h) for X (T, H) and W1 (E, 2I, H); ``lora = (P1 (S, R), B1 (E, 2I, R), scale)``; ``row_weight`` (S,)
+    in assignment order: h carries each row's routing weight (module docstring)."""
     if x.dim() != 2 or gate_up_proj.dim() != 3:
         raise ValueError("need X (T, H) and gate_up_proj (E, 2I, H); "
                          f"got {tuple(x.shape)}, {tuple(gate_up_proj.shape)}")
@@ -174,6 +189,8 @@ def gate_up_silu(
         raise ValueError(f"X {tuple(x.shape)} does not match tokens {routing.num_tokens} × hidden {hidden}")
     inter = two_i // 2
     num_rows = routing.num_assignments
+    if row_weight is not None and row_weight.shape != (num_rows,):
+        raise ValueError(f"routing weights must be flat ({num_rows},), got {tuple(row_weight.shape)}")
     gu = torch.empty(num_rows, two_i, device=x.device, dtype=x.dtype)
     h = torch.empty(num_rows, inter, device=x.device, dtype=x.dtype)
     if num_rows == 0 or inter == 0:
@@ -194,10 +211,12 @@ def gate_up_silu(
         gu, gu.stride(0), gu.stride(1),
         h, h.stride(0), h.stride(1),
         routing.sorted_token, routing.tile_expert, routing.tile_row_start, routing.expert_offsets,
+        row_weight if row_weight is not None else x, routing.sorted_slot,
         inter, hidden, rank, float(lora_scale), num_experts, routing.max_tiles,
     )
     flags = dict(
-        HAS_LORA=lora is not None, DOT_PRECISION=dot_precision(x.dtype), BLOCK_M=routing.block_m, BLOCK_R=block_r,
+        HAS_LORA=lora is not None, ROW_WEIGHT=row_weight is not None, DOT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=routing.block_m, BLOCK_R=block_r,
     )
     launch_row_tiles(
         _gate_up_kernel_tuned, _gate_up_kernel, _gate_up_kernel_unspecialized, args, flags,
@@ -213,6 +232,7 @@ def gate_up_silu_reference(
     routing: ExpertRouting,
     *,
     lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    row_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch per-expert loop in fp32 (rows outside every expert stay zero)."""
     token = routing.sorted_token.long()
@@ -225,4 +245,7 @@ def gate_up_silu_reference(
             part = part + scale * lora_p[lo:hi].float() @ lora_b[e].float().T
         gu[lo:hi] = part
     g, u = gu.chunk(2, dim=-1)
-    return gu.to(x.dtype), (torch.nn.functional.silu(g) * u).to(x.dtype)
+    h = torch.nn.functional.silu(g) * u
+    if row_weight is not None:
+        h = h * row_weight.float()[routing.sorted_slot.long()][:, None]
+    return gu.to(x.dtype), h.to(x.dtype)

@@ -242,6 +242,13 @@ def test_single_kernels_match_references():
     gu_ref, h_ref = gate_up_silu_reference(x, w1, routing, lora=(p1, lora.gate_up_B, 1.7))
     torch.testing.assert_close(gu, gu_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(hh, h_ref, rtol=1e-5, atol=1e-5)
+    # ... with the routing weight folded into h (the layer's forward): h_j = w_j SiLU(g_j) u_j, [g | u] unchanged
+    gu_w, h_w = gate_up_silu(x, w1, routing, lora=(p1, lora.gate_up_B, 1.7), row_weight=weights.reshape(-1))
+    torch.testing.assert_close(gu_w, gu_ref, rtol=1e-5, atol=1e-5)
+    w_sorted = weights.reshape(-1)[routing.sorted_slot.long()]
+    torch.testing.assert_close(h_w, h_ref * w_sorted[:, None], rtol=1e-5, atol=1e-5)
+    _, h_w_ref = gate_up_silu_reference(x, w1, routing, lora=(p1, lora.gate_up_B, 1.7), row_weight=weights.reshape(-1))
+    torch.testing.assert_close(h_w, h_w_ref, rtol=1e-5, atol=1e-5)
 
     # down backward with SiLU·up backward and router gradient
     dout = torch.randn(T, H, generator=gen)

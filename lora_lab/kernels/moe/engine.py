@@ -38,15 +38,17 @@ Triton kernels keep the LoRA layers this engine cannot run (a rank that is not a
 GPUs).
 
 The grouped-GEMM engine (:func:`grouped_mm_experts`) keeps the work around the GEMMs in the same shape as the
-Triton path: the routing sort on the device (no host sync), X gathered by token, SiLU·up on [g | u], the routing
-weight applied in the un-sort, and the un-sort as one Triton pass that sums each token's K rows in fp32 in registers
-(:func:`~lora_lab.kernels.moe.silu_backward.unsort_sum`: no weighted copy, no unsorted copy, no fp32 T x H buffer);
-SiLU·up forward is one Triton pass too (:func:`~lora_lab.kernels.moe.silu_backward.silu_mul`).
+Triton path: the routing sort on the device (no host sync), X gathered by token, SiLU·up on [g | u] with the routing
+weight folded into h there (so into the down GEMM's rows, and into P2 with LoRA), and the un-sort as one Triton pass
+that sums each token's K rows in fp32 in registers (:func:`~lora_lab.kernels.moe.silu_backward.unsort_sum`: no
+weighted copy, no unsorted copy, no fp32 T x H buffer); SiLU·up forward is one Triton pass too
+(:func:`~lora_lab.kernels.moe.silu_backward.silu_mul`).
 Saved for backward: X, the weights, [g | u] and the routing; the sorted copy of X is
 gathered again in backward. Backward: D = dOut_e W2_e (one grouped GEMM); one fused Triton pass for the
-router gradient ⟨D, h⟩, the routing weight and SiLU·up's backward (:mod:`~lora_lab.kernels.moe.silu_backward`);
-dX = dGU W1_e; the weight gradients as K-grouped GEMMs (``_grouped_mm`` of two 2-D operands, K split at the expert
-offsets): dW1_e = dGU_eᵀ X_e, dW2_e = (w · dOut)_eᵀ h_e. Expert ids outside [0, E) contribute nothing.
+router gradient ⟨D, SiLU(g) u⟩, the routing weight and SiLU·up's backward, which also returns the weighted h again
+(:mod:`~lora_lab.kernels.moe.silu_backward`); dX = dGU W1_e; the weight gradients as K-grouped GEMMs (``_grouped_mm``
+of two 2-D operands, K split at the expert offsets): dW1_e = dGU_eᵀ X_e, dW2_e = dOut_eᵀ (w · h)_e, with no weighted
+copy of the (S, H) dOut rows. Expert ids outside [0, E) contribute nothing.
 
 LoRA on the experts (the rule above, or ``moe_engine='grouped_mm'``): each LoRA term is two more grouped GEMMs on the
 same sorted rows, P = X_e A_eᵀ (S x r, saved) and s·P B_eᵀ added to the frozen GEMM's result, for gate/up and for down.
@@ -198,11 +200,13 @@ class _GroupedMmExperts(torch.autograd.Function):
             p1 = torch._grouped_mm(xs, a1.transpose(1, 2), offs=offsets)  # (S, r)
             gu.add_(torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets), alpha=s1)
         del xs
+        # h_j = w_j SiLU(g_j) u_j: the routing weight rides in h (and in P2), so the un-sort sums plain rows and
+        # backward's dW2 / dA2 / dB2 need no weighted copy of dOut or Q2 (0 for a dropped id: its row adds nothing)
         if _triton_runs(gu):
-            h = silu_mul(gu)
+            h = silu_mul(gu, weight)
         else:
             g, u = gu.chunk(2, dim=-1)
-            h = torch.nn.functional.silu(g) * u
+            h = (torch.nn.functional.silu(g) * u * weight[:, None]).to(gu.dtype)
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
         if a2 is not None:
             p2 = torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)  # (S, r)
@@ -212,7 +216,7 @@ class _GroupedMmExperts(torch.autograd.Function):
                               a1, b1, a2, b2, p1, p2)
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
         ctx.scales = (s1, s2)
-        return _unsort_sum(y, position, num_tokens, top_k, weight_slot)
+        return _unsort_sum(y, position, num_tokens, top_k)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -230,6 +234,7 @@ class _GroupedMmExperts(torch.autograd.Function):
         if a2 is not None:  # D += s2 (dOut_t B2_e) A2_e
             q2 = torch._grouped_mm(dout_rows, b2, offs=offsets)  # (S, r)
             d.add_(torch._grouped_mm(q2, a2, offs=offsets), alpha=s2)
+        # h comes back weighted, as the forward used it
         dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2])
         del d
         free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the GEMMs below
@@ -238,22 +243,19 @@ class _GroupedMmExperts(torch.autograd.Function):
             d_weights = dw_sorted.index_select(0, position).view(num_tokens, top_k).to(weights_dtype)
         dx = dw1 = dw2 = da1 = db1 = da2 = db2 = None
         empty = (expert_offsets[1:] == expert_offsets[:-1])[:, None, None]  # an expert with no rows: exact zero
-        w = weight.to(x.dtype)[:, None]
 
         def k_grouped(left, right, scale=1.0):
             return k_grouped_mm(left, right, offsets, empty, scale)
 
         # the down projection's gradients first: h and the dOut rows (S x I and S x H) are freed before dX and dW1
         # allocate theirs
-        if need[4] or need[8]:
-            scaled = dout_rows * w  # the routing weight's share of each row's gradient, (S, H)
-            if need[4]:
-                dw2 = k_grouped(scaled, h)  # (E, H, I)
-            if need[8]:
-                db2 = k_grouped(scaled, p2, s2)  # (E, H, r)
-            del scaled
+        # (the routing weight is in h and P2 already: no weighted copy of the dOut rows or of Q2)
+        if need[4]:
+            dw2 = k_grouped(dout_rows, h)  # (E, H, I)
+        if need[8]:
+            db2 = k_grouped(dout_rows, p2, s2)  # (E, H, r)
         if need[7]:
-            da2 = k_grouped(q2 * w, h, s2)  # (E, r, I)
+            da2 = k_grouped(q2, h, s2)  # (E, r, I)
         del h, dout_rows, q2
         q1 = torch._grouped_mm(dgu, b1, offs=offsets) if a1 is not None and (need[0] or need[5]) else None  # (S, r)
         if need[0]:
@@ -277,8 +279,8 @@ def _silu_backward(d, gu, weight, valid, *, compute_router_grad):
     """The fused Triton pass (:mod:`~lora_lab.kernels.moe.silu_backward`) where Triton can run (CUDA, or the
     interpreter), its plain-torch twin on a CPU without the interpreter."""
     if _triton_runs(d):
-        return silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad)
-    return silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad)
+        return silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=True)
+    return silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=True)
 
 
 def grouped_mm_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -4,7 +4,7 @@ gradient (:func:`silu_backward`), SiLU·up forward (:func:`silu_mul`) and the we
 Given, per expert-sorted row j, D_j = dOut_t W2_e (the down projection's input gradient before the routing
 weight), the saved [g | u] and the routing weight w_j (0 for a dropped choice, ``valid_j`` False):
 
-    h_j   = SiLU(g_j) · u_j                                  (returned: dW2_e = Σ_j (w_j dOut_t)ᵀ h_j needs it)
+    h_j   = SiLU(g_j) · u_j                                  (returned, times w_j with ``weight_h``: dW2 needs it)
     dw_j  = ⟨D_j, h_j⟩  where valid_j, else 0               router-weight gradient (fp32, summed over columns)
     dh_j  = w_j · D_j
     dg_j  = dh_j · u_j · σ(g_j) · (1 + g_j (1 − σ(g_j))),   du_j = dh_j · SiLU(g_j)
@@ -27,7 +27,7 @@ from lora_lab.kernels.triton_helpers import cdiv, running_in_interpreter
 def _silu_backward_kernel(
     d_ptr, gu_ptr, weight_ptr, valid_ptr, dgu_ptr, h_ptr, dw_ptr,
     S, I, stride_d, stride_gu, stride_dgu, stride_h,
-    COMPUTE_DW: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, WEIGHT_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -43,8 +43,9 @@ def _silu_backward_kernel(
     silu = g * sig
     h = silu * u
     out_ty = dgu_ptr.dtype.element_ty
-    tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(out_ty), mask=mask)
-    if COMPUTE_DW:
+    h_out = h * w[:, None] if WEIGHT_H else h
+    tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h_out.to(out_ty), mask=mask)
+    if COMPUTE_DW:  # the router gradient takes the unweighted h
         valid = tl.load(valid_ptr + rows, mask=row_mask, other=0) != 0
         partial = tl.sum(d * h, axis=1)
         tl.atomic_add(dw_ptr + rows, tl.where(valid, partial, 0.0), mask=row_mask, sem="relaxed")
@@ -55,9 +56,11 @@ def _silu_backward_kernel(
 
 
 def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, *,
-                  compute_router_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  compute_router_grad: bool, weight_h: bool = False,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dGU (S, 2I), h (S, I), dw (S,) fp32 or None) in gu's dtype; ``d`` (S, I), ``weight`` (S,), ``valid`` (S,)
-    bool, all in sorted order (module docstring). Rows must be contiguous in their last dimension."""
+    bool, all in sorted order (module docstring); ``weight_h``: h comes back times the routing weight, as the
+    engine's forward used it. Rows must be contiguous in their last dimension."""
     num_rows, inter = d.shape
     if gu.shape != (num_rows, 2 * inter) or weight.shape != (num_rows,) or valid.shape != (num_rows,):
         raise ValueError(f"silu_backward: D {tuple(d.shape)}, [g|u] {tuple(gu.shape)}, weight {tuple(weight.shape)}, "
@@ -75,13 +78,13 @@ def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid
     _silu_backward_kernel[grid](
         d, gu, weight, valid8, dgu, h, dw if dw is not None else weight,
         num_rows, inter, d.stride(0), gu.stride(0), dgu.stride(0), h.stride(0),
-        COMPUTE_DW=compute_router_grad, BLOCK_S=block_s, BLOCK_I=block_i,
+        COMPUTE_DW=compute_router_grad, WEIGHT_H=weight_h, BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=8 if not running_in_interpreter() else 4,
     )
     return dgu, h, dw
 
 
-def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool):
+def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool, weight_h: bool = False):
     """Plain torch, fp32 math (what :func:`silu_backward` computes)."""
     d = d.float()
     g, u = (t.float() for t in gu.chunk(2, dim=-1))
@@ -91,11 +94,13 @@ def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool):
     dw = torch.where(valid, (d * h).sum(-1), 0) if compute_router_grad else None
     dh = d * weight.float()[:, None]
     dgu = torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * silu], dim=-1)
-    return dgu.to(gu.dtype), h.to(gu.dtype), dw
+    h_out = h * weight.float()[:, None] if weight_h else h
+    return dgu.to(gu.dtype), h_out.to(gu.dtype), dw
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, h_ptr, S, I, stride_gu, stride_h, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, weight_ptr, h_ptr, S, I, stride_gu, stride_h, WEIGHTED: tl.constexpr,
+                     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < S)[:, None] & (cols < I)[None, :]
@@ -104,23 +109,28 @@ def _silu_mul_kernel(gu_ptr, h_ptr, S, I, stride_gu, stride_h, BLOCK_S: tl.const
     g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
     h = g * tl.sigmoid(g) * u
+    if WEIGHTED:
+        h = h * tl.load(weight_ptr + rows, mask=rows < S, other=0.0).to(tl.float32)[:, None]
     tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gu: torch.Tensor) -> torch.Tensor:
-    """h = SiLU(g) · u for [g | u] (S, 2I), math in fp32, one pass, h in gu's dtype (the forward of the
-    grouped-GEMM engine; torch would write SiLU(g) first, then the product)."""
+def silu_mul(gu: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """h = SiLU(g) · u for [g | u] (S, 2I), times ``weight`` (S,) per row when given, math in fp32, one pass, h in
+    gu's dtype (the forward of the grouped-GEMM engine; torch would write SiLU(g) first, then the product)."""
     num_rows, two_i = gu.shape
     if two_i % 2 or gu.stride(1) != 1:
         raise ValueError(f"silu_mul needs [g | u] (S, 2I) contiguous along its columns; got {tuple(gu.shape)}, "
                          f"strides {tuple(gu.stride())}")
     inter = two_i // 2
+    if weight is not None and weight.shape != (num_rows,):
+        raise ValueError(f"silu_mul: weight {tuple(weight.shape)} must be ({num_rows},)")
     h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
     if num_rows == 0 or inter == 0:
         return h
     block_s, block_i = (16, 32) if running_in_interpreter() else (32, 256)
     _silu_mul_kernel[(cdiv(num_rows, block_s), cdiv(inter, block_i))](
-        gu, h, num_rows, inter, gu.stride(0), h.stride(0), BLOCK_S=block_s, BLOCK_I=block_i,
+        gu, weight if weight is not None else gu, h, num_rows, inter, gu.stride(0), h.stride(0),
+        WEIGHTED=weight is not None, BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=4 if running_in_interpreter() else 8,
     )
     return h

@@ -191,6 +191,10 @@ def test_unsort_sum_and_silu_mul_match_torch_fp32(weighted):
     gu = torch.randn(11, 2 * 37, generator=gen)
     g, u = gu.chunk(2, dim=-1)
     torch.testing.assert_close(silu_mul(gu), torch.nn.functional.silu(g) * u)
+    row_weight = torch.rand(11, generator=gen)  # the engine's forward folds the routing weight into h
+    torch.testing.assert_close(silu_mul(gu, row_weight), torch.nn.functional.silu(g) * u * row_weight[:, None])
+    with pytest.raises(ValueError, match="weight"):
+        silu_mul(gu, row_weight[:-1])
     with pytest.raises(ValueError, match="do not fit"):
         unsort_sum(rows, position[:-1], T, K)
     with pytest.raises(ValueError, match="silu_mul needs"):
@@ -226,8 +230,9 @@ def test_grouped_mm_engine_bf16_gpu_against_fp32_reference(T, H, I, E, K):
 
 @pytest.mark.skipif(not __import__("lora_lab.kernels.triton_helpers", fromlist=["x"]).running_in_interpreter(),
                     reason="the Triton pass runs in TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("weight_h", [False, True])
 @pytest.mark.parametrize("compute_router_grad", [True, False])
-def test_fused_silu_backward_matches_torch_fp32(compute_router_grad):
+def test_fused_silu_backward_matches_torch_fp32(compute_router_grad, weight_h):
     from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference
 
     gen = torch.Generator().manual_seed(0)
@@ -236,8 +241,12 @@ def test_fused_silu_backward_matches_torch_fp32(compute_router_grad):
     gu = torch.cat([g, u], dim=-1)
     weight = torch.rand(S, generator=gen)
     valid = torch.rand(S, generator=gen) > 0.2
-    got = silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad)
-    ref = silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad)
+    got = silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=weight_h)
+    ref = silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=weight_h)
+    h = torch.nn.functional.silu(g) * u
+    torch.testing.assert_close(got[1], h * weight[:, None] if weight_h else h, rtol=1e-5, atol=1e-5)
+    if compute_router_grad:  # the router gradient takes the unweighted h either way
+        torch.testing.assert_close(got[2], torch.where(valid, (d * h).sum(-1), 0), rtol=1e-4, atol=1e-4)
     for a, b in zip(got, ref):
         if b is None:
             assert a is None

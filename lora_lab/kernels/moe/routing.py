@@ -35,9 +35,9 @@ a *bin* (0: id < 0, e + 1: expert e, E + 1: id >= E);
 Before issue #24's host-time profile the same routing was a string of small torch ops, each paying its launch on the
 host while the GPU waited: at the 30B-A3B-like layer, 8k tokens, full fine-tuning, 46 GPU events ran before the
 first expert GEMM (22 of them the stable 64-bit sort), which started 1.37 ms into a traced call (0.89 ms with the
-counting sort), and the plain
-loop went from 7.44 / 7.52 ms to 6.69 / 6.75 ms (H200, ``outputs/gpu/session_logs/session8/``). The plain-torch form
-stays as the reference (:func:`route_experts_torch`) and for a CPU without the interpreter.
+counting sort), and the plain loop went from 7.44 / 7.52 ms to 6.69 / 6.75 ms (H200,
+``outputs/gpu/session_logs/session8/``). The plain-torch form stays as the reference (:func:`route_experts_torch`)
+and for a CPU without the interpreter.
 """
 
 from __future__ import annotations

@@ -171,12 +171,17 @@ def _triton_runs(t: torch.Tensor) -> bool:
 
 
 def _unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_k: int,
-                weight: torch.Tensor | None = None) -> torch.Tensor:
-    """out[t] = Σ_k w[t·K + k] · rows[position[t·K + k]] (:func:`~lora_lab.kernels.moe.silu_backward.unsort_sum`
-    where Triton runs; plain torch on a CPU without the interpreter)."""
+                weight: torch.Tensor | None = None, extra: torch.Tensor | None = None,
+                extra_scale: float = 1.0) -> torch.Tensor:
+    """out[t] = Σ_k w[t·K + k] · (rows + s·extra)[position[t·K + k]]
+    (:func:`~lora_lab.kernels.moe.silu_backward.unsort_sum` where Triton runs; plain torch on a CPU without the
+    interpreter)."""
     if _triton_runs(rows):
-        return unsort_sum(rows.contiguous(), position, num_tokens, top_k, weight)
+        return unsort_sum(rows.contiguous(), position, num_tokens, top_k, weight,
+                          extra.contiguous() if extra is not None else None, extra_scale)
     picked = rows[position].float()
+    if extra is not None:
+        picked = picked + extra_scale * extra[position].float()
     if weight is not None:
         picked = picked * weight.float()[:, None]
     return picked.view(num_tokens, top_k, rows.shape[1]).sum(1).to(rows.dtype)
@@ -185,7 +190,9 @@ def _unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top
 class _GroupedMmExperts(torch.autograd.Function):
     """Inputs: x, the routing, w1 (E, 2I, H), w2 (E, H, I), and LoRA's factors or None: a1 (E, r, H), b1 (E, 2I, r),
     a2 (E, r, I), b2 (E, H, r), with their scales s1, s2. A LoRA term adds s·(X Aᵀ) Bᵀ to its GEMM's rows through two
-    more grouped GEMMs: P = X_e A_eᵀ (S x r, saved for backward) and P B_eᵀ, added in the GEMM's dtype."""
+    more grouped GEMMs: P = X_e A_eᵀ (S x r, saved for backward) and Z = P B_eᵀ, and the pass that reads the GEMM's
+    rows next adds s·Z as it reads them (SiLU·up for [g | u], the un-sort for the output and for dX, SiLU·up's
+    backward for D): no separate in-place add over an (S, 2I), (S, H) or (S, I) tensor."""
 
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, s1, s2):
@@ -195,28 +202,31 @@ class _GroupedMmExperts(torch.autograd.Function):
         offsets = expert_offsets[1:]  # _grouped_mm's group ends
         xs = x.index_select(0, token)
         gu = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # (S, 2I)
-        p1 = p2 = None
+        p1 = p2 = z = None
         if a1 is not None:
             p1 = torch._grouped_mm(xs, a1.transpose(1, 2), offs=offsets)  # (S, r)
-            gu.add_(torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets), alpha=s1)
+            z = torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets)  # (S, 2I): added to [g | u] by SiLU·up
         del xs
         # h_j = w_j SiLU(g_j) u_j: the routing weight rides in h (and in P2), so the un-sort sums plain rows and
         # backward's dW2 / dA2 / dB2 need no weighted copy of dOut or Q2 (0 for a dropped id: its row adds nothing)
         if _triton_runs(gu):
-            h = silu_mul(gu, weight)
+            h = silu_mul(gu, weight, z, s1)  # gu += s1 z in place
         else:
+            if z is not None:
+                gu.add_(z, alpha=s1)
             g, u = gu.chunk(2, dim=-1)
             h = (torch.nn.functional.silu(g) * u * weight[:, None]).to(gu.dtype)
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
+        z = None
         if a2 is not None:
             p2 = torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)  # (S, r)
-            y.add_(torch._grouped_mm(p2, b2.transpose(1, 2), offs=offsets), alpha=s2)
+            z = torch._grouped_mm(p2, b2.transpose(1, 2), offs=offsets)  # (S, H): summed in by the un-sort
         del h
         ctx.save_for_backward(x, w1, w2, gu, weight, position, token, expert_offsets, valid,
                               a1, b1, a2, b2, p1, p2)
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
         ctx.scales = (s1, s2)
-        return _unsort_sum(y, position, num_tokens, top_k)
+        return _unsort_sum(y, position, num_tokens, top_k, extra=z, extra_scale=s2)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -230,13 +240,14 @@ class _GroupedMmExperts(torch.autograd.Function):
         grad_out = grad_out.to(x.dtype).contiguous()
         dout_rows = grad_out.index_select(0, token)  # (S, H)
         d = torch._grouped_mm(dout_rows, w2, offs=offsets)  # D = dOut_t W2_e, (S, I)
-        q2 = None
-        if a2 is not None:  # D += s2 (dOut_t B2_e) A2_e
+        q2 = z = None
+        if a2 is not None:  # D += s2 (dOut_t B2_e) A2_e, added inside SiLU·up's backward
             q2 = torch._grouped_mm(dout_rows, b2, offs=offsets)  # (S, r)
-            d.add_(torch._grouped_mm(q2, a2, offs=offsets), alpha=s2)
+            z = torch._grouped_mm(q2, a2, offs=offsets)  # (S, I)
         # h comes back weighted, as the forward used it
-        dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2])
-        del d
+        dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2], extra=z,
+                                           extra_scale=s2)
+        del d, z
         free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the GEMMs below
         d_weights = None
         if need[2]:
@@ -260,10 +271,9 @@ class _GroupedMmExperts(torch.autograd.Function):
         q1 = torch._grouped_mm(dgu, b1, offs=offsets) if a1 is not None and (need[0] or need[5]) else None  # (S, r)
         if need[0]:
             dx_rows = torch._grouped_mm(dgu, w1, offs=offsets)
-            if q1 is not None:
-                dx_rows.add_(torch._grouped_mm(q1, a1, offs=offsets), alpha=s1)
-            dx = _unsort_sum(dx_rows, position, num_tokens, top_k)
-            del dx_rows
+            z = torch._grouped_mm(q1, a1, offs=offsets) if q1 is not None else None  # summed in by the un-sort
+            dx = _unsort_sum(dx_rows, position, num_tokens, top_k, extra=z, extra_scale=s1)
+            del dx_rows, z
         if need[6]:
             db1 = k_grouped(dgu, p1, s1)  # (E, 2I, r)
         if need[3] or need[5]:
@@ -275,12 +285,13 @@ class _GroupedMmExperts(torch.autograd.Function):
         return dx, None, d_weights, dw1, dw2, da1, db1, da2, db2, None, None
 
 
-def _silu_backward(d, gu, weight, valid, *, compute_router_grad):
+def _silu_backward(d, gu, weight, valid, *, compute_router_grad, extra=None, extra_scale=1.0):
     """The fused Triton pass (:mod:`~lora_lab.kernels.moe.silu_backward`) where Triton can run (CUDA, or the
     interpreter), its plain-torch twin on a CPU without the interpreter."""
+    kw = dict(compute_router_grad=compute_router_grad, weight_h=True, extra=extra, extra_scale=extra_scale)
     if _triton_runs(d):
-        return silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=True)
-    return silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=True)
+        return silu_backward(d, gu, weight, valid, **kw)
+    return silu_backward_reference(d, gu, weight, valid, **kw)
 
 
 def grouped_mm_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

@@ -25,9 +25,10 @@ from lora_lab.kernels.triton_helpers import cdiv, running_in_interpreter
 
 @triton.jit
 def _silu_backward_kernel(
-    d_ptr, gu_ptr, weight_ptr, valid_ptr, dgu_ptr, h_ptr, dw_ptr,
-    S, I, stride_d, stride_gu, stride_dgu, stride_h,
-    COMPUTE_DW: tl.constexpr, WEIGHT_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
+    d_ptr, gu_ptr, weight_ptr, valid_ptr, dgu_ptr, h_ptr, dw_ptr, extra_ptr,
+    S, I, stride_d, stride_gu, stride_dgu, stride_h, stride_extra, extra_scale,
+    COMPUTE_DW: tl.constexpr, WEIGHT_H: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -35,6 +36,9 @@ def _silu_backward_kernel(
     mask = row_mask[:, None] & (cols < I)[None, :]
     rows64 = rows.to(tl.int64)
     d = tl.load(d_ptr + rows64[:, None] * stride_d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_EXTRA:  # D = d + s · extra (the LoRA path of the down projection, added here instead of in place)
+        extra = tl.load(extra_ptr + rows64[:, None] * stride_extra + cols[None, :], mask=mask, other=0.0)
+        d += extra_scale * extra.to(tl.float32)
     gu_ptrs = gu_ptr + rows64[:, None] * stride_gu + cols[None, :]
     g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
@@ -56,17 +60,21 @@ def _silu_backward_kernel(
 
 
 def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, *,
-                  compute_router_grad: bool, weight_h: bool = False,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  compute_router_grad: bool, weight_h: bool = False, extra: torch.Tensor | None = None,
+                  extra_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dGU (S, 2I), h (S, I), dw (S,) fp32 or None) in gu's dtype; ``d`` (S, I), ``weight`` (S,), ``valid`` (S,)
     bool, all in sorted order (module docstring); ``weight_h``: h comes back times the routing weight, as the
-    engine's forward used it. Rows must be contiguous in their last dimension."""
+    engine's forward used it; ``extra`` (S, I): D is ``d + extra_scale · extra`` (read here, never added in place).
+    Rows must be contiguous in their last dimension."""
     num_rows, inter = d.shape
     if gu.shape != (num_rows, 2 * inter) or weight.shape != (num_rows,) or valid.shape != (num_rows,):
         raise ValueError(f"silu_backward: D {tuple(d.shape)}, [g|u] {tuple(gu.shape)}, weight {tuple(weight.shape)}, "
                          f"valid {tuple(valid.shape)} do not fit (S, I), (S, 2I), (S,), (S,)")
     if d.stride(1) != 1 or gu.stride(1) != 1:
         raise ValueError("silu_backward: D and [g|u] must be contiguous along their columns")
+    if extra is not None and (extra.shape != d.shape or extra.stride(1) != 1):
+        raise ValueError(f"silu_backward: extra {tuple(extra.shape)} must be D's shape {tuple(d.shape)}, "
+                         "contiguous along its columns")
     dgu = torch.empty_like(gu)
     h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
     dw = torch.zeros(num_rows, device=gu.device, dtype=torch.float32) if compute_router_grad else None
@@ -76,17 +84,20 @@ def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid
     grid = (cdiv(num_rows, block_s), cdiv(inter, block_i))
     valid8 = valid.view(torch.int8) if valid.dtype == torch.bool else valid.to(torch.int8)  # a bool mask: no copy
     _silu_backward_kernel[grid](
-        d, gu, weight, valid8, dgu, h, dw if dw is not None else weight,
+        d, gu, weight, valid8, dgu, h, dw if dw is not None else weight, extra if extra is not None else d,
         num_rows, inter, d.stride(0), gu.stride(0), dgu.stride(0), h.stride(0),
-        COMPUTE_DW=compute_router_grad, WEIGHT_H=weight_h, BLOCK_S=block_s, BLOCK_I=block_i,
+        extra.stride(0) if extra is not None else 0, float(extra_scale),
+        COMPUTE_DW=compute_router_grad, WEIGHT_H=weight_h, HAS_EXTRA=extra is not None,
+        BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=8 if not running_in_interpreter() else 4,
     )
     return dgu, h, dw
 
 
-def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool, weight_h: bool = False):
+def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool, weight_h: bool = False,
+                            extra=None, extra_scale: float = 1.0):
     """Plain torch, fp32 math (what :func:`silu_backward` computes)."""
-    d = d.float()
+    d = d.float() if extra is None else d.float() + extra_scale * extra.float()
     g, u = (t.float() for t in gu.chunk(2, dim=-1))
     sig = torch.sigmoid(g)
     silu = g * sig
@@ -99,8 +110,8 @@ def silu_backward_reference(d, gu, weight, valid, *, compute_router_grad: bool, 
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, weight_ptr, h_ptr, S, I, stride_gu, stride_h, WEIGHTED: tl.constexpr,
-                     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, weight_ptr, h_ptr, extra_ptr, S, I, stride_gu, stride_h, stride_extra, extra_scale,
+                     WEIGHTED: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     mask = (rows < S)[:, None] & (cols < I)[None, :]
@@ -108,15 +119,26 @@ def _silu_mul_kernel(gu_ptr, weight_ptr, h_ptr, S, I, stride_gu, stride_h, WEIGH
     gu_ptrs = gu_ptr + rows64[:, None] * stride_gu + cols[None, :]
     g = tl.load(gu_ptrs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(gu_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+    if HAS_EXTRA:  # [g | u] += s · extra, written back (backward's SiLU·up needs the sum)
+        extra_ptrs = extra_ptr + rows64[:, None] * stride_extra + cols[None, :]
+        g += extra_scale * tl.load(extra_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u += extra_scale * tl.load(extra_ptrs + I, mask=mask, other=0.0).to(tl.float32)
+        tl.store(gu_ptrs, g.to(gu_ptr.dtype.element_ty), mask=mask)
+        tl.store(gu_ptrs + I, u.to(gu_ptr.dtype.element_ty), mask=mask)
+        g = g.to(gu_ptr.dtype.element_ty).to(tl.float32)  # h from the values saved, as without extra
+        u = u.to(gu_ptr.dtype.element_ty).to(tl.float32)
     h = g * tl.sigmoid(g) * u
     if WEIGHTED:
         h = h * tl.load(weight_ptr + rows, mask=rows < S, other=0.0).to(tl.float32)[:, None]
     tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gu: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(gu: torch.Tensor, weight: torch.Tensor | None = None, extra: torch.Tensor | None = None,
+             extra_scale: float = 1.0) -> torch.Tensor:
     """h = SiLU(g) · u for [g | u] (S, 2I), times ``weight`` (S,) per row when given, math in fp32, one pass, h in
-    gu's dtype (the forward of the grouped-GEMM engine; torch would write SiLU(g) first, then the product)."""
+    gu's dtype (the forward of the grouped-GEMM engine; torch would write SiLU(g) first, then the product).
+    ``extra`` (S, 2I): first [g | u] += extra_scale · extra, **in place** in ``gu`` (the LoRA term of the gate/up
+    projection, added in this pass instead of by a separate in-place add)."""
     num_rows, two_i = gu.shape
     if two_i % 2 or gu.stride(1) != 1:
         raise ValueError(f"silu_mul needs [g | u] (S, 2I) contiguous along its columns; got {tuple(gu.shape)}, "
@@ -124,21 +146,26 @@ def silu_mul(gu: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tens
     inter = two_i // 2
     if weight is not None and weight.shape != (num_rows,):
         raise ValueError(f"silu_mul: weight {tuple(weight.shape)} must be ({num_rows},)")
+    if extra is not None and (extra.shape != gu.shape or extra.stride(1) != 1):
+        raise ValueError(f"silu_mul: extra {tuple(extra.shape)} must be [g | u]'s shape {tuple(gu.shape)}, "
+                         "contiguous along its columns")
     h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
     if num_rows == 0 or inter == 0:
         return h
     block_s, block_i = (16, 32) if running_in_interpreter() else (32, 256)
     _silu_mul_kernel[(cdiv(num_rows, block_s), cdiv(inter, block_i))](
-        gu, weight if weight is not None else gu, h, num_rows, inter, gu.stride(0), h.stride(0),
-        WEIGHTED=weight is not None, BLOCK_S=block_s, BLOCK_I=block_i,
+        gu, weight if weight is not None else gu, h, extra if extra is not None else gu, num_rows, inter,
+        gu.stride(0), h.stride(0), extra.stride(0) if extra is not None else 0, float(extra_scale),
+        WEIGHTED=weight is not None, HAS_EXTRA=extra is not None, BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=4 if running_in_interpreter() else 8,
     )
     return h
 
 
 @triton.jit
-def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, N, stride_rows, stride_out,
-                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK_N: tl.constexpr):
+def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, extra_ptr, N, stride_rows, stride_out,
+                       stride_extra, extra_scale,
+                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -147,6 +174,9 @@ def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, N, stride_ro
         slot = token * TOP_K + k
         row = tl.load(position_ptr + slot).to(tl.int64)
         part = tl.load(rows_ptr + row * stride_rows + cols, mask=col_mask, other=0.0).to(tl.float32)
+        if HAS_EXTRA:
+            part += extra_scale * tl.load(extra_ptr + row * stride_extra + cols, mask=col_mask, other=0.0).to(
+                tl.float32)
         if WEIGHTED:
             part = part * tl.load(weight_ptr + slot).to(tl.float32)
         acc += part
@@ -154,10 +184,12 @@ def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, N, stride_ro
 
 
 def unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_k: int,
-               weight: torch.Tensor | None = None) -> torch.Tensor:
+               weight: torch.Tensor | None = None, extra: torch.Tensor | None = None,
+               extra_scale: float = 1.0) -> torch.Tensor:
     """out[t] = Σ_k w[t·K + k] · rows[position[t·K + k]]: expert-sorted rows (S, N) summed back per token in fp32,
     rounded once to rows' dtype (``position[s]``: the sorted row of assignment s; ``weight`` (S,) in assignment
-    order, None: 1). One pass: no weighted copy and no unsorted copy of the rows."""
+    order, None: 1). One pass: no weighted copy and no unsorted copy of the rows. ``extra`` (S, N): each row is
+    ``rows + extra_scale · extra`` (a LoRA term summed here instead of added to the rows in place)."""
     num_rows, n_dim = rows.shape
     if position.shape != (num_tokens * top_k,) or num_rows != num_tokens * top_k:
         raise ValueError(f"unsort_sum: rows {tuple(rows.shape)} and positions {tuple(position.shape)} do not fit "
@@ -166,12 +198,16 @@ def unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_
         raise ValueError(f"unsort_sum: weight {tuple(weight.shape)} must be ({num_tokens * top_k},)")
     if rows.stride(1) != 1:
         raise ValueError("unsort_sum: rows must be contiguous along their columns")
+    if extra is not None and (extra.shape != rows.shape or extra.stride(1) != 1):
+        raise ValueError(f"unsort_sum: extra {tuple(extra.shape)} must be the rows' shape {tuple(rows.shape)}, "
+                         "contiguous along its columns")
     out = torch.empty(num_tokens, n_dim, device=rows.device, dtype=rows.dtype)
     if num_tokens == 0 or n_dim == 0:
         return out.zero_()
     block_n = 32 if running_in_interpreter() else 512
     _unsort_sum_kernel[(num_tokens, cdiv(n_dim, block_n))](
-        rows, position, weight if weight is not None else position, out, n_dim, rows.stride(0), out.stride(0),
-        TOP_K=top_k, WEIGHTED=weight is not None, BLOCK_N=block_n, num_warps=4,
+        rows, position, weight if weight is not None else position, out, extra if extra is not None else rows,
+        n_dim, rows.stride(0), out.stride(0), extra.stride(0) if extra is not None else 0, float(extra_scale),
+        TOP_K=top_k, WEIGHTED=weight is not None, HAS_EXTRA=extra is not None, BLOCK_N=block_n, num_warps=4,
     )
     return out

@@ -195,6 +195,20 @@ def test_unsort_sum_and_silu_mul_match_torch_fp32(weighted):
     torch.testing.assert_close(silu_mul(gu, row_weight), torch.nn.functional.silu(g) * u * row_weight[:, None])
     with pytest.raises(ValueError, match="weight"):
         silu_mul(gu, row_weight[:-1])
+    # a LoRA term read in the same pass: the un-sort sums rows + s·extra; SiLU·up adds s·extra to [g | u] in place
+    extra = torch.randn(T * K, N, generator=gen)
+    want = (rows + 0.7 * extra)[position] * (weight[:, None] if weighted else 1)
+    torch.testing.assert_close(unsort_sum(rows, position, T, K, weight, extra, 0.7), want.view(T, K, N).sum(1))
+    extra_gu = torch.randn(11, 2 * 37, generator=gen)
+    summed = gu + 0.3 * extra_gu
+    h = silu_mul(gu, row_weight, extra_gu, 0.3)
+    torch.testing.assert_close(gu, summed)  # written back: backward's SiLU·up reads the sum
+    gs, us = summed.chunk(2, dim=-1)
+    torch.testing.assert_close(h, torch.nn.functional.silu(gs) * us * row_weight[:, None])
+    with pytest.raises(ValueError, match="extra"):
+        unsort_sum(rows, position, T, K, weight, extra[:, :-1])
+    with pytest.raises(ValueError, match="extra"):
+        silu_mul(gu, None, extra_gu[:-1])
     with pytest.raises(ValueError, match="do not fit"):
         unsort_sum(rows, position[:-1], T, K)
     with pytest.raises(ValueError, match="silu_mul needs"):
@@ -243,6 +257,17 @@ def test_fused_silu_backward_matches_torch_fp32(compute_router_grad, weight_h):
     valid = torch.rand(S, generator=gen) > 0.2
     got = silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=weight_h)
     ref = silu_backward_reference(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=weight_h)
+    # D = d + s·extra read in the same pass equals the pass on the summed D
+    extra = torch.randn(S, I, generator=gen)
+    with_extra = silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=weight_h,
+                               extra=extra, extra_scale=0.4)
+    on_sum = silu_backward(d + 0.4 * extra, gu, weight, valid, compute_router_grad=compute_router_grad,
+                           weight_h=weight_h)
+    for a, b in zip(with_extra, on_sum):
+        if b is None:
+            assert a is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     h = torch.nn.functional.silu(g) * u
     torch.testing.assert_close(got[1], h * weight[:, None] if weight_h else h, rtol=1e-5, atol=1e-5)
     if compute_router_grad:  # the router gradient takes the unweighted h either way

@@ -2,7 +2,8 @@
 # This session's GPU run, in the background (setsid): a fresh clone of the carried bundle at $1, installed from the
 # carried wheels, the SmolLM2 GGUF joined from /tmp/gguf/part_* (carried by later calls, READY last), then notebooks in priority order,
 # each `make run PROFILE=gpu ONLY=NN` under its own timeout; results.tgz refreshed after each.
-# Extra steps (GPU tests) come from $CARRY/.devcarry/extra.sh if present, run after install, before notebooks.
+# Extra steps (GPU tests) come from $CARRY/.devcarry/extra.sh if present, run after install, before notebooks;
+# with EXTRA_GATES=1 a non-zero exit of extra.sh skips the notebooks.
 set -u
 COMMIT=$1; ORDER=${2:-"09:420 06:720 10:480"}
 L=/tmp/lab; O=$L/out; mkdir -p $O $L/carry
@@ -27,7 +28,11 @@ gguf_setup() {  # the GGUF arrives in two parts through two later calls (/tmp/gg
   { time .venv-gpu/bin/python -c "from lora_lab import pretrained; print(pretrained.gguf_path('smollm2-135m')); print(pretrained.pretrained_checkpoint('smollm2-135m'))" ; } 2>&1
 }
 if [ "${GGUF:-1}" = 1 ]; then gguf_setup > $O/gguf.log 2>&1 & GPID=$!; else echo "no gguf this run" > $O/gguf.log; GPID=; fi
-if [ -f $CARRY/.devcarry/extra.sh ]; then log extra; bash $CARRY/.devcarry/extra.sh $O >> $O/session.log 2>&1; fi
+if [ -f $CARRY/.devcarry/extra.sh ]; then
+  log extra; bash $CARRY/.devcarry/extra.sh $O >> $O/session.log 2>&1; rc=$?
+  # EXTRA_GATES=1: a failing extra step (e.g. GPU tests of code never run on a GPU) skips the notebooks
+  if [ "${EXTRA_GATES:-0}" = 1 ] && [ $rc != 0 ]; then log "extra failed (exit $rc): notebooks skipped"; touch $O/DONE; exit 1; fi
+fi
 [ -n "$GPID" ] && wait $GPID; echo "gguf setup exit $?" >> $O/session.log; cat $O/gguf.log >> $O/session.log
 for item in $ORDER; do
   nb=${item%%:*}; limit=${item##*:}

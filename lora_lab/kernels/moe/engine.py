@@ -143,15 +143,15 @@ def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_p
 
 
 def _sort_by_expert(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int):
-    """Device ops only: (position, token, offsets, weight in assignment order, weight in sorted order, valid in sorted
-    order). ``position[s]``: the sorted row of assignment s; ``offsets`` (E + 1,) int32: expert e owns sorted rows
-    [offsets[e], offsets[e+1]). Ids outside [0, E) go to expert 0 with weight 0 (so they add nothing to the output
+    """Device ops only: (position, token, offsets, weight in sorted order, valid in sorted order). ``position[s]``:
+    the sorted row of assignment s; ``offsets`` (E + 1,) int32: expert e owns sorted rows [offsets[e], offsets[e+1]).
+    Ids outside [0, E) go to expert 0 with weight 0 (so they add nothing to the output
     or to any gradient) and their router gradient is masked. Where Triton runs, the counting sort of
     :func:`~lora_lab.kernels.moe.routing.sort_assignments` (three launches); plain torch elsewhere."""
     if _triton_runs(top_k_index):
         s = sort_assignments(top_k_index, num_experts, invalid_to_first=True, with_position=True,
                              weights=top_k_weights)
-        return s.position, s.sorted_token, s.expert_offsets, s.weight_slot, s.weight_sorted, s.valid_sorted
+        return s.position, s.sorted_token, s.expert_offsets, s.weight_sorted, s.valid_sorted
     top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
@@ -163,7 +163,7 @@ def _sort_by_expert(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)]).to(torch.int32)
     weight_slot = torch.where(valid, top_k_weights.reshape(-1), 0)
     token = torch.div(perm, top_k, rounding_mode="floor")
-    return position, token, offsets, weight_slot, weight_slot[perm], valid[perm]
+    return position, token, offsets, weight_slot[perm], valid[perm]
 
 
 def _triton_runs(t: torch.Tensor) -> bool:
@@ -197,7 +197,7 @@ class _GroupedMmExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, s1, s2):
         num_tokens, top_k = top_k_index.shape
-        position, token, expert_offsets, weight_slot, weight, valid = _sort_by_expert(
+        position, token, expert_offsets, weight, valid = _sort_by_expert(
             top_k_index, top_k_weights, w1.shape[0])
         offsets = expert_offsets[1:]  # _grouped_mm's group ends
         xs = x.index_select(0, token)

@@ -169,8 +169,7 @@ class SortedAssignments:
     tile_expert: torch.Tensor | None  # (max_tiles,) or None (``block_m`` None)
     tile_row_start: torch.Tensor | None
     position: torch.Tensor | None  # (S,) the sorted row of assignment s (``with_position``)
-    weight_slot: torch.Tensor | None  # (S,) the routing weight in assignment order, 0 for a dropped id (``weights``)
-    weight_sorted: torch.Tensor | None  # (S,) the same in sorted order
+    weight_sorted: torch.Tensor | None  # (S,) the routing weight in sorted order, 0 for a dropped id (``weights``)
     valid_sorted: torch.Tensor | None  # (S,) bool: whether the sorted row's id was in [0, E)
 
 
@@ -220,7 +219,7 @@ def _route_scan_kernel(counts_ptr, base_ptr, total_ptr, num_blocks,
 @triton.jit
 def _route_scatter_kernel(idx_ptr, base_ptr, total_ptr, weight_ptr,
                           slot_ptr, token_ptr, offsets_ptr, tile_expert_ptr, tile_row_start_ptr,
-                          position_ptr, weight_slot_ptr, weight_sorted_ptr, valid_sorted_ptr,
+                          position_ptr, weight_sorted_ptr, valid_sorted_ptr,
                           num_assignments, num_experts, top_k, num_blocks, max_tiles,
                           INVALID_TO_FIRST: tl.constexpr, WITH_POSITION: tl.constexpr, WITH_WEIGHTS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr,
@@ -247,7 +246,6 @@ def _route_scatter_kernel(idx_ptr, base_ptr, total_ptr, weight_ptr,
             if WITH_WEIGHTS:
                 w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
                 w = tl.where(valid, w, tl.zeros_like(w))
-                tl.store(weight_slot_ptr + offs, w, mask=mask)
                 tl.store(weight_sorted_ptr + pos, w, mask=mask)
                 tl.store(valid_sorted_ptr + pos, valid.to(tl.int8), mask=mask)
             running += tl.sum(onehot, axis=0)
@@ -274,7 +272,7 @@ def sort_assignments(top_k_index: torch.Tensor, num_experts: int, *, block_m: in
     ``block_m``: also build the row-tile map for tiles of that many rows (None: no map). ``invalid_to_first``: an id
     outside [0, E) sorts into expert 0's rows instead of outside every expert's (the grouped-GEMM engine, whose
     ``torch._grouped_mm`` groups start at row 0, then gives it weight 0). ``with_position``: also the inverse map.
-    ``weights`` (T, K): also the routing weights in assignment and sorted order, 0 for a dropped id, and whether
+    ``weights`` (T, K): also the routing weights in sorted order, 0 for a dropped id, and whether
     each sorted row's id is in range. Needs CUDA or Triton's interpreter and at least one assignment."""
     num_tokens, top_k = top_k_index.shape
     num_assignments = num_tokens * top_k
@@ -300,10 +298,9 @@ def sort_assignments(top_k_index: torch.Tensor, num_experts: int, *, block_m: in
     tile_expert = torch.empty(max_tiles, device=device, dtype=torch.int32) if block_m is not None else None
     tile_row_start = torch.empty_like(tile_expert) if block_m is not None else None
     position = torch.empty_like(slot) if with_position else None
-    weight_slot = weight_sorted = valid_sorted = None
+    weight_sorted = valid_sorted = None
     if weights is not None:
-        weight_slot = torch.empty(num_assignments, device=device, dtype=weights.dtype)
-        weight_sorted = torch.empty_like(weight_slot)
+        weight_sorted = torch.empty(num_assignments, device=device, dtype=weights.dtype)
         valid_sorted = torch.empty(num_assignments, device=device, dtype=torch.int8)
     warps = 4
     _route_count_kernel[(num_blocks,)](idx, counts, num_assignments, num_experts,
@@ -319,7 +316,7 @@ def sort_assignments(top_k_index: torch.Tensor, num_experts: int, *, block_m: in
         slot, token, offsets,
         tile_expert if tile_expert is not None else unused, tile_row_start if tile_row_start is not None else unused,
         position if position is not None else unused,
-        weight_slot if weight_slot is not None else unused, weight_sorted if weight_sorted is not None else unused,
+        weight_sorted if weight_sorted is not None else unused,
         valid_sorted if valid_sorted is not None else unused,
         num_assignments, num_experts, top_k, num_blocks, max_tiles,
         INVALID_TO_FIRST=invalid_to_first, WITH_POSITION=with_position, WITH_WEIGHTS=weights is not None,
@@ -327,7 +324,7 @@ def sort_assignments(top_k_index: torch.Tensor, num_experts: int, *, block_m: in
     )
     return SortedAssignments(
         sorted_slot=slot, sorted_token=token, expert_offsets=offsets, tile_expert=tile_expert,
-        tile_row_start=tile_row_start, position=position, weight_slot=weight_slot, weight_sorted=weight_sorted,
+        tile_row_start=tile_row_start, position=position, weight_sorted=weight_sorted,
         valid_sorted=valid_sorted.view(torch.bool) if valid_sorted is not None else None,
     )
 

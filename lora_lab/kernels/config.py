@@ -46,9 +46,7 @@ field              variable                meaning
                                            descriptors where aligned (token rows are still gathered by
                                            pointer)
 ``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
-                                           ``auto`` (the default: ``grouped_mm`` for bf16 on a CUDA GPU of
-                                           capability 9.0 or newer when experts get more than 2,112 rows on
-                                           average, else ``per_tile``, the rule of
+                                           ``auto`` (the default: ``per_tile`` everywhere, the rule of
                                            :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`,
                                            measured in notebook 06), ``per_tile`` (one program per (expert,
                                            dW tile), its own pipelined loop over the expert's rows), or

@@ -23,19 +23,20 @@ descriptor where its rows are 16-byte aligned (its rows past the expert's end ar
 **Which engine** (``KernelConfig.moe_weight_grad``; :func:`weight_grad_engine`). ``per_tile`` is the Triton kernel
 below. ``grouped_mm`` sends dW1 and dW2 of full fine-tuning to ``torch._grouped_mm`` (:func:`grouped_mm_weight_grad`);
 every gradient that function declines (the LoRA factors' rank-sized sides, unaligned rows) stays with the Triton kernel.
-``auto``, the default, takes ``grouped_mm`` for bf16 on a CUDA GPU of capability 9.0 or newer when the experts get more
-than ``GROUPED_MM_MIN_ROWS_PER_EXPERT`` (2,112) rows on average, ``per_tile`` otherwise. In isolation ``_grouped_mm``
-with its gathers ran dW1 1.43x and dW2 2.08x as fast as ``per_tile`` (H200, the Qwen3-30B-A3B-like layer, 8,192 tokens,
-bf16; ``outputs/gpu/session_logs/issue27_25_24_run2/extra_call/moe_weight_grad.csv``). The whole layer told otherwise.
-With ``grouped_mm`` (then what ``auto`` meant) it took 8.94 ms against 7.58 ms with ``per_tile`` at 8,192 tokens, and
-25.54 against 25.77 ms at 32,768 (one session, 3 repetitions, ``outputs/gpu/session_logs/issue27_24_23_run4/diag/``).
-Notebook 06's H200 run of 6c94d2c timed ``ours_dw_grouped_mm`` beside ours (``per_tile`` then) in every full fine-tuning
-cell on the Triton engine, and the rows per expert decided it. With at most 1,024 rows per expert (every 8k cell)
-grouped_mm was slower: ours' time over it 0.850 (30B-A3B-like, 512 rows), 0.906 (Qwen1.5-MoE-like, 546), 0.952
-(DeepSeek-V2-Lite-like, 768), 0.941 (OLMoE-like, 1,024). At 32k tokens it tied at 2,048 rows (30B-A3B-like: 1.006, for
-1 GiB more peak) and won above: 1.085 (Qwen1.5-MoE-like, 2,185 rows), 1.202 (DeepSeek-V2-Lite-like, 3,072; one session),
-1.139 (OLMoE-like, 4,096), its peak still below transformers' grouped_mm's (medians from that run's
-``06_moe_layer_summary.csv``). The bound sits between the tie and the first win.
+``auto``, the default, takes ``per_tile`` everywhere; ``grouped_mm`` is opt-in. The history of that rule:
+in isolation ``_grouped_mm`` with its gathers ran dW1 1.43x and dW2 2.08x as fast as ``per_tile`` (H200, the
+Qwen3-30B-A3B-like layer, 8,192 tokens, bf16;
+``outputs/gpu/session_logs/issue27_25_24_run2/extra_call/moe_weight_grad.csv``), but the whole layer told otherwise:
+with ``grouped_mm`` it took 8.94 ms against 7.58 ms with ``per_tile`` at 8,192 tokens, and 25.54 against 25.77 ms at
+32,768 (one session, 3 repetitions, ``outputs/gpu/session_logs/issue27_24_23_run4/diag/``).
+Notebook 06's H200 run of 6c94d2c then found ``grouped_mm`` slower with at most 1,024 rows per expert (every 8k cell)
+and faster above 2,048 (1.085x at the Qwen1.5-MoE-like layer's 2,185 rows, 1.202x at DeepSeek-V2-Lite's 3,072, 1.139x
+at OLMoE's 4,096), so ``auto`` took ``grouped_mm`` above 2,112 rows per expert. Then the routing weight moved into h
+(the down GEMM's rows), which left dW2 an unweighted operand, and notebook 06's H200 run of a6cdfd4 timed
+``ours_per_tile`` beside ``auto`` in the three 32k cells above that bound: ``per_tile`` was the faster one in all three
+(medians 17.77 against 19.55 ms on the Qwen1.5-MoE-like layer, 26.06 against 27.63 on DeepSeek-V2-Lite, 25.78 against
+28.27 on OLMoE; 95% intervals apart; ``outputs/gpu/06_moe_layer_summary.csv``) and tied at the GPT-OSS-20B-like layer
+(38.89 against 39.05 ms, 4,096 rows). So ``auto`` no longer sends the weight gradients to ``_grouped_mm``.
 
 Work decomposition (``KernelConfig.moe_weight_grad='per_tile'``): no split-K and no atomics; one
 program per (tile of G_e, expert), each reducing over the expert's whole row range in its own pipelined K loop
@@ -237,23 +238,13 @@ def expert_weight_grad(
     return out
 
 
-GROUPED_MM_MIN_ROWS_PER_EXPERT = 2112  # between notebook 06's tie at 2,048 rows and its first win at 2,185
-
-
 def weight_grad_engine(a: torch.Tensor, config: KernelConfig, rows_per_expert: float) -> str:
-    """``config.moe_weight_grad`` with ``auto`` resolved: ``grouped_mm`` for a bf16 operand on a CUDA device of
-    capability >= 9.0 (outside Triton's interpreter) when the experts get more than
-    ``GROUPED_MM_MIN_ROWS_PER_EXPERT`` rows on average, else ``per_tile``. A pure function of the operand's dtype
-    and device, the rows per expert and the config (the module docstring has the measurement)."""
+    """``config.moe_weight_grad`` with ``auto`` resolved: ``per_tile`` on every device and shape since notebook 06's
+    H200 run of a6cdfd4 (the module docstring has the measurement); an explicit setting is taken as given. ``a`` and
+    ``rows_per_expert`` are kept in the signature for a rule that needs them again."""
+    del a, rows_per_expert
     if config.moe_weight_grad != "auto":
         return config.moe_weight_grad
-    from lora_lab.kernels.moe.engine import grouped_mm_available
-    from lora_lab.kernels.triton_helpers import running_in_interpreter
-
-    if (a.dtype == torch.bfloat16 and a.device.type == "cuda" and rows_per_expert > GROUPED_MM_MIN_ROWS_PER_EXPERT
-            and grouped_mm_available() and not running_in_interpreter()
-            and torch.cuda.get_device_capability(a.device) >= (9, 0)):
-        return "grouped_mm"
     return "per_tile"
 
 

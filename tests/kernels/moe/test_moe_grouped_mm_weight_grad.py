@@ -108,43 +108,26 @@ def test_moe_layer_gradients_match_the_default_setting(rank, monkeypatch):
         torch.testing.assert_close(g, d, rtol=2e-5, atol=2e-5 * d.abs().max().item(), msg=name)
 
 
-def test_auto_takes_grouped_mm_for_bf16_on_hopper_with_many_rows_per_expert_only(monkeypatch):
+def test_auto_takes_per_tile_on_every_device_and_shape(monkeypatch):
     import lora_lab.kernels.moe.engine as engine
     import lora_lab.kernels.triton_helpers as helpers
-    from lora_lab.kernels.moe.expert_weight_grad import GROUPED_MM_MIN_ROWS_PER_EXPERT as bound
 
-    assert KernelConfig().moe_weight_grad == "auto"  # the default since notebook 06's run of 6c94d2c
+    assert KernelConfig().moe_weight_grad == "auto"
     auto = KernelConfig(moe_weight_grad="auto")
-    many = 4096.0  # OLMoE-like layer at 32k tokens: grouped_mm 1.139x faster in that run
     cpu = torch.zeros(2, 2, dtype=torch.bfloat16)
-    assert weight_grad_engine(cpu, auto, many) == "per_tile"  # off CUDA
     for explicit in ("per_tile", "kgrouped", "grouped_mm"):  # a setting is taken as given, on any device
         assert weight_grad_engine(cpu, KernelConfig(moe_weight_grad=explicit), 1.0) == explicit
+    assert weight_grad_engine(cpu, auto, 4096.0) == "per_tile"
 
-    capability = {"value": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability["value"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(helpers, "running_in_interpreter", lambda: False)
     monkeypatch.setattr(engine, "grouped_mm_available", lambda: True)
-
-    def on_gpu(dtype):
-        return SimpleNamespace(dtype=dtype, device=torch.device("cuda", 0))
-
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "grouped_mm"
-    # the rows per expert decide: every 8k cell of the panel (512-1,024 rows) and the 30B-A3B-like layer at 32k
-    # (2,048 rows, a tie) stay per_tile; the Qwen1.5-MoE-like layer at 32k (2,185 rows) goes to grouped_mm
-    for rows, expected in ((512.0, "per_tile"), (1024.0, "per_tile"), (2048.0, "per_tile"), (bound, "per_tile"),
-                           (32768 * 4 / 60, "grouped_mm"), (3072.0, "grouped_mm")):
-        assert weight_grad_engine(on_gpu(torch.bfloat16), auto, rows) == expected, rows
-    assert weight_grad_engine(on_gpu(torch.float16), auto, many) == "per_tile"  # measured in bf16 only
-    assert weight_grad_engine(on_gpu(torch.float32), auto, many) == "per_tile"
-    capability["value"] = (8, 0)  # before Hopper
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "per_tile"
-    capability["value"] = (9, 0)
-    monkeypatch.setattr(engine, "grouped_mm_available", lambda: False)  # a torch without _grouped_mm
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "per_tile"
-    monkeypatch.setattr(engine, "grouped_mm_available", lambda: True)
-    monkeypatch.setattr(helpers, "running_in_interpreter", lambda: True)
-    assert weight_grad_engine(on_gpu(torch.bfloat16), auto, many) == "per_tile"
+    on_gpu = SimpleNamespace(dtype=torch.bfloat16, device=torch.device("cuda", 0))
+    # notebook 06's H200 run of a6cdfd4: per_tile faster than grouped_mm at 2,185, 3,072 and 4,096 rows per expert
+    # (Qwen1.5-MoE-, DeepSeek-V2-Lite- and OLMoE-like layers at 32k tokens), a tie at GPT-OSS-20B's 4,096
+    for rows in (512.0, 2048.0, 32768 * 4 / 60, 3072.0, 4096.0, 1e6):
+        assert weight_grad_engine(on_gpu, auto, rows) == "per_tile", rows
+    assert weight_grad_engine(on_gpu, KernelConfig(moe_weight_grad="grouped_mm"), 512.0) == "grouped_mm"
 
 
 @needs_grouped_mm

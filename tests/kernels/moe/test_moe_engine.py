@@ -283,6 +283,98 @@ def test_fused_silu_backward_matches_torch_fp32(compute_router_grad, weight_h):
         silu_backward(d, gu[:, :-1], weight, valid, compute_router_grad=True)
 
 
+def _low_rank_term_dense(p, factor, offsets):
+    """The (S, N) term of a LowRankRows, expert by expert in plain torch."""
+    out = torch.zeros(p.shape[0], factor.shape[2])
+    for e in range(factor.shape[0]):
+        lo, hi = int(offsets[e]), int(offsets[e + 1])
+        out[lo:hi] = p[lo:hi] @ factor[e]
+    return out
+
+
+@pytest.mark.skipif(not __import__("lora_lab.kernels.triton_helpers", fromlist=["x"]).running_in_interpreter(),
+                    reason="the Triton passes run in TRITON_INTERPRET=1 on CPU")
+@pytest.mark.parametrize("counts,rank,inter", [
+    ((3, 0, 40, 1, 7), 8, 37),  # an empty expert, one-row experts, a tile crossing three experts
+    ((0, 0, 9), 16, 20),  # leading empty experts
+    ((33,), 4, 16),  # one expert
+    ((20, 17, 0, 0, 2, 30), 24, 45),  # a rank that pads to 32
+])
+def test_low_rank_term_made_in_the_silu_passes_matches_the_dense_term_fp32(counts, rank, inter):
+    """SiLU·up forward and backward given a LoRA term as its factors (rank-r rows and each expert's factor) equal the
+    same passes given the dense (S, N) term, and the rank-r products they sum of the rows they write equal the dense
+    products, on sorted rows whose tiles cross expert boundaries."""
+    from lora_lab.kernels.moe.silu_backward import LowRankOut, LowRankRows, silu_backward, silu_mul
+
+    gen = torch.Generator().manual_seed(len(counts) * 100 + rank)
+    num_experts, rows = len(counts), sum(counts)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    gu = torch.randn(rows, 2 * inter, generator=gen)
+    weight = torch.rand(rows, generator=gen)
+    p = torch.randn(rows, rank, generator=gen)
+    b1 = torch.randn(num_experts, 2 * inter, rank, generator=gen)  # the engine's layout: (E, 2I, r), read transposed
+    dense = _low_rank_term_dense(p, b1.transpose(1, 2), offsets)
+    gu_dense, gu_factored = gu.clone(), gu.clone()
+    want = silu_mul(gu_dense, weight, dense, 0.3)
+    got = silu_mul(gu_factored, weight, None, 0.3, low_rank=LowRankRows(p, b1.transpose(1, 2), offsets))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gu_factored, gu_dense, rtol=1e-5, atol=1e-5)  # [g | u] + s·term, in place
+    torch.testing.assert_close(gu_dense, gu + 0.3 * dense, rtol=1e-5, atol=1e-5)
+
+    d = torch.randn(rows, inter, generator=gen)
+    q2 = torch.randn(rows, rank, generator=gen)
+    a2 = torch.randn(num_experts, rank, inter, generator=gen)
+    valid = torch.rand(rows, generator=gen) > 0.2
+    kw = dict(compute_router_grad=True, weight_h=True, extra_scale=0.7)
+    want = silu_backward(d, gu, weight, valid, extra=_low_rank_term_dense(q2, a2, offsets), **kw)
+    got = silu_backward(d, gu, weight, valid, low_rank=LowRankRows(q2, a2, offsets), **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
+
+    # the rank-r product of the rows a pass writes, summed by that pass: P2 = h A2_e^T (forward), Q1 = dGU B1_e
+    p2 = torch.zeros(rows, rank)
+    h = silu_mul(gu.clone(), weight, low_rank_out=LowRankOut(a2.transpose(1, 2), offsets, p2))
+    torch.testing.assert_close(p2, _low_rank_term_dense(h, a2.transpose(1, 2), offsets), rtol=1e-5, atol=1e-4)
+    q1 = torch.zeros(rows, rank)
+    dgu, _, _ = silu_backward(d, gu, weight, valid, low_rank=LowRankRows(q2, a2, offsets),
+                              low_rank_out=LowRankOut(b1, offsets, q1), **kw)
+    torch.testing.assert_close(dgu, want[0], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(q1, _low_rank_term_dense(dgu, b1, offsets), rtol=1e-5, atol=1e-4)
+
+
+def test_low_rank_term_refuses_shapes_dtypes_and_two_terms():
+    from lora_lab.kernels.moe.silu_backward import LowRankOut, LowRankRows, silu_backward, silu_mul
+
+    rows, inter, rank = 6, 5, 4
+    offsets = torch.tensor([0, 2, 6], dtype=torch.int32)
+    gu = torch.randn(rows, 2 * inter)
+    d, weight, valid = torch.randn(rows, inter), torch.rand(rows), torch.ones(rows, dtype=torch.bool)
+    p, b1 = torch.randn(rows, rank), torch.randn(2, 2 * inter, rank)
+    with pytest.raises(ValueError, match="do not fit"):  # the factor's N is not 2I
+        silu_mul(gu, low_rank=LowRankRows(p, b1[:, :-1].transpose(1, 2), offsets))
+    with pytest.raises(ValueError, match="do not fit"):  # offsets for another number of experts
+        silu_mul(gu, low_rank=LowRankRows(p, b1.transpose(1, 2), offsets[:-1]))
+    with pytest.raises(ValueError, match="do not fit"):  # p's rows
+        silu_mul(gu, low_rank=LowRankRows(p[:-1], b1.transpose(1, 2), offsets))
+    with pytest.raises(TypeError, match="int32"):
+        silu_mul(gu, low_rank=LowRankRows(p, b1.transpose(1, 2), offsets.long()))
+    with pytest.raises(TypeError, match="factor"):
+        silu_mul(gu, low_rank=LowRankRows(p, b1.transpose(1, 2).double(), offsets))
+    with pytest.raises(ValueError, match="not both"):
+        silu_mul(gu, None, gu.clone(), low_rank=LowRankRows(p, b1.transpose(1, 2), offsets))
+    with pytest.raises(ValueError, match="not both"):
+        silu_backward(d, gu, weight, valid, compute_router_grad=False, extra=d.clone(),
+                      low_rank=LowRankRows(p, torch.randn(2, rank, inter), offsets))
+    a2t = torch.randn(2, rank, inter).transpose(1, 2)
+    with pytest.raises(TypeError, match="fp32"):
+        silu_mul(gu, low_rank_out=LowRankOut(a2t, offsets, torch.zeros(rows, rank, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="do not fit"):  # the factor's N is not I
+        silu_mul(gu, low_rank_out=LowRankOut(b1, offsets, torch.zeros(rows, rank)))
+    with pytest.raises(ValueError, match="do not fit"):  # the buffer's rank
+        silu_backward(d, gu, weight, valid, compute_router_grad=False,
+                      low_rank_out=LowRankOut(b1, offsets, torch.zeros(rows, rank + 1)))
+
+
 @needs_grouped_mm
 def test_grouped_mm_engine_takes_peft_strided_lora_views_fp32():
     """PEFT's flat expert LoRA weights become strided views (B's expert index is its fastest); the engine copies

@@ -50,16 +50,19 @@ router gradient ⟨D, SiLU(g) u⟩, the routing weight and SiLU·up's backward, 
 of two 2-D operands, K split at the expert offsets): dW1_e = dGU_eᵀ X_e, dW2_e = dOut_eᵀ (w · h)_e, with no weighted
 copy of the (S, H) dOut rows. Expert ids outside [0, E) contribute nothing.
 
-LoRA on the experts (the rule above, or ``moe_engine='grouped_mm'``): each LoRA term is a rank-r grouped GEMM on the
-same sorted rows, P = X_e A_eᵀ (S x r, saved), and s·P B_eᵀ added to the frozen GEMM's result, for gate/up and for
-down. Where the next pass over the rows walks them in sorted order (SiLU·up forward for gate/up, SiLU·up's backward
-for D += s2 Q2 A2_e) it makes the term itself, tile by tile, from the rank-r rows and the expert's factor
-(:class:`~lora_lab.kernels.moe.silu_backward.LowRankRows`): no (S, 2I) or (S, I) term is written or read. The un-sorts
-(the output, dX) read rows of K different experts per token, so there the term is one more grouped GEMM, summed in by
-the un-sort. Backward: Q2 = dOut_e B2_e joins D, Q1 = dGU_e B1_e joins dX (+= s1 Q1 A1_e), and the factors'
+LoRA on the experts (the rule above, or ``moe_engine='grouped_mm'``): each LoRA term is two more grouped GEMMs on the
+same sorted rows, P = X_e A_eᵀ (S x r, saved) and s·P B_eᵀ added to the frozen GEMM's result, for gate/up and for down.
+Backward: Q2 = dOut_e B2_e joins D (D += s2 Q2 A2_e), Q1 = dGU_e B1_e joins dX (+= s1 Q1 A1_e), and the factors'
 gradients are K-grouped GEMMs: dB2_e = s2 (w·dOut)_eᵀ P2, dA2_e = s2 (w·Q2)_eᵀ h_e, dB1_e = s1 dGU_eᵀ P1, dA1_e = s1
 Q1_eᵀ X_e. This is PEFT's arithmetic on CUTLASS's grouped GEMM (the LoRA term is added in the model's dtype); the Triton
 path adds it inside the fp32 accumulators.
+
+Tried and measured slower: SiLU·up's forward and backward passes can make the LoRA terms from their factors and sum
+P2 and Q1 themselves (:class:`~lora_lab.kernels.moe.silu_backward.LowRankRows` and ``LowRankOut``), which removes four
+rank-r grouped GEMMs and two (S, N) temporaries. With all four in use, this engine with LoRA took 4-10% longer in
+every LoRA cell of notebook 06's four fine-grained layers (H200, one session, 5 repetitions;
+``outputs/gpu/session_logs/session9/lora_factored/``), so the engine keeps the dense terms above.
+``tools/moe_lora_pass_bench.py`` times each piece both ways, to find which one costs.
 """
 
 from __future__ import annotations
@@ -68,14 +71,7 @@ import torch
 
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe.routing import free_saved, refuse_second_backward, sort_assignments
-from lora_lab.kernels.moe.silu_backward import (
-    LowRankOut,
-    LowRankRows,
-    silu_backward,
-    silu_backward_reference,
-    silu_mul,
-    unsort_sum,
-)
+from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference, silu_mul, unsort_sum
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
 ENGINES = ("triton", "grouped_mm")
@@ -200,11 +196,10 @@ def _unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top
 
 class _GroupedMmExperts(torch.autograd.Function):
     """Inputs: x, the routing, w1 (E, 2I, H), w2 (E, H, I), and LoRA's factors or None: a1 (E, r, H), b1 (E, 2I, r),
-    a2 (E, r, I), b2 (E, H, r), with their scales s1, s2. A LoRA term adds s·(X Aᵀ) Bᵀ to its GEMM's rows: P = X_e A_eᵀ
-    (S x r, saved for backward) by a grouped GEMM, and the pass that reads the GEMM's rows next adds s·P B_eᵀ as it
-    reads them: SiLU·up for [g | u] and SiLU·up's backward for D make it from P and B in registers; the un-sorts (the
-    output, dX) read Z = P B_eᵀ from one more grouped GEMM. No separate in-place add over an (S, 2I), (S, H) or (S, I)
-    tensor."""
+    a2 (E, r, I), b2 (E, H, r), with their scales s1, s2. A LoRA term adds s·(X Aᵀ) Bᵀ to its GEMM's rows through two
+    more grouped GEMMs: P = X_e A_eᵀ (S x r, saved for backward) and Z = P B_eᵀ, and the pass that reads the GEMM's
+    rows next adds s·Z as it reads them (SiLU·up for [g | u], the un-sort for the output and for dX, SiLU·up's
+    backward for D): no separate in-place add over an (S, 2I), (S, H) or (S, I) tensor."""
 
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, s1, s2):
@@ -217,27 +212,21 @@ class _GroupedMmExperts(torch.autograd.Function):
         p1 = p2 = z = None
         if a1 is not None:
             p1 = torch._grouped_mm(xs, a1.transpose(1, 2), offs=offsets)  # (S, r)
+            z = torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets)  # (S, 2I): added to [g | u] by SiLU·up
         del xs
         # h_j = w_j SiLU(g_j) u_j: the routing weight rides in h (and in P2), so the un-sort sums plain rows and
         # backward's dW2 / dA2 / dB2 need no weighted copy of dOut or Q2 (0 for a dropped id: its row adds nothing)
-        p2_acc = None
-        if _triton_runs(gu):  # gu += s1 P1 B1_e^T in place, the term made tile by tile from P1 and B1; P2 = h A2_e^T
-            # summed by the same pass from the h it writes
-            if a2 is not None:
-                p2_acc = torch.zeros(gu.shape[0], a2.shape[1], device=gu.device, dtype=torch.float32)
-            h = silu_mul(gu, weight, None, s1,
-                         low_rank=LowRankRows(p1, b1.transpose(1, 2), expert_offsets) if p1 is not None else None,
-                         low_rank_out=LowRankOut(a2.transpose(1, 2), expert_offsets, p2_acc) if a2 is not None
-                         else None)
+        if _triton_runs(gu):
+            h = silu_mul(gu, weight, z, s1)  # gu += s1 z in place
         else:
-            if p1 is not None:
-                gu.add_(torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets), alpha=s1)
+            if z is not None:
+                gu.add_(z, alpha=s1)
             g, u = gu.chunk(2, dim=-1)
             h = (torch.nn.functional.silu(g) * u * weight[:, None]).to(gu.dtype)
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
         z = None
-        if a2 is not None:  # (S, r)
-            p2 = p2_acc.to(h.dtype) if p2_acc is not None else torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)
+        if a2 is not None:
+            p2 = torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)  # (S, r)
             z = torch._grouped_mm(p2, b2.transpose(1, 2), offs=offsets)  # (S, H): summed in by the un-sort
         del h
         ctx.save_for_backward(x, w1, w2, gu, weight, position, token, expert_offsets, valid,
@@ -258,16 +247,14 @@ class _GroupedMmExperts(torch.autograd.Function):
         grad_out = grad_out.to(x.dtype).contiguous()
         dout_rows = grad_out.index_select(0, token)  # (S, H)
         d = torch._grouped_mm(dout_rows, w2, offs=offsets)  # D = dOut_t W2_e, (S, I)
-        q2 = None
-        if a2 is not None:  # D += s2 (dOut_t B2_e) A2_e, made from Q2 and A2 inside SiLU·up's backward
+        q2 = z = None
+        if a2 is not None:  # D += s2 (dOut_t B2_e) A2_e, added inside SiLU·up's backward
             q2 = torch._grouped_mm(dout_rows, b2, offs=offsets)  # (S, r)
-        # h comes back weighted, as the forward used it; Q1 = dGU B1_e (S, r) summed by the same pass
-        need_q1 = a1 is not None and (need[0] or need[5])
-        dgu, h, dw_sorted, q1 = _silu_backward(
-            d, gu, weight, valid, compute_router_grad=need[2], extra_scale=s2,
-            low_rank=LowRankRows(q2, a2, expert_offsets) if q2 is not None else None,
-            q1_factor=b1 if need_q1 else None, offsets=expert_offsets)
-        del d
+            z = torch._grouped_mm(q2, a2, offs=offsets)  # (S, I)
+        # h comes back weighted, as the forward used it
+        dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2], extra=z,
+                                           extra_scale=s2)
+        del d, z
         free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the GEMMs below
         d_weights = None
         if need[2]:
@@ -288,6 +275,7 @@ class _GroupedMmExperts(torch.autograd.Function):
         if need[7]:
             da2 = k_grouped(q2, h, s2)  # (E, r, I)
         del h, dout_rows, q2
+        q1 = torch._grouped_mm(dgu, b1, offs=offsets) if a1 is not None and (need[0] or need[5]) else None  # (S, r)
         if need[0]:
             dx_rows = torch._grouped_mm(dgu, w1, offs=offsets)
             z = torch._grouped_mm(q1, a1, offs=offsets) if q1 is not None else None  # summed in by the un-sort
@@ -304,26 +292,13 @@ class _GroupedMmExperts(torch.autograd.Function):
         return dx, None, d_weights, dw1, dw2, da1, db1, da2, db2, None, None
 
 
-def _silu_backward(d, gu, weight, valid, *, compute_router_grad, extra_scale=1.0, low_rank=None, q1_factor=None,
-                   offsets=None):
-    """(dGU, h, dw, Q1 = dGU B1_e or None): the fused Triton pass (:mod:`~lora_lab.kernels.moe.silu_backward`) where
-    Triton can run (CUDA, or the interpreter), Q1 summed inside it; its plain-torch twin on a CPU without the
-    interpreter, the low-rank term and Q1 then one grouped GEMM each."""
-    kw = dict(compute_router_grad=compute_router_grad, weight_h=True, extra_scale=extra_scale)
+def _silu_backward(d, gu, weight, valid, *, compute_router_grad, extra=None, extra_scale=1.0):
+    """The fused Triton pass (:mod:`~lora_lab.kernels.moe.silu_backward`) where Triton can run (CUDA, or the
+    interpreter), its plain-torch twin on a CPU without the interpreter."""
+    kw = dict(compute_router_grad=compute_router_grad, weight_h=True, extra=extra, extra_scale=extra_scale)
     if _triton_runs(d):
-        q1_acc = None
-        if q1_factor is not None:
-            q1_acc = torch.zeros(d.shape[0], q1_factor.shape[2], device=d.device, dtype=torch.float32)
-        dgu, h, dw = silu_backward(
-            d, gu, weight, valid, low_rank=low_rank,
-            low_rank_out=LowRankOut(q1_factor, offsets, q1_acc) if q1_factor is not None else None, **kw)
-        return dgu, h, dw, q1_acc.to(dgu.dtype) if q1_acc is not None else None
-    extra = None
-    if low_rank is not None:
-        extra = torch._grouped_mm(low_rank.p, low_rank.factor, offs=low_rank.offsets[1:])
-    dgu, h, dw = silu_backward_reference(d, gu, weight, valid, extra=extra, **kw)
-    q1 = torch._grouped_mm(dgu, q1_factor, offs=offsets[1:]) if q1_factor is not None else None
-    return dgu, h, dw, q1
+        return silu_backward(d, gu, weight, valid, **kw)
+    return silu_backward_reference(d, gu, weight, valid, **kw)
 
 
 def grouped_mm_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

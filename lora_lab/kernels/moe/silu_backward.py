@@ -10,7 +10,13 @@ weight), the saved [g | u] and the routing weight w_j (0 for a dropped choice, `
     dg_j  = dh_j · u_j · σ(g_j) · (1 + g_j (1 − σ(g_j))),   du_j = dh_j · SiLU(g_j)
 
 One program owns a (BLOCK_S rows) x (BLOCK_I columns) tile, math in fp32, outputs in the input dtype; the
-column partials of dw meet through fp32 atomics. Done in torch this is a handful of (S, I) fp32 temporaries
+column partials of dw meet through fp32 atomics.
+
+A LoRA term can come in factored form (:class:`LowRankRows`: made in registers from the rank-r rows and the row's
+expert factor) and a pass can sum the rank-r product of the rows it writes (:class:`LowRankOut`). The grouped-GEMM
+engine does not use either: with both in both passes it measured 4-10% slower on an H200 than the dense terms made by
+grouped GEMMs (``outputs/gpu/session_logs/session9/lora_factored/``); ``tools/moe_lora_pass_bench.py`` times the
+pieces one by one. Done in torch this is a handful of (S, I) fp32 temporaries
 (about 1 GB each at a Mixtral-like layer with 8,192 tokens); here nothing but dGU, h and dw is written.
 """
 

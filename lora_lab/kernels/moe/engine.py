@@ -62,7 +62,8 @@ P2 and Q1 themselves (:class:`~lora_lab.kernels.moe.silu_backward.LowRankRows` a
 rank-r grouped GEMMs and two (S, N) temporaries. With all four in use, this engine with LoRA took 4-10% longer in
 every LoRA cell of notebook 06's four fine-grained layers (H200, one session, 5 repetitions;
 ``outputs/gpu/session_logs/session9/lora_factored/``), so the engine keeps the dense terms above.
-``tools/moe_lora_pass_bench.py`` times each piece both ways, to find which one costs.
+``tools/moe_lora_pass_bench.py`` times each piece both ways, to find which one costs; ``FACTORED_LORA_PIECES`` names
+the pieces the engine takes factored (none by default).
 """
 
 from __future__ import annotations
@@ -71,13 +72,26 @@ import torch
 
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe.routing import free_saved, refuse_second_backward, sort_assignments
-from lora_lab.kernels.moe.silu_backward import silu_backward, silu_backward_reference, silu_mul, unsort_sum
+from lora_lab.kernels.moe.silu_backward import (
+    LowRankOut,
+    LowRankRows,
+    silu_backward,
+    silu_backward_reference,
+    silu_mul,
+    unsort_sum,
+)
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
 ENGINES = ("triton", "grouped_mm")
 COARSE_MAX_EXPERTS = 32  # from notebook 06's H200 run of bec6a1b (see the module docstring)
 COARSE_MIN_INTERMEDIATE = 2048
 COARSE_MIN_ROWS_PER_EXPERT = 1024
+# LoRA pieces the SiLU·up passes make from factors instead of a rank-r grouped GEMM (module docstring, "Tried and
+# measured slower"): "gate_up_term" (s1 P1 B1_e^T in SiLU·up forward), "p2" (P2 = h A2_e^T summed by SiLU·up forward),
+# "d_term" (s2 Q2 A2_e in SiLU·up backward), "q1" (Q1 = dGU B1_e summed by SiLU·up backward). Empty: all four by
+# grouped GEMMs, as measured fastest together; tools/moe_lora_pass_bench.py times each piece both ways.
+FACTORED_LORA_PIECES: frozenset[str] = frozenset()
+LORA_PIECES = ("gate_up_term", "p2", "d_term", "q1")
 
 
 def grouped_mm_available() -> bool:
@@ -210,14 +224,23 @@ class _GroupedMmExperts(torch.autograd.Function):
         xs = x.index_select(0, token)
         gu = torch._grouped_mm(xs, w1.transpose(1, 2), offs=offsets)  # (S, 2I)
         p1 = p2 = z = None
+        factored = FACTORED_LORA_PIECES if _triton_runs(gu) else frozenset()
+        gate_up_term = p2_acc = None
         if a1 is not None:
             p1 = torch._grouped_mm(xs, a1.transpose(1, 2), offs=offsets)  # (S, r)
-            z = torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets)  # (S, 2I): added to [g | u] by SiLU·up
+            if "gate_up_term" in factored:  # made by SiLU·up from P1 and B1
+                gate_up_term = LowRankRows(p1, b1.transpose(1, 2), expert_offsets)
+            else:
+                z = torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets)  # (S, 2I): added to [g | u] by SiLU·up
         del xs
         # h_j = w_j SiLU(g_j) u_j: the routing weight rides in h (and in P2), so the un-sort sums plain rows and
         # backward's dW2 / dA2 / dB2 need no weighted copy of dOut or Q2 (0 for a dropped id: its row adds nothing)
         if _triton_runs(gu):
-            h = silu_mul(gu, weight, z, s1)  # gu += s1 z in place
+            if a2 is not None and "p2" in factored:  # P2 = h A2_e^T summed by SiLU·up from the h it writes
+                p2_acc = torch.zeros(gu.shape[0], a2.shape[1], device=gu.device, dtype=torch.float32)
+            h = silu_mul(gu, weight, z, s1, low_rank=gate_up_term,  # gu += s1 z in place
+                         low_rank_out=LowRankOut(a2.transpose(1, 2), expert_offsets, p2_acc) if p2_acc is not None
+                         else None)
         else:
             if z is not None:
                 gu.add_(z, alpha=s1)
@@ -225,8 +248,8 @@ class _GroupedMmExperts(torch.autograd.Function):
             h = (torch.nn.functional.silu(g) * u * weight[:, None]).to(gu.dtype)
         y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets)  # (S, H)
         z = None
-        if a2 is not None:
-            p2 = torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)  # (S, r)
+        if a2 is not None:  # (S, r)
+            p2 = p2_acc.to(h.dtype) if p2_acc is not None else torch._grouped_mm(h, a2.transpose(1, 2), offs=offsets)
             z = torch._grouped_mm(p2, b2.transpose(1, 2), offs=offsets)  # (S, H): summed in by the un-sort
         del h
         ctx.save_for_backward(x, w1, w2, gu, weight, position, token, expert_offsets, valid,
@@ -247,13 +270,22 @@ class _GroupedMmExperts(torch.autograd.Function):
         grad_out = grad_out.to(x.dtype).contiguous()
         dout_rows = grad_out.index_select(0, token)  # (S, H)
         d = torch._grouped_mm(dout_rows, w2, offs=offsets)  # D = dOut_t W2_e, (S, I)
-        q2 = z = None
+        q2 = z = d_term = None
+        factored = FACTORED_LORA_PIECES if _triton_runs(d) else frozenset()
         if a2 is not None:  # D += s2 (dOut_t B2_e) A2_e, added inside SiLU·up's backward
             q2 = torch._grouped_mm(dout_rows, b2, offs=offsets)  # (S, r)
-            z = torch._grouped_mm(q2, a2, offs=offsets)  # (S, I)
+            if "d_term" in factored:  # made by that pass from Q2 and A2
+                d_term = LowRankRows(q2, a2, expert_offsets)
+            else:
+                z = torch._grouped_mm(q2, a2, offs=offsets)  # (S, I)
+        need_q1 = a1 is not None and (need[0] or need[5])
+        q1_acc = None
+        if need_q1 and "q1" in factored:  # Q1 = dGU B1_e summed by SiLU·up's backward from the dGU it writes
+            q1_acc = torch.zeros(d.shape[0], b1.shape[2], device=d.device, dtype=torch.float32)
         # h comes back weighted, as the forward used it
-        dgu, h, dw_sorted = _silu_backward(d, gu, weight, valid, compute_router_grad=need[2], extra=z,
-                                           extra_scale=s2)
+        dgu, h, dw_sorted = _silu_backward(
+            d, gu, weight, valid, compute_router_grad=need[2], extra=z, extra_scale=s2, low_rank=d_term,
+            low_rank_out=LowRankOut(b1, expert_offsets, q1_acc) if q1_acc is not None else None)
         del d, z
         free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not after the GEMMs below
         d_weights = None
@@ -275,7 +307,9 @@ class _GroupedMmExperts(torch.autograd.Function):
         if need[7]:
             da2 = k_grouped(q2, h, s2)  # (E, r, I)
         del h, dout_rows, q2
-        q1 = torch._grouped_mm(dgu, b1, offs=offsets) if a1 is not None and (need[0] or need[5]) else None  # (S, r)
+        q1 = None  # (S, r)
+        if need_q1:
+            q1 = q1_acc.to(dgu.dtype) if q1_acc is not None else torch._grouped_mm(dgu, b1, offs=offsets)
         if need[0]:
             dx_rows = torch._grouped_mm(dgu, w1, offs=offsets)
             z = torch._grouped_mm(q1, a1, offs=offsets) if q1 is not None else None  # summed in by the un-sort
@@ -292,12 +326,13 @@ class _GroupedMmExperts(torch.autograd.Function):
         return dx, None, d_weights, dw1, dw2, da1, db1, da2, db2, None, None
 
 
-def _silu_backward(d, gu, weight, valid, *, compute_router_grad, extra=None, extra_scale=1.0):
+def _silu_backward(d, gu, weight, valid, *, compute_router_grad, extra=None, extra_scale=1.0, low_rank=None,
+                   low_rank_out=None):
     """The fused Triton pass (:mod:`~lora_lab.kernels.moe.silu_backward`) where Triton can run (CUDA, or the
-    interpreter), its plain-torch twin on a CPU without the interpreter."""
+    interpreter), its plain-torch twin on a CPU without the interpreter (which never gets the factored forms)."""
     kw = dict(compute_router_grad=compute_router_grad, weight_h=True, extra=extra, extra_scale=extra_scale)
     if _triton_runs(d):
-        return silu_backward(d, gu, weight, valid, **kw)
+        return silu_backward(d, gu, weight, valid, low_rank=low_rank, low_rank_out=low_rank_out, **kw)
     return silu_backward_reference(d, gu, weight, valid, **kw)
 
 

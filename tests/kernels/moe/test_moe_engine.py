@@ -115,6 +115,20 @@ def test_grouped_mm_engine_with_lora_matches_reference_fp32(T, H, I, E, K, rank,
 
 
 @needs_grouped_mm
+@pytest.mark.skipif(not __import__("lora_lab.kernels.triton_helpers", fromlist=["x"]).running_in_interpreter(),
+                    reason="the factored LoRA pieces live in the Triton passes (TRITON_INTERPRET=1 on CPU)")
+@pytest.mark.parametrize("pieces", [("gate_up_term",), ("p2",), ("d_term",), ("q1",), engine.LORA_PIECES])
+def test_grouped_mm_engine_with_factored_lora_pieces_matches_reference_fp32(monkeypatch, pieces):
+    """Each LoRA piece the SiLU·up passes can make from factors (engine.FACTORED_LORA_PIECES), alone and all four:
+    output and all nine gradients against the reference, with an expert that gets no row."""
+    monkeypatch.setattr(engine, "FACTORED_LORA_PIECES", frozenset(pieces))
+    for problem in (make_problem(37, 20, 12, 5, 2, rank=4, routing="random"),
+                    make_problem(12, 16, 8, 6, 1, rank=8, routing="one_expert")):
+        got, ref = run_both(*problem, config=KernelConfig(moe_engine="grouped_mm"))
+        assert_close_all(got, ref)
+
+
+@needs_grouped_mm
 def test_grouped_mm_engine_with_one_lora_half_and_frozen_experts_fp32():
     """LoRA on gate_up only, and the PEFT case (frozen expert weights: no dW1 / dW2 asked for)."""
     from lora_lab.kernels.moe.experts import fused_moe_experts

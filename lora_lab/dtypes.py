@@ -32,16 +32,18 @@ _ADDMM_FP32_OUT: dict[tuple, bool] = {}
 
 
 def addmm_fp32_out_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` runs for ``dtype`` operands on
-    ``device``: 16-bit operands accumulated into an fp32 result by one cuBLAS call (CUDA builds that have
-    ``aten::addmm.dtype_out``; the CPU build has none). Probed once per device and dtype on 16 x 16 tensors."""
+    """Whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` and ``torch.mm(a, b,
+    out_dtype=torch.float32, out=acc)`` run for ``dtype`` operands on ``device``: 16-bit operands accumulated into
+    (or written as) an fp32 result by one cuBLAS call (CUDA builds that have ``aten::addmm.dtype_out`` and
+    ``aten::mm.dtype_out``; the CPU build has neither). Probed once per device and dtype on 16 x 16 tensors."""
     key = (device.type, device.index, dtype)
     if key not in _ADDMM_FP32_OUT:
         try:
             a = torch.ones(16, 16, dtype=dtype, device=device)
-            acc = torch.ones(16, 16, dtype=torch.float32, device=device)
+            acc = torch.full((16, 16), float("nan"), dtype=torch.float32, device=device)
+            torch.mm(a, a, out_dtype=torch.float32, out=acc)  # no C matrix: the NaNs must be overwritten
             torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-            _ADDMM_FP32_OUT[key] = bool(acc[0, 0].item() == 17.0)
+            _ADDMM_FP32_OUT[key] = bool(acc[0, 0].item() == 32.0)
         except (RuntimeError, TypeError, NotImplementedError):
             _ADDMM_FP32_OUT[key] = False
     return _ADDMM_FP32_OUT[key]

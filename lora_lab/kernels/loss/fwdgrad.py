@@ -8,6 +8,8 @@ scales them by the incoming (scalar) gradient. Per chunk of ``rows`` rows (``H_c
                                      and the gradient s·(a·softmax - b·onehot - e), written over Z_c
     dH_c = G_c W                     cuBLAS, straight into dH's rows
     dW  += G_cᵀ H_c                  cuBLAS, accumulated in fp32 (see ``dw_accumulate``); one chunk: dW = G_cᵀ H_c
+                                     (the first chunk writes the accumulator instead of adding to zeros: no
+                                     memset and no read of an fp32 [V, d] matrix)
 
 Three GEMMs (two for a frozen head) at cuBLAS speed plus one memory-bound pass over the chunk (read twice,
 written once), against the four GEMMs of the recomputing path (:mod:`.linear_ce`), which never holds a logit but
@@ -16,7 +18,8 @@ trainable head over more than one chunk, an fp32 [V, d] accumulator.
 
 ``dw_accumulate`` (how ``dW += G_cᵀ H_c`` keeps fp32 for 16-bit inputs; fp32 inputs accumulate in dW itself):
 ``"out_dtype"``: ``torch.addmm(acc, G_cᵀ, H_c, out_dtype=torch.float32, out=acc)``, 16-bit operands and an fp32
-C matrix in one cuBLAS call (CUDA builds of torch that have ``aten::addmm.dtype_out``); ``"partial"``: the chunk's
+C matrix in one cuBLAS call (CUDA builds of torch that have ``aten::addmm.dtype_out``; the first chunk is
+``torch.mm(G_cᵀ, H_c, out_dtype=torch.float32, out=acc)``, no C matrix read); ``"partial"``: the chunk's
 product in the input dtype into a reused [V, d] buffer, then ``acc += partial`` (one more rounding per chunk,
 V·d·2 more bytes); ``"upcast"``: fp32 copies of the chunk's operands and an fp32 GEMM (exact, slow, rows·V·4 more
 bytes); ``"input_dtype"``: no fp32 buffer, dW accumulated in its own dtype by cuBLAS (``dW.addmm_``: one rounding
@@ -32,7 +35,7 @@ import torch
 from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.loss.kernels import logit_grad_kernel
 
-__all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_grads",
+__all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "softmax_programs", "fwdgrad_loss_and_grads",
            "FwdGradLinearCrossEntropyFunction"]
 
 GIB = 2**30
@@ -135,6 +138,45 @@ def plan_error(plan: FusedPlan, free: int | None, n: int, vocab: int, d: int, de
             "impl='recompute' (no logits held)")
 
 
+def _unwritten(shape, dtype, device) -> torch.Tensor:
+    """A buffer the chunk loop writes whole before it reads it (tests fill it with NaN to prove it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def softmax_programs(rows: int, cfg, device: torch.device) -> int:
+    """Programs of the softmax pass over a ``rows``-row chunk: one per row, or (``cfg.ce_programs_per_sm``) that
+    many per SM, each walking rows ``pid, pid + programs, ...`` (fewer rows in flight: a row's second read is
+    likelier to hit L2). The interpreter counts 2 SMs, so its tests walk several rows per program."""
+    if cfg.ce_programs_per_sm is None or rows == 0:
+        return max(1, rows)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, min(rows, sms * cfg.ce_programs_per_sm))
+
+
+def _accumulate_dw(g_t, h_c, dw, acc, partial, dw_mode, first: bool) -> None:
+    """dW (or its fp32 accumulator) ``+= G_cᵀ H_c``; ``first``: ``=`` instead (the buffers start unwritten)."""
+    if dw is not None:
+        if first:
+            torch.mm(g_t, h_c, out=dw)  # one chunk: dW = G_cᵀ H_c, rounded once
+        else:
+            dw.addmm_(g_t, h_c)  # fp32: dW is its own accumulator (input_dtype: rounded per chunk)
+    elif dw_mode == "out_dtype":
+        if first:
+            torch.mm(g_t, h_c, out_dtype=torch.float32, out=acc)
+        else:
+            torch.addmm(acc, g_t, h_c, out_dtype=torch.float32, out=acc)
+    elif dw_mode == "partial":
+        torch.mm(g_t, h_c, out=partial)
+        if first:
+            acc.copy_(partial)
+        else:
+            acc.add_(partial)
+    elif first:  # upcast
+        torch.mm(g_t.float(), h_c.float(), out=acc)
+    else:
+        acc.addmm_(g_t.float(), h_c.float())
+
+
 def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap,
                            need_h, need_w, cfg, plan: FusedPlan):
     """(loss, dH or None, dW or None) for an incoming gradient of 1: the chunk loop of the module docstring.
@@ -157,12 +199,14 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
     dh = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_h else None
     dw = acc = partial = None
     if need_w:
-        if plan.chunks == 1 or plan.dw_mode in ("direct", "input_dtype"):
-            dw = (torch.zeros if plan.chunks > 1 else torch.empty)(weight.shape, dtype=dtype, device=device)
+        # every buffer below is written whole by the first chunk's GEMM (no rows: zeros, the gradient of nothing)
+        alloc = _unwritten if n else torch.zeros
+        if plan.chunks <= 1 or plan.dw_mode in ("direct", "input_dtype"):
+            dw = alloc(weight.shape, dtype=dtype, device=device)
         else:
-            acc = torch.zeros(weight.shape, dtype=torch.float32, device=device)
+            acc = alloc(weight.shape, dtype=torch.float32, device=device)
             if plan.dw_mode == "partial":
-                partial = torch.empty(weight.shape, dtype=dtype, device=device)
+                partial = _unwritten(weight.shape, dtype=dtype, device=device)
     logits = torch.empty((plan.rows, vocab), dtype=dtype, device=device) if n else None
     block_v = min(cfg.ce_block_v, max(16, 1 << (vocab - 1).bit_length()))
     for r0 in range(0, n, plan.rows):
@@ -170,27 +214,17 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
         h_c = hidden[r0:r1]
         z = logits[: r1 - r0]
         torch.mm(h_c, weight.t(), out=z)  # Z_c = H_c Wᵀ
-        logit_grad_kernel[(r1 - r0,)](
-            z, z.stride(0), labels[r0:r1], loss_rows[r0:r1], lse[r0:r1], kernel_scale,
+        logit_grad_kernel[(softmax_programs(r1 - r0, cfg, device),)](
+            z, z.stride(0), r1 - r0, labels[r0:r1], loss_rows[r0:r1], lse[r0:r1], kernel_scale,
             vocab, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0),
             HAS_SOFTCAP=softcap is not None, SMOOTHING=label_smoothing > 0.0, Z_LOSS=z_loss > 0.0,
-            WRITE_GRAD=write_grad, BLOCK_V=block_v, num_warps=cfg.ce_warps,
+            WRITE_GRAD=write_grad, REVERSE=cfg.ce_reverse, BLOCK_V=block_v, num_warps=cfg.ce_warps,
         )
         if need_h:
             torch.mm(z, weight, out=dh[r0:r1])  # dH_c = G_c W
         g_t = z.t()
         if need_w:
-            if dw is not None and plan.chunks == 1:
-                torch.mm(g_t, h_c, out=dw)  # one chunk: dW = G_cᵀ H_c, rounded once
-            elif dw is not None:
-                dw.addmm_(g_t, h_c)  # fp32: dW is its own accumulator (input_dtype: rounded per chunk)
-            elif plan.dw_mode == "out_dtype":
-                torch.addmm(acc, g_t, h_c, out_dtype=torch.float32, out=acc)
-            elif plan.dw_mode == "partial":
-                torch.mm(g_t, h_c, out=partial)
-                acc.add_(partial)
-            else:  # upcast
-                acc.addmm_(g_t.float(), h_c.float())
+            _accumulate_dw(g_t, h_c, dw, acc, partial, plan.dw_mode, first=r0 == 0)
     if post_scale is not None:
         if dh is not None:
             dh.mul_(post_scale)

@@ -97,6 +97,52 @@ def test_fp16_accumulates_dw_in_fp32(dw_accumulate):
     assert _excess(err["dh"], err["dh_floor"]) <= 1e-3 and _excess(err["dw"], err["dw_floor"]) <= 1e-3
 
 
+@pytest.mark.parametrize("dtype, dw_accumulate", [(torch.float32, "auto"), (torch.float16, "partial"),
+                                                  (torch.float16, "upcast"), (torch.float16, "input_dtype")])
+def test_first_chunk_writes_every_dw_buffer(monkeypatch, dtype, dw_accumulate):
+    """dW's buffers start unwritten (no memset): the first chunk's GEMM must overwrite all of them. Filled with
+    NaN here, any entry read before it is written would poison dW."""
+    monkeypatch.setattr(fwdgrad, "_unwritten", lambda shape, dtype, device: torch.full(shape, float("nan"),
+                                                                                          dtype=dtype, device=device))
+    h, w, y = loss_inputs(37, 40, 203, dtype, DEVICE, weight_scale=0.1, ignored=(3,))
+    for rows in (16, None):  # three chunks (accumulated), one chunk (dW written once)
+        err = _errors(h, w, y, True, FWD.replace(fwdgrad_chunk_rows=rows, dw_accumulate=dw_accumulate))
+        assert math.isfinite(err["dw"]) and err["dw"] <= (1e-5 if dtype == torch.float32 else 2e-3), (rows, err)
+
+
+@pytest.mark.parametrize("programs_per_sm, reverse", [(1, False), (1, True), (None, True), (3, True)])
+def test_softmax_pass_walking_rows_and_reversed(programs_per_sm, reverse):
+    """The softmax pass with fewer programs than rows (the interpreter counts 2 SMs: 2 or 6 programs walk a
+    16-row chunk) and with its second read walking each row from the end: the same fp32 results, every option."""
+    cfg = FWD.replace(ce_programs_per_sm=programs_per_sm, ce_reverse=reverse)
+    assert fwdgrad.softmax_programs(16, cfg, torch.device("cpu")) == (16 if programs_per_sm is None
+                                                                        else 2 * programs_per_sm)
+    h, w, y = loss_inputs(37, 40, 203, torch.float32, DEVICE, ignored=(3, 20))
+    for options in SCALAR_OPTIONS:
+        err = _errors(h, w, y, True, cfg, **options)
+        assert max(err[k] for k in ("loss", "dh", "dw")) <= 1e-5, (options, err)
+
+
+def test_softmax_pass_settings_are_validated():
+    with pytest.raises(ValueError, match="ce_programs_per_sm"):
+        LossKernelConfig(ce_programs_per_sm=0)
+    with pytest.raises(ValueError, match="ce_reverse"):
+        LossKernelConfig(ce_reverse="yes")
+
+
+@pytest.mark.gpu
+def test_gpu_out_dtype_first_chunk_writes_the_fp32_accumulator(monkeypatch):
+    """The CUDA-only ``out_dtype`` accumulation: its first chunk is ``torch.mm(..., out_dtype=float32)`` into an
+    unwritten (here NaN-filled) fp32 buffer; dW must come out finite and as accurate as with a zeroed one."""
+    h, w, y = loss_inputs(3000, 256, 8000, torch.bfloat16, "cuda", weight_scale=0.02, ignored=(0, 5))
+    cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=1024, dw_accumulate="out_dtype")
+    clean = _errors(h, w, y, True, cfg)
+    monkeypatch.setattr(fwdgrad, "_unwritten", lambda shape, dtype, device: torch.full(shape, float("nan"),
+                                                                                          dtype=dtype, device=device))
+    poisoned = _errors(h, w, y, True, cfg)
+    assert math.isfinite(poisoned["dw"]) and poisoned["dw"] == clean["dw"], (clean, poisoned)
+
+
 def test_input_dtype_accumulation_needs_no_fp32_buffer():
     cfg = LossKernelConfig(dw_accumulate="input_dtype")
     plan = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, True, cfg)

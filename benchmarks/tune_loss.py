@@ -6,11 +6,11 @@ cuBLAS's time for one [tokens x vocab x hidden] GEMM on the same operands, the y
 one such GEMM's work, the gradient kernel three (frozen head: two).
 
 ``--fwdgrad`` tunes the gradients-in-forward path instead (:mod:`lora_lab.kernels.loss.fwdgrad`): the softmax
-pass alone on one [rows x V] logits chunk for each (ce_block_v, ce_warps, ce_programs_per_sm, ce_reverse),
-against the bytes it must move (read the chunk twice, write it once) at the GPU's bandwidth; one chunk's dW GEMM
-into bf16, into fp32 and added into fp32 (the price of the fp32 accumulator); then the whole op (fwd + bwd) for
-each chunk size, dW accumulation mode and softmax-pass setting, in the user's loop (median of 10 synchronised
-calls) beside its kernel time, against its 3-GEMM (frozen: 2) cuBLAS floor. Rows go to 07_loss_fwdgrad_tuning.csv.
+pass alone on one [rows x V] logits chunk for each (ce_block_v, ce_warps), against the bytes it must move (read the
+chunk twice, write it once) at the GPU's bandwidth; one chunk's dW GEMM into bf16, into fp32 and added into fp32
+(the price of the fp32 accumulator); then the whole op (fwd + bwd) for each chunk size and dW accumulation mode, in
+the user's loop (median of 10 synchronised calls) beside its kernel time, against its 3-GEMM (frozen: 2) cuBLAS
+floor. Rows go to 07_loss_fwdgrad_tuning.csv.
 
 Writes 07_loss_tuning.csv (one row per shape, head, kernel, configuration and repetition) into --out.
 
@@ -45,15 +45,9 @@ MEMORY_PLANS = [(None, None, "one_pass"), (None, None, "two_pass"), (2048, 16384
 
 
 FWDGRAD_SHAPES = {**SHAPES, "gemma2-2b": (2304, 256_000), "qwen2.5-14b": (5120, 152_064)}
-# (ce_block_v, ce_warps, ce_programs_per_sm, ce_reverse): one program per row, then fewer programs walking rows and
-# the second read reversed (for L2 to serve it)
-SOFTMAX_PASS = [(1024, 4, None, False), (2048, 8, None, False), (4096, 8, None, False), (4096, 16, None, False),
-                (8192, 16, None, False), (16384, 32, None, False), (4096, 8, None, True), (4096, 8, 1, True),
-                (4096, 8, 2, True), (4096, 16, 1, True), (8192, 16, 1, True)]
-# (chunk rows, dw_accumulate, ce_programs_per_sm, ce_reverse)
-FWDGRAD_PLANS = [(2048, "auto", None, False), (4096, "auto", None, False), (8192, "auto", None, False),
-                 (4096, "partial", None, False), (4096, "input_dtype", None, False), (4096, "auto", None, True),
-                 (4096, "auto", 1, True), (4096, "auto", 2, True), (8192, "auto", 1, True)]
+SOFTMAX_PASS = [(1024, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16), (16384, 32)]  # (ce_block_v, ce_warps)
+FWDGRAD_PLANS = [(2048, "auto"), (4096, "auto"), (8192, "auto"), (4096, "partial"),
+                 (4096, "input_dtype")]  # (chunk rows, dw_accumulate)
 
 
 
@@ -66,26 +60,23 @@ def loss_inputs(tokens: int, d: int, vocab: int, device, dtype):
     return h, w, y
 
 def _softmax_pass_ms(z0, y, setting, timed) -> float:
-    """ms of the softmax pass over the chunk ``z0`` with ``setting`` = (ce_block_v, ce_warps, ce_programs_per_sm,
-    ce_reverse) (each call first restores the logits it overwrites; the copy's own time is subtracted)."""
+    """ms of the softmax pass over the chunk ``z0`` with ``setting`` = (ce_block_v, ce_warps) (each call first
+    restores the logits it overwrites; the copy's own time is subtracted)."""
     import triton
 
-    from lora_lab.kernels.loss import LossKernelConfig
-    from lora_lab.kernels.loss.fwdgrad import softmax_programs
     from lora_lab.kernels.loss.kernels import logit_grad_kernel
 
-    block_v, warps, programs_per_sm, reverse = setting
+    block_v, warps = setting
     rows, vocab = z0.shape
     z = torch.empty_like(z0)
     per_row = torch.empty(2, rows, dtype=torch.float32, device=z0.device)
     one = torch.ones(1, dtype=torch.float32, device=z0.device)
-    grid = (softmax_programs(rows, LossKernelConfig(ce_programs_per_sm=programs_per_sm), z0.device),)
 
     def run():
         z.copy_(z0)
-        logit_grad_kernel[grid](z, z.stride(0), rows, y, per_row[0], per_row[1], one, vocab, -100, 0.0, 0.0, 0.0,
-                                HAS_SOFTCAP=False, SMOOTHING=False, Z_LOSS=False, WRITE_GRAD=True, REVERSE=reverse,
-                                BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), num_warps=warps)
+        logit_grad_kernel[(rows,)](z, z.stride(0), y, per_row[0], per_row[1], one, vocab, -100, 0.0, 0.0, 0.0,
+                                   HAS_SOFTCAP=False, SMOOTHING=False, Z_LOSS=False, WRITE_GRAD=True,
+                                   BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), num_warps=warps)
 
     return timed(run) - timed(lambda: z.copy_(z0))
 
@@ -140,8 +131,8 @@ def tune_fwdgrad(args, device, dtype, timed) -> list[dict]:
 
     shapes = {"smoke": (32, 300)} if args.smoke else FWDGRAD_SHAPES
     tokens = 64 if args.smoke else args.tokens
-    passes = [(64, 1, None, False), (64, 1, 1, True)] if args.smoke else SOFTMAX_PASS
-    plans = [(24, "partial", None, False), (64, "partial", 1, True)] if args.smoke else FWDGRAD_PLANS
+    passes = [(64, 1)] if args.smoke else SOFTMAX_PASS
+    plans = [(24, "partial"), (64, "partial")] if args.smoke else FWDGRAD_PLANS
     bandwidth = 4.8e12  # H200 HBM3e, bytes/s: the pass's yardstick
     out = []
     for shape, (d, vocab) in shapes.items():
@@ -163,10 +154,9 @@ def tune_fwdgrad(args, device, dtype, timed) -> list[dict]:
                 head = "trainable" if trainable else "frozen"
                 floor_ms = _floor_ms(h, w, trainable, timed)
                 for plan in plans:
-                    chunk_rows, dw_mode, programs_per_sm, reverse = plan
+                    chunk_rows, dw_mode = plan
                     cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=chunk_rows, dw_accumulate=dw_mode,
-                                           ce_block_v=64 if args.smoke else 4096,
-                                           ce_programs_per_sm=programs_per_sm, ce_reverse=reverse)
+                                           ce_block_v=64 if args.smoke else 4096)
                     try:
                         (ms, kernel), status = _fwdgrad_op_ms(h, w, y, trainable, cfg, timed), "ok"
                     except Exception as exc:  # a plan that does not fit or run is a recorded result

@@ -35,7 +35,7 @@ import torch
 from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.loss.kernels import logit_grad_kernel
 
-__all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "softmax_programs", "fwdgrad_loss_and_grads",
+__all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_grads",
            "FwdGradLinearCrossEntropyFunction"]
 
 GIB = 2**30
@@ -143,16 +143,6 @@ def _unwritten(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def softmax_programs(rows: int, cfg, device: torch.device) -> int:
-    """Programs of the softmax pass over a ``rows``-row chunk: one per row, or (``cfg.ce_programs_per_sm``) that
-    many per SM, each walking rows ``pid, pid + programs, ...`` (fewer rows in flight: a row's second read is
-    likelier to hit L2). The interpreter counts 2 SMs, so its tests walk several rows per program."""
-    if cfg.ce_programs_per_sm is None or rows == 0:
-        return max(1, rows)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    return max(1, min(rows, sms * cfg.ce_programs_per_sm))
-
-
 def _accumulate_dw(g_t, h_c, dw, acc, partial, dw_mode, first: bool) -> None:
     """dW (or its fp32 accumulator) ``+= G_cᵀ H_c``; ``first``: ``=`` instead (the buffers start unwritten)."""
     if dw is not None:
@@ -214,11 +204,11 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
         h_c = hidden[r0:r1]
         z = logits[: r1 - r0]
         torch.mm(h_c, weight.t(), out=z)  # Z_c = H_c Wᵀ
-        logit_grad_kernel[(softmax_programs(r1 - r0, cfg, device),)](
-            z, z.stride(0), r1 - r0, labels[r0:r1], loss_rows[r0:r1], lse[r0:r1], kernel_scale,
+        logit_grad_kernel[(r1 - r0,)](
+            z, z.stride(0), labels[r0:r1], loss_rows[r0:r1], lse[r0:r1], kernel_scale,
             vocab, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0),
             HAS_SOFTCAP=softcap is not None, SMOOTHING=label_smoothing > 0.0, Z_LOSS=z_loss > 0.0,
-            WRITE_GRAD=write_grad, REVERSE=cfg.ce_reverse, BLOCK_V=block_v, num_warps=cfg.ce_warps,
+            WRITE_GRAD=write_grad, BLOCK_V=block_v, num_warps=cfg.ce_warps,
         )
         if need_h:
             torch.mm(z, weight, out=dh[r0:r1])  # dH_c = G_c W

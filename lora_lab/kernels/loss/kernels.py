@@ -222,15 +222,14 @@ def _capped(z, softcap, HAS_SOFTCAP: tl.constexpr):
 
 @triton.jit
 def logit_grad_kernel(
-    z_ptr, stride_z, n_rows,  # a chunk of logits [n_rows, V] (input dtype), overwritten by its gradient (WRITE_GRAD)
+    z_ptr, stride_z,  # a chunk of logits [rows, V] (input dtype), overwritten by its gradient when WRITE_GRAD
     labels_ptr, loss_ptr, lse_ptr,  # per row: int64 label, fp32 loss and lse (outputs)
     scale_ptr,  # one fp32 on the device: every labelled row's gradient factor (1/n_valid for mean, 1 for sum)
     V, ignore_index, label_smoothing, z_loss, softcap,
     HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
-    REVERSE: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
-    """The gradients-in-forward path's softmax pass over the rows of a logits chunk made by cuBLAS: program ``p`` of
-    ``P`` takes rows ``p, p + P, ...`` (one row each when launched with a program per row).
+    """The gradients-in-forward path's softmax pass, one program per row of a logits chunk made by cuBLAS.
 
     Pass 1 reads the row once: the online log-sum-exp (per block: m' = max(m, max z), s = s·exp(m - m') +
     Σ exp(z - m')), and Σ z for label smoothing; the target logit is one load. Then, per row,
@@ -242,22 +241,11 @@ def logit_grad_kernel(
         g_v = s·[(1 + 2λ·lse)·p_v - (1-ε)·[v = y] - ε/V]   p_v = exp(z_v - lse)   (softcap: · (1 - (z_v/c)²))
 
     an ignored row gets zeros. So the chunk is read twice and written once (a row of a 152k vocabulary is 297 KiB
-    in bf16: more than an SM's shared memory, so the second read comes from L2 or HBM; ``REVERSE`` walks pass 2
-    from the row's end, the blocks pass 1 read last first, and fewer programs keep fewer rows in flight: both
-    for L2). z is capped in both passes (softcap: z -> c·tanh(z/c)) and all arithmetic is fp32, the gradient
-    rounded to the chunk's dtype on store.
+    in bf16: more than an SM's shared memory, so the second read comes from L2 or HBM); z is capped in both passes
+    (softcap: z -> c·tanh(z/c)) and all arithmetic is fp32, the gradient rounded to the chunk's dtype on store.
     """
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        _logit_grad_row(z_ptr + tl.cast(r, tl.int64) * stride_z, r, labels_ptr, loss_ptr, lse_ptr, scale_ptr, V,
-                        ignore_index, label_smoothing, z_loss, softcap, HAS_SOFTCAP, SMOOTHING, Z_LOSS, WRITE_GRAD,
-                        REVERSE, BLOCK_V)
-
-
-@triton.jit
-def _logit_grad_row(base, row, labels_ptr, loss_ptr, lse_ptr, scale_ptr, V, ignore_index, label_smoothing, z_loss,
-                    softcap, HAS_SOFTCAP: tl.constexpr, SMOOTHING: tl.constexpr, Z_LOSS: tl.constexpr,
-                    WRITE_GRAD: tl.constexpr, REVERSE: tl.constexpr, BLOCK_V: tl.constexpr):
-    # one row of :func:`logit_grad_kernel`
+    row = tl.program_id(0).to(tl.int64)
+    base = z_ptr + row * stride_z
     y = tl.load(labels_ptr + row)
     valid = y != ignore_index
     cols = tl.arange(0, BLOCK_V)
@@ -291,12 +279,7 @@ def _logit_grad_row(base, row, labels_ptr, loss_ptr, lse_ptr, scale_ptr, V, igno
         a = tl.where(valid, a, 0.0)  # where, not a product: scale is inf for a mean over no labelled row
         b = tl.where(valid, scale * (1.0 - label_smoothing), 0.0)
         e = tl.where(valid, scale * label_smoothing / V, 0.0)
-        blocks = tl.cdiv(V, BLOCK_V)
-        for i in range(0, blocks):
-            if REVERSE:
-                v0 = (blocks - 1 - i) * BLOCK_V
-            else:
-                v0 = i * BLOCK_V
+        for v0 in range(0, V, BLOCK_V):
             ok = v0 + cols < V
             z = _capped(tl.load(base + v0 + cols, mask=ok, other=0.0).to(tl.float32), softcap, HAS_SOFTCAP)
             g = a * tl.exp(z - lse) - tl.where(v0 + cols == y, b, 0.0)
@@ -305,4 +288,4 @@ def _logit_grad_row(base, row, labels_ptr, loss_ptr, lse_ptr, scale_ptr, V, igno
             if HAS_SOFTCAP:
                 capped = z / softcap
                 g = g * (1.0 - capped * capped)
-            tl.store(base + v0 + cols, g.to(base.dtype.element_ty), mask=ok)
+            tl.store(base + v0 + cols, g.to(z_ptr.dtype.element_ty), mask=ok)

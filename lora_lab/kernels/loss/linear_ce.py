@@ -93,11 +93,11 @@ class LossKernelConfig:
     head keeps ``fwdgrad_max_rows``: there every chunk adds into the fp32 [V, d] dW accumulator, and 1,024-row
     chunks were 8-11% slower;
     ``dw_accumulate``: how a trainable head's dW is accumulated in fp32 over the chunks (:mod:`.fwdgrad`);
-    ``ce_block_v``, ``ce_warps``: the softmax pass's vocabulary block and warps (placeholders, not tuned yet);
-    ``ce_programs_per_sm``: None, one program of the softmax pass per row; else that many per SM, each walking
-    rows (fewer rows in flight, for L2 to serve the second read); ``ce_reverse``: the pass's second read walks a
-    row from its end (the blocks the first read left in L2 last, first). Both are experiments: off until an H200
-    run times them (``benchmarks/tune_loss.py --fwdgrad``).
+    ``ce_block_v``, ``ce_warps``: the softmax pass's vocabulary block and warps (an H200 sweep of one 4,096-row
+    chunk at the Llama-3-8B head found every setting within 0.844-0.908 ms, against 0.657 ms for its bytes at
+    4.8 TB/s: ``outputs/gpu/session_logs/issue27_24_23_run6/loss_dw_first_chunk/``, one repetition). Programs
+    walking several rows each, and a second read from the row's end, both meant for L2 to serve that read, were
+    slower there (1.318-2.064 ms) or no faster, and were dropped.
     """
 
     fwd_block_m: int = 128
@@ -125,8 +125,6 @@ class LossKernelConfig:
     dw_accumulate: str = "auto"
     ce_block_v: int = 4096
     ce_warps: int = 8
-    ce_programs_per_sm: int | None = None
-    ce_reverse: bool = False
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -143,11 +141,8 @@ class LossKernelConfig:
                 if value not in _PLANS:
                     raise ValueError(f"LossKernelConfig.trainable_plan must be one of {', '.join(_PLANS)}; "
                                      f"got {value!r}")
-            elif f.name in ("chunk_rows", "slab_vocab", "fwdgrad_chunk_rows", "ce_programs_per_sm") and value is None:
+            elif f.name in ("chunk_rows", "slab_vocab", "fwdgrad_chunk_rows") and value is None:
                 continue
-            elif f.name == "ce_reverse":
-                if not isinstance(value, bool):
-                    raise ValueError(f"LossKernelConfig.ce_reverse must be True or False; got {value!r}")
             elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LossKernelConfig.{f.name} must be a positive integer; got {value!r}")
         for name in ("fwd_block_m", "fwd_block_v", "fwd_block_k", "bwd_block_m", "bwd_block_v", "bwd_block_k",

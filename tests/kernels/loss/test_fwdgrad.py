@@ -110,26 +110,6 @@ def test_first_chunk_writes_every_dw_buffer(monkeypatch, dtype, dw_accumulate):
         assert math.isfinite(err["dw"]) and err["dw"] <= (1e-5 if dtype == torch.float32 else 2e-3), (rows, err)
 
 
-@pytest.mark.parametrize("programs_per_sm, reverse", [(1, False), (1, True), (None, True), (3, True)])
-def test_softmax_pass_walking_rows_and_reversed(programs_per_sm, reverse):
-    """The softmax pass with fewer programs than rows (the interpreter counts 2 SMs: 2 or 6 programs walk a
-    16-row chunk) and with its second read walking each row from the end: the same fp32 results, every option."""
-    cfg = FWD.replace(ce_programs_per_sm=programs_per_sm, ce_reverse=reverse)
-    assert fwdgrad.softmax_programs(16, cfg, torch.device("cpu")) == (16 if programs_per_sm is None
-                                                                        else 2 * programs_per_sm)
-    h, w, y = loss_inputs(37, 40, 203, torch.float32, DEVICE, ignored=(3, 20))
-    for options in SCALAR_OPTIONS:
-        err = _errors(h, w, y, True, cfg, **options)
-        assert max(err[k] for k in ("loss", "dh", "dw")) <= 1e-5, (options, err)
-
-
-def test_softmax_pass_settings_are_validated():
-    with pytest.raises(ValueError, match="ce_programs_per_sm"):
-        LossKernelConfig(ce_programs_per_sm=0)
-    with pytest.raises(ValueError, match="ce_reverse"):
-        LossKernelConfig(ce_reverse="yes")
-
-
 @pytest.mark.gpu
 def test_gpu_out_dtype_first_chunk_writes_the_fp32_accumulator(monkeypatch):
     """The CUDA-only ``out_dtype`` accumulation: its first chunk is ``torch.mm(..., out_dtype=float32)`` into an

@@ -89,7 +89,7 @@ COARSE_MIN_ROWS_PER_EXPERT = 1024
 # LoRA pieces the SiLU·up passes make from factors instead of a rank-r grouped GEMM (module docstring, "Tried and
 # measured slower"): "gate_up_term" (s1 P1 B1_e^T in SiLU·up forward), "p2" (P2 = h A2_e^T summed by SiLU·up forward),
 # "d_term" (s2 Q2 A2_e in SiLU·up backward), "q1" (Q1 = dGU B1_e summed by SiLU·up backward). Empty: all four by
-# grouped GEMMs, as measured fastest together; tools/moe_lora_pass_bench.py times each piece both ways.
+# grouped GEMMs (all four factored measured 4-10% slower); tools/moe_lora_pass_bench.py times each piece both ways.
 FACTORED_LORA_PIECES: frozenset[str] = frozenset()
 LORA_PIECES = ("gate_up_term", "p2", "d_term", "q1")
 

@@ -181,7 +181,7 @@ def expert_weight_grad(
     if num_experts * m_dim * n_dim == 0:
         return torch.empty(num_experts, m_dim, n_dim, device=a.device, dtype=out_dtype or a.dtype)
     config = resolve_config(config)
-    engine = weight_grad_engine(a, config, routing.num_assignments / num_experts)
+    engine = weight_grad_engine(config)
     if engine == "grouped_mm" and (out_dtype or a.dtype) == a.dtype:
         # CUTLASS's grouped GEMM with K split at the expert offsets; its result is the gradient (no second E x M x N
         # buffer to copy it into)
@@ -238,14 +238,10 @@ def expert_weight_grad(
     return out
 
 
-def weight_grad_engine(a: torch.Tensor, config: KernelConfig, rows_per_expert: float) -> str:
+def weight_grad_engine(config: KernelConfig) -> str:
     """``config.moe_weight_grad`` with ``auto`` resolved: ``per_tile`` on every device and shape since notebook 06's
-    H200 run of a6cdfd4 (the module docstring has the measurement); an explicit setting is taken as given. ``a`` and
-    ``rows_per_expert`` are kept in the signature for a rule that needs them again."""
-    del a, rows_per_expert
-    if config.moe_weight_grad != "auto":
-        return config.moe_weight_grad
-    return "per_tile"
+    H200 run of a6cdfd4 (the module docstring has the measurement); an explicit setting is taken as given."""
+    return "per_tile" if config.moe_weight_grad == "auto" else config.moe_weight_grad
 
 
 def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRouting, *, gather_a: bool,

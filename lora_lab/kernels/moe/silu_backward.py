@@ -103,6 +103,18 @@ def _check_low_rank(low_rank: LowRankRows, num_rows: int, n_dim: int, op: str) -
         raise TypeError(f"{op}: offsets must be int32, got {offsets.dtype}")
 
 
+def _check_low_rank_terms(op: str, extra, low_rank: LowRankRows | None, low_rank_out: LowRankOut | None,
+                          num_rows: int, n_term: int, n_written: int, dtype: torch.dtype) -> None:
+    """A pass's LoRA inputs: at most one of ``extra`` and ``low_rank`` (its term, N = ``n_term``), and
+    ``low_rank_out`` fitting the rows the pass writes (N = ``n_written``)."""
+    if low_rank is not None:
+        if extra is not None:
+            raise ValueError(f"{op}: give the LoRA term as extra or as low_rank, not both")
+        _check_low_rank(low_rank, num_rows, n_term, op)
+    if low_rank_out is not None:
+        _check_low_rank_out(low_rank_out, num_rows, n_written, dtype, op)
+
+
 def _low_rank_launch_args(low_rank: LowRankRows | None, fallback: torch.Tensor) -> tuple[tuple, dict]:
     """(pointer and stride arguments, constexprs) for a kernel's low-rank term (dummies when absent)."""
     if low_rank is None:
@@ -239,12 +251,7 @@ def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid
     if extra is not None and (extra.shape != d.shape or extra.stride(1) != 1):
         raise ValueError(f"silu_backward: extra {tuple(extra.shape)} must be D's shape {tuple(d.shape)}, "
                          "contiguous along its columns")
-    if low_rank is not None:
-        if extra is not None:
-            raise ValueError("silu_backward: give the LoRA term as extra or as low_rank, not both")
-        _check_low_rank(low_rank, num_rows, inter, "silu_backward")
-    if low_rank_out is not None:
-        _check_low_rank_out(low_rank_out, num_rows, 2 * inter, gu.dtype, "silu_backward")
+    _check_low_rank_terms("silu_backward", extra, low_rank, low_rank_out, num_rows, inter, 2 * inter, gu.dtype)
     dgu = torch.empty_like(gu)
     h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
     dw = torch.zeros(num_rows, device=gu.device, dtype=torch.float32) if compute_router_grad else None
@@ -347,12 +354,7 @@ def silu_mul(gu: torch.Tensor, weight: torch.Tensor | None = None, extra: torch.
     if extra is not None and (extra.shape != gu.shape or extra.stride(1) != 1):
         raise ValueError(f"silu_mul: extra {tuple(extra.shape)} must be [g | u]'s shape {tuple(gu.shape)}, "
                          "contiguous along its columns")
-    if low_rank is not None:
-        if extra is not None:
-            raise ValueError("silu_mul: give the LoRA term as extra or as low_rank, not both")
-        _check_low_rank(low_rank, num_rows, two_i, "silu_mul")
-    if low_rank_out is not None:
-        _check_low_rank_out(low_rank_out, num_rows, inter, gu.dtype, "silu_mul")
+    _check_low_rank_terms("silu_mul", extra, low_rank, low_rank_out, num_rows, two_i, inter, gu.dtype)
     h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
     if num_rows == 0 or inter == 0:
         return h

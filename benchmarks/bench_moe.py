@@ -13,7 +13,9 @@ with ``KernelConfig.moe_loads`` set: the persistent form of the Triton kernels, 
 ``full`` cells only), are ours with ``KernelConfig.moe_weight_grad`` set to ``kgrouped``, ``grouped_mm`` or
 ``per_tile``: another engine for the expert weight gradients, everything else the same; ``ours_gmm_engine`` and
 ``ours_triton``, opt-in, in ``lora`` cells only, are ours with ``KernelConfig.moe_engine`` set to ``grouped_mm`` or
-``triton``: every expert GEMM on CUTLASS's grouped GEMM, or on the Triton kernels, whatever the rule picks).
+``triton``: every expert GEMM on CUTLASS's grouped GEMM, or on the Triton kernels, whatever the rule picks;
+``ours_scatter_triton``, opt-in, in ``full`` cells only, is ours with ``KernelConfig.moe_scatter='triton'``: the
+down-forward and dX GEMMs on our atomic scatter-add kernels instead of ``torch._grouped_mm`` and the un-sort pass).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, the shapes in
@@ -49,7 +51,8 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
 
     python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --repetitions 5 --secondary \
-        --variants eager liger ours_untuned ours_persistent ours_dw_grouped_mm  # what notebook 06 records (the panel)
+        --variants eager liger ours_untuned ours_persistent ours_dw_grouped_mm ours_scatter_triton \
+        ours_triton  # what notebook 06 records (the panel)
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
@@ -87,6 +90,7 @@ from lora_lab.experiments.fused_moe import (
     OURS_ENGINES,
     OURS_KGROUPED,
     OURS_PERSISTENT,
+    OURS_SCATTER,
     OURS_UNTUNED,
     OURS_VARIANTS,
     expert_gemm_flops,
@@ -103,9 +107,11 @@ from lora_lab.lab import measure
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
 # Liger: full fine-tuning only, when installed; ours_persistent: ours with KernelConfig.moe_loads set
-ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, *OURS_KGROUPED, *OURS_ENGINES, LIGER]
-# what runs when --variants is not given: every implementation but the opt-in weight-gradient and engine variants
-DEFAULT_RUN = [impl for impl in ALL_IMPLS if impl not in OURS_KGROUPED and impl not in OURS_ENGINES]
+ALL_IMPLS = [*IMPLEMENTATIONS, *OURS_PERSISTENT, *OURS_UNTUNED, *OURS_KGROUPED, *OURS_ENGINES, *OURS_SCATTER, LIGER]
+# what runs when --variants is not given: every implementation but the opt-in weight-gradient, engine and scatter
+# variants
+DEFAULT_RUN = [impl for impl in ALL_IMPLS
+               if impl not in OURS_KGROUPED and impl not in OURS_ENGINES and impl not in OURS_SCATTER]
 # --smoke: tiny stand-ins of the layer shapes (same names, routing rule and family), T / 1024
 SMOKE_SHAPES = {name: dict(hidden=32, num_experts=4, top_k=2, intermediate=16 + 8 * (k % 2))
                 for k, name in enumerate(LAYER_SHAPES)}
@@ -116,9 +122,10 @@ SMOKE_TOKEN_DIVISOR = 1024
 # on an H200 at that layer, 8,192 tokens, in the issue27_25_24 session log) and its autotune key is (H_dim, I_dim)
 # (liger_kernel/ops/fused_moe_kernels.py, 0.8.5): both token counts of one layer share one tuning
 LIGER_SHAPES = ("qwen3_30b_a3b",)
-# our variants that change only the expert weights' gradient engine: full fine-tuning cells only (LoRA cells compute
-# no expert weight gradient, so there they would repeat ours)
-WEIGHT_GRAD_VARIANTS = tuple(OURS_KGROUPED)
+# our variants that change only the expert weights' gradient engine, or only the scatter GEMMs of full fine-tuning:
+# full fine-tuning cells only (LoRA cells compute no expert weight gradient and run on the grouped-GEMM engine, so
+# there they would repeat ours)
+WEIGHT_GRAD_VARIANTS = (*OURS_KGROUPED, *OURS_SCATTER)
 OPTIONAL_IMPLS = (*OURS_VARIANTS, LIGER)  # their failure is a recorded result; the others' fails the run
 # First calls known to be expensive with a cold cache (compile + autotuning), in seconds: what the H200 run of
 # notebook 06 at 14de7b6 measured at the 30B-A3B-like layer, 8,192 tokens, full fine-tuning (session log

@@ -49,7 +49,7 @@ __all__ = [
     "EDGE_CASES", "TENSOR_NAMES", "make_moe_problem", "outputs_and_grads", "fused_vs_reference",
     "edge_case_table", "tiny_qwen3_moe", "add_expert_lora", "patched_model_check", "peft_roundtrip_check",
     "H200_DENSE_BF16_TFLOPS", "IMPLEMENTATIONS", "OURS_KGROUPED", "OURS_PERSISTENT", "OURS_UNTUNED", "OURS_VARIANTS",
-    "OURS_ENGINES",
+    "OURS_ENGINES", "OURS_SCATTER",
     "COARSE_SHAPES", "ours_config", "MoeLayerShape",
     "LAYER_SHAPES", "random_routing",
     "LIGER", "liger_available", "implementations", "register_liger", "layer_holder", "set_implementation",
@@ -249,10 +249,14 @@ OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
 # in every LoRA cell, before the rule sent LoRA there), ``ours_triton`` on the Triton kernels (what the rule picked for
 # LoRA on fine-grained experts before session 7's diagnostic: the path the rule now leaves)
 OURS_ENGINES = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}, "ours_triton": {"moe_engine": "triton"}}
+# ours with the down-forward and dX GEMMs of full fine-tuning on our atomic scatter-add kernels
+# (KernelConfig.moe_scatter='triton'), timed in full cells when a benchmark asks for it: the form the default left
+# in session 10 for torch._grouped_mm plus the un-sort pass (lora_lab.kernels.moe.experts.scatter_engine)
+OURS_SCATTER = {"ours_scatter_triton": {"moe_scatter": "triton"}}
 # (the persistent form is one of the Triton kernels': forced there, whatever engine the rule picks for ours)
 OURS_VARIANTS = {**{name: {"moe_loads": loads, "moe_engine": "triton"} for name, loads in OURS_PERSISTENT.items()},
                  **OURS_UNTUNED,
-                 **OURS_KGROUPED, **OURS_ENGINES}
+                 **OURS_KGROUPED, **OURS_ENGINES, **OURS_SCATTER}
 
 
 def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:

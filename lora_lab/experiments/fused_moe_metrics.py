@@ -12,6 +12,7 @@ from lora_lab.experiments.fused_moe import (
     OURS_ENGINES,
     OURS_KGROUPED,
     OURS_PERSISTENT,
+    OURS_SCATTER,
     OURS_UNTUNED,
 )
 from lora_lab.lab import measure
@@ -81,7 +82,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
             out[f"{cell}_speedup_vs_{base}"] = measure.ratio_summary(
                 layer, "ms", {"cell": cell, "impl": base}, {"cell": cell, "impl": "ours"})
     for cell in PERSISTENT_CELLS:  # the persistent form, the K-grouped dW against ours, where the benchmark timed it
-        for impl in (*OURS_PERSISTENT, *OURS_KGROUPED):
+        for impl in (*OURS_PERSISTENT, *OURS_KGROUPED, *OURS_SCATTER):
             if timed(layer, cell=cell, impl=impl) and timed(layer, cell=cell, impl="ours"):
                 out[f"{cell}_{impl}_speedup_vs_ours"] = measure.ratio_summary(
                     layer, "ms", {"cell": cell, "impl": "ours"}, {"cell": cell, "impl": impl})
@@ -130,7 +131,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
     if slowdowns:
         out["panel_ours_untuned_slowdown_max"] = max(slowdowns)
     for cell in TFLOPS_CELLS:
-        for impl in ("ours", "grouped_mm", LIGER, *OURS_PERSISTENT, *OURS_KGROUPED):
+        for impl in ("ours", "grouped_mm", LIGER, *OURS_PERSISTENT, *OURS_KGROUPED, *OURS_SCATTER):
             mine = [r for r in layer if r["cell"] == cell and r["impl"] == impl and r["ms"] is not None]
             if mine:
                 tflops = [r["gemm_flops"] / (r["ms"] * 1e-3) / 1e12 for r in mine]

@@ -63,6 +63,14 @@ field              variable                meaning
                                            grouped GEMM on coarse experts and on every layer with LoRA
                                            on its experts, bf16, Hopper; the Triton kernels elsewhere),
                                            ``triton``, ``grouped_mm``
+``moe_scatter``    ``LORA_LAB_MOE_SCATTER``   the Triton engine's two GEMMs whose rows go back to tokens (down
+                                           forward, dX) in full fine-tuning: ``auto`` (``grouped_mm`` for
+                                           bf16 on Hopper where torch has it, else ``triton``; the rule of
+                                           :func:`lora_lab.kernels.moe.experts.scatter_engine`), ``triton``
+                                           (our grouped GEMM adds each row into an fp32 (T, H) buffer with
+                                           atomics), or ``grouped_mm`` (``torch._grouped_mm`` writes the
+                                           expert-sorted rows, one Triton pass sums each token's K rows);
+                                           layers with LoRA on the Triton engine keep ``triton``
 =================  ======================  ==============================================================
 
 The warp-specialised persistent forms (``persistent_ws`` for ``gemm_loads`` and ``moe_loads``) were removed: on the
@@ -86,6 +94,7 @@ CHOICES = {
     "moe_loads": ("pointer", "persistent"),
     "moe_weight_grad": ("auto", "per_tile", "kgrouped", "grouped_mm"),
     "moe_engine": ("auto", "triton", "grouped_mm"),
+    "moe_scatter": ("auto", "triton", "grouped_mm"),
     "rank_ops": ("triton", "torch"),
 }
 # values that existed once, and why they are gone (named in the error)
@@ -111,6 +120,7 @@ ENV_VARIABLES = {
     "moe_loads": "LORA_LAB_MOE_LOADS",
     "moe_weight_grad": "LORA_LAB_MOE_WEIGHT_GRAD",
     "moe_engine": "LORA_LAB_MOE_ENGINE",
+    "moe_scatter": "LORA_LAB_MOE_SCATTER",
     "rank_ops": "LORA_LAB_RANK_OPS",
 }
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
@@ -153,6 +163,7 @@ class KernelConfig:
     moe_loads: str = "pointer"
     moe_weight_grad: str = "auto"
     moe_engine: str = "auto"
+    moe_scatter: str = "auto"
     rank_ops: str = "triton"
 
     def __post_init__(self):

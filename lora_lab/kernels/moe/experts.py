@@ -10,6 +10,8 @@ Forward (per expert-sorted row j of expert e, token t, weight w_j; see ``moe_rou
     gate_up : [g_j | u_j] = X_t W1_eᵀ (+ s₁ P1_j B1_eᵀ),  h_j = w_j SiLU(g_j) u_j   one kernel
     [P2     : P2_j = h_j A2_eᵀ                                   LoRA only]
     down    : Out_t += h_j W2_eᵀ (+ s₂ P2_j B2_eᵀ)                one kernel, scatter-add by token
+              (full fine-tuning, bf16 on Hopper: ``torch._grouped_mm`` into the sorted rows, then one pass
+              that sums each token's K rows; :func:`scatter_engine`)
 
 The routing weight w_j rides in h_j (and so in P2_j) from the gate/up epilogue on: the down GEMM and every weight
 gradient of the down projection then read plain rows (see ``moe_gate_up_silu``).
@@ -24,12 +26,22 @@ Backward, given dOut (T, H):
     down_bw : D_j = dOut_t W2_e (+ s₂ Q2_j A2_e);  dw_j = ⟨D_j, SiLU(g_j) u_j⟩ (from the saved [g | u]);
               dGU_j = SiLU·up backward of w_j D_j
     [Q1     : Q1_j = dGU_j B1_e]
-    dX      : dX_t += dGU_j W1_e (+ s₁ Q1_j A1_e)                  scatter-add by token
+    dX      : dX_t += dGU_j W1_e (+ s₁ Q1_j A1_e)                  scatter-add by token (or as the down GEMM)
     dW1_e   = Σ_j dGU_jᵀ X_t,            dW2_e = Σ_j dOut_tᵀ h_j (h_j weighted)   full fine-tuning only
     dA1_e   = s₁ Σ Q1_jᵀ X_t,  dB1_e = s₁ Σ dGU_jᵀ P1_j,  dA2_e = s₂ Σ Q2_jᵀ h_j,  dB2_e = s₂ Σ dOut_tᵀ P2_j
 
 Each gradient is computed only when autograd asks for it, so LoRA on frozen experts runs two
 big grouped GEMMs in backward instead of four.
+
+**The two scatter GEMMs (down forward, dX) on CUTLASS** (``KernelConfig.moe_scatter``, :func:`scatter_engine`).
+Session 10's kernel profile of this path (H200, the Qwen3-30B-A3B-like layer, 32,768 tokens, full fine-tuning,
+``outputs/gpu/session_logs/session10/``) timed our down GEMM, which adds every row into an fp32 (T, H) buffer with
+atomics, at 2.33 ms for its 0.82 TFLOP (about 354 TFLOP/s; the zeroed buffer and its bf16 copy cost 0.15 ms more), and
+the dX GEMM at 3.35 ms for 1.65 TFLOP; the grouped-GEMM engine's CUTLASS GEMMs averaged about 550 TFLOP/s in the
+same profile. So for bf16 on Hopper the default writes these two GEMMs' rows in expert order with
+``torch._grouped_mm`` and sums each token's K rows in one Triton pass (:func:`~lora_lab.kernels.moe.silu_backward.
+unsort_sum`, fp32 in registers, rows of no expert skipped). ``moe_scatter='triton'`` keeps the atomic form; notebook 06
+times both side by side (``ours_scatter_triton``).
 """
 
 from __future__ import annotations
@@ -38,50 +50,84 @@ import torch
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.down_backward import down_backward_silu
-from lora_lab.kernels.moe.engine import engine_for, grouped_mm_experts
+from lora_lab.kernels.moe.engine import engine_for, grouped_mm_available, grouped_mm_blockers, grouped_mm_experts
 from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad
 from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
 from lora_lab.kernels.moe.launch import row_block_size
 from lora_lab.kernels.moe.lora import ExpertLoRA, moe_experts_reference
 from lora_lab.kernels.moe.routing import ExpertRouting, free_saved, refuse_second_backward, route_experts
+from lora_lab.kernels.moe.silu_backward import unsort_sum
 from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
-__all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA"]
+__all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA", "scatter_engine"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SCATTER_ENGINES = ("triton", "grouped_mm")
+
+
+def scatter_engine(*, requested: str, dtype: torch.dtype, capability: tuple[int, int] | None, hidden: int,
+                   intermediate: int, has_lora: bool, available: bool = True) -> str:
+    """Who runs the Triton engine's down-forward and dX GEMMs (module docstring): 'triton' (our grouped GEMM,
+    atomic scatter-add by token) or 'grouped_mm' (``torch._grouped_mm`` into the sorted rows, then the un-sort pass).
+    A pure function. ``requested``: ``KernelConfig.moe_scatter``; ``capability``: the CUDA device's (major, minor),
+    None off CUDA; ``has_lora``: LoRA on the experts (those layers keep 'triton', whose kernels add the terms
+    inside their accumulators). Asking for 'grouped_mm' where it cannot run raises a ValueError naming why."""
+    if requested not in ("auto", *SCATTER_ENGINES):
+        raise ValueError(f"moe_scatter must be one of auto, {', '.join(SCATTER_ENGINES)}; got {requested!r}")
+    blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, available=available)
+    if has_lora:
+        blockers.append("LoRA on the experts (the Triton engine adds its terms inside its own GEMMs)")
+    if requested == "grouped_mm":
+        if blockers:
+            raise ValueError("moe_scatter='grouped_mm' cannot run this layer: " + "; ".join(blockers))
+        return "grouped_mm"
+    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+    return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
+
+
+def _scatter_engine_for(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> str:
+    capability = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    return scatter_engine(requested=config.moe_scatter, dtype=x.dtype, capability=capability, hidden=w1.shape[2],
+                          intermediate=w1.shape[1] // 2, has_lora=has_lora, available=grouped_mm_available())
 
 
 class _FusedMoeExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, scale1, scale2, block_m, config):
         num_tokens, top_k = top_k_index.shape
-        routing = route_experts(top_k_index, w1.shape[0], block_m)
+        c = config
+        scatter = _scatter_engine_for(x, w1, a1 is not None or a2 is not None, c)
+        routing = route_experts(top_k_index, w1.shape[0], block_m, with_position=scatter == "grouped_mm")
         row_weight = top_k_weights.reshape(-1).contiguous()
 
-        c = config
         p1 = grouped_rows_gemm(x, a1.transpose(1, 2), routing, gather_rows=True, config=c) if a1 is not None else None
         gu, h = gate_up_silu(x, w1, routing, lora=(p1, b1, scale1) if a1 is not None else None,
                              row_weight=row_weight, config=c)  # h_j carries w_j
         p2 = grouped_rows_gemm(h, a2.transpose(1, 2), routing, gather_rows=False, config=c) if a2 is not None else None
 
-        out = torch.zeros(num_tokens, w2.shape[1], device=x.device, dtype=torch.float32)
-        grouped_rows_gemm(
-            h, w2.transpose(1, 2), routing, gather_rows=False, scatter_into=out,
-            lora=(p2, b2.transpose(1, 2), scale2) if a2 is not None else None, config=c,
-        )
+        if scatter == "grouped_mm":  # the sorted rows by CUTLASS, each token's K rows summed by one pass
+            out = unsort_sum(torch._grouped_mm(h, w2.transpose(1, 2), offs=routing.expert_offsets[1:]),
+                             routing.position, num_tokens, top_k, row_range=routing.expert_offsets)
+        else:
+            out = torch.zeros(num_tokens, w2.shape[1], device=x.device, dtype=torch.float32)
+            grouped_rows_gemm(
+                h, w2.transpose(1, 2), routing, gather_rows=False, scatter_into=out,
+                lora=(p2, b2.transpose(1, 2), scale2) if a2 is not None else None, config=c,
+            )
 
         # routing tensors go through save_for_backward too, so saved-tensor accounting sees them
         ctx.routing_meta = (routing.num_tokens, routing.top_k, routing.num_experts, routing.block_m)
         ctx.scales = (scale1, scale2)
         ctx.config = config
+        ctx.scatter = scatter
         ctx.has_lora = (a1 is not None, a2 is not None)
         ctx.weights_dtype = top_k_weights.dtype
         ctx.weights_shape = top_k_weights.shape
         ctx.save_for_backward(
             x, row_weight, w1, w2, gu, h, a1, b1, a2, b2, p1, p2,
             routing.sorted_slot, routing.sorted_token, routing.expert_offsets, routing.tile_expert,
-            routing.tile_row_start,
+            routing.tile_row_start, routing.position,
         )
         return out.to(x.dtype)
 
@@ -105,7 +151,10 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
         q1 = grouped_rows_gemm(dgu, b1, routing, gather_rows=False, config=c) if has_lora1 else None
 
         dx = None
-        if need[0]:
+        if need[0] and ctx.scatter == "grouped_mm":
+            dx = unsort_sum(torch._grouped_mm(dgu, w1, offs=routing.expert_offsets[1:]), routing.position,
+                            routing.num_tokens, routing.top_k, row_range=routing.expert_offsets)
+        elif need[0]:
             dx = torch.zeros(routing.num_tokens, x.shape[1], device=x.device, dtype=torch.float32)
             grouped_rows_gemm(
                 dgu, w1, routing, gather_rows=False, scatter_into=dx,

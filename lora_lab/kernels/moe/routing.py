@@ -64,6 +64,7 @@ class ExpertRouting:
     expert_offsets: torch.Tensor  # (E + 1,) int32: expert e owns sorted rows [offsets[e], offsets[e+1])
     tile_expert: torch.Tensor  # (max_tiles,) int32: expert of each row tile, E for an unused tile
     tile_row_start: torch.Tensor  # (max_tiles,) int32: first sorted row of each row tile
+    position: torch.Tensor | None = None  # (S,) int32: the sorted row of each assignment (``with_position``)
 
     @property
     def num_assignments(self) -> int:
@@ -98,22 +99,25 @@ def _check_routing_args(top_k_index: torch.Tensor, num_experts: int, block_m: in
         raise ValueError(f"block_m must be a power of two, got {block_m}")
 
 
-def route_experts(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
+def route_experts(top_k_index: torch.Tensor, num_experts: int, block_m: int,
+                  with_position: bool = False) -> ExpertRouting:
     """Sort the assignments by expert and build the row-tile map, all on the device (no host sync): three Triton
-    launches where Triton runs (module docstring), the plain-torch form elsewhere."""
+    launches where Triton runs (module docstring), the plain-torch form elsewhere. ``with_position``: also the
+    inverse map (``ExpertRouting.position``, the sorted row of each assignment)."""
     _check_routing_args(top_k_index, num_experts, block_m)
     num_tokens, top_k = top_k_index.shape
     if num_tokens * top_k == 0 or not (top_k_index.device.type == "cuda" or running_in_interpreter()):
-        return route_experts_torch(top_k_index, num_experts, block_m)
-    sort = sort_assignments(top_k_index, num_experts, block_m=block_m)
+        return route_experts_torch(top_k_index, num_experts, block_m, with_position)
+    sort = sort_assignments(top_k_index, num_experts, block_m=block_m, with_position=with_position)
     return ExpertRouting(
         num_tokens=num_tokens, top_k=top_k, num_experts=num_experts, block_m=block_m,
         sorted_slot=sort.sorted_slot, sorted_token=sort.sorted_token, expert_offsets=sort.expert_offsets,
-        tile_expert=sort.tile_expert, tile_row_start=sort.tile_row_start,
+        tile_expert=sort.tile_expert, tile_row_start=sort.tile_row_start, position=sort.position,
     )
 
 
-def route_experts_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> ExpertRouting:
+def route_experts_torch(top_k_index: torch.Tensor, num_experts: int, block_m: int,
+                        with_position: bool = False) -> ExpertRouting:
     """:func:`route_experts` with plain torch ops (a stable sort, searchsorted, cumsum): the reference for the Triton
     form, and the routing on a CPU without Triton's interpreter."""
     _check_routing_args(top_k_index, num_experts, block_m)
@@ -151,6 +155,8 @@ def route_experts_torch(top_k_index: torch.Tensor, num_experts: int, block_m: in
         expert_offsets=offsets.to(torch.int32),
         tile_expert=tile_expert.to(torch.int32),
         tile_row_start=tile_row_start.to(torch.int32),
+        position=(torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=device))
+                  .to(torch.int32) if with_position else None),
     )
 
 

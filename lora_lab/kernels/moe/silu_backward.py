@@ -373,19 +373,27 @@ def silu_mul(gu: torch.Tensor, weight: torch.Tensor | None = None, extra: torch.
 
 
 @triton.jit
-def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, extra_ptr, N, stride_rows, stride_out,
-                       stride_extra, extra_scale,
-                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr):
+def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, extra_ptr, range_ptr, range_last, N,
+                       stride_rows, stride_out, stride_extra, extra_scale,
+                       TOP_K: tl.constexpr, WEIGHTED: tl.constexpr, HAS_EXTRA: tl.constexpr, IN_RANGE: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
+    if IN_RANGE:  # only sorted rows in [range[0], range[-1]) count (the rest belong to no expert)
+        lo = tl.load(range_ptr)
+        hi = tl.load(range_ptr + range_last)
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         slot = token * TOP_K + k
-        row = tl.load(position_ptr + slot).to(tl.int64)
-        part = tl.load(rows_ptr + row * stride_rows + cols, mask=col_mask, other=0.0).to(tl.float32)
+        row32 = tl.load(position_ptr + slot)
+        row = row32.to(tl.int64)
+        mask = col_mask
+        if IN_RANGE:  # a row of no expert: no column is read
+            mask = cols < tl.where((row32 >= lo) & (row32 < hi), N, 0)
+        part = tl.load(rows_ptr + row * stride_rows + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_EXTRA:
-            part += extra_scale * tl.load(extra_ptr + row * stride_extra + cols, mask=col_mask, other=0.0).to(
+            part += extra_scale * tl.load(extra_ptr + row * stride_extra + cols, mask=mask, other=0.0).to(
                 tl.float32)
         if WEIGHTED:
             part = part * tl.load(weight_ptr + slot).to(tl.float32)
@@ -395,11 +403,13 @@ def _unsort_sum_kernel(rows_ptr, position_ptr, weight_ptr, out_ptr, extra_ptr, N
 
 def unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_k: int,
                weight: torch.Tensor | None = None, extra: torch.Tensor | None = None,
-               extra_scale: float = 1.0) -> torch.Tensor:
+               extra_scale: float = 1.0, row_range: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = Σ_k w[t·K + k] · rows[position[t·K + k]]: expert-sorted rows (S, N) summed back per token in fp32,
     rounded once to rows' dtype (``position[s]``: the sorted row of assignment s; ``weight`` (S,) in assignment
     order, None: 1). One pass: no weighted copy and no unsorted copy of the rows. ``extra`` (S, N): each row is
-    ``rows + extra_scale · extra`` (a LoRA term summed here instead of added to the rows in place)."""
+    ``rows + extra_scale · extra`` (a LoRA term summed here instead of added to the rows in place). ``row_range``
+    (an int32 tensor on the device, e.g. the expert offsets): only sorted rows in ``[row_range[0], row_range[-1])``
+    are summed, the others (assignments of no expert, whose rows nothing wrote) add nothing; read on the device."""
     num_rows, n_dim = rows.shape
     if position.shape != (num_tokens * top_k,) or num_rows != num_tokens * top_k:
         raise ValueError(f"unsort_sum: rows {tuple(rows.shape)} and positions {tuple(position.shape)} do not fit "
@@ -415,9 +425,14 @@ def unsort_sum(rows: torch.Tensor, position: torch.Tensor, num_tokens: int, top_
     if num_tokens == 0 or n_dim == 0:
         return out.zero_()
     block_n = 32 if running_in_interpreter() else 512
+    if row_range is not None and (row_range.dim() != 1 or row_range.numel() < 1 or row_range.dtype != torch.int32):
+        raise ValueError(f"unsort_sum: row_range must be a 1-D int32 tensor; got {tuple(row_range.shape)} "
+                         f"{row_range.dtype}")
     _unsort_sum_kernel[(num_tokens, cdiv(n_dim, block_n))](
         rows, position, weight if weight is not None else position, out, extra if extra is not None else rows,
+        row_range if row_range is not None else position, row_range.numel() - 1 if row_range is not None else 0,
         n_dim, rows.stride(0), out.stride(0), extra.stride(0) if extra is not None else 0, float(extra_scale),
-        TOP_K=top_k, WEIGHTED=weight is not None, HAS_EXTRA=extra is not None, BLOCK_N=block_n, num_warps=4,
+        TOP_K=top_k, WEIGHTED=weight is not None, HAS_EXTRA=extra is not None, IN_RANGE=row_range is not None,
+        BLOCK_N=block_n, num_warps=4,
     )
     return out

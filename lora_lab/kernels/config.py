@@ -46,9 +46,11 @@ field              variable                meaning
                                            descriptors where aligned (token rows are still gathered by
                                            pointer)
 ``moe_weight_grad`` ``LORA_LAB_MOE_WEIGHT_GRAD``  the MoE expert weight gradients (dW1, dW2, the LoRA factors'):
-                                           ``auto`` (the default: ``per_tile`` everywhere, the rule of
+                                           ``auto`` (the default: ``per_tile``, the rule of
                                            :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`,
-                                           measured in notebook 06), ``per_tile`` (one program per (expert,
+                                           measured in notebook 06; except dW1 of full fine-tuning where
+                                           ``moe_scatter`` runs on ``grouped_mm``: one K-grouped
+                                           ``torch._grouped_mm`` over X gathered by token), ``per_tile`` (one program per (expert,
                                            dW tile), its own pipelined loop over the expert's rows), or
                                            ``kgrouped``
                                            (opt-in: one program per SM, one loop over the rows of all its

@@ -250,11 +250,11 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
     where it does not apply — torch without ``_grouped_mm``, a rank-sized side (the LoRA factors' gradients: the
     Triton kernel's narrow tiles), rows whose byte width is not a multiple of 16.
 
-    The rows are put in expert order first (``index_select`` of a gathered operand), each row scaled by its routing
-    weight (A's rows, as the Triton kernel does) and by whether its expert id is in range. With no routing weight
-    the scale is 0 or 1, so it goes on whichever operand is a fresh gathered copy: dW1's sorted dGU is then read as
-    it is, not copied. Then ``_grouped_mm(Aᵀ, B, offs)`` reduces each expert's rows — K split at the expert
-    offsets, one (M, N) block per expert. An expert without rows gets an exact zero."""
+    The rows are put in expert order first (``index_select`` of a gathered operand; a sorted operand is read as it
+    is), A's rows scaled by their routing weight where one is given (a fresh copy, as the Triton kernel applies it).
+    Then ``_grouped_mm(Aᵀ, B, offs)`` reduces each expert's rows — K split at the expert offsets, one (M, N) block
+    per expert. Rows of out-of-range expert ids sort after the last expert (:mod:`.routing`: ``offsets[0]`` is 0),
+    outside every group, so they are never read and need no mask. An expert without rows gets an exact zero."""
     from lora_lab.kernels.moe.engine import grouped_mm_available, k_grouped_mm
 
     m_dim, n_dim = a.shape[1], b.shape[1]
@@ -262,21 +262,14 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
             or (m_dim * a.element_size()) % 16 or (n_dim * b.element_size()) % 16):
         return None
     token = routing.sorted_token.long()
-    # rows of out-of-range expert ids sort outside [offsets[0], offsets[E]); _grouped_mm's first group starts at
-    # row 0, so those rows are zeroed (on the device: no host sync) and add nothing to expert 0
-    position = torch.arange(routing.num_assignments, device=a.device)
-    in_range = ((position >= routing.expert_offsets[0]) & (position < routing.expert_offsets[-1])).to(torch.float32)
-    weight = in_range if row_weight is None else in_range * row_weight.index_select(
-        0, routing.sorted_slot.long()).to(torch.float32)
     rows_b = b.index_select(0, token) if gather_b else b.contiguous()
-    if row_weight is None and gather_b and not gather_a:
-        rows_a = a.contiguous()  # read as it is; the 0/1 mask goes on B's fresh gathered copy
-        rows_b.mul_(weight[:, None])
-    else:
-        # a fresh buffer in A's dtype (the gather makes one; a sorted operand is copied), scaled in place: the
+    rows_a = a.index_select(0, token) if gather_a else a.contiguous()
+    if row_weight is not None:
+        # scaled in place on a fresh buffer in A's dtype (the gather makes one; a sorted operand is copied): the
         # product formed in fp32 and rounded once into A's dtype, without an fp32 copy of the rows
-        rows_a = a.index_select(0, token) if gather_a else a.clone(memory_format=torch.contiguous_format)
-        rows_a.mul_(weight[:, None])
+        if not gather_a:
+            rows_a = rows_a.clone()
+        rows_a.mul_(row_weight.index_select(0, routing.sorted_slot.long()).to(torch.float32)[:, None])
     counts = routing.expert_offsets[1:] - routing.expert_offsets[:-1]
     return k_grouped_mm(rows_a, rows_b, routing.expert_offsets[1:].to(torch.int32), (counts == 0)[:, None, None], scale)
 

@@ -42,6 +42,15 @@ same profile. So for bf16 on Hopper the default writes these two GEMMs' rows in 
 ``torch._grouped_mm`` and sums each token's K rows in one Triton pass (:func:`~lora_lab.kernels.moe.silu_backward.
 unsort_sum`, fp32 in registers, rows of no expert skipped). ``moe_scatter='triton'`` keeps the atomic form; notebook 06
 times both side by side (``ours_scatter_triton``).
+
+A diagnostic H200 run of that change (session 10, 3 repetitions, one process; ``outputs/gpu/session_logs/session10/``)
+timed the layer 4-8% faster in every full fine-tuning cell of four fine-grained layers (at the 30B-A3B-like layer
+18.72 against 20.21 ms at 32k tokens, 5.56 against 5.81 at 8k), and its kernel profile afterwards put CUTLASS's
+two GEMMs at 1.37 and 2.44 ms. In the same run ``benchmarks/bench_moe_weight_grad.py`` timed dW1 alone (X gathered
+by token in its time) at 2.89 ms on ``torch._grouped_mm`` against 4.16 ms for our per-tile kernel at 32k tokens (0.94
+against 1.33 ms at 8k). So with ``moe_weight_grad='auto'``, where the scatter GEMMs run on CUTLASS, dW1 does too: X
+gathered into expert order, one K-grouped ``_grouped_mm`` (rows of no expert sort after the last group and are never
+read). dW2 stays on the per-tile kernel, which reads the routing-weighted h and gathers dOut in its loader.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ import torch
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.down_backward import down_backward_silu
 from lora_lab.kernels.moe.engine import engine_for, grouped_mm_available, grouped_mm_blockers, grouped_mm_experts
-from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad
+from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad, grouped_mm_weight_grad
 from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
 from lora_lab.kernels.moe.launch import row_block_size
@@ -162,7 +171,12 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             )
             dx = dx.to(x.dtype)
         d_weights = dw.view(ctx.weights_shape).to(ctx.weights_dtype) if need[2] else None
-        dw1 = expert_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, config=c) if need[3] else None
+        dw1 = None
+        if need[3] and ctx.scatter == "grouped_mm" and c.moe_weight_grad == "auto":
+            # dW1 as one K-grouped CUTLASS GEMM over X gathered by token (module docstring); None where it cannot run
+            dw1 = grouped_mm_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, row_weight=None, scale=1.0)
+        if need[3] and dw1 is None:
+            dw1 = expert_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, config=c)
         dw2 = expert_weight_grad(grad_out, h, routing, gather_a=True, gather_b=False, config=c) if need[4] else None
         da1 = (
             expert_weight_grad(q1, x, routing, gather_a=False, gather_b=True, scale=scale1, config=c)

@@ -19,12 +19,14 @@ expert ``e`` needs ``ceil(count_e / BLOCK_M)`` tiles. The total is at most
 no ``.item()`` is needed; tiles past the real total are marked with expert id ``E`` and exit
 at once.
 
-Expert ids outside ``[0, E)`` (transformers' expert-parallel sentinels) sort outside every
-expert's block and are simply dropped, as transformers' ``grouped_mm`` path drops them.
+Expert ids outside ``[0, E)`` (transformers' expert-parallel sentinels, negative or >= E) sort after the last
+expert's block and are simply dropped, as transformers' ``grouped_mm`` path drops them. So ``offsets[0]`` is 0 and
+the sorted rows ``[0, offsets[E])`` are exactly ``torch._grouped_mm``'s groups: a grouped GEMM over the sorted rows
+never reads a row of no expert.
 
 **How it is built.** Where Triton runs (CUDA, or the interpreter) the sort is a stable counting sort in three
 Triton launches (:func:`sort_assignments`): the assignments are cut into blocks of ``ROUTE_BLOCK`` and each id into
-a *bin* (0: id < 0, e + 1: expert e, E + 1: id >= E);
+a *bin* (e + 1: expert e, E + 1: an id outside [0, E); bin 0 stays empty);
 
     count   : counts[b, bin]  = #{s in block b : bin(s) = bin}                         one program per block
     scan    : base[b, bin]    = Σ_{b' < b} counts[b', bin],  total[bin]                  one program per 16 bins
@@ -125,11 +127,13 @@ def route_experts_torch(top_k_index: torch.Tensor, num_experts: int, block_m: in
     device = top_k_index.device
     num_assignments = num_tokens * top_k
 
-    # e_s for s = t*K + k, then a stable sort so rows of one expert keep token order (deterministic).
+    # e_s for s = t*K + k (an id outside [0, E) as E: after every expert), then a stable sort so rows of one expert
+    # keep token order (deterministic).
     expert_of_slot = top_k_index.reshape(-1).to(torch.int64)
+    expert_of_slot = torch.where((expert_of_slot >= 0) & (expert_of_slot < num_experts), expert_of_slot, num_experts)
     sorted_expert, perm = torch.sort(expert_of_slot, stable=True)
 
-    # offsets[e] = number of assignments with expert id < e (out-of-range ids fall outside [offsets[0], offsets[E])).
+    # offsets[e] = number of assignments with expert id < e (out-of-range ids fall after offsets[E]; offsets[0] = 0).
     expert_ids = torch.arange(num_experts + 1, device=device, dtype=torch.int64)
     offsets = torch.searchsorted(sorted_expert, expert_ids)
     counts = offsets[1:] - offsets[:-1]
@@ -181,14 +185,14 @@ class SortedAssignments:
 
 @triton.jit
 def _route_bins(idx_ptr, offs, mask, num_experts, INVALID_TO_FIRST: tl.constexpr):
-    """(bin, valid) of the assignments ``offs``: bin 0 for id < 0, e + 1 for expert e, E + 1 for id >= E (with
-    INVALID_TO_FIRST an out-of-range id takes expert 0's bin); -1 for a masked lane (no bin)."""
+    """(bin, valid) of the assignments ``offs``: e + 1 for expert e, E + 1 for an id outside [0, E) (with
+    INVALID_TO_FIRST it takes expert 0's bin instead); -1 for a masked lane (no bin)."""
     ids = tl.load(idx_ptr + offs, mask=mask, other=0)
     valid = (ids >= 0) & (ids < num_experts)
     if INVALID_TO_FIRST:
         bins = tl.where(valid, ids, 0).to(tl.int32) + 1
     else:
-        bins = tl.where(ids < 0, 0, tl.where(valid, ids, num_experts).to(tl.int32) + 1)
+        bins = tl.where(valid, ids, num_experts).to(tl.int32) + 1
     return tl.where(mask, bins, -1), valid
 
 
@@ -343,11 +347,10 @@ def route_experts_reference(top_k_index: torch.Tensor, num_experts: int, block_m
     """
     top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1).tolist()
-    below = sum(1 for e in flat if e < 0)  # negative ids sort before expert 0
-    sorted_slot, offsets, tiles = [], [below], []
+    sorted_slot, offsets, tiles = [], [0], []  # out-of-range ids (negative too) sort after the last expert
     for expert in range(num_experts):
         rows = [s for s, e in enumerate(flat) if e == expert]
-        start = below + len(sorted_slot)
+        start = len(sorted_slot)
         sorted_slot.extend(rows)
         offsets.append(start + len(rows))
         tiles.extend((expert, row) for row in range(start, start + len(rows), block_m))

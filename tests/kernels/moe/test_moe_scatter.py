@@ -132,3 +132,19 @@ def test_scatter_on_grouped_mm_bf16_gpu_against_fp32_reference(T, H, I, E, K):
         assert torch.isfinite(a).all(), name
         assert cosine(a, b) >= BF16_MIN_COSINE, (name, cosine(a, b))
         assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))
+
+
+@interpreter
+@needs_grouped_mm
+@pytest.mark.parametrize("weight_grad,grouped_calls", [("auto", 3), ("per_tile", 2)])
+def test_dw1_joins_cutlass_with_the_scatter_gemms_under_auto(weight_grad, grouped_calls, monkeypatch):
+    # auto: the down GEMM, dX and dW1 on torch._grouped_mm (dW2 on the per-tile kernel); per_tile keeps dW1 on Triton
+    x, index, weights, w1, w2, _ = make_problem(19, 144, 72, 5, 2)  # both dW1 sides > 128: not rank-sized
+    index = index.clone()
+    index[2, 0], index[7, 1] = -1, 5  # out-of-range ids sort after the last expert: never inside a group
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    got, ref = run_both(x, index, weights, w1, w2, None, config=SCATTER.replace(moe_weight_grad=weight_grad))
+    assert len(calls) == grouped_calls
+    assert_close_all(got[:5], ref[:5])

@@ -12,8 +12,9 @@ with ``KernelConfig.moe_loads`` set: the persistent form of the Triton kernels, 
 ``ours_kgrouped``, ``ours_dw_grouped_mm`` and ``ours_per_tile``, opt-in (only when ``--variants`` names them, in
 ``full`` cells only), are ours with ``KernelConfig.moe_weight_grad`` set to ``kgrouped``, ``grouped_mm`` or
 ``per_tile``: another engine for the expert weight gradients, everything else the same; ``ours_gmm_engine`` and
-``ours_triton``, opt-in, in ``lora`` cells only, are ours with ``KernelConfig.moe_engine`` set to ``grouped_mm`` or
-``triton``: every expert GEMM on CUTLASS's grouped GEMM, or on the Triton kernels, whatever the rule picks;
+``ours_triton``, opt-in, are ours with ``KernelConfig.moe_engine`` set to ``grouped_mm`` or ``triton``: every
+expert GEMM on CUTLASS's grouped GEMM, or on the Triton kernels, whatever the rule picks (``ours_triton`` in ``lora``
+cells only, ``ours_gmm_engine`` in both);
 ``ours_scatter_triton``, opt-in, in ``full`` cells only, is ours with ``KernelConfig.moe_scatter='triton'``: the
 down-forward and dX GEMMs on our atomic scatter-add kernels instead of ``torch._grouped_mm`` and the un-sort pass).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
@@ -503,7 +504,7 @@ def run_session(args, impls, out: Path) -> None:
         cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
                       and (i not in OURS_PERSISTENT or (name in args.persistent_shapes and mode == "full"))
                       and (i not in WEIGHT_GRAD_VARIANTS or mode == "full")
-                      and (i not in OURS_ENGINES or mode == "lora")
+                      and (i not in OURS_ENGINES or mode == "lora" or i == "ours_gmm_engine")
                       and runs_in(i, mode)]
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,

@@ -92,7 +92,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
             if key not in out and timed(layer, cell=cell, impl=base) and timed(layer, cell=cell, impl="ours"):
                 out[key] = measure.ratio_summary(layer, "ms", {"cell": cell, "impl": base},
                                                  {"cell": cell, "impl": "ours"})
-        for impl in OURS_ENGINES:  # our LoRA layer with its GEMMs forced onto one engine, where the benchmark timed it
+        for impl in OURS_ENGINES:  # our layer with its GEMMs forced onto one engine, where the benchmark timed it
             for base in ("ours", "grouped_mm"):
                 if timed(layer, cell=cell, impl=impl) and timed(layer, cell=cell, impl=base):
                     out[f"{cell}_{impl}_speedup_vs_{base}"] = measure.ratio_summary(

@@ -50,8 +50,9 @@ field              variable                meaning
                                            :func:`lora_lab.kernels.moe.expert_weight_grad.weight_grad_engine`,
                                            measured in notebook 06; except dW1 of full fine-tuning where
                                            ``moe_scatter`` runs on ``grouped_mm``: one K-grouped
-                                           ``torch._grouped_mm`` over X gathered by token), ``per_tile`` (one program per (expert,
-                                           dW tile), its own pipelined loop over the expert's rows), or
+                                           ``torch._grouped_mm`` over X gathered by token), ``per_tile``
+                                           (one program per (expert, dW tile), its own pipelined loop over
+                                           the expert's rows), or
                                            ``kgrouped``
                                            (opt-in: one program per SM, one loop over the rows of all its
                                            (expert, tile) items, not software-pipelined by Triton 3.6/3.9;

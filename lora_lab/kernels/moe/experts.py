@@ -48,9 +48,11 @@ timed the layer 4-8% faster in every full fine-tuning cell of four fine-grained 
 18.72 against 20.21 ms at 32k tokens, 5.56 against 5.81 at 8k), and its kernel profile afterwards put CUTLASS's
 two GEMMs at 1.37 and 2.44 ms. In the same run ``benchmarks/bench_moe_weight_grad.py`` timed dW1 alone (X gathered
 by token in its time) at 2.89 ms on ``torch._grouped_mm`` against 4.16 ms for our per-tile kernel at 32k tokens (0.94
-against 1.33 ms at 8k). So with ``moe_weight_grad='auto'``, where the scatter GEMMs run on CUTLASS, dW1 does too: X
-gathered into expert order, one K-grouped ``_grouped_mm`` (rows of no expert sort after the last group and are never
-read). dW2 stays on the per-tile kernel, which reads the routing-weighted h and gathers dOut in its loader.
+against 1.33 ms at 8k). So with ``moe_weight_grad='auto'``, where the scatter GEMMs' rule puts them on CUTLASS
+(:func:`dw1_on_grouped_mm`), dW1 goes there too: X gathered into expert order, one K-grouped ``_grouped_mm`` (rows
+of no expert sort after the last group and are never read). dW2 stays on the per-tile kernel, which reads the
+routing-weighted h and gathers dOut in its loader. This dW1 rule has not yet run inside the layer on a GPU (session
+10's device time ran out before that check); notebook 06's next run times it against ``ours_per_tile``.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ from lora_lab.kernels.moe.routing import ExpertRouting, free_saved, refuse_secon
 from lora_lab.kernels.moe.silu_backward import unsort_sum
 from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
-__all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA", "scatter_engine"]
+__all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA", "scatter_engine", "dw1_on_grouped_mm"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCATTER_ENGINES = ("triton", "grouped_mm")
@@ -95,10 +97,24 @@ def scatter_engine(*, requested: str, dtype: torch.dtype, capability: tuple[int,
     return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
 
 
-def _scatter_engine_for(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> str:
+def dw1_on_grouped_mm(*, weight_grad: str, dtype: torch.dtype, capability: tuple[int, int] | None, hidden: int,
+                      intermediate: int, has_lora: bool, available: bool = True) -> bool:
+    """Whether dW1 of full fine-tuning runs as one K-grouped ``torch._grouped_mm`` over X gathered by token (module
+    docstring): with ``moe_weight_grad='auto'`` (``weight_grad``) wherever ``moe_scatter='auto'`` would put the
+    scatter GEMMs on CUTLASS (bf16 on Hopper, aligned, no LoRA), whatever ``moe_scatter`` itself asks for, so that
+    the ``ours_scatter_triton`` variant differs from ours in the scatter GEMMs alone. A pure function."""
+    return weight_grad == "auto" and scatter_engine(
+        requested="auto", dtype=dtype, capability=capability, hidden=hidden, intermediate=intermediate,
+        has_lora=has_lora, available=available) == "grouped_mm"
+
+
+def _layer_rules(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> tuple[str, bool]:
+    """(:func:`scatter_engine`, :func:`dw1_on_grouped_mm`) for one call's tensors and ``config``."""
     capability = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
-    return scatter_engine(requested=config.moe_scatter, dtype=x.dtype, capability=capability, hidden=w1.shape[2],
-                          intermediate=w1.shape[1] // 2, has_lora=has_lora, available=grouped_mm_available())
+    shape = dict(dtype=x.dtype, capability=capability, hidden=w1.shape[2], intermediate=w1.shape[1] // 2,
+                 has_lora=has_lora, available=grouped_mm_available())
+    return (scatter_engine(requested=config.moe_scatter, **shape),
+            dw1_on_grouped_mm(weight_grad=config.moe_weight_grad, **shape))
 
 
 class _FusedMoeExpertsFunction(torch.autograd.Function):
@@ -106,7 +122,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, scale1, scale2, block_m, config):
         num_tokens, top_k = top_k_index.shape
         c = config
-        scatter = _scatter_engine_for(x, w1, a1 is not None or a2 is not None, c)
+        scatter, dw1_gmm = _layer_rules(x, w1, a1 is not None or a2 is not None, c)
         routing = route_experts(top_k_index, w1.shape[0], block_m, with_position=scatter == "grouped_mm")
         row_weight = top_k_weights.reshape(-1).contiguous()
 
@@ -130,6 +146,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
         ctx.scales = (scale1, scale2)
         ctx.config = config
         ctx.scatter = scatter
+        ctx.dw1_gmm = dw1_gmm
         ctx.has_lora = (a1 is not None, a2 is not None)
         ctx.weights_dtype = top_k_weights.dtype
         ctx.weights_shape = top_k_weights.shape
@@ -172,7 +189,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             dx = dx.to(x.dtype)
         d_weights = dw.view(ctx.weights_shape).to(ctx.weights_dtype) if need[2] else None
         dw1 = None
-        if need[3] and ctx.scatter == "grouped_mm" and c.moe_weight_grad == "auto":
+        if need[3] and ctx.dw1_gmm:
             # dW1 as one K-grouped CUTLASS GEMM over X gathered by token (module docstring); None where it cannot run
             dw1 = grouped_mm_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, row_weight=None, scale=1.0)
         if need[3] and dw1 is None:

@@ -12,8 +12,8 @@ import torch
 from test_moe_kernels import BF16_MAX_REL_L2, BF16_MIN_COSINE, assert_close_all, interpreter, make_problem, run_both
 
 from lora_lab.kernels.config import KernelConfig
-from lora_lab.kernels.moe import engine
-from lora_lab.kernels.moe.experts import moe_experts_reference, scatter_engine
+from lora_lab.kernels.moe import engine, experts
+from lora_lab.kernels.moe.experts import dw1_on_grouped_mm, moe_experts_reference, scatter_engine
 from lora_lab.kernels.moe.routing import route_experts, route_experts_torch
 from lora_lab.kernels.moe.silu_backward import unsort_sum
 from lora_lab.numerics import cosine, rel_l2
@@ -134,17 +134,31 @@ def test_scatter_on_grouped_mm_bf16_gpu_against_fp32_reference(T, H, I, E, K):
         assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))
 
 
+def test_dw1_goes_to_grouped_mm_under_auto_where_the_scatter_rule_would_send_the_scatter_gemms():
+    args = dict(dtype=BF16, capability=HOPPER, has_lora=False, available=True) | QWEN3_30B
+    assert dw1_on_grouped_mm(weight_grad="auto", **args)
+    for other in ("per_tile", "kgrouped", "grouped_mm"):  # an explicit engine goes through expert_weight_grad
+        assert not dw1_on_grouped_mm(weight_grad=other, **args)
+    for change in (dict(capability=(8, 0)), dict(capability=None), dict(dtype=torch.float32), dict(has_lora=True),
+                   dict(available=False), dict(hidden=2044)):
+        assert not dw1_on_grouped_mm(weight_grad="auto", **(args | change)), change
+
+
 @interpreter
 @needs_grouped_mm
-@pytest.mark.parametrize("weight_grad,grouped_calls", [("auto", 3), ("per_tile", 2)])
-def test_dw1_joins_cutlass_with_the_scatter_gemms_under_auto(weight_grad, grouped_calls, monkeypatch):
-    # auto: the down GEMM, dX and dW1 on torch._grouped_mm (dW2 on the per-tile kernel); per_tile keeps dW1 on Triton
+@pytest.mark.parametrize("scatter,weight_grad,grouped_calls", [
+    ("grouped_mm", "auto", 3), ("grouped_mm", "per_tile", 2), ("triton", "auto", 1), ("triton", "per_tile", 0)])
+def test_dw1_on_grouped_mm_is_its_own_rule(scatter, weight_grad, grouped_calls, monkeypatch):
+    # where the rule holds (forced here: on CPU it needs bf16 on Hopper), dW1 is one more torch._grouped_mm, with
+    # either scatter form; dW2 stays on the per-tile kernel
+    monkeypatch.setattr(experts, "dw1_on_grouped_mm", lambda **k: k["weight_grad"] == "auto")
     x, index, weights, w1, w2, _ = make_problem(19, 144, 72, 5, 2)  # both dW1 sides > 128: not rank-sized
     index = index.clone()
     index[2, 0], index[7, 1] = -1, 5  # out-of-range ids sort after the last expert: never inside a group
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    got, ref = run_both(x, index, weights, w1, w2, None, config=SCATTER.replace(moe_weight_grad=weight_grad))
+    config = SCATTER.replace(moe_scatter=scatter, moe_weight_grad=weight_grad)
+    got, ref = run_both(x, index, weights, w1, w2, None, config=config)
     assert len(calls) == grouped_calls
     assert_close_all(got[:5], ref[:5])

@@ -74,6 +74,13 @@ field              variable                meaning
                                            atomics), or ``grouped_mm`` (``torch._grouped_mm`` writes the
                                            expert-sorted rows, one Triton pass sums each token's K rows);
                                            layers with LoRA on the Triton engine keep ``triton``
+``moe_down_backward`` ``LORA_LAB_MOE_DOWN_BACKWARD``  the Triton engine's down-projection backward in full
+                                           fine-tuning: ``auto`` (``triton`` until measured), ``triton`` (one
+                                           fused kernel: dOut gathered in its loader, SiLU·up backward and the
+                                           router gradient in its epilogue), or ``grouped_mm`` (dOut gathered
+                                           into expert order once, D on ``torch._grouped_mm``, the SiLU·up
+                                           backward pass, and with ``moe_weight_grad='auto'`` dW2 as one
+                                           K-grouped ``_grouped_mm`` over the same gathered rows)
 =================  ======================  ==============================================================
 
 The warp-specialised persistent forms (``persistent_ws`` for ``gemm_loads`` and ``moe_loads``) were removed: on the
@@ -98,6 +105,7 @@ CHOICES = {
     "moe_weight_grad": ("auto", "per_tile", "kgrouped", "grouped_mm"),
     "moe_engine": ("auto", "triton", "grouped_mm"),
     "moe_scatter": ("auto", "triton", "grouped_mm"),
+    "moe_down_backward": ("auto", "triton", "grouped_mm"),
     "rank_ops": ("triton", "torch"),
 }
 # values that existed once, and why they are gone (named in the error)
@@ -124,6 +132,7 @@ ENV_VARIABLES = {
     "moe_weight_grad": "LORA_LAB_MOE_WEIGHT_GRAD",
     "moe_engine": "LORA_LAB_MOE_ENGINE",
     "moe_scatter": "LORA_LAB_MOE_SCATTER",
+    "moe_down_backward": "LORA_LAB_MOE_DOWN_BACKWARD",
     "rank_ops": "LORA_LAB_RANK_OPS",
 }
 _TRUE, _FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
@@ -167,6 +176,7 @@ class KernelConfig:
     moe_weight_grad: str = "auto"
     moe_engine: str = "auto"
     moe_scatter: str = "auto"
+    moe_down_backward: str = "auto"
     rank_ops: str = "triton"
 
     def __post_init__(self):

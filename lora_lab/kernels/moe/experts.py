@@ -53,6 +53,14 @@ against 1.33 ms at 8k). So with ``moe_weight_grad='auto'``, where the scatter GE
 of no expert sort after the last group and are never read). dW2 stays on the per-tile kernel, which reads the
 routing-weighted h and gathers dOut in its loader. This dW1 rule has not yet run inside the layer on a GPU (session
 10's device time ran out before that check); notebook 06's next run times it against ``ours_per_tile``.
+
+**The down projection's backward on CUTLASS, opt-in** (``KernelConfig.moe_down_backward='grouped_mm'``,
+:func:`down_backward_engine`). The same profile put our fused down-backward kernel at 3.34 ms (its GEMM is 0.82
+TFLOP) and dW2 at about 2 ms. The other form gathers dOut into expert order once (S x H), runs D = dOut_s W2_e on
+``torch._grouped_mm``, SiLU·up's backward and the router gradient in the grouped-GEMM engine's Triton pass, and dW2 as
+one K-grouped ``_grouped_mm`` over the same gathered rows and the weighted h that pass returns. Estimated from the
+profile's CUTLASS speeds, about 1 ms less at the 30B-A3B-like layer, 32k tokens; not yet timed, so ``auto`` stays on
+the fused kernel and notebook 06 times this form as ``ours_down_gmm``.
 """
 
 from __future__ import annotations
@@ -61,17 +69,24 @@ import torch
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.down_backward import down_backward_silu
-from lora_lab.kernels.moe.engine import engine_for, grouped_mm_available, grouped_mm_blockers, grouped_mm_experts
+from lora_lab.kernels.moe.engine import (
+    engine_for,
+    grouped_mm_available,
+    grouped_mm_blockers,
+    grouped_mm_experts,
+    k_grouped_mm,
+)
 from lora_lab.kernels.moe.expert_weight_grad import expert_weight_grad, grouped_mm_weight_grad
 from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
 from lora_lab.kernels.moe.launch import row_block_size
 from lora_lab.kernels.moe.lora import ExpertLoRA, moe_experts_reference
 from lora_lab.kernels.moe.routing import ExpertRouting, free_saved, refuse_second_backward, route_experts
-from lora_lab.kernels.moe.silu_backward import unsort_sum
+from lora_lab.kernels.moe.silu_backward import silu_backward, unsort_sum
 from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
-__all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA", "scatter_engine", "dw1_on_grouped_mm"]
+__all__ = ["fused_moe_experts", "moe_experts_reference", "ExpertLoRA", "scatter_engine", "dw1_on_grouped_mm",
+           "down_backward_engine"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCATTER_ENGINES = ("triton", "grouped_mm")
@@ -108,13 +123,34 @@ def dw1_on_grouped_mm(*, weight_grad: str, dtype: torch.dtype, capability: tuple
         has_lora=has_lora, available=available) == "grouped_mm"
 
 
-def _layer_rules(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> tuple[str, bool]:
-    """(:func:`scatter_engine`, :func:`dw1_on_grouped_mm`) for one call's tensors and ``config``."""
+def down_backward_engine(*, requested: str, dtype: torch.dtype, capability: tuple[int, int] | None, hidden: int,
+                         intermediate: int, has_lora: bool, available: bool = True) -> str:
+    """Who runs the Triton engine's down-projection backward in full fine-tuning (``KernelConfig.moe_down_backward``):
+    'triton' (the fused ``down_backward_silu`` kernel) or 'grouped_mm' (dOut gathered into expert order once,
+    D = dOut_s W2_e on ``torch._grouped_mm``, the SiLU·up backward pass of the grouped-GEMM engine, and dW2 as one
+    K-grouped ``_grouped_mm`` over the same gathered rows). ``auto`` is 'triton' until an H200 run times the other;
+    asking for 'grouped_mm' where it cannot run raises a ValueError naming why. A pure function."""
+    if requested not in ("auto", *SCATTER_ENGINES):
+        raise ValueError(f"moe_down_backward must be one of auto, {', '.join(SCATTER_ENGINES)}; got {requested!r}")
+    if requested != "grouped_mm":
+        return "triton"
+    blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, available=available)
+    if has_lora:
+        blockers.append("LoRA on the experts (the Triton engine adds its terms inside its own GEMMs)")
+    if blockers:
+        raise ValueError("moe_down_backward='grouped_mm' cannot run this layer: " + "; ".join(blockers))
+    return "grouped_mm"
+
+
+def _layer_rules(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> tuple[str, bool, str]:
+    """(:func:`scatter_engine`, :func:`dw1_on_grouped_mm`, :func:`down_backward_engine`) for one call's tensors
+    and ``config``."""
     capability = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
     shape = dict(dtype=x.dtype, capability=capability, hidden=w1.shape[2], intermediate=w1.shape[1] // 2,
                  has_lora=has_lora, available=grouped_mm_available())
     return (scatter_engine(requested=config.moe_scatter, **shape),
-            dw1_on_grouped_mm(weight_grad=config.moe_weight_grad, **shape))
+            dw1_on_grouped_mm(weight_grad=config.moe_weight_grad, **shape),
+            down_backward_engine(requested=config.moe_down_backward, **shape))
 
 
 class _FusedMoeExpertsFunction(torch.autograd.Function):
@@ -122,8 +158,9 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
     def forward(ctx, x, top_k_index, top_k_weights, w1, w2, a1, b1, a2, b2, scale1, scale2, block_m, config):
         num_tokens, top_k = top_k_index.shape
         c = config
-        scatter, dw1_gmm = _layer_rules(x, w1, a1 is not None or a2 is not None, c)
-        routing = route_experts(top_k_index, w1.shape[0], block_m, with_position=scatter == "grouped_mm")
+        scatter, dw1_gmm, down_bw = _layer_rules(x, w1, a1 is not None or a2 is not None, c)
+        routing = route_experts(top_k_index, w1.shape[0], block_m,
+                                with_position="grouped_mm" in (scatter, down_bw))
         row_weight = top_k_weights.reshape(-1).contiguous()
 
         p1 = grouped_rows_gemm(x, a1.transpose(1, 2), routing, gather_rows=True, config=c) if a1 is not None else None
@@ -147,6 +184,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
         ctx.config = config
         ctx.scatter = scatter
         ctx.dw1_gmm = dw1_gmm
+        ctx.down_bw = down_bw
         ctx.has_lora = (a1 is not None, a2 is not None)
         ctx.weights_dtype = top_k_weights.dtype
         ctx.weights_shape = top_k_weights.shape
@@ -169,10 +207,26 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
         c = ctx.config
 
         q2 = grouped_rows_gemm(grad_out, b2, routing, gather_rows=True, config=c) if has_lora2 else None
-        dgu, dw = down_backward_silu(
-            grad_out, w2, gu, row_weight, routing, compute_router_grad=need[2],
-            lora=(q2, a2, scale2) if has_lora2 else None, config=c,
-        )
+        dout_rows = dw2 = None
+        if ctx.down_bw == "grouped_mm":  # D on CUTLASS over dOut gathered once, then SiLU·up's backward pass
+            offsets = routing.expert_offsets
+            dout_rows = grad_out.index_select(0, routing.sorted_token.long())  # (S, H), expert order
+            d = torch._grouped_mm(dout_rows, w2, offs=offsets[1:])  # (S, I)
+            valid = torch.arange(routing.num_assignments, device=x.device) < offsets[-1]  # rows of no expert: last
+            dgu, h_again, dw_sorted = silu_backward(
+                d, gu, row_weight.index_select(0, routing.sorted_slot.long()), valid, compute_router_grad=need[2],
+                weight_h=True)
+            del d
+            dw = dw_sorted.index_select(0, routing.position.long()) if need[2] else None  # back to slot order
+            if need[4] and c.moe_weight_grad == "auto":  # dW2 over the same gathered rows and the weighted h
+                empty = (offsets[1:] == offsets[:-1])[:, None, None]
+                dw2 = k_grouped_mm(dout_rows, h_again, offsets[1:], empty)
+            del h_again, dout_rows
+        else:
+            dgu, dw = down_backward_silu(
+                grad_out, w2, gu, row_weight, routing, compute_router_grad=need[2],
+                lora=(q2, a2, scale2) if has_lora2 else None, config=c,
+            )
         free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not when backward returns
         q1 = grouped_rows_gemm(dgu, b1, routing, gather_rows=False, config=c) if has_lora1 else None
 
@@ -194,7 +248,8 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             dw1 = grouped_mm_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, row_weight=None, scale=1.0)
         if need[3] and dw1 is None:
             dw1 = expert_weight_grad(dgu, x, routing, gather_a=False, gather_b=True, config=c)
-        dw2 = expert_weight_grad(grad_out, h, routing, gather_a=True, gather_b=False, config=c) if need[4] else None
+        if need[4] and dw2 is None:
+            dw2 = expert_weight_grad(grad_out, h, routing, gather_a=True, gather_b=False, config=c)
         da1 = (
             expert_weight_grad(q1, x, routing, gather_a=False, gather_b=True, scale=scale1, config=c)
             if has_lora1 and need[5] else None

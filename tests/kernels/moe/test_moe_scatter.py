@@ -162,3 +162,70 @@ def test_dw1_on_grouped_mm_is_its_own_rule(scatter, weight_grad, grouped_calls, 
     got, ref = run_both(x, index, weights, w1, w2, None, config=config)
     assert len(calls) == grouped_calls
     assert_close_all(got[:5], ref[:5])
+
+
+def test_down_backward_on_grouped_mm_is_opt_in_and_impossible_requests_name_why():
+    args = dict(dtype=BF16, capability=HOPPER, has_lora=False, available=True) | QWEN3_30B
+    assert experts.down_backward_engine(requested="auto", **args) == "triton"  # until an H200 run times it
+    assert experts.down_backward_engine(requested="triton", **args) == "triton"
+    assert experts.down_backward_engine(requested="grouped_mm", **args) == "grouped_mm"
+    assert experts.down_backward_engine(requested="grouped_mm", **(args | dict(dtype=torch.float32,
+                                                                                 capability=None))) == "grouped_mm"
+    with pytest.raises(ValueError, match="moe_down_backward='grouped_mm' cannot run this layer: LoRA on the experts"):
+        experts.down_backward_engine(requested="grouped_mm", **(args | dict(has_lora=True)))
+    with pytest.raises(ValueError, match="multiples of 8"):
+        experts.down_backward_engine(requested="grouped_mm", **(args | dict(intermediate=766)))
+    with pytest.raises(ValueError, match="moe_down_backward must be one of auto, triton, grouped_mm"):
+        experts.down_backward_engine(requested="cutlass", **args)
+    assert KernelConfig.from_env({"LORA_LAB_MOE_DOWN_BACKWARD": "grouped_mm"}).moe_down_backward == "grouped_mm"
+
+
+@interpreter
+@needs_grouped_mm
+@pytest.mark.parametrize("scatter,weight_grad", [("grouped_mm", "auto"), ("triton", "per_tile")])
+@pytest.mark.parametrize("T,H,I,E,K,routing", [
+    (37, 20, 12, 5, 2, "random"),      # odd token count, several experts
+    (12, 16, 8, 6, 1, "one_expert"),   # experts 0, 2..5 receive no row
+    (1, 8, 4, 4, 4, "random"),         # one token, top-k = E
+])
+def test_down_backward_on_grouped_mm_matches_reference_fp32(T, H, I, E, K, routing, scatter, weight_grad):
+    problem = make_problem(T, H, I, E, K, routing=routing)
+    config = SCATTER.replace(moe_scatter=scatter, moe_weight_grad=weight_grad, moe_down_backward="grouped_mm")
+    got, ref = run_both(*problem, config=config)
+    assert_close_all(got[:5], ref[:5])
+
+
+@interpreter
+@needs_grouped_mm
+def test_down_backward_on_grouped_mm_drops_sentinel_ids_and_their_router_gradient(monkeypatch):
+    x, index, weights, w1, w2, _ = make_problem(10, 16, 8, 4, 2)
+    index = index.clone()
+    index[0, 1], index[3, 0] = 4, -1
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    config = SCATTER.replace(moe_down_backward="grouped_mm")
+    got, ref = run_both(x, index, weights, w1, w2, None, config=config)
+    assert len(calls) == 4  # down forward, D, dW2 (K-grouped over the gathered dOut), dX (dW1 per-tile on a CPU)
+    assert_close_all(got[:5], ref[:5])
+    assert got[2][0, 1] == 0 and got[2][3, 0] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < HOPPER,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("T,H,I,E,K", [(1000, 264, 136, 16, 4), (777, 512, 384, 64, 8)])
+def test_down_backward_on_grouped_mm_bf16_gpu_against_fp32_reference(T, H, I, E, K):
+    x, index, weights, w1, w2, _ = make_problem(T, H, I, E, K, device="cuda", dtype=BF16)
+    index = index.clone()
+    index[0, 0] = -1  # a sentinel: sorted after the last expert, its row read by no GEMM
+    config = KernelConfig(moe_engine="triton", moe_down_backward="grouped_mm")
+    got, _ = run_both(x, index, weights, w1, w2, None, config=config)
+    leaves = [t.detach().float().requires_grad_(True) for t in (x, weights, w1, w2)]
+    out = moe_experts_reference(leaves[0], index, leaves[1], leaves[2], leaves[3], None)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    ref = [out.detach(), *torch.autograd.grad(out, leaves, g)]
+    for name, a, b in zip(["out", "dx", "d_weights", "d_gate_up", "d_down"], got, ref):
+        assert torch.isfinite(a).all(), name
+        assert cosine(a, b) >= BF16_MIN_COSINE, (name, cosine(a, b))
+        assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))

@@ -44,8 +44,8 @@ unsort_sum`, fp32 in registers, rows of no expert skipped). ``moe_scatter='trito
 times both side by side (``ours_scatter_triton``).
 
 A diagnostic H200 run of that change (session 10, 3 repetitions, one process; ``outputs/gpu/session_logs/session10/``)
-timed the layer 4-8% faster in every full fine-tuning cell of four fine-grained layers (at the 30B-A3B-like layer
-18.72 against 20.21 ms at 32k tokens, 5.56 against 5.81 at 8k), and its kernel profile afterwards put CUTLASS's
+timed the layer 3-8% faster (medians) in every full fine-tuning cell of four fine-grained layers (at the 30B-A3B-like
+layer 18.72 against 20.21 ms at 32k tokens, 5.56 against 5.81 at 8k), and its kernel profile afterwards put CUTLASS's
 two GEMMs at 1.37 and 2.44 ms. In the same run ``benchmarks/bench_moe_weight_grad.py`` timed dW1 alone (X gathered
 by token in its time) at 2.89 ms on ``torch._grouped_mm`` against 4.16 ms for our per-tile kernel at 32k tokens (0.94
 against 1.33 ms at 8k). So with ``moe_weight_grad='auto'``, where the scatter GEMMs' rule puts them on CUTLASS

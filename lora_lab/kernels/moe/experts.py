@@ -92,6 +92,21 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCATTER_ENGINES = ("triton", "grouped_mm")
 
 
+def _grouped_mm_piece_blockers(field: str, requested: str, *, dtype: torch.dtype, hidden: int, intermediate: int,
+                               has_lora: bool, available: bool) -> list[str]:
+    """Why one piece of the Triton engine cannot run on ``torch._grouped_mm`` (empty: it can); ``requested`` (the
+    ``KernelConfig`` field ``field``) checked, and asking for 'grouped_mm' where it cannot run a ValueError naming
+    why."""
+    if requested not in ("auto", *SCATTER_ENGINES):
+        raise ValueError(f"{field} must be one of auto, {', '.join(SCATTER_ENGINES)}; got {requested!r}")
+    blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, available=available)
+    if has_lora:
+        blockers.append("LoRA on the experts (the Triton engine adds its terms inside its own GEMMs)")
+    if requested == "grouped_mm" and blockers:
+        raise ValueError(f"{field}='grouped_mm' cannot run this layer: " + "; ".join(blockers))
+    return blockers
+
+
 def scatter_engine(*, requested: str, dtype: torch.dtype, capability: tuple[int, int] | None, hidden: int,
                    intermediate: int, has_lora: bool, available: bool = True) -> str:
     """Who runs the Triton engine's down-forward and dX GEMMs (module docstring): 'triton' (our grouped GEMM,
@@ -99,14 +114,9 @@ def scatter_engine(*, requested: str, dtype: torch.dtype, capability: tuple[int,
     A pure function. ``requested``: ``KernelConfig.moe_scatter``; ``capability``: the CUDA device's (major, minor),
     None off CUDA; ``has_lora``: LoRA on the experts (those layers keep 'triton', whose kernels add the terms
     inside their accumulators). Asking for 'grouped_mm' where it cannot run raises a ValueError naming why."""
-    if requested not in ("auto", *SCATTER_ENGINES):
-        raise ValueError(f"moe_scatter must be one of auto, {', '.join(SCATTER_ENGINES)}; got {requested!r}")
-    blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, available=available)
-    if has_lora:
-        blockers.append("LoRA on the experts (the Triton engine adds its terms inside its own GEMMs)")
+    blockers = _grouped_mm_piece_blockers("moe_scatter", requested, dtype=dtype, hidden=hidden,
+                                          intermediate=intermediate, has_lora=has_lora, available=available)
     if requested == "grouped_mm":
-        if blockers:
-            raise ValueError("moe_scatter='grouped_mm' cannot run this layer: " + "; ".join(blockers))
         return "grouped_mm"
     hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
     return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
@@ -130,16 +140,9 @@ def down_backward_engine(*, requested: str, dtype: torch.dtype, capability: tupl
     D = dOut_s W2_e on ``torch._grouped_mm``, the SiLU·up backward pass of the grouped-GEMM engine, and dW2 as one
     K-grouped ``_grouped_mm`` over the same gathered rows). ``auto`` is 'triton' until an H200 run times the other;
     asking for 'grouped_mm' where it cannot run raises a ValueError naming why. A pure function."""
-    if requested not in ("auto", *SCATTER_ENGINES):
-        raise ValueError(f"moe_down_backward must be one of auto, {', '.join(SCATTER_ENGINES)}; got {requested!r}")
-    if requested != "grouped_mm":
-        return "triton"
-    blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, available=available)
-    if has_lora:
-        blockers.append("LoRA on the experts (the Triton engine adds its terms inside its own GEMMs)")
-    if blockers:
-        raise ValueError("moe_down_backward='grouped_mm' cannot run this layer: " + "; ".join(blockers))
-    return "grouped_mm"
+    _grouped_mm_piece_blockers("moe_down_backward", requested, dtype=dtype, hidden=hidden, intermediate=intermediate,
+                               has_lora=has_lora, available=available)
+    return "grouped_mm" if requested == "grouped_mm" else "triton"
 
 
 def _layer_rules(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> tuple[str, bool, str]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe_engine import reference_grads
 from test_moe_kernels import BF16_MAX_REL_L2, BF16_MIN_COSINE, assert_close_all, interpreter, make_problem, run_both
 
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe import engine, experts
-from lora_lab.kernels.moe.experts import dw1_on_grouped_mm, moe_experts_reference, scatter_engine
+from lora_lab.kernels.moe.experts import dw1_on_grouped_mm, scatter_engine
 from lora_lab.kernels.moe.routing import route_experts, route_experts_torch
 from lora_lab.kernels.moe.silu_backward import unsort_sum
 from lora_lab.numerics import cosine, rel_l2
@@ -23,6 +24,16 @@ HOPPER = (9, 0)
 QWEN3_30B = dict(hidden=2048, intermediate=768)
 needs_grouped_mm = pytest.mark.skipif(not engine.grouped_mm_available(), reason="torch has no _grouped_mm")
 SCATTER = KernelConfig(moe_engine="triton", moe_scatter="grouped_mm")
+
+
+def assert_bf16_close_to_fp32(got, x, index, weights, w1, w2):
+    """Output and every gradient of a bf16 GPU run (``run_both``'s first result) finite and within the stated
+    thresholds of the fp32 reference on the same rounded inputs (``reference_grads``, same upstream gradient)."""
+    ref = reference_grads(x.float(), index, weights.float(), w1.float(), w2.float())
+    for name, a, b in zip(["out", "dx", "d_weights", "d_gate_up", "d_down"], got, ref):
+        assert torch.isfinite(a).all(), name
+        assert cosine(a, b) >= BF16_MIN_COSINE, (name, cosine(a, b))
+        assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))
 
 
 def rule(**overrides):
@@ -124,14 +135,7 @@ def test_scatter_on_grouped_mm_bf16_gpu_against_fp32_reference(T, H, I, E, K):
     index = index.clone()
     index[0, 0] = E  # a sentinel: its rows are written by nobody and must not reach the output
     got, _ = run_both(x, index, weights, w1, w2, None, config=KernelConfig(moe_engine="triton"))  # auto: grouped_mm
-    leaves = [t.detach().float().requires_grad_(True) for t in (x, weights, w1, w2)]
-    out = moe_experts_reference(leaves[0], index, leaves[1], leaves[2], leaves[3], None)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
-    ref = [out.detach(), *torch.autograd.grad(out, leaves, g)]
-    for name, a, b in zip(["out", "dx", "d_weights", "d_gate_up", "d_down"], got, ref):
-        assert torch.isfinite(a).all(), name
-        assert cosine(a, b) >= BF16_MIN_COSINE, (name, cosine(a, b))
-        assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))
+    assert_bf16_close_to_fp32(got, x, index, weights, w1, w2)
 
 
 def test_dw1_goes_to_grouped_mm_under_auto_where_the_scatter_rule_would_send_the_scatter_gemms():
@@ -221,11 +225,4 @@ def test_down_backward_on_grouped_mm_bf16_gpu_against_fp32_reference(T, H, I, E,
     index[0, 0] = -1  # a sentinel: sorted after the last expert, its row read by no GEMM
     config = KernelConfig(moe_engine="triton", moe_down_backward="grouped_mm")
     got, _ = run_both(x, index, weights, w1, w2, None, config=config)
-    leaves = [t.detach().float().requires_grad_(True) for t in (x, weights, w1, w2)]
-    out = moe_experts_reference(leaves[0], index, leaves[1], leaves[2], leaves[3], None)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
-    ref = [out.detach(), *torch.autograd.grad(out, leaves, g)]
-    for name, a, b in zip(["out", "dx", "d_weights", "d_gate_up", "d_down"], got, ref):
-        assert torch.isfinite(a).all(), name
-        assert cosine(a, b) >= BF16_MIN_COSINE, (name, cosine(a, b))
-        assert rel_l2(a, b) <= BF16_MAX_REL_L2, (name, rel_l2(a, b))
+    assert_bf16_close_to_fp32(got, x, index, weights, w1, w2)

@@ -79,6 +79,7 @@ from lora_lab.kernels.moe.silu_backward import (
     silu_backward_reference,
     silu_mul,
     unsort_sum,
+    zero_empty_experts_,
 )
 from lora_lab.kernels.triton_helpers import running_in_interpreter
 
@@ -143,12 +144,17 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
     return "grouped_mm" if (coarse or bool(ranks)) and hopper_bf16 else "triton"
 
 
-def k_grouped_mm(left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor, empty: torch.Tensor,
-                 scale: float = 1.0) -> torch.Tensor:
+def k_grouped_mm(left: torch.Tensor, right: torch.Tensor, offsets: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """(E, M, N): Σ over each expert's rows of leftᵀ right, times ``scale``, as one ``torch._grouped_mm`` with K split
-    at ``offsets`` (each expert's end row, int32); ``empty`` ((E, 1, 1) bool): experts without rows, given an exact
-    zero. The weight-gradient GEMM of this engine and of ``moe_weight_grad='grouped_mm'``."""
-    out = torch._grouped_mm(left.t(), right, offs=offsets).masked_fill_(empty, 0)
+    at ``offsets`` (each expert's end row, int32). An expert without rows gets an exact zero, written by
+    :func:`~lora_lab.kernels.moe.silu_backward.zero_empty_experts_` into its block alone where Triton runs (a masked
+    fill over the whole gradient cost as much as half the GEMM on an H200), by a masked fill elsewhere. The
+    weight-gradient GEMM of this engine and of ``moe_weight_grad='grouped_mm'``."""
+    out = torch._grouped_mm(left.t(), right, offs=offsets)
+    if _triton_runs(out):
+        zero_empty_experts_(out, offsets)
+    else:
+        out.masked_fill_((offsets == torch.cat([offsets.new_zeros(1), offsets[:-1]]))[:, None, None], 0)
     return out.mul_(scale) if scale != 1.0 else out
 
 
@@ -292,10 +298,9 @@ class _GroupedMmExperts(torch.autograd.Function):
         if need[2]:
             d_weights = dw_sorted.index_select(0, position).view(num_tokens, top_k).to(weights_dtype)
         dx = dw1 = dw2 = da1 = db1 = da2 = db2 = None
-        empty = (expert_offsets[1:] == expert_offsets[:-1])[:, None, None]  # an expert with no rows: exact zero
 
-        def k_grouped(left, right, scale=1.0):
-            return k_grouped_mm(left, right, offsets, empty, scale)
+        def k_grouped(left, right, scale=1.0):  # an expert with no rows gets an exact zero
+            return k_grouped_mm(left, right, offsets, scale)
 
         # the down projection's gradients first: h and the dOut rows (S x I and S x H) are freed before dX and dW1
         # allocate theirs

@@ -270,8 +270,7 @@ def grouped_mm_weight_grad(a: torch.Tensor, b: torch.Tensor, routing: ExpertRout
         if not gather_a:
             rows_a = rows_a.clone()
         rows_a.mul_(row_weight.index_select(0, routing.sorted_slot.long()).to(torch.float32)[:, None])
-    counts = routing.expert_offsets[1:] - routing.expert_offsets[:-1]
-    return k_grouped_mm(rows_a, rows_b, routing.expert_offsets[1:].to(torch.int32), (counts == 0)[:, None, None], scale)
+    return k_grouped_mm(rows_a, rows_b, routing.expert_offsets[1:].to(torch.int32), scale)
 
 
 def _descriptor_or_pointer(rows: torch.Tensor):

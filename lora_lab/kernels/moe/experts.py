@@ -222,8 +222,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             del d
             dw = dw_sorted.index_select(0, routing.position.long()) if need[2] else None  # back to slot order
             if need[4] and c.moe_weight_grad == "auto":  # dW2 over the same gathered rows and the weighted h
-                empty = (offsets[1:] == offsets[:-1])[:, None, None]
-                dw2 = k_grouped_mm(dout_rows, h_again, offsets[1:], empty)
+                dw2 = k_grouped_mm(dout_rows, h_again, offsets[1:])
             del h_again, dout_rows
         else:
             dgu, dw = down_backward_silu(

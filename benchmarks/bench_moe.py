@@ -15,10 +15,10 @@ with ``KernelConfig.moe_loads`` set: the persistent form of the Triton kernels, 
 ``ours_triton``, opt-in, are ours with ``KernelConfig.moe_engine`` set to ``grouped_mm`` or ``triton``: every
 expert GEMM on CUTLASS's grouped GEMM, or on the Triton kernels, whatever the rule picks (``ours_triton`` in ``lora``
 cells only, ``ours_gmm_engine`` in both);
-``ours_scatter_triton`` and ``ours_down_gmm``, opt-in, in ``full`` cells only, are ours with
+``ours_scatter_triton`` and ``ours_down_triton``, opt-in, in ``full`` cells only, are ours with
 ``KernelConfig.moe_scatter='triton'`` (the down-forward and dX GEMMs on our atomic scatter-add kernels instead of
-``torch._grouped_mm`` and the un-sort pass) or ``moe_down_backward='grouped_mm'`` (the down projection's backward on
-CUTLASS over dOut gathered once, dW2 too)).
+``torch._grouped_mm`` and the un-sort pass) or ``moe_down_backward='triton'`` (the down projection's backward on our
+fused kernel instead of CUTLASS over dOut gathered once, dW2 per-tile)).
 Liger-Kernel's fused MoE (``liger``) joins the ``full`` cells and the ``full`` end-to-end steps when
 ``liger_kernel`` is importable; it has no LoRA on experts.
 The eager per-expert loop, tens of times slower, runs only at the T in ``--eager-tokens``, the shapes in
@@ -55,7 +55,7 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
 
     python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --repetitions 5 --secondary \
         --variants eager liger ours_untuned ours_persistent ours_per_tile ours_dw_grouped_mm ours_scatter_triton \
-        ours_down_gmm ours_triton  # what notebook 06 records (the panel)
+        ours_down_triton ours_triton  # what notebook 06 records (the panel)
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form

@@ -251,9 +251,10 @@ OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
 OURS_ENGINES = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}, "ours_triton": {"moe_engine": "triton"}}
 # ours with the down-forward and dX GEMMs of full fine-tuning on our atomic scatter-add kernels
 # (KernelConfig.moe_scatter='triton'): the form the default left in session 10 for torch._grouped_mm plus the un-sort
-# pass (lora_lab.kernels.moe.experts.scatter_engine); and ours with the down projection's backward on CUTLASS
-# (KernelConfig.moe_down_backward='grouped_mm', opt-in until timed). Full cells, when a benchmark asks for them
-OURS_SCATTER = {"ours_scatter_triton": {"moe_scatter": "triton"}, "ours_down_gmm": {"moe_down_backward": "grouped_mm"}}
+# pass (lora_lab.kernels.moe.experts.scatter_engine); and ours with the down projection's backward on our fused
+# kernel (KernelConfig.moe_down_backward='triton'): the form the default left in session 11 for CUTLASS
+# (lora_lab.kernels.moe.experts.down_backward_engine). Full cells, when a benchmark asks for them
+OURS_SCATTER = {"ours_scatter_triton": {"moe_scatter": "triton"}, "ours_down_triton": {"moe_down_backward": "triton"}}
 # (the persistent form is one of the Triton kernels': forced there, whatever engine the rule picks for ours)
 OURS_VARIANTS = {**{name: {"moe_loads": loads, "moe_engine": "triton"} for name, loads in OURS_PERSISTENT.items()},
                  **OURS_UNTUNED,

@@ -75,7 +75,9 @@ field              variable                meaning
                                            expert-sorted rows, one Triton pass sums each token's K rows);
                                            layers with LoRA on the Triton engine keep ``triton``
 ``moe_down_backward`` ``LORA_LAB_MOE_DOWN_BACKWARD``  the Triton engine's down-projection backward in full
-                                           fine-tuning: ``auto`` (``triton`` until measured), ``triton`` (one
+                                           fine-tuning: ``auto`` (``grouped_mm`` for bf16 on Hopper where torch
+                                           has it, no LoRA, else ``triton``: the rule of
+                                           :func:`lora_lab.kernels.moe.experts.down_backward_engine`), ``triton`` (one
                                            fused kernel: dOut gathered in its loader, SiLU·up backward and the
                                            router gradient in its epilogue), or ``grouped_mm`` (dOut gathered
                                            into expert order once, D on ``torch._grouped_mm``, the SiLU·up

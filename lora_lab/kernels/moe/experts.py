@@ -51,16 +51,28 @@ by token in its time) at 2.89 ms on ``torch._grouped_mm`` against 4.16 ms for ou
 against 1.33 ms at 8k). So with ``moe_weight_grad='auto'``, where the scatter GEMMs' rule puts them on CUTLASS
 (:func:`dw1_on_grouped_mm`), dW1 goes there too: X gathered into expert order, one K-grouped ``_grouped_mm`` (rows
 of no expert sort after the last group and are never read). dW2 stays on the per-tile kernel, which reads the
-routing-weighted h and gathers dOut in its loader. This dW1 rule has not yet run inside the layer on a GPU (session
-10's device time ran out before that check); notebook 06's next run times it against ``ours_per_tile``.
+routing-weighted h and gathers dOut in its loader.
 
-**The down projection's backward on CUTLASS, opt-in** (``KernelConfig.moe_down_backward='grouped_mm'``,
-:func:`down_backward_engine`). The same profile put our fused down-backward kernel at 3.34 ms (its GEMM is 0.82
-TFLOP) and dW2 at about 2 ms. The other form gathers dOut into expert order once (S x H), runs D = dOut_s W2_e on
-``torch._grouped_mm``, SiLU·up's backward and the router gradient in the grouped-GEMM engine's Triton pass, and dW2 as
-one K-grouped ``_grouped_mm`` over the same gathered rows and the weighted h that pass returns. Estimated from the
-profile's CUTLASS speeds, about 1 ms less at the 30B-A3B-like layer, 32k tokens; not yet timed, so ``auto`` stays on
-the fused kernel and notebook 06 times this form as ``ours_down_gmm``.
+Notebook 06's H200 run of that code (session 11, commit 3746665) timed the dW1 rule slower than both weight gradients
+per-tile at 8k tokens (``ours_per_tile`` 1.136 times as fast) and a tie at 32k; a kernel profile of the same code
+found a ``masked_fill_`` of 1.11 ms after the K-grouped GEMM, zeroing experts without rows by a masked write over the
+whole (E, 2I, H) gradient. :func:`~lora_lab.kernels.moe.silu_backward.zero_empty_experts_` now writes only the
+empty experts' blocks (4.6 us in the next profile).
+
+**The down projection's backward on CUTLASS** (``KernelConfig.moe_down_backward``, :func:`down_backward_engine`).
+Our fused down-backward kernel takes about 3.3 ms at the 30B-A3B-like layer, 32k tokens (its GEMM is 0.82 TFLOP:
+about 250 TFLOP/s) and dW2 per-tile about 2 ms. The other form gathers dOut into expert order once (S x H), runs
+D = dOut_s W2_e on ``torch._grouped_mm``, SiLU·up's backward and the router gradient in the grouped-GEMM engine's
+Triton pass, and dW2 as one K-grouped ``_grouped_mm`` over the same gathered rows and the weighted h that pass
+returns. With the masked fill gone, a diagnostic H200 run (session 11, one process, 3 repetitions, medians;
+``outputs/gpu/session_logs/session11/check/``) timed it faster on every fine-grained layer with 60 or more experts:
+15.78 against 16.97 ms (30B-A3B-like, 32k), 4.98 against 5.09 (8k), 13.88 against 15.00 (Qwen1.5-MoE-like, 32k),
+21.01 against 21.94 (DeepSeek-V2-Lite-like, 32k), 20.14 against 21.59 (OLMoE-like, 32k), and a tie on the 32-expert
+GPT-OSS-20B-like and the coarse Mixtral-like layers. So ``auto`` follows the scatter GEMMs' rule (bf16 on Hopper,
+no LoRA); ``moe_down_backward='triton'`` keeps the fused kernel, which notebook 06 times as ``ours_down_triton``.
+It costs memory: the gathered dOut rows live through SiLU·up's backward (peak above the resident tensors 3.76
+against 3.13 GiB at the 30B-A3B-like layer, 32k; grouped_mm's 6.63), closest to grouped_mm's at the
+Qwen1.5-MoE-like layer, 8k tokens (1.41 against 1.42 GiB).
 """
 
 from __future__ import annotations
@@ -107,6 +119,19 @@ def _grouped_mm_piece_blockers(field: str, requested: str, *, dtype: torch.dtype
     return blockers
 
 
+def _piece_engine(field: str, requested: str, *, dtype: torch.dtype, capability: tuple[int, int] | None,
+                  hidden: int, intermediate: int, has_lora: bool, available: bool) -> str:
+    """'grouped_mm' or 'triton' for one piece of the Triton engine (``field``: its ``KernelConfig`` field): ``auto``
+    takes 'grouped_mm' for bf16 on Hopper where nothing blocks it; asking for 'grouped_mm' where it cannot run
+    raises a ValueError naming why."""
+    blockers = _grouped_mm_piece_blockers(field, requested, dtype=dtype, hidden=hidden, intermediate=intermediate,
+                                          has_lora=has_lora, available=available)
+    if requested == "grouped_mm":
+        return "grouped_mm"
+    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+    return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
+
+
 def scatter_engine(*, requested: str, dtype: torch.dtype, capability: tuple[int, int] | None, hidden: int,
                    intermediate: int, has_lora: bool, available: bool = True) -> str:
     """Who runs the Triton engine's down-forward and dX GEMMs (module docstring): 'triton' (our grouped GEMM,
@@ -114,12 +139,8 @@ def scatter_engine(*, requested: str, dtype: torch.dtype, capability: tuple[int,
     A pure function. ``requested``: ``KernelConfig.moe_scatter``; ``capability``: the CUDA device's (major, minor),
     None off CUDA; ``has_lora``: LoRA on the experts (those layers keep 'triton', whose kernels add the terms
     inside their accumulators). Asking for 'grouped_mm' where it cannot run raises a ValueError naming why."""
-    blockers = _grouped_mm_piece_blockers("moe_scatter", requested, dtype=dtype, hidden=hidden,
-                                          intermediate=intermediate, has_lora=has_lora, available=available)
-    if requested == "grouped_mm":
-        return "grouped_mm"
-    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
-    return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
+    return _piece_engine("moe_scatter", requested, dtype=dtype, capability=capability, hidden=hidden,
+                         intermediate=intermediate, has_lora=has_lora, available=available)
 
 
 def dw1_on_grouped_mm(*, weight_grad: str, dtype: torch.dtype, capability: tuple[int, int] | None, hidden: int,
@@ -138,11 +159,11 @@ def down_backward_engine(*, requested: str, dtype: torch.dtype, capability: tupl
     """Who runs the Triton engine's down-projection backward in full fine-tuning (``KernelConfig.moe_down_backward``):
     'triton' (the fused ``down_backward_silu`` kernel) or 'grouped_mm' (dOut gathered into expert order once,
     D = dOut_s W2_e on ``torch._grouped_mm``, the SiLU·up backward pass of the grouped-GEMM engine, and dW2 as one
-    K-grouped ``_grouped_mm`` over the same gathered rows). ``auto`` is 'triton' until an H200 run times the other;
+    K-grouped ``_grouped_mm`` over the same gathered rows). ``auto``: 'grouped_mm' for bf16 on Hopper where nothing
+    blocks it, the scatter GEMMs' rule (module docstring: timed faster on every fine-grained layer of an H200 run);
     asking for 'grouped_mm' where it cannot run raises a ValueError naming why. A pure function."""
-    _grouped_mm_piece_blockers("moe_down_backward", requested, dtype=dtype, hidden=hidden, intermediate=intermediate,
-                               has_lora=has_lora, available=available)
-    return "grouped_mm" if requested == "grouped_mm" else "triton"
+    return _piece_engine("moe_down_backward", requested, dtype=dtype, capability=capability, hidden=hidden,
+                         intermediate=intermediate, has_lora=has_lora, available=available)
 
 
 def _layer_rules(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> tuple[str, bool, str]:

@@ -168,9 +168,15 @@ def test_dw1_on_grouped_mm_is_its_own_rule(scatter, weight_grad, grouped_calls, 
     assert_close_all(got[:5], ref[:5])
 
 
-def test_down_backward_on_grouped_mm_is_opt_in_and_impossible_requests_name_why():
+def test_down_backward_rule_follows_the_scatter_rule_and_impossible_requests_name_why():
     args = dict(dtype=BF16, capability=HOPPER, has_lora=False, available=True) | QWEN3_30B
-    assert experts.down_backward_engine(requested="auto", **args) == "triton"  # until an H200 run times it
+    # auto: CUTLASS for bf16 on Hopper (session 11's H200 benchmark), the fused kernel wherever the scatter GEMMs
+    # stay on Triton
+    assert experts.down_backward_engine(requested="auto", **args) == "grouped_mm"
+    for other in (dict(dtype=torch.float32), dict(capability=(8, 0)), dict(capability=None), dict(has_lora=True),
+                  dict(available=False), dict(intermediate=766)):
+        assert experts.down_backward_engine(requested="auto", **(args | other)) == "triton", other
+        assert experts.scatter_engine(requested="auto", **(args | other)) == "triton", other
     assert experts.down_backward_engine(requested="triton", **args) == "triton"
     assert experts.down_backward_engine(requested="grouped_mm", **args) == "grouped_mm"
     assert experts.down_backward_engine(requested="grouped_mm", **(args | dict(dtype=torch.float32,

@@ -44,8 +44,13 @@ that sums each token's K rows in fp32 in registers (:func:`~lora_lab.kernels.moe
 weighted copy, no unsorted copy, no fp32 T x H buffer); SiLU·up forward is one Triton pass too
 (:func:`~lora_lab.kernels.moe.silu_backward.silu_mul`).
 Saved for backward: X, the weights, [g | u] and the routing; the sorted copy of X is
-gathered again in backward. Backward: D = dOut_e W2_e (one grouped GEMM); one fused Triton pass for the
-router gradient ⟨D, SiLU(g) u⟩, the routing weight and SiLU·up's backward, which also returns the weighted h again
+gathered again in backward, except with LoRA on frozen experts when the layer has more than 16 experts
+(:func:`keep_sorted_x`): there the forward's sorted copy is kept for dA1, which saves a gather of (S, H) in backward
+(about 0.55 ms of a 16.6 ms call at the 30B-A3B-like layer, 32k tokens, in session 11's H200 kernel profile) for
+S x H more memory held from forward to backward. Coarse layers gather again: at the Mixtral-8x7B-like layer, 32k
+tokens, our LoRA peak was already 0.964 of grouped_mm's in notebook 06's session-11 run.
+Backward: D = dOut_e W2_e (one grouped GEMM); one fused Triton pass for the router gradient ⟨D, SiLU(g) u⟩, the
+routing weight and SiLU·up's backward, which also returns the weighted h again
 (:mod:`~lora_lab.kernels.moe.silu_backward`); dX = dGU W1_e; the weight gradients as K-grouped GEMMs (``_grouped_mm``
 of two 2-D operands, K split at the expert offsets): dW1_e = dGU_eᵀ X_e, dW2_e = dOut_eᵀ (w · h)_e, with no weighted
 copy of the (S, H) dOut rows. Expert ids outside [0, E) contribute nothing.
@@ -93,6 +98,9 @@ COARSE_MIN_ROWS_PER_EXPERT = 1024
 # grouped GEMMs (all four factored measured 4-10% slower); tools/moe_lora_pass_bench.py times each piece both ways.
 FACTORED_LORA_PIECES: frozenset[str] = frozenset()
 LORA_PIECES = ("gate_up_term", "p2", "d_term", "q1")
+# LoRA with frozen experts: the expert-sorted X the forward gathered is kept for dA1 when the layer has more experts
+# than this, instead of gathered again in backward (module docstring: keep_sorted_x)
+KEEP_SORTED_X_MIN_EXPERTS = 17
 
 
 def grouped_mm_available() -> bool:
@@ -193,6 +201,13 @@ def _sort_by_expert(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_
     return position, token, offsets, weight_slot[perm], valid[perm]
 
 
+def keep_sorted_x(*, num_experts: int, lora_gate_up: bool, full_fine_tuning: bool) -> bool:
+    """Whether the grouped-GEMM engine keeps the forward's expert-sorted X for backward (module docstring): LoRA on
+    gate/up with frozen experts (dA1 = s1 Q1_eᵀ X_e reads it; full fine-tuning's dW1 gathers again, where the larger
+    backward keeps the memory closer to grouped_mm's) and more than 16 experts. A pure function."""
+    return lora_gate_up and not full_fine_tuning and num_experts >= KEEP_SORTED_X_MIN_EXPERTS
+
+
 def _triton_runs(t: torch.Tensor) -> bool:
     return t.device.type == "cuda" or running_in_interpreter()
 
@@ -238,6 +253,9 @@ class _GroupedMmExperts(torch.autograd.Function):
                 gate_up_term = LowRankRows(p1, b1.transpose(1, 2), expert_offsets)
             else:
                 z = torch._grouped_mm(p1, b1.transpose(1, 2), offs=offsets)  # (S, 2I): added to [g | u] by SiLU·up
+        need = ctx.needs_input_grad
+        kept_xs = xs if keep_sorted_x(num_experts=w1.shape[0], lora_gate_up=a1 is not None and need[5],
+                                      full_fine_tuning=need[3]) else None
         del xs
         # h_j = w_j SiLU(g_j) u_j: the routing weight rides in h (and in P2), so the un-sort sums plain rows and
         # backward's dW2 / dA2 / dB2 need no weighted copy of dOut or Q2 (0 for a dropped id: its row adds nothing)
@@ -259,7 +277,7 @@ class _GroupedMmExperts(torch.autograd.Function):
             z = torch._grouped_mm(p2, b2.transpose(1, 2), offs=offsets)  # (S, H): summed in by the un-sort
         del h
         ctx.save_for_backward(x, w1, w2, gu, weight, position, token, expert_offsets, valid,
-                              a1, b1, a2, b2, p1, p2)
+                              a1, b1, a2, b2, p1, p2, kept_xs)
         ctx.shape = (num_tokens, top_k, top_k_weights.dtype)
         ctx.scales = (s1, s2)
         return _unsort_sum(y, position, num_tokens, top_k, extra=z, extra_scale=s2)
@@ -267,7 +285,7 @@ class _GroupedMmExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x, w1, w2, gu, weight, position, token, expert_offsets, valid,
-         a1, b1, a2, b2, p1, p2) = ctx.saved_tensors
+         a1, b1, a2, b2, p1, p2, kept_xs) = ctx.saved_tensors
         offsets = expert_offsets[1:]
         refuse_second_backward(ctx, "the grouped_mm MoE engine")
         num_tokens, top_k, weights_dtype = ctx.shape
@@ -323,7 +341,7 @@ class _GroupedMmExperts(torch.autograd.Function):
         if need[6]:
             db1 = k_grouped(dgu, p1, s1)  # (E, 2I, r)
         if need[3] or need[5]:
-            xs = x.index_select(0, token)
+            xs = kept_xs if kept_xs is not None else x.index_select(0, token)
             if need[3]:
                 dw1 = k_grouped(dgu, xs)  # (E, 2I, H)
             if need[5]:

@@ -154,6 +154,41 @@ def test_grouped_mm_engine_with_one_lora_half_and_frozen_experts_fp32():
                                rtol=1e-4, atol=1e-5)
 
 
+def test_keep_sorted_x_rule():
+    rule = engine.keep_sorted_x
+    assert rule(num_experts=128, lora_gate_up=True, full_fine_tuning=False)
+    assert rule(num_experts=engine.KEEP_SORTED_X_MIN_EXPERTS, lora_gate_up=True, full_fine_tuning=False)
+    assert not rule(num_experts=8, lora_gate_up=True, full_fine_tuning=False)  # coarse: the peak is close already
+    assert not rule(num_experts=128, lora_gate_up=False, full_fine_tuning=False)  # nothing in backward reads it
+    assert not rule(num_experts=128, lora_gate_up=True, full_fine_tuning=True)  # dW1's backward gathers again
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("E,keep", [(19, True), (6, False)])
+def test_grouped_mm_engine_keeps_sorted_x_for_lora_on_frozen_fine_grained_experts_fp32(E, keep):
+    """LoRA on frozen experts, more than 16 experts: the forward's sorted X is saved (the last saved tensor) and dA1
+    reads it; the gradients match the reference either way, experts without rows included."""
+    from lora_lab.kernels.moe.experts import fused_moe_experts
+    from lora_lab.kernels.moe.lora import ExpertLoRA
+
+    x, index, weights, w1, w2, lora = make_problem(29, 16, 8, E, 3, rank=4)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, lora.gate_up_A, lora.gate_up_B,
+                                                                 lora.down_A, lora.down_B)]
+    factors = ExpertLoRA(leaves[2], leaves[3], lora.gate_up_scale, leaves[4], leaves[5], lora.down_scale)
+    out = fused_moe_experts(leaves[0], index, leaves[1], w1, w2, lora=factors,
+                            config=KernelConfig(moe_engine="grouped_mm"))
+    kept = out.grad_fn.saved_tensors[-1]
+    if keep:
+        torch.testing.assert_close(kept, x.index_select(0, out.grad_fn.saved_tensors[6].long()), rtol=0, atol=0)
+    else:
+        assert kept is None
+    want = moe_experts_reference(leaves[0], index, leaves[1], w1, w2, factors)
+    g = torch.randn_like(out)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.autograd.grad(out, leaves, g), torch.autograd.grad(want, leaves, g),
+                               rtol=1e-4, atol=1e-5)
+
+
 @needs_grouped_mm
 def test_grouped_mm_engine_frees_gate_up_after_backward_and_says_so_on_a_second_one():
     """[g | u] is freed inside backward (peak memory, issue #24): a second backward through the same graph is

@@ -241,6 +241,7 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
                 d, gu, row_weight.index_select(0, routing.sorted_slot.long()), valid, compute_router_grad=need[2],
                 weight_h=True)
             del d
+            free_saved(gu)  # its last use was above: freed before dW2 allocates its output, which lowers the peak
             dw = dw_sorted.index_select(0, routing.position.long()) if need[2] else None  # back to slot order
             if need[4] and c.moe_weight_grad == "auto":  # dW2 over the same gathered rows and the weighted h
                 dw2 = k_grouped_mm(dout_rows, h_again, offsets[1:])

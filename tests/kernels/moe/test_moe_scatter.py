@@ -221,6 +221,22 @@ def test_down_backward_on_grouped_mm_drops_sentinel_ids_and_their_router_gradien
     assert got[2][0, 1] == 0 and got[2][3, 0] == 0
 
 
+@interpreter
+@needs_grouped_mm
+def test_down_backward_on_grouped_mm_frees_gate_up_before_the_dw2_gemm(monkeypatch):
+    # [g | u] (S x 2I) has its last use in SiLU·up's backward: it is released before dW2's K-grouped GEMM allocates
+    # its (E, H, I) output, not after it (a lower peak of this path)
+    T, H, I, E, K = 10, 16, 8, 4, 2
+    events = []
+    real_free, real_k = experts.free_saved, experts.k_grouped_mm
+    monkeypatch.setattr(experts, "free_saved", lambda t: events.append(("free", tuple(t.shape))) or real_free(t))
+    monkeypatch.setattr(experts, "k_grouped_mm", lambda *a, **k: events.append(("dw2",)) or real_k(*a, **k))
+    got, ref = run_both(*make_problem(T, H, I, E, K), config=SCATTER.replace(moe_down_backward="grouped_mm"))
+    assert_close_all(got[:5], ref[:5])
+    assert ("dw2",) in events and ("free", (T * K, 2 * I)) in events
+    assert events.index(("free", (T * K, 2 * I))) < events.index(("dw2",)), events
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < HOPPER,
                     reason="needs a Hopper GPU")

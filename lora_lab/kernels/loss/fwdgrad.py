@@ -168,10 +168,12 @@ def _accumulate_dw(g_t, h_c, dw, acc, partial, dw_mode, first: bool) -> None:
 
 
 def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                           need_h, need_w, cfg, plan: FusedPlan):
+                           need_h, need_w, cfg, plan: FusedPlan, cast_dw: bool = True):
     """(loss, dH or None, dW or None) for an incoming gradient of 1: the chunk loop of the module docstring.
 
-    ``hidden`` [N, d] and ``weight`` [V, d] in one dtype, ``labels`` [N] int64; ``reduction`` "mean" or "sum"."""
+    ``hidden`` [N, d] and ``weight`` [V, d] in one dtype, ``labels`` [N] int64; ``reduction`` "mean" or "sum".
+    ``cast_dw=False``: where dW was accumulated in an fp32 buffer, that buffer is returned as dW, uncast (the
+    autograd function scales it by the incoming gradient and rounds it to the input dtype in one pass)."""
     n, d = hidden.shape
     vocab = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
@@ -224,7 +226,7 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
             dw.mul_(post_scale)
     z = g_t = logits = partial = None  # the chunk buffer is freed before dW's fp32 -> input-dtype copy
     if acc is not None:
-        dw = acc.to(dtype)
+        dw = acc.to(dtype) if cast_dw else acc
         del acc
     total = loss_rows.sum()
     loss = total / count.to(torch.float32) if reduction == "mean" else total
@@ -234,13 +236,18 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
 class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper of the gradients-in-forward path: forward computes the loss and the gradients of the
     inputs that need them (for an incoming gradient of 1); backward multiplies them, in place, by the incoming
-    scalar gradient. Nothing of H or W is saved."""
+    scalar gradient. Nothing of H or W is saved. A dW accumulated in fp32 stays fp32 until backward, which scales
+    and rounds it in one pass (``torch.mul`` into a buffer of W's dtype) instead of a cast in forward and a scaling
+    pass over the cast dW in backward: one read and write of a [V, d] matrix less (the peak is the same: the fp32
+    buffer and dW coexisted during the cast as well)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config, plan):
         loss, dh, dw = fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing,
-                                              z_loss, softcap, plan.need_h, plan.need_w, config, plan)
+                                              z_loss, softcap, plan.need_h, plan.need_w, config, plan,
+                                              cast_dw=False)
         ctx.grads = (dh, dw)
+        ctx.dw_dtype = weight.dtype
         return loss
 
     @staticmethod
@@ -248,7 +255,12 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
         dh, dw = ctx.grads
         ctx.grads = (None, None)  # the buffers now belong to the caller
         g = grad_loss.to(torch.float32)
-        for grad in (dh, dw):
-            if grad is not None:
-                grad.mul_(g)  # fp32 factor, one rounding (exact when it is 1)
+        if dh is not None:
+            dh.mul_(g)  # fp32 factor, one rounding (exact when it is 1)
+        if dw is not None and dw.dtype != ctx.dw_dtype:  # the fp32 accumulator: scaled and rounded once
+            acc, dw = dw, torch.empty(dw.shape, dtype=ctx.dw_dtype, device=dw.device)
+            torch.mul(acc, g, out=dw)
+            del acc
+        elif dw is not None:
+            dw.mul_(g)
         return dh, dw, None, None, None, None, None, None, None, None

@@ -123,6 +123,25 @@ def test_gpu_out_dtype_first_chunk_writes_the_fp32_accumulator(monkeypatch):
     assert math.isfinite(poisoned["dw"]) and poisoned["dw"] == clean["dw"], (clean, poisoned)
 
 
+@pytest.mark.parametrize("dw_accumulate", ["partial", "upcast"])
+def test_fp32_accumulated_dw_is_scaled_and_rounded_once_in_backward(dw_accumulate):
+    """A dW accumulated in fp32 leaves forward uncast; backward writes round(acc · g) in W's dtype in one pass, so a
+    non-power-of-two incoming gradient rounds dW once (it was cast in forward and scaled, a second rounding, before)."""
+    h, w, y = loss_inputs(37, 40, 203, torch.float16, DEVICE, weight_scale=0.1, ignored=(3,))
+    cfg = FWD.replace(dw_accumulate=dw_accumulate)
+    plan = fwdgrad.plan_chunks(37, 40, 203, torch.float16, True, True, cfg, torch.device(DEVICE))
+    assert plan.chunks == 3 and plan.dw_mode == dw_accumulate
+    _, _, acc = fwdgrad.fwdgrad_loss_and_grads(h, w, y, -100, "mean", 0.0, 0.0, None, True, True, cfg, plan,
+                                               cast_dw=False)
+    assert acc.dtype == torch.float32
+    g = 0.3
+    wk = w.clone().requires_grad_()
+    (linear_cross_entropy(h, wk, y, config=cfg) * g).backward()
+    assert wk.grad.dtype == torch.float16
+    torch.testing.assert_close(wk.grad, (acc * torch.tensor(g, dtype=torch.float32)).to(torch.float16),
+                               rtol=0, atol=0)
+
+
 def test_input_dtype_accumulation_needs_no_fp32_buffer():
     cfg = LossKernelConfig(dw_accumulate="input_dtype")
     plan = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, True, cfg)
@@ -358,7 +377,8 @@ def test_gpu_bf16_as_accurate_as_torch_bf16(trainable, grad, bound, dw_accumulat
     gradient to bf16 alone gives ~1.7e-3 relative L2 here and a bf16 logit gradient adds about as much again, so an
     absolute bound near 5e-4 cannot hold for any bf16 output. With ``loss.backward()`` (incoming gradient 1), or
     any power of two (gradient accumulation's 1/k, a loss scale), scaling the saved bf16 dH and dW is exact: within
-    1.1x torch's error. Any other incoming gradient rounds them a second time (as in Liger's): within 1.6x (H200
+    1.1x torch's error. Any other incoming gradient rounds dH a second time (as in Liger's; dW accumulated in fp32 is
+    scaled before its one rounding): within 1.6x (H200
     runs measured 1.23x plain and 1.46x with smoothing, z-loss, softcap and a sum; outputs/gpu/session_logs/issue23).
     The ``partial`` fallback of the dW accumulation rounds once more per chunk and is not held to these bounds."""
     h, w, y = loss_inputs(6000, 1024, 32_000, torch.bfloat16, "cuda", weight_scale=0.02, ignored=(0, 5, 77))

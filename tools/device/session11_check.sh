@@ -3,6 +3,8 @@
 # the GPU tests of the empty-expert zeroing pass and its callers, bench_moe on the 30B-A3B-like full cells (ours,
 # ours_per_tile, ours_down_gmm, grouped_mm), the kernel profile and the host timeline at 32k. Diagnostics; no
 # notebook reads them. Writes under $OUT.
+# (Ran at ae430a2. Since a98a82d the CUTLASS down backward is the default and that variant is gone: the fused kernel
+# is timed as ours_down_triton.)
 export PYTHONPATH=$PWD:$PWD/benchmarks PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg TRITON_CACHE_AUTOTUNING=1
 T0=$(date +%s); log() { echo "=== $* (+$(( $(date +%s) - T0 )) s)" | tee -a $OUT/check.log; }
 git log -1 --format='tree of %H (device metadata may be stale)' >> $OUT/check.log 2>&1

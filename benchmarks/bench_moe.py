@@ -54,8 +54,7 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
 
     python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --repetitions 5 --secondary \
-        --variants eager liger ours_untuned ours_persistent ours_per_tile ours_dw_grouped_mm ours_scatter_triton \
-        ours_down_triton ours_triton  # what notebook 06 records (the panel)
+        --variants eager liger ours_untuned ours_per_tile ours_down_triton ours_triton  # what notebook 06 records
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form

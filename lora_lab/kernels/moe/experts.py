@@ -59,19 +59,20 @@ found a ``masked_fill_`` of 1.11 ms after the K-grouped GEMM, zeroing experts wi
 whole (E, 2I, H) gradient. :func:`~lora_lab.kernels.moe.silu_backward.zero_empty_experts_` now writes only the
 empty experts' blocks (4.6 us in the next profile).
 
-**The down projection's backward on CUTLASS** (``KernelConfig.moe_down_backward``, :func:`down_backward_engine`).
-Our fused down-backward kernel takes about 3.3 ms at the 30B-A3B-like layer, 32k tokens (its GEMM is 0.82 TFLOP:
-about 250 TFLOP/s) and dW2 per-tile about 2 ms. The other form gathers dOut into expert order once (S x H), runs
-D = dOut_s W2_e on ``torch._grouped_mm``, SiLU·up's backward and the router gradient in the grouped-GEMM engine's
-Triton pass, and dW2 as one K-grouped ``_grouped_mm`` over the same gathered rows and the weighted h that pass
-returns. With the masked fill gone, a diagnostic H200 run (session 11, one process, 3 repetitions, medians;
+**The down projection's backward on CUTLASS** (``KernelConfig.moe_down_backward``, :func:`down_backward_engine`). Our
+fused down-backward kernel takes about 3.3 ms at the 30B-A3B-like layer, 32k tokens (its GEMM is 0.82 TFLOP: about 250
+TFLOP/s) and dW2 per-tile about 2 ms. The other form gathers dOut into expert order once (S x H), runs D = dOut_s W2_e
+on ``torch._grouped_mm``, SiLU·up's backward and the router gradient in the grouped-GEMM engine's Triton pass (which
+does not write h again), and dW2 as one K-grouped ``_grouped_mm`` over the same gathered rows and the weighted h the
+forward saved. With the masked fill gone, a diagnostic H200 run (session 11, one process, 3 repetitions, medians;
 ``outputs/gpu/session_logs/session11/check/``) timed it faster on every fine-grained layer with 60 or more experts:
-15.78 against 16.97 ms (30B-A3B-like, 32k), 4.98 against 5.09 (8k), 13.88 against 15.00 (Qwen1.5-MoE-like, 32k),
-21.01 against 21.94 (DeepSeek-V2-Lite-like, 32k), 20.14 against 21.59 (OLMoE-like, 32k), and a tie on the 32-expert
-GPT-OSS-20B-like and the coarse Mixtral-like layers. So ``auto`` follows the scatter GEMMs' rule (bf16 on Hopper,
-no LoRA); ``moe_down_backward='triton'`` keeps the fused kernel, which notebook 06 times as ``ours_down_triton``.
-It costs memory: the gathered dOut rows live through SiLU·up's backward (peak above the resident tensors 3.76
-against 3.13 GiB at the 30B-A3B-like layer, 32k; grouped_mm's 6.63), closest to grouped_mm's at the
+15.78 against 16.97 ms (30B-A3B-like, 32k), 4.98 against 5.09 (8k), 13.88 against 15.00 (Qwen1.5-MoE-like, 32k), 21.01
+against 21.94 (DeepSeek-V2-Lite-like, 32k), 20.14 against 21.59 (OLMoE-like, 32k), and a tie on the 32-expert
+GPT-OSS-20B-like and the coarse Mixtral-like layers. So ``auto`` follows the scatter GEMMs' rule (bf16 on Hopper, no
+LoRA); ``moe_down_backward='triton'`` keeps the fused kernel, which notebook 06 times as ``ours_down_triton``.
+(Those figures are of the form whose pass wrote h a second time and whose dW2 read that copy; it now reads the h the
+forward saved.) It costs memory: the gathered dOut rows live through SiLU·up's backward (peak above the resident
+tensors 3.76 against 3.13 GiB at the 30B-A3B-like layer, 32k; grouped_mm's 6.63), closest to grouped_mm's at the
 Qwen1.5-MoE-like layer, 8k tokens (1.41 against 1.42 GiB).
 """
 
@@ -104,29 +105,19 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 SCATTER_ENGINES = ("triton", "grouped_mm")
 
 
-def _grouped_mm_piece_blockers(field: str, requested: str, *, dtype: torch.dtype, hidden: int, intermediate: int,
-                               has_lora: bool, available: bool) -> list[str]:
-    """Why one piece of the Triton engine cannot run on ``torch._grouped_mm`` (empty: it can); ``requested`` (the
-    ``KernelConfig`` field ``field``) checked, and asking for 'grouped_mm' where it cannot run a ValueError naming
-    why."""
+def _piece_engine(field: str, requested: str, *, dtype: torch.dtype, capability: tuple[int, int] | None,
+                  hidden: int, intermediate: int, has_lora: bool, available: bool) -> str:
+    """'grouped_mm' or 'triton' for one piece of the Triton engine (``field``: its ``KernelConfig`` field, whose value
+    ``requested`` is checked): ``auto`` takes 'grouped_mm' for bf16 on Hopper where nothing blocks it; asking for
+    'grouped_mm' where it cannot run raises a ValueError naming why."""
     if requested not in ("auto", *SCATTER_ENGINES):
         raise ValueError(f"{field} must be one of auto, {', '.join(SCATTER_ENGINES)}; got {requested!r}")
     blockers = grouped_mm_blockers(hidden=hidden, intermediate=intermediate, dtype=dtype, available=available)
     if has_lora:
         blockers.append("LoRA on the experts (the Triton engine adds its terms inside its own GEMMs)")
-    if requested == "grouped_mm" and blockers:
-        raise ValueError(f"{field}='grouped_mm' cannot run this layer: " + "; ".join(blockers))
-    return blockers
-
-
-def _piece_engine(field: str, requested: str, *, dtype: torch.dtype, capability: tuple[int, int] | None,
-                  hidden: int, intermediate: int, has_lora: bool, available: bool) -> str:
-    """'grouped_mm' or 'triton' for one piece of the Triton engine (``field``: its ``KernelConfig`` field): ``auto``
-    takes 'grouped_mm' for bf16 on Hopper where nothing blocks it; asking for 'grouped_mm' where it cannot run
-    raises a ValueError naming why."""
-    blockers = _grouped_mm_piece_blockers(field, requested, dtype=dtype, hidden=hidden, intermediate=intermediate,
-                                          has_lora=has_lora, available=available)
     if requested == "grouped_mm":
+        if blockers:
+            raise ValueError(f"{field}='grouped_mm' cannot run this layer: " + "; ".join(blockers))
         return "grouped_mm"
     hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
     return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
@@ -237,21 +228,22 @@ class _FusedMoeExpertsFunction(torch.autograd.Function):
             dout_rows = grad_out.index_select(0, routing.sorted_token.long())  # (S, H), expert order
             d = torch._grouped_mm(dout_rows, w2, offs=offsets[1:])  # (S, I)
             valid = torch.arange(routing.num_assignments, device=x.device) < offsets[-1]  # rows of no expert: last
-            dgu, h_again, dw_sorted = silu_backward(
+            # h (weighted, sorted) was saved by the forward: the pass does not write it again
+            dgu, _, dw_sorted = silu_backward(
                 d, gu, row_weight.index_select(0, routing.sorted_slot.long()), valid, compute_router_grad=need[2],
-                weight_h=True)
+                write_h=False)
             del d
-            free_saved(gu)  # its last use was above: freed before dW2 allocates its output, which lowers the peak
+            free_saved(gu)  # [g | u]'s one use: freed before dW2 allocates its output, which lowers the peak
             dw = dw_sorted.index_select(0, routing.position.long()) if need[2] else None  # back to slot order
-            if need[4] and c.moe_weight_grad == "auto":  # dW2 over the same gathered rows and the weighted h
-                dw2 = k_grouped_mm(dout_rows, h_again, offsets[1:])
-            del h_again, dout_rows
+            if need[4] and c.moe_weight_grad == "auto":  # dW2 over the same gathered rows and the saved h
+                dw2 = k_grouped_mm(dout_rows, h, offsets[1:])
+            del dout_rows
         else:
             dgu, dw = down_backward_silu(
                 grad_out, w2, gu, row_weight, routing, compute_router_grad=need[2],
                 lora=(q2, a2, scale2) if has_lora2 else None, config=c,
             )
-        free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not when backward returns
+            free_saved(gu)  # [g | u] (S x 2I) has had its one use: freed now, not when backward returns
         q1 = grouped_rows_gemm(dgu, b1, routing, gather_rows=False, config=c) if has_lora1 else None
 
         dx = None

@@ -183,7 +183,8 @@ def _silu_backward_kernel(
     S, I, stride_d, stride_gu, stride_dgu, stride_h, stride_extra, extra_scale, off_ptr, num_experts,
     p_ptr, f_ptr, stride_p, stride_fe, stride_fk, stride_fn, rank,
     g_ptr, o_ptr, stride_ge, stride_gn, stride_gk, rank_out,
-    COMPUTE_DW: tl.constexpr, WEIGHT_H: tl.constexpr, HAS_EXTRA: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, WEIGHT_H: tl.constexpr, WRITE_H: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
     LOW_RANK: tl.constexpr, RANK_P: tl.constexpr, LR_PRECISION: tl.constexpr,
     LOW_RANK_OUT: tl.constexpr, RANK_OUT_P: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr,
@@ -211,8 +212,9 @@ def _silu_backward_kernel(
     silu = g * sig
     h = silu * u
     out_ty = dgu_ptr.dtype.element_ty
-    h_out = h * w[:, None] if WEIGHT_H else h
-    tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h_out.to(out_ty), mask=mask)
+    if WRITE_H:
+        h_out = h * w[:, None] if WEIGHT_H else h
+        tl.store(h_ptr + rows64[:, None] * stride_h + cols[None, :], h_out.to(out_ty), mask=mask)
     if COMPUTE_DW:  # the router gradient takes the unweighted h
         valid = tl.load(valid_ptr + rows, mask=row_mask, other=0) != 0
         partial = tl.sum(d * h, axis=1)
@@ -232,13 +234,14 @@ def _silu_backward_kernel(
 
 
 def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid: torch.Tensor, *,
-                  compute_router_grad: bool, weight_h: bool = False, extra: torch.Tensor | None = None,
-                  extra_scale: float = 1.0, low_rank: LowRankRows | None = None,
+                  compute_router_grad: bool, weight_h: bool = False, write_h: bool = True,
+                  extra: torch.Tensor | None = None, extra_scale: float = 1.0, low_rank: LowRankRows | None = None,
                   low_rank_out: LowRankOut | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(dGU (S, 2I), h (S, I), dw (S,) fp32 or None) in gu's dtype; ``d`` (S, I), ``weight`` (S,), ``valid`` (S,)
-    bool, all in sorted order (module docstring); ``weight_h``: h comes back times the routing weight, as the
-    engine's forward used it; ``extra`` (S, I): D is ``d + extra_scale · extra`` (read here, never added in place);
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(dGU (S, 2I), h (S, I) or None, dw (S,) fp32 or None) in gu's dtype; ``d`` (S, I), ``weight`` (S,), ``valid``
+    (S,) bool, all in sorted order (module docstring); ``weight_h``: h comes back times the routing weight, as the
+    engine's forward used it; ``write_h=False``: h is not written (None; for a caller that saved it in forward);
+    ``extra`` (S, I): D is ``d + extra_scale · extra`` (read here, never added in place);
     ``low_rank`` (:class:`LowRankRows`, N = I): D is ``d + extra_scale ·`` that term, made in registers;
     ``low_rank_out`` (:class:`LowRankOut`, N = 2I): dGU's rank-r product (Q1 = dGU B1_e) added into its buffer.
     Rows must be contiguous in their last dimension."""
@@ -253,7 +256,7 @@ def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid
                          "contiguous along its columns")
     _check_low_rank_terms("silu_backward", extra, low_rank, low_rank_out, num_rows, inter, 2 * inter, gu.dtype)
     dgu = torch.empty_like(gu)
-    h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype)
+    h = torch.empty(num_rows, inter, device=gu.device, dtype=gu.dtype) if write_h else None
     dw = torch.zeros(num_rows, device=gu.device, dtype=torch.float32) if compute_router_grad else None
     if num_rows == 0 or inter == 0:
         return dgu, h, dw
@@ -264,11 +267,12 @@ def silu_backward(d: torch.Tensor, gu: torch.Tensor, weight: torch.Tensor, valid
     lr_args, lr_flags = _low_rank_launch_args(low_rank, d)
     lro_args, lro_flags = _low_rank_out_launch_args(low_rank_out, d)
     _silu_backward_kernel[grid](
-        d, gu, weight, valid8, dgu, h, dw if dw is not None else weight, extra if extra is not None else d,
-        num_rows, inter, d.stride(0), gu.stride(0), dgu.stride(0), h.stride(0),
+        d, gu, weight, valid8, dgu, h if h is not None else dgu, dw if dw is not None else weight,
+        extra if extra is not None else d, num_rows, inter, d.stride(0), gu.stride(0), dgu.stride(0),
+        h.stride(0) if h is not None else 0,
         extra.stride(0) if extra is not None else 0, float(extra_scale), *search_args, *lr_args, *lro_args,
-        COMPUTE_DW=compute_router_grad, WEIGHT_H=weight_h, HAS_EXTRA=extra is not None, **search_flags, **lr_flags,
-        **lro_flags,
+        COMPUTE_DW=compute_router_grad, WEIGHT_H=weight_h, WRITE_H=write_h, HAS_EXTRA=extra is not None,
+        **search_flags, **lr_flags, **lro_flags,
         BLOCK_S=block_s, BLOCK_I=block_i,
         num_warps=8 if not running_in_interpreter() else 4,
     )

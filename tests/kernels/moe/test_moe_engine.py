@@ -326,6 +326,13 @@ def test_fused_silu_backward_matches_torch_fp32(compute_router_grad, weight_h):
             assert a is None
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # write_h=False (a caller that saved h in forward): no h, the same dGU and router gradient
+    dgu, no_h, dw = silu_backward(d, gu, weight, valid, compute_router_grad=compute_router_grad, weight_h=weight_h,
+                                  write_h=False)
+    assert no_h is None
+    torch.testing.assert_close(dgu, got[0], rtol=0, atol=0)
+    if compute_router_grad:
+        torch.testing.assert_close(dw, got[2], rtol=0, atol=0)
     if compute_router_grad:
         assert torch.all(got[2][~valid] == 0) and torch.any(got[2][valid] != 0)
     with pytest.raises(ValueError, match="do not fit"):

@@ -11,6 +11,11 @@ Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the 
                 ``--variants``, ``grouped_mm``, ``liger``, ``ours_persistent``, ``ours_kgrouped``: the K-grouped
                 weight gradient)
   moe_lora      the same layer with PEFT LoRA on the experts: ``ours`` (and ``grouped_mm``)
+  loss_trainable  the loss block of notebook 07 at the Llama-3-8B head (d 4096, V 128,256; ``--loss-shape``,
+                ``--loss-tokens``: another head of ``bench_loss.py``), 16,384 tokens, head trainable: ``ours`` (the
+                op as a user calls it) and, with ``--variants``, ``liger`` and ``gemm_floor`` (its cuBLAS GEMMs alone,
+                outputs preallocated: 3 GEMMs)
+  loss_frozen   the same with the head frozen (2 GEMMs)
 
 Each (case, implementation) runs a few warm-up steps, then ``--repetitions`` steps under the profiler. Every GPU
 kernel's device time is summed over those steps and divided by their number; a row gives the kernel's name,
@@ -36,6 +41,7 @@ import statistics
 import time
 from pathlib import Path
 
+import bench_loss
 import torch
 from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
 from torch import nn
@@ -54,14 +60,16 @@ from lora_lab.lab import measure
 
 CSV = "profile_kernels.csv"
 COMPILED_CSV, PICKS_CSV = "profile_kernels_compiled.csv", "profile_kernels_picks.csv"
-CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora"]
+CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora", "loss_trainable", "loss_frozen"]
 LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold"]
 MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, *OURS_KGROUPED, LIGER]
-ALL_VARIANTS = [*dict.fromkeys([*LINEAR_VARIANTS, *MOE_VARIANTS])]
+LOSS_VARIANTS = {"ours": "lora_lab", LIGER: "liger", "gemm_floor": "gemm_floor"}  # variant: bench_loss method
+ALL_VARIANTS = [*dict.fromkeys([*LINEAR_VARIANTS, *MOE_VARIANTS, *LOSS_VARIANTS])]
 DEFAULT_VARIANTS = ["base", "fused", "ours"]
 LINEAR_CELL = (32768, 4096, 4096, 16)  # notebook 05's target cell (M, K, N, r)
 LINEAR_8K_CELL = (8192, 4096, 4096, 16)  # below the shipped op's cuBLAS dispatch volume
 MOE_SHAPE, MOE_TOKENS = "qwen3_30b_a3b", 8192
+LOSS_SHAPE, LOSS_TOKENS = "llama3-8b", 16384
 SMOKE_LINEAR_CELL = (64, 32, 32, 4)
 SMOKE_MOE = dict(hidden=32, num_experts=4, top_k=2, intermediate=16)
 SMOKE_MOE_TOKENS = 16
@@ -112,6 +120,30 @@ def moe_steps(mode: str, variants, device, dtype, smoke: bool, shape_name: str =
 
     return {impl: (lambda impl=impl: set_implementation(holder, experts, impl), step) for impl in wanted}, (
         f"{shape.name} T={tokens} {mode}")
+
+
+def loss_steps(head: str, variants, device, dtype, smoke: bool, shape_name: str = LOSS_SHAPE,
+               tokens: int = LOSS_TOKENS):
+    """{variant: (prepare, step)} for a loss case: one forward + backward of ``bench_loss.py``'s method on that
+    script's inputs (``bench_loss.make_inputs``), the head trainable or frozen. A method that cannot run here (Liger
+    off CUDA) is left out."""
+    hidden, vocab = (bench_loss.SMOKE_SHAPES if smoke else bench_loss.SHAPES)[shape_name]
+    tokens = bench_loss.SMOKE_TOKENS[0] if smoke else tokens
+    trainable = head == "trainable"
+    h, w, y, gen = bench_loss.make_inputs(hidden, vocab, tokens, device, dtype, seed=0)
+    h.requires_grad_(True)
+    w.requires_grad_(trainable)
+    steps = {}
+    for variant, method in LOSS_VARIANTS.items():
+        if variant not in variants:
+            continue
+        try:
+            loss_fn, _mode, _version = bench_loss.resolve(method, device)
+        except bench_loss.Unavailable as err:
+            print(f"loss_{head} {variant}: skipped ({err})", flush=True)
+            continue
+        steps[variant] = (lambda: None, bench_loss.make_step(method, loss_fn, h, w, y, trainable, gen))
+    return steps, f"{shape_name} d={hidden} V={vocab} N={tokens} {head}"
 
 
 def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
@@ -282,6 +314,10 @@ def parse_args(argv=None):
     ap.add_argument("--moe-shape", default=MOE_SHAPE, choices=sorted(LAYER_SHAPES),
                     help=f"the MoE cases' layer (default {MOE_SHAPE})")
     ap.add_argument("--moe-tokens", type=int, default=MOE_TOKENS, help=f"the MoE cases' tokens (default {MOE_TOKENS})")
+    ap.add_argument("--loss-shape", default=LOSS_SHAPE, choices=list(bench_loss.SHAPES),
+                    help=f"the loss cases' head (default {LOSS_SHAPE})")
+    ap.add_argument("--loss-tokens", type=int, default=LOSS_TOKENS,
+                    help=f"the loss cases' tokens (default {LOSS_TOKENS})")
     args = ap.parse_args(argv)
     args.variants = chosen_variants(ap, args, ALL_VARIANTS, DEFAULT_VARIANTS)
     return args
@@ -300,6 +336,9 @@ def main(argv=None) -> None:
         if case.startswith("lora_linear"):
             cell = LINEAR_8K_CELL if case == "lora_linear_8k" else LINEAR_CELL
             steps, where = linear_steps(args.variants, device, dtype, args.smoke, cell)
+        elif case.startswith("loss_"):
+            steps, where = loss_steps(case.removeprefix("loss_"), args.variants, device, dtype, args.smoke,
+                                      args.loss_shape, args.loss_tokens)
         else:
             steps, where = moe_steps(case.removeprefix("moe_"), args.variants, device, dtype, args.smoke,
                                      args.moe_shape, args.moe_tokens)

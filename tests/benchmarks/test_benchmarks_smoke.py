@@ -375,7 +375,8 @@ def test_kernel_profile_rows(smoke_dir):
     groups = {(r["case"], r["impl"]) for r in rows}
     assert groups == {("lora_linear", "base"), ("lora_linear", "fused"), ("lora_linear_8k", "base"),
                       ("lora_linear_8k", "fused"), ("moe_full", "ours"), ("moe_full", "grouped_mm"),
-                      ("moe_lora", "ours"), ("moe_lora", "grouped_mm")}
+                      ("moe_lora", "ours"), ("moe_lora", "grouped_mm"), ("loss_trainable", "ours"),
+                      ("loss_frozen", "ours")}
     assert all(r["status"] == "ok" and r["us_per_step"] > 0 and r["calls_per_step"] > 0 for r in rows)
     for group in groups:
         mine = [r for r in rows if (r["case"], r["impl"]) == group]

@@ -28,6 +28,7 @@ per chunk, Liger's default; the least memory, for memory-capped runs); ``"auto"`
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -103,20 +104,27 @@ def plan_chunks(n: int, d: int, vocab: int, dtype: torch.dtype, need_h: bool, ne
                      logits=rows * vocab * itemsize, accumulator=accumulator, grads=grads, per_row=8 * n + 16)
 
 
-def free_bytes(device: torch.device) -> int | None:
-    """Bytes a new allocation can take on ``device``: free device memory plus what torch's allocator holds unused;
-    None off CUDA (the interpreter's CPU runs are not planned)."""
+def free_bytes(device: torch.device, need: int | None = None) -> int | None:
+    """Bytes a new allocation can take on ``device``: what torch's allocator holds unused plus free device memory;
+    None off CUDA (the interpreter's CPU runs are not planned). With ``need``, the driver is asked for its free
+    memory only when the allocator's unused bytes fall short of it (then the full figure is returned; otherwise
+    the unused bytes alone, which cover ``need``): in a training loop the allocator holds the last step's buffers,
+    and ``cudaMemGetInfo`` is a driver call made before the op's first kernel is queued, so the GPU may wait on it."""
     if device.type != "cuda":
         return None
+    stats = torch.cuda.memory_stats(device)  # one statistics dict, not one per figure
+    held = int(stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0))
+    if need is not None and held >= need:
+        return held
     free, _ = torch.cuda.mem_get_info(device)
-    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    return int(free) + held
 
 
 def fitting_plan(n, d, vocab, dtype, need_h, need_w, cfg, device) -> tuple[FusedPlan, bool]:
     """The configured plan, or (automatic chunk size) the largest chunk down to 256 rows that fits in free memory;
     and whether it fits."""
     plan = plan_chunks(n, d, vocab, dtype, need_h, need_w, cfg, device)
-    free = free_bytes(device)
+    free = free_bytes(device, need=plan.total)
     if free is None or plan.total <= free:
         return plan, True
     rows = plan.rows
@@ -168,12 +176,16 @@ def _accumulate_dw(g_t, h_c, dw, acc, partial, dw_mode, first: bool) -> None:
 
 
 def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap,
-                           need_h, need_w, cfg, plan: FusedPlan, cast_dw: bool = True):
+                           need_h, need_w, cfg, plan: FusedPlan, cast_dw: bool = True,
+                           labels_checked: Callable[[], None] | None = None):
     """(loss, dH or None, dW or None) for an incoming gradient of 1: the chunk loop of the module docstring.
 
     ``hidden`` [N, d] and ``weight`` [V, d] in one dtype, ``labels`` [N] int64; ``reduction`` "mean" or "sum".
     ``cast_dw=False``: where dW was accumulated in an fp32 buffer, that buffer is returned as dW, uncast (the
-    autograd function scales it by the incoming gradient and rounds it to the input dtype in one pass)."""
+    autograd function scales it by the incoming gradient and rounds it to the input dtype in one pass).
+    ``labels_checked``: called once the first chunk's logit GEMM is queued and before any kernel reads a label (the
+    caller's label range check, which raises on a label outside the vocabulary): the host waits for that check's
+    result while the GPU runs the GEMM, instead of the GPU waiting for the host."""
     n, d = hidden.shape
     vocab = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
@@ -206,6 +218,8 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
         h_c = hidden[r0:r1]
         z = logits[: r1 - r0]
         torch.mm(h_c, weight.t(), out=z)  # Z_c = H_c Wᵀ
+        if r0 == 0 and labels_checked is not None:
+            labels_checked()  # the kernel below loads z[label] unmasked: no label reaches it unchecked
         logit_grad_kernel[(r1 - r0,)](
             z, z.stride(0), labels[r0:r1], loss_rows[r0:r1], lse[r0:r1], kernel_scale,
             vocab, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0.0),
@@ -224,6 +238,8 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
             acc.mul_(post_scale)
         elif dw is not None:
             dw.mul_(post_scale)
+    if n == 0 and labels_checked is not None:
+        labels_checked()
     z = g_t = logits = partial = None  # the chunk buffer is freed before dW's fp32 -> input-dtype copy
     if acc is not None:
         dw = acc.to(dtype) if cast_dw else acc
@@ -242,10 +258,11 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
     buffer and dW coexisted during the cast as well)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config, plan):
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config, plan,
+                labels_checked=None):
         loss, dh, dw = fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing,
                                               z_loss, softcap, plan.need_h, plan.need_w, config, plan,
-                                              cast_dw=False)
+                                              cast_dw=False, labels_checked=labels_checked)
         ctx.grads = (dh, dw)
         ctx.dw_dtype = weight.dtype
         return loss
@@ -263,4 +280,4 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
             del acc
         elif dw is not None:
             dw.mul_(g)
-        return dh, dw, None, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None, None

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -498,23 +499,49 @@ def linear_cross_entropy(
     _check(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap)
     d = hidden.shape[-1]
     flat_labels = labels.reshape(-1).to(torch.int64).contiguous()
-    vocab = weight.shape[0]
-    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
-    if bool(bad.any()):
-        first = int(flat_labels[bad][0])
-        raise IndexError(f"label {first} is outside the vocabulary [0, {vocab}) and is not "
-                         f"ignore_index={ignore_index}")
+    labels_checked = _queue_label_check(flat_labels, weight.shape[0], ignore_index)
     flat_hidden = hidden.reshape(-1, d)
     options = (ignore_index, reduction, float(label_smoothing), float(z_loss),
                None if softcap is None else float(softcap))
-    fused = _fwdgrad_plan(flat_hidden, weight, reduction, config)
-    if fused is not None:
-        return FwdGradLinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, *fused)
+    try:
+        fused = _fwdgrad_plan(flat_hidden, weight, reduction, config)
+    except BaseException:
+        labels_checked()  # a bad label is reported first, as before the check became asynchronous
+        raise
+    if fused is not None:  # the fwdgrad path finishes the check once its first GEMM is queued
+        return FwdGradLinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, *fused,
+                                                       labels_checked)
+    labels_checked()
     # the recomputing kernels' tiles are tl.dot products, wrong in bf16 under the interpreter (the fwdgrad path's GEMMs
     # are torch's, and its Triton pass has no dot)
     check_interpreter_dtype(flat_hidden, weight, op="linear_cross_entropy (the recomputing kernels)")
     loss = LinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, config)
     return loss.reshape(labels.shape) if reduction == "none" else loss
+
+
+def _queue_label_check(flat_labels: torch.Tensor, vocab: int, ignore_index: int) -> Callable[[], None]:
+    """Queue the check that every label is ``ignore_index`` or in [0, vocab); return the call that finishes it,
+    raising IndexError naming the first bad label. On CUDA the verdict is copied to pinned host memory behind an
+    event, so the caller can queue GPU work before it waits (a plain ``bool(bad.any())`` would leave the GPU idle
+    from that sync until the host queues the next kernel); elsewhere it is read at once. Idempotent."""
+    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
+    if flat_labels.device.type == "cuda":
+        verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
+        verdict.copy_(bad.any(), non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+    else:
+        verdict, ready = bad.any(), None
+
+    def finish() -> None:
+        if ready is not None:
+            ready.synchronize()
+        if bool(verdict):
+            first = int(flat_labels[bad][0])
+            raise IndexError(f"label {first} is outside the vocabulary [0, {vocab}) and is not "
+                             f"ignore_index={ignore_index}")
+
+    return finish
 
 
 def _fwdgrad_plan(hidden: torch.Tensor, weight: torch.Tensor, reduction: str, config):

@@ -303,8 +303,8 @@ def test_chunk_plan_sizes():
 
 def test_a_plan_that_cannot_fit_is_refused_before_allocating(monkeypatch):
     _cpu_sized_counts_as_large(monkeypatch)
-    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device: 1000)
-    monkeypatch.setattr(linear_ce, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device, need=None: 1000)
+    monkeypatch.setattr(linear_ce, "free_bytes", lambda device, need=None: 1000)
     h, w, y = loss_inputs(40, 16, 64, torch.float32, DEVICE)
     h.requires_grad_()
     with pytest.raises(torch.OutOfMemoryError, match="cannot fit its chunk plan.*GiB free"):
@@ -318,9 +318,96 @@ def test_automatic_chunk_shrinks_to_fit(monkeypatch):
     cfg = LossKernelConfig()
     full = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, False, cfg)
     assert full.rows == 1024  # a frozen head's bound
-    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device: full.total - full.logits // 2)
+    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device, need=None: full.total - full.logits // 2)
     plan, fits = fwdgrad.fitting_plan(16384, 4096, 128256, torch.bfloat16, True, False, cfg, DEVICE)
     assert fits and plan.rows == 512
+
+
+def test_free_memory_asks_the_driver_only_when_the_allocator_falls_short(monkeypatch):
+    stats = {"reserved_bytes.all.current": 5000, "allocated_bytes.all.current": 1000}  # 4000 bytes held unused
+    driver_calls = []
+
+    def mem_get_info(device):
+        driver_calls.append(device)
+        return 10_000, 100_000
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    cuda = torch.device("cuda")  # a device object only: nothing here touches a GPU
+    assert fwdgrad.free_bytes(cuda, need=4000) == 4000 and driver_calls == []  # the held bytes cover the need
+    assert fwdgrad.free_bytes(cuda, need=4001) == 14_000 and len(driver_calls) == 1  # short: held + driver's free
+    assert fwdgrad.free_bytes(cuda) == 14_000 and len(driver_calls) == 2  # no need given: the full figure
+    assert fwdgrad.free_bytes(torch.device("cpu"), need=1) is None
+
+
+class _Recorder:
+    """Stands in for logit_grad_kernel: records each launch, then launches the real kernel."""
+
+    def __init__(self, kernel, events):
+        self.kernel, self.events = kernel, events
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.events.append("kernel")
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_label_check_is_finished_before_any_kernel_reads_a_label(monkeypatch):
+    events = []
+    monkeypatch.setattr(fwdgrad, "logit_grad_kernel", _Recorder(fwdgrad.logit_grad_kernel, events))
+    h, w, y = loss_inputs(37, 16, 100, torch.float32, DEVICE)
+    plan = fwdgrad.plan_chunks(37, 16, 100, torch.float32, True, True, FWD, torch.device(DEVICE))
+    assert plan.chunks == 3
+    fwdgrad.fwdgrad_loss_and_grads(h, w, y.long(), -100, "mean", 0.0, 0.0, None, True, True, FWD, plan,
+                                   labels_checked=lambda: events.append("check"))
+    assert events == ["check", "kernel", "kernel", "kernel"]  # once, before the first kernel
+    events.clear()
+    empty = fwdgrad.plan_chunks(0, 16, 100, torch.float32, True, True, FWD, torch.device(DEVICE))
+    fwdgrad.fwdgrad_loss_and_grads(h[:0], w, y[:0].long(), -100, "sum", 0.0, 0.0, None, True, True, FWD, empty,
+                                   labels_checked=lambda: events.append("check"))
+    assert events == ["check"]  # no rows: still checked
+
+
+@pytest.mark.parametrize("impl", ["fwdgrad", "recompute"])
+def test_label_outside_vocabulary_is_refused_on_both_paths(impl):
+    h, w, y = loss_inputs(40, 16, 64, torch.float32, DEVICE)
+    h.requires_grad_()
+    for bad in (64, -3):
+        y_bad = y.clone()
+        y_bad[7] = bad
+        with pytest.raises(IndexError, match=f"label {bad} is outside the vocabulary \\[0, 64\\)"):
+            linear_cross_entropy(h, w, y_bad, config=FWD.replace(impl=impl))
+    assert h.grad is None
+
+
+def test_bad_label_is_reported_before_a_plan_that_cannot_fit(monkeypatch):
+    _cpu_sized_counts_as_large(monkeypatch)
+    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device, need=None: 1000)
+    monkeypatch.setattr(linear_ce, "free_bytes", lambda device, need=None: 1000)
+    h, w, y = loss_inputs(40, 16, 64, torch.float32, DEVICE)
+    h.requires_grad_()
+    y[3] = 99
+    with pytest.raises(IndexError, match="label 99 is outside the vocabulary"):
+        linear_cross_entropy(h, w, y, config=LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=16))
+
+
+@pytest.mark.gpu
+def test_gpu_bad_label_on_the_fwdgrad_path_leaves_the_device_usable():
+    n, d, vocab = 4096, 1024, 32_000
+    h, w, y = loss_inputs(n, d, vocab, torch.bfloat16, "cuda", weight_scale=0.02)
+    h.requires_grad_()
+    w.requires_grad_()
+    cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=1024)
+    y_bad = y.clone()
+    y_bad[n - 1] = vocab + 5  # in the last chunk: the check must hold back the first chunk's kernel all the same
+    with pytest.raises(IndexError, match=f"label {vocab + 5} is outside the vocabulary"):
+        linear_cross_entropy(h, w, y_bad, config=cfg)
+    loss = linear_cross_entropy(h, w, y, config=cfg)  # the device is still usable, and the result right
+    loss.backward()
+    torch.cuda.synchronize()
+    ref = linear_cross_entropy_reference(h.detach().float(), w.detach().float(), y)
+    assert abs(loss.item() - ref.item()) <= 1e-2 * abs(ref.item())
 
 
 # ------------------------------------------------------------------------------------------------------------

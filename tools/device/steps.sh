@@ -3,7 +3,8 @@
 # carried wheels, the SmolLM2 GGUF joined from /tmp/gguf/part_* (carried by later calls, READY last), then notebooks in priority order,
 # each `make run PROFILE=gpu ONLY=NN` under its own timeout; results.tgz refreshed after each.
 # Extra steps (GPU tests) come from $CARRY/.devcarry/extra.sh if present, run after install, before notebooks;
-# with EXTRA_GATES=1 a non-zero exit of extra.sh skips the notebooks.
+# with EXTRA_GATES=1 a non-zero exit of extra.sh skips the notebooks. Poll it from the next calls with
+# tools/device/poll.sh (it refuses at once on a fresh machine), one call right after another.
 set -u
 COMMIT=$1; ORDER=${2:-"09:420 06:720 10:480"}
 L=/tmp/lab; O=$L/out; mkdir -p $O $L/carry

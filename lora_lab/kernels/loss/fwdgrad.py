@@ -32,9 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from lora_lab.dtypes import addmm_fp32_out_works
-from lora_lab.kernels.loss.kernels import logit_grad_kernel
+from lora_lab.kernels.loss.kernels import SCALE_CAST_BLOCK, logit_grad_kernel, scale_cast_kernel
 
 __all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_grads",
            "FwdGradLinearCrossEntropyFunction"]
@@ -249,13 +250,28 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
     return loss, dh, dw
 
 
+def scale_cast_(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = src · scale`` rounded once to ``out``'s dtype (:func:`~.kernels.scale_cast_kernel`); ``src`` a
+    contiguous fp32 tensor, ``scale`` one fp32 on its device, ``out`` contiguous, of ``src``'s shape."""
+    if not (src.is_contiguous() and out.is_contiguous() and src.shape == out.shape and src.dtype == torch.float32
+            and scale.numel() == 1 and scale.dtype == torch.float32):
+        raise ValueError(f"scale_cast_ needs contiguous fp32 src and out of one shape and one fp32 scale; got "
+                         f"{src.dtype} {tuple(src.shape)}, {out.dtype} {tuple(out.shape)}, scale {scale.dtype} "
+                         f"x{scale.numel()}")
+    n = src.numel()
+    if n:
+        scale_cast_kernel[(triton.cdiv(n, SCALE_CAST_BLOCK),)](src, out, scale, n, BLOCK=SCALE_CAST_BLOCK,
+                                                                num_warps=8)
+    return out
+
+
 class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
     """Autograd wrapper of the gradients-in-forward path: forward computes the loss and the gradients of the
     inputs that need them (for an incoming gradient of 1); backward multiplies them, in place, by the incoming
     scalar gradient. Nothing of H or W is saved. A dW accumulated in fp32 stays fp32 until backward, which scales
-    and rounds it in one pass (``torch.mul`` into a buffer of W's dtype) instead of a cast in forward and a scaling
+    and rounds it in one pass (into a buffer of W's dtype) instead of a cast in forward and a scaling
     pass over the cast dW in backward: one read and write of a [V, d] matrix less (the peak is the same: the fp32
-    buffer and dW coexisted during the cast as well)."""
+    buffer and dW coexisted during the cast as well), in one streaming Triton pass (:func:`scale_cast_`)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config, plan,
@@ -276,7 +292,7 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
             dh.mul_(g)  # fp32 factor, one rounding (exact when it is 1)
         if dw is not None and dw.dtype != ctx.dw_dtype:  # the fp32 accumulator: scaled and rounded once
             acc, dw = dw, torch.empty(dw.shape, dtype=ctx.dw_dtype, device=dw.device)
-            torch.mul(acc, g, out=dw)
+            scale_cast_(acc, g, dw)
             del acc
         elif dw is not None:
             dw.mul_(g)

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from lora_lab.kernels.triton_helpers import accumulate_matmul
 
-__all__ = ["lse_partials_kernel", "grad_kernel", "logit_grad_kernel"]
+__all__ = ["lse_partials_kernel", "grad_kernel", "logit_grad_kernel", "scale_cast_kernel", "SCALE_CAST_BLOCK"]
 
 
 # tanh's Taylor series, tanh x = Σ_n c_n x^(2n-1), n = 1..8: c_n = 2^2n (2^2n - 1) B_2n / (2n)! (B: Bernoulli numbers)
@@ -289,3 +289,18 @@ def logit_grad_kernel(
                 capped = z / softcap
                 g = g * (1.0 - capped * capped)
             tl.store(base + v0 + cols, g.to(z_ptr.dtype.element_ty), mask=ok)
+
+
+SCALE_CAST_BLOCK = 4096  # elements per program of scale_cast_kernel: 16 KiB of fp32 read, 8 KiB written
+
+
+@triton.jit
+def scale_cast_kernel(src_ptr, dst_ptr, scale_ptr, n, BLOCK: tl.constexpr):
+    """``dst = src · scale``, the fp32 product rounded once (to nearest even) to ``dst``'s dtype: the fwdgrad path's
+    fp32 dW accumulator scaled by the incoming gradient and narrowed in one pass (``scale_ptr``: one fp32 on the
+    device). Bit for bit what ``torch.mul(src, scale, out=dst)`` gives; torch runs that mixed-dtype form on its
+    generic, unvectorised elementwise kernel (2.30 ms for a 128,256 x 4,096 dW on the H200), this one streams it."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(src_ptr + offs, mask=ok, other=0.0)
+    tl.store(dst_ptr + offs, (x * tl.load(scale_ptr)).to(dst_ptr.dtype.element_ty), mask=ok)

@@ -142,6 +142,41 @@ def test_fp32_accumulated_dw_is_scaled_and_rounded_once_in_backward(dw_accumulat
                                rtol=0, atol=0)
 
 
+def _check_scale_cast(n, dtype, device):
+    gen = torch.Generator().manual_seed(n)
+    src = (torch.randn(n, generator=gen) * torch.logspace(-30, 30, n)).to(device)  # normals, subnormals, overflow
+    if n > 1:
+        src[0] = float("nan")
+    scale = torch.tensor(-0.3, device=device)
+    out = torch.full((n,), 7.0, dtype=dtype, device=device)
+    fwdgrad.scale_cast_(src, scale, out)
+    expected = torch.mul(src, scale).to(dtype)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
+# bf16 on the CPU: Triton's interpreter narrows fp32 to bf16 by truncation (half the elements 1 ulp off), the GPU
+# rounds to nearest even; the bf16 case runs on the GPU (below)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 4095, 4097, 3 * 4096 + 17])
+def test_scale_cast_is_bit_exact_with_torch_mul(dtype, n):
+    _check_scale_cast(n, dtype, DEVICE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4097, 32_000 * 4096 + 3])
+def test_gpu_bf16_scale_cast_is_bit_exact_with_torch_mul(n):
+    _check_scale_cast(n, torch.bfloat16, "cuda")
+
+
+def test_scale_cast_refuses_what_it_cannot_stream():
+    src = torch.zeros(4, 6)
+    with pytest.raises(ValueError, match="contiguous fp32 src and out of one shape"):
+        fwdgrad.scale_cast_(src.t(), torch.ones(()), torch.empty(6, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="one fp32 scale"):
+        fwdgrad.scale_cast_(src, torch.ones(2), torch.empty(4, 6, dtype=torch.float16))
+    assert fwdgrad.scale_cast_(torch.zeros(0), torch.ones(()), torch.empty(0, dtype=torch.float16)).numel() == 0
+
+
 def test_input_dtype_accumulation_needs_no_fp32_buffer():
     cfg = LossKernelConfig(dw_accumulate="input_dtype")
     plan = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, True, cfg)

@@ -48,7 +48,7 @@ def live_at_peak(trace: list[dict]) -> tuple[int, list[dict]]:
             total += event["size"]
             if total > peak:
                 peak, at_peak = total, list(live.values())
-        elif action in ("free_completed",) and event["addr"] in live:
+        elif action == "free_completed" and event["addr"] in live:
             total -= live.pop(event["addr"])["size"]
     return peak, at_peak
 

@@ -336,12 +336,17 @@ def test_chunk_plan_sizes():
     assert one.rows == 1000 and one.chunks == 1 and one.accumulator == 0  # one chunk: dW = GᵀH, no fp32 buffer
 
 
-def test_a_plan_that_cannot_fit_is_refused_before_allocating(monkeypatch):
+def _memory_capped_inputs(monkeypatch):
+    """CPU-sized inputs that the dispatch treats as large, on a device that reports 1,000 bytes free."""
     _cpu_sized_counts_as_large(monkeypatch)
     monkeypatch.setattr(fwdgrad, "free_bytes", lambda device, need=None: 1000)
     monkeypatch.setattr(linear_ce, "free_bytes", lambda device, need=None: 1000)
     h, w, y = loss_inputs(40, 16, 64, torch.float32, DEVICE)
-    h.requires_grad_()
+    return h.requires_grad_(), w, y
+
+
+def test_a_plan_that_cannot_fit_is_refused_before_allocating(monkeypatch):
+    h, w, y = _memory_capped_inputs(monkeypatch)
     with pytest.raises(torch.OutOfMemoryError, match="cannot fit its chunk plan.*GiB free"):
         linear_cross_entropy(h, w, y, config=LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=16))
     assert chosen_impl(h, w) == "recompute"  # auto: the memory-capped case keeps the old kernels
@@ -417,11 +422,7 @@ def test_label_outside_vocabulary_is_refused_on_both_paths(impl):
 
 
 def test_bad_label_is_reported_before_a_plan_that_cannot_fit(monkeypatch):
-    _cpu_sized_counts_as_large(monkeypatch)
-    monkeypatch.setattr(fwdgrad, "free_bytes", lambda device, need=None: 1000)
-    monkeypatch.setattr(linear_ce, "free_bytes", lambda device, need=None: 1000)
-    h, w, y = loss_inputs(40, 16, 64, torch.float32, DEVICE)
-    h.requires_grad_()
+    h, w, y = _memory_capped_inputs(monkeypatch)
     y[3] = 99
     with pytest.raises(IndexError, match="label 99 is outside the vocabulary"):
         linear_cross_entropy(h, w, y, config=LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=16))

@@ -28,7 +28,10 @@ the code path only.
 Writes into --out: profile_kernels.csv, profile_kernels.png (the largest kernels of each case as stacked bars) and,
 on a GPU, profile_kernels_compiled.csv: every lora_lab Triton kernel the run compiled (autotuning candidates
 included), with its tile sizes, launch settings (warps, stages, shared memory), registers and spills per thread, and
-the occupancy those allow on one SM; and profile_kernels_picks.csv: the settings each autotuner picked, per key.
+the occupancy those allow on one SM; profile_kernels_picks.csv: the settings each autotuner picked, per key; and
+profile_kernels_gaps.csv: where the device sits idle inside a synchronised step and what it waited for (the
+launching host operator, whether the host was blocked in a CUDA call; :mod:`idle_gaps`), the time a step's loop
+pays over its kernels.
 
     python benchmarks/profile_kernels.py --out DIR
     python benchmarks/profile_kernels.py --out DIR --cases moe_full --variants grouped_mm liger ours_persistent
@@ -42,6 +45,7 @@ import time
 from pathlib import Path
 
 import bench_loss
+import idle_gaps
 import torch
 from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
 from torch import nn
@@ -60,6 +64,7 @@ from lora_lab.lab import measure
 
 CSV = "profile_kernels.csv"
 COMPILED_CSV, PICKS_CSV = "profile_kernels_compiled.csv", "profile_kernels_picks.csv"
+GAPS_CSV = "profile_kernels_gaps.csv"
 CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora", "loss_trainable", "loss_frozen"]
 LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold"]
 MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, *OURS_KGROUPED, LIGER]
@@ -74,6 +79,8 @@ SMOKE_LINEAR_CELL = (64, 32, 32, 4)
 SMOKE_MOE = dict(hidden=32, num_experts=4, top_k=2, intermediate=16)
 SMOKE_MOE_TOKENS = 16
 WARMUP_STEPS = 3
+MIN_GAP_US = 5.0  # idle intervals shorter than this are not listed (launch-to-launch spacing)
+TOP_GAPS = 8  # printed per (case, implementation); the CSV has them all
 TOP_KERNELS = 12  # kept per (case, implementation); the rest is one row named "(other kernels)"
 
 
@@ -170,11 +177,15 @@ def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
     return top
 
 
-def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float, float]:
-    """(kernel rows, wall milliseconds per profiled step, the user's-loop milliseconds per step) of ``steps``
-    profiled calls after the warm-up; the last is the median of ``steps`` unprofiled calls by ``measure.loop_ms``
-    (CUDA events, synchronised after each call) — kernel time and host time side by side."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float, float, list[dict]]:
+    """(kernel rows, wall milliseconds per profiled step, the user's-loop milliseconds per step, idle-gap rows) of
+    ``steps`` profiled calls after the warm-up. The loop figure is the median of ``steps`` unprofiled calls by
+    ``measure.loop_ms`` (CUDA events, synchronised after each call) — kernel time and host time side by side. The
+    profiled calls are synchronised one by one too, each inside a ``record_function`` range, so that the gaps
+    (:mod:`idle_gaps`: where the device waits inside a step, and for what) are the ones the user's loop pays."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     for _ in range(WARMUP_STEPS):
         step()
@@ -185,11 +196,18 @@ def profile_step(step, steps: int, cuda: bool) -> tuple[list[dict], float, float
     start = time.perf_counter()
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
+            with record_function(idle_gaps.STEP_MARK):
+                step()
+                if cuda:
+                    torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - start) * 1e3 / steps
-    return kernel_rows(prof, cuda, steps), wall_ms, loop_ms
+    gaps = []
+    if cuda:
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            gaps = idle_gaps.step_gaps(idle_gaps.load_trace(trace), MIN_GAP_US)
+    return kernel_rows(prof, cuda, steps), wall_ms, loop_ms, gaps
 
 
 # one Hopper SM (H100 / H200): the limits that decide how many copies of a kernel's program it holds at once
@@ -331,7 +349,7 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(device_line(device, dtype, args.repetitions, f"profiled steps {args.repetitions}"), flush=True)
-    rows = []
+    rows, gap_rows = [], []
     for case in args.cases:
         if case.startswith("lora_linear"):
             cell = LINEAR_8K_CELL if case == "lora_linear_8k" else LINEAR_CELL
@@ -346,7 +364,7 @@ def main(argv=None) -> None:
             base = {"case": case, "impl": impl, "shape": where, "smoke": args.smoke}
             try:
                 prepare()
-                kernels, wall_ms, loop_ms = profile_step(step, args.repetitions, cuda)
+                kernels, wall_ms, loop_ms, gaps = profile_step(step, args.repetitions, cuda)
             except Exception as err:  # one implementation that cannot run must not lose the others' profiles
                 rows.append({**base, "status": "error", "error": error_text(err)})
                 print(f"{case} {impl}: failed: {rows[-1]['error'][:200]}", flush=True)
@@ -361,8 +379,20 @@ def main(argv=None) -> None:
                     print(f"    {k['us_per_step']:10.1f} us {k['calls_per_step']:5.1f} calls {k['share']:6.1%}  "
                           f"{k['kernel'][:100]}", flush=True)
                 if cuda:
+                    idle_us, grouped = idle_gaps.summarise(gaps, args.repetitions)
+                    gap_rows += [{**base, "idle_us_per_step": idle_us, **g} for g in grouped]
+                    print(f"  idle inside the synchronised step (under the profiler): {idle_us / 1e3:.3f} ms per "
+                          f"step in {len(gaps) / args.repetitions:.1f} gaps; the largest:", flush=True)
+                    for g in grouped[:TOP_GAPS]:
+                        lag = g["mean_launch_lag_us"]
+                        lag = "" if lag is None else f", launched {lag:.1f} us into the gap"
+                        waits = f", host waits: {g['host_waits']}" if g["host_waits"] else ""
+                        print(f"    {g['per_step_us']:9.1f} us/step at +{g['mean_start_us']:.0f} us before "
+                              f"{g['next_kernel'][:50]} (from {g['launched_by'][:90]}{lag}{waits})", flush=True)
                     torch.cuda.empty_cache()
             measure.write_csv(rows, out / CSV)  # after every implementation: a run cut short keeps what it measured
+            if gap_rows:
+                measure.write_csv(gap_rows, out / GAPS_CSV)
     if any(r["status"] == "ok" for r in rows):
         plot([r for r in rows if r["status"] == "ok"], out)
     if cuda:

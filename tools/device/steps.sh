@@ -2,7 +2,8 @@
 # This session's GPU run, in the background (setsid): a fresh clone of the carried bundle at $1, installed from the
 # carried wheels, the SmolLM2 GGUF joined from /tmp/gguf/part_* (carried by later calls, READY last), then notebooks in priority order,
 # each `make run PROFILE=gpu ONLY=NN` under its own timeout; results.tgz refreshed after each.
-# Extra steps (GPU tests) come from $CARRY/.devcarry/extra.sh if present, run after install, before notebooks;
+# Extra steps (GPU tests) come from $CARRY/.devcarry/extra.sh if present, run after install, before notebooks
+# (and $CARRY/.devcarry/post.sh, if present, after them: benchmarks and profiles into $O);
 # with EXTRA_GATES=1 a non-zero exit of extra.sh skips the notebooks. Poll it from the next calls with
 # tools/device/poll.sh (it refuses at once on a fresh machine), one call right after another.
 set -u
@@ -41,5 +42,8 @@ for item in $ORDER; do
   timeout -k 10 $limit make run PROFILE=gpu ONLY=$nb > $O/nb$nb.log 2>&1; echo "nb$nb exit $?" >> $O/session.log
   pkill -f ipykernel_launcher; pkill -f "benchmarks/bench_"; pkill -f "lora_lab.lab.measure"; sleep 1; pack
 done
+if [ -f $CARRY/.devcarry/post.sh ]; then  # after the notebooks: diagnostics and benchmarks that grade nothing
+  log post; bash $CARRY/.devcarry/post.sh $O >> $O/session.log 2>&1; echo "post exit $?" >> $O/session.log; pack
+fi
 log done
 touch $O/DONE

@@ -19,6 +19,9 @@ Methods (all by default; ``--methods`` picks some):
   lora_lab_fwdgrad_r256, lora_lab_fwdgrad_r1024  lora_lab_fwdgrad with fwdgrad_chunk_rows 256 or 1024 (opt-in): the
                         logits chunk, the path's largest buffer, 16x or 4x smaller than the default 4,096 rows, for
                         the time it costs (issue #23: extra peak at most Liger's, whose chunks are 128-512 rows here)
+  lora_lab_fwdgrad_r4096  the same with 4,096-row chunks for a frozen head too (opt-in; the default gives a frozen
+                        head 1,024): whether the frozen small-d head's dH GEMM, [rows, V] x [V, d] with few output
+                        tiles at 1,024 rows, is what keeps it at 1.37x its floor in notebook 07
   lora_lab_recompute    the same, impl="recompute" forced: the Triton kernels that never hold a logit (4 GEMM-sized
                         loops trainable, 3 frozen)
   lora_lab_two_pass     the same with trainable_plan="two_pass" (dH, then dW: logits recomputed once more, small
@@ -103,7 +106,8 @@ TOKENS, SMOKE_TOKENS = [4096, 16384, 65536], [24]
 HEADS = ["trainable", "frozen"]
 BASELINES = ["torch_fp32", "torch_bf16", "chunked", "liger", "cce", "cce_exact"]
 FLOORS = ["gemm_floor", "gemm_floor_recompute"]
-CHUNK_ROWS = {"lora_lab_fwdgrad_r256": 256, "lora_lab_fwdgrad_r1024": 1024}  # opt-in: the fwdgrad chunk's rows
+CHUNK_ROWS = {"lora_lab_fwdgrad_r256": 256, "lora_lab_fwdgrad_r1024": 1024,  # opt-in: the fwdgrad chunk's rows
+              "lora_lab_fwdgrad_r4096": 4096}
 METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
            *CHUNK_ROWS, "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", *FLOORS]
 # issue #23's panel: ours (both paths), torch bf16, Liger, CCE, the 3-GEMM (2 frozen) floor

@@ -68,7 +68,8 @@ GAPS_CSV = "profile_kernels_gaps.csv"
 CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora", "loss_trainable", "loss_frozen"]
 LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold"]
 MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, *OURS_KGROUPED, LIGER]
-LOSS_VARIANTS = {"ours": "lora_lab", LIGER: "liger", "gemm_floor": "gemm_floor"}  # variant: bench_loss method
+LOSS_VARIANTS = {"ours": "lora_lab", "ours_r4096": "lora_lab_fwdgrad_r4096", LIGER: "liger",  # variant: bench_loss
+                 "gemm_floor": "gemm_floor"}  # method (ours_r4096: 4,096-row chunks, frozen heads too)
 ALL_VARIANTS = [*dict.fromkeys([*LINEAR_VARIANTS, *MOE_VARIANTS, *LOSS_VARIANTS])]
 DEFAULT_VARIANTS = ["base", "fused", "ours"]
 LINEAR_CELL = (32768, 4096, 4096, 16)  # notebook 05's target cell (M, K, N, r)
@@ -157,6 +158,8 @@ def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
     """Per kernel (CUDA) or operator (CPU): launches and microseconds per profiled step, largest first."""
     rows = []
     for event in prof.key_averages():
+        if event.key == idle_gaps.STEP_MARK:  # the step's own range (host and device timelines), not a kernel
+            continue
         if cuda:
             if event.device_type != torch.autograd.DeviceType.CUDA:
                 continue

@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 REPETITIONS = 2  # the scripts' default is measure.MIN_REPETITIONS; two suffice to check the pairing
 # every loss method, the opt-in fixed-chunk ones included (in bench_loss.METHODS's order); the smoke run names them all
 LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
-                "lora_lab_fwdgrad_r256", "lora_lab_fwdgrad_r1024", "lora_lab_recompute", "lora_lab_two_pass", "liger",
-                "cce", "cce_exact", "gemm_floor", "gemm_floor_recompute"]
+                "lora_lab_fwdgrad_r256", "lora_lab_fwdgrad_r1024", "lora_lab_fwdgrad_r4096", "lora_lab_recompute",
+                "lora_lab_two_pass", "liger", "cce", "cce_exact", "gemm_floor", "gemm_floor_recompute"]
 SCRIPTS = {  # longest first: two run at a time
     # the graded cells but the Mixtral-like engine cells (their order is test_bench_moe_panel's; at smoke sizes the
     # engine rule sends them to Triton anyway): CI time
@@ -241,7 +241,7 @@ def test_loss_block_lora_lab_rows(smoke_dir):
     rows, _ = _loss_block(smoke_dir)
     mine = [r for r in rows if r["method"] in ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
                                                "lora_lab_fwdgrad_r256", "lora_lab_fwdgrad_r1024",
-                                               "lora_lab_recompute", "lora_lab_two_pass")]
+                                               "lora_lab_fwdgrad_r4096", "lora_lab_recompute", "lora_lab_two_pass")]
     reason = _fused_loss_missing()
     if reason is not None:
         assert {r["status"] for r in mine} == {"skipped"}

@@ -10,12 +10,12 @@
 O=$1
 mkdir -p $O/prof $O/panel
 PY=.venv-gpu/bin/python
-timeout -k 10 150 $PY benchmarks/profile_kernels.py --cases loss_trainable loss_frozen --variants liger gemm_floor \
+timeout -k 10 150 $PY benchmarks/profile_kernels.py --cases loss_trainable loss_frozen --variants ours ours_r4096 liger gemm_floor \
   --repetitions 3 --loss-shape llama3-8b --out $O/prof/llama3-8b > $O/prof/prof_llama3-8b.log 2>&1
 echo "profile llama3-8b exit $?"
 timeout -k 10 420 $PY benchmarks/bench_loss.py --out $O/panel --methods lora_lab liger cce torch_bf16 gemm_floor \
   --shapes qwen2.5-14b gemma2-2b llama3-8b qwen2.5-0.5b --repetitions 3 --time-budget-s 330 > $O/panel/panel.log 2>&1
 echo "panel exit $?"
-timeout -k 10 100 $PY benchmarks/profile_kernels.py --cases loss_trainable loss_frozen --variants liger gemm_floor \
+timeout -k 10 100 $PY benchmarks/profile_kernels.py --cases loss_trainable loss_frozen --variants ours ours_r4096 liger gemm_floor \
   --repetitions 3 --loss-shape qwen2.5-0.5b --out $O/prof/qwen2.5-0.5b > $O/prof/prof_qwen2.5-0.5b.log 2>&1
 echo "profile qwen2.5-0.5b exit $?"

@@ -105,19 +105,36 @@ def plan_chunks(n: int, d: int, vocab: int, dtype: torch.dtype, need_h: bool, ne
                      logits=rows * vocab * itemsize, accumulator=accumulator, grads=grads, per_row=8 * n + 16)
 
 
+_DRIVER_FREE: dict[tuple[str, int], tuple[int, int]] = {}  # device -> (driver's free bytes, torch's reserved bytes)
+ESTIMATE_HEADROOM = 2 * GIB  # an estimate is trusted only with this much (or a quarter of the need) to spare
+
+
 def free_bytes(device: torch.device, need: int | None = None) -> int | None:
     """Bytes a new allocation can take on ``device``: what torch's allocator holds unused plus free device memory;
-    None off CUDA (the interpreter's CPU runs are not planned). With ``need``, the driver is asked for its free
-    memory only when the allocator's unused bytes fall short of it (then the full figure is returned; otherwise
-    the unused bytes alone, which cover ``need``): in a training loop the allocator holds the last step's buffers,
-    and ``cudaMemGetInfo`` is a driver call made before the op's first kernel is queued, so the GPU may wait on it."""
+    None off CUDA (the interpreter's CPU runs are not planned).
+
+    With ``need``, the driver is not asked when a cheaper figure covers it: first the allocator's unused bytes
+    alone; then an estimate from the driver's last answer on this device, less what torch's allocator has reserved
+    since (``cudaMemGetInfo`` is a driver call made before the op's first kernel is queued, about 0.5 ms on an
+    H200, during which a synchronised loop's GPU idles). The estimate is used only when it covers ``need`` with
+    ``max(ESTIMATE_HEADROOM, need / 4)`` to spare, since memory taken outside torch's allocator since that answer
+    (another process, a library's own cudaMalloc) is not in it; short of that, the driver is asked again. Without
+    ``need``, the driver is always asked (the figure an error message reports)."""
     if device.type != "cuda":
         return None
     stats = torch.cuda.memory_stats(device)  # one statistics dict, not one per figure
-    held = int(stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0))
+    reserved = int(stats.get("reserved_bytes.all.current", 0))
+    held = reserved - int(stats.get("allocated_bytes.all.current", 0))
     if need is not None and held >= need:
         return held
+    key = (device.type, torch.cuda.current_device() if device.index is None else device.index)
+    if need is not None and key in _DRIVER_FREE:
+        driver_then, reserved_then = _DRIVER_FREE[key]
+        estimate = driver_then - (reserved - reserved_then) + held
+        if estimate >= need + max(ESTIMATE_HEADROOM, need // 4):
+            return estimate
     free, _ = torch.cuda.mem_get_info(device)
+    _DRIVER_FREE[key] = (int(free), reserved)
     return int(free) + held
 
 

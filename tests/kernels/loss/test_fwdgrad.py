@@ -373,11 +373,42 @@ def test_free_memory_asks_the_driver_only_when_the_allocator_falls_short(monkeyp
 
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
-    cuda = torch.device("cuda")  # a device object only: nothing here touches a GPU
+    monkeypatch.setattr(fwdgrad, "_DRIVER_FREE", {})
+    monkeypatch.setattr(fwdgrad, "ESTIMATE_HEADROOM", 0)  # the estimate is tested on its own below
+    cuda = torch.device("cuda", 0)  # a device object only: nothing here touches a GPU
     assert fwdgrad.free_bytes(cuda, need=4000) == 4000 and driver_calls == []  # the held bytes cover the need
     assert fwdgrad.free_bytes(cuda, need=4001) == 14_000 and len(driver_calls) == 1  # short: held + driver's free
     assert fwdgrad.free_bytes(cuda) == 14_000 and len(driver_calls) == 2  # no need given: the full figure
     assert fwdgrad.free_bytes(torch.device("cpu"), need=1) is None
+
+
+def test_free_memory_estimates_from_the_last_driver_answer(monkeypatch):
+    """After one driver answer, a need that the answer (less what torch reserved since) covers with headroom is
+    planned without asking again; a need close to the estimate, or one the estimate no longer covers after torch
+    reserved more, asks the driver."""
+    gib = fwdgrad.GIB
+    stats = {"reserved_bytes.all.current": 10 * gib, "allocated_bytes.all.current": 10 * gib}  # nothing held
+    driver = {"free": 100 * gib}
+    driver_calls = []
+
+    def mem_get_info(device):
+        driver_calls.append(device)
+        return driver["free"], 140 * gib
+
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    monkeypatch.setattr(fwdgrad, "_DRIVER_FREE", {})
+    cuda = torch.device("cuda", 0)
+    assert fwdgrad.free_bytes(cuda, need=4 * gib) == 100 * gib and len(driver_calls) == 1  # the first call asks
+    assert fwdgrad.free_bytes(cuda, need=4 * gib) == 100 * gib and len(driver_calls) == 1  # then it estimates
+    stats["reserved_bytes.all.current"] = 40 * gib  # torch reserved 30 GiB more: the estimate falls by that
+    stats["allocated_bytes.all.current"] = 39 * gib  # (and holds 1 GiB unused)
+    driver["free"] = 70 * gib  # what the driver would now say
+    assert fwdgrad.free_bytes(cuda, need=4 * gib) == 71 * gib and len(driver_calls) == 1
+    assert fwdgrad.free_bytes(cuda, need=60 * gib) == 71 * gib and len(driver_calls) == 2  # 11 < 15 GiB to spare
+    driver["free"] = 5 * gib  # memory taken outside torch: a need within the headroom sees the driver's answer
+    assert fwdgrad.free_bytes(cuda, need=60 * gib) == 6 * gib and len(driver_calls) == 3
+    assert fwdgrad.free_bytes(torch.device("cuda", 1), need=2 * gib) == 6 * gib and len(driver_calls) == 4  # per device
 
 
 class _Recorder:

@@ -47,8 +47,10 @@ where it is still untuned; cells left when it is spent skipped and named; one va
 N`` runs the whole script N times in separate processes and pools their CSVs (``measure.pool_sessions``), so intervals
 span sessions; the sessions share Triton's disk cache of autotuning results (``TRITON_CACHE_AUTOTUNING=1`` unless set
 otherwise), so a later session reuses an earlier one's picks (Liger's and our pointer-form kernels'; the persistent
-form tunes per process). ``first_call_s`` (each implementation's first call in a cell: compile and any tuning) and
-``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure issue #24's "no traps".
+form tunes per process). A session folder that this code already finished with the same arguments (its
+``session_complete.json``) is kept, not run again, so one run can be split over machines
+(``tools/device/nb06_split.sh``). ``first_call_s`` (each implementation's first call in a cell: compile and any
+tuning) and ``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure issue #24's "no traps".
 
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
@@ -69,6 +71,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -523,6 +526,44 @@ def run_session(args, impls, out: Path) -> None:
         measure.write_csv(bench_e2e(args, cfg, device, dtype), out / E2E_CSV)
 
 
+SESSION_COMPLETE = "session_complete.json"
+
+
+def _session_key(argv: list[str], index: int) -> dict:
+    from lora_lab.lab.provenance import code_hash
+
+    rest, skip = [], False  # the arguments without --out, --sessions and the child's own two
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--sessions", "--session-index", "--first-call-ledger"):
+            skip = True
+        elif not a.startswith(("--out=", "--sessions=", "--session-index=", "--first-call-ledger=")):
+            rest.append(a)
+    return {"code_hash": code_hash(), "index": index, "argv": rest}
+
+
+def mark_session_complete(part: Path, argv: list[str], index: int) -> None:
+    """Record that session ``index`` finished in ``part`` (exit 0) with this code and these arguments."""
+    (Path(part) / SESSION_COMPLETE).write_text(json.dumps(_session_key(argv, index), indent=1) + "\n")
+
+
+def session_complete(part: Path, argv: list[str], index: int) -> bool:
+    """Whether ``part`` holds session ``index`` of a run with these arguments, finished, by this code: then
+    ``--sessions`` keeps it instead of running it again. So a run can be split over machines (GPU calls of at most
+    a few minutes): the first runs ``--session-index 0`` (or the whole run, cut short), its folder travels, and
+    the next runs ``--sessions N`` over it; Triton's autotuning cache should travel too, or the ledger of first
+    calls overstates what is tuned."""
+    marker = Path(part) / SESSION_COMPLETE
+    if not (marker.is_file() and (Path(part) / LAYER_CSV).is_file()):
+        return False
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return False
+    return recorded == _session_key(argv, index)
+
+
 def _child_argv(argv: list[str], out: Path, index: int) -> list[str]:
     """``argv`` for session ``index``: ``--out`` pointing at ``out``, without ``--sessions``."""
     return [*session_argv(argv, out), "--session-index", str(index)]
@@ -590,19 +631,27 @@ def main(argv=None):
     if args.session_index is not None or args.sessions == 1:
         run_session(args, impls, out)
         if args.session_index is not None:
+            mark_session_complete(out, list(sys.argv[1:] if argv is None else argv), args.session_index)
             return
     else:
         import subprocess
-        import sys
 
         raw = list(sys.argv[1:] if argv is None else argv)
         parts = []
+        kept = [k for k in range(args.sessions) if session_complete(out / f"session{k}", raw, k)]
         ledger = out / FIRST_CALL_LEDGER  # which keys an earlier session tuned (and took how long): fresh per run
-        ledger.unlink(missing_ok=True)
+        if not kept:  # (a run that keeps sessions keeps their ledger: carry Triton's cache with them)
+            ledger.unlink(missing_ok=True)
         # the sessions share Triton's disk cache of autotuning results: a later session reuses an earlier one's picks
         env = {**os.environ, "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1")}
         for k in range(args.sessions):
             part = out / f"session{k}"
+            if k in kept:
+                print(f"--- session {k + 1}/{args.sessions} kept: {part} holds it, complete, from this code and these "
+                      "arguments", flush=True)
+                parts.append(part)
+                continue
+            (part / SESSION_COMPLETE).unlink(missing_ok=True)
             cmd = [sys.executable, str(Path(__file__).resolve()), *_child_argv(raw, part, k),
                    "--first-call-ledger", str(ledger)]
             print(f"--- session {k + 1}/{args.sessions}", flush=True)
@@ -611,6 +660,8 @@ def main(argv=None):
             print(f"--- session {k + 1}/{args.sessions} done in {time.perf_counter() - t0:.0f} s", flush=True)
             if done.returncode != 0 and not (part / LAYER_CSV).exists():
                 raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / LAYER_CSV}")
+            if done.returncode == 0:
+                mark_session_complete(part, raw, k)
             parts.append(part)
         measure.pool_csv_sessions(parts, out, [LAYER_CSV, E2E_CSV])
     rows = measure.read_csv(out / LAYER_CSV)

@@ -162,3 +162,75 @@ def test_kgrouped_variant_is_timed_beside_ours(tmp_path):
     assert all(r["ms"] is not None for r in rows)
     metrics = fused_moe.benchmark_metrics(tmp_path, allow_smoke=True)
     assert metrics["qwen3_30b_a3b_t8192_full_ours_kgrouped_speedup_vs_ours"]["n"] == 2
+
+
+def test_a_finished_session_is_kept_only_for_this_code_and_these_arguments(bench, tmp_path, monkeypatch):
+    """--sessions keeps a session folder that a run with the same arguments (whatever its --out, --sessions, and a
+    child's --session-index / --first-call-ledger) finished with this code; anything else runs again."""
+    part = tmp_path / "session0"
+    part.mkdir()
+    argv = ["--out", str(tmp_path), "--sessions", "2", "--repetitions", "5", "--budget-s", "420", "300"]
+    child = ["--repetitions", "5", "--budget-s", "420", "300", "--out", str(part), "--session-index", "0",
+             "--first-call-ledger", str(tmp_path / "first_calls.json")]
+    bench.mark_session_complete(part, child, 0)
+    assert not bench.session_complete(part, argv, 0)  # no layer CSV: not finished
+    (part / fused_moe.LAYER_CSV).write_text("x\n")
+    assert bench.session_complete(part, argv, 0)
+    assert not bench.session_complete(part, argv, 1)  # another session's budget
+    assert not bench.session_complete(part, [*argv[:5], "3", *argv[6:]], 0)  # other repetitions
+    monkeypatch.setattr("lora_lab.lab.provenance.code_hash", lambda *a, **k: "other code")
+    assert not bench.session_complete(part, argv, 0)  # other code
+    monkeypatch.undo()
+    (part / bench.SESSION_COMPLETE).write_text("{not json")
+    assert not bench.session_complete(part, argv, 0)
+
+
+@pytest.mark.slow
+def test_sessions_split_over_two_machines_pool_as_one_run(tmp_path):
+    """Session 0 run alone (one GPU call), then --sessions 2 over its folder (the next call): session 0 is kept,
+    session 1 runs, the pooled CSV holds both."""
+    env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    common = ["--smoke", "--budget-s", "600", "--repetitions", "2", "--shapes", "olmoe_1b_7b", "--tokens", "8192",
+              "--modes", "full", "--no-e2e"]
+    script = str(ROOT / "benchmarks" / "bench_moe.py")
+    first = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "session0"), "--session-index",
+                            "0", "--first-call-ledger", str(tmp_path / "first_calls.json")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    written = (tmp_path / "session0" / fused_moe.LAYER_CSV).read_text()
+    done = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path), "--sessions", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "session 1/2 kept" in done.stdout and "session 2/2 done" in done.stdout
+    assert (tmp_path / "session0" / fused_moe.LAYER_CSV).read_text() == written  # not run again
+    rows = measure.read_csv(tmp_path / fused_moe.LAYER_CSV)
+    assert measure.sessions_in(rows) == 2
+
+
+def test_the_split_route_runs_session_0_with_notebook_06s_arguments(bench):
+    """tools/device/nb06_split.sh's call A runs bench_moe's session 0 with the arguments notebook 06's section 6
+    passes (its parameters cell's defaults), so that the notebook's --sessions run keeps that session."""
+    import ast
+    import json
+    import re
+    import shlex
+
+    cells = ["".join(c["source"]) for c in json.loads((ROOT / "notebooks" / "06_fused_moe.ipynb").read_text())["cells"]
+             if c["cell_type"] == "code"]
+    params = {}
+    for node in ast.parse(next(c for c in cells if c.startswith("PROFILE ="))).body:
+        params[node.targets[0].id] = ast.literal_eval(node.value)
+    call = next(c for c in cells if '"bench_moe.py"' in c)  # the cell that runs it (the parameters cell names it)
+    variants = ast.literal_eval("[" + re.search(r'"--secondary", "--variants", ([^\]]*?)\]', call).group(1) + "]")
+    budgets = params["BUDGET_S"] if isinstance(params["BUDGET_S"], (list, tuple)) else [params["BUDGET_S"]]
+    notebook = ["--out", "x", "--repetitions", str(params["REPETITIONS"]), "--sessions", str(params["SESSIONS"]),
+                "--budget-s", *[str(b) for b in budgets], "--secondary", "--variants", *variants]
+    script = (ROOT / "tools" / "device" / "nb06_split.sh").read_text()
+    command = re.search(r"python benchmarks/bench_moe\.py (.*?) > \$OUT/session0\.log", script.replace("\\\n", " "),
+                        re.S)
+    line = command.group(1)
+    split = shlex.split(line.replace("$G", "g"))  # $G: the folder, in --out and --first-call-ledger only
+    assert bench._session_key(split, 0) == bench._session_key(notebook, 0)
+    assert params["SESSIONS"] == 2  # call B's notebook run adds exactly one session

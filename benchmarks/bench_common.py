@@ -10,7 +10,8 @@
 * :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides);
 * :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash);
 * :func:`error_text` — an exception as the one-line text an ``error`` row records;
-* :func:`session_argv` — a script's own arguments for one child session (``--out`` replaced, ``--sessions`` dropped).
+* :func:`session_argv` — a script's own arguments for one child session (``--out`` replaced, ``--sessions`` dropped);
+* :func:`without_options` — arguments less some options and their values.
 """
 from __future__ import annotations
 
@@ -119,18 +120,23 @@ def error_text(exc: BaseException, limit: int = 300) -> str:
     return f"{type(exc).__name__}: {exc}"[:limit]
 
 
-def session_argv(argv: list[str], out) -> list[str]:
-    """``argv`` without its ``--out`` and ``--sessions`` (both spellings, ``--x v`` and ``--x=v``), then
-    ``--out out``: the arguments of one child session of a script that runs itself once per session."""
+def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """``argv`` without the options ``names`` and their values (both spellings, ``--x v`` and ``--x=v``)."""
     result, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--out", "--sessions"):
+        if a in names:
             skip = True
             continue
-        if a.startswith(("--out=", "--sessions=")):
+        if a.startswith(tuple(f"{n}=" for n in names)):
             continue
         result.append(a)
-    return [*result, "--out", str(out)]
+    return result
+
+
+def session_argv(argv: list[str], out) -> list[str]:
+    """``argv`` without its ``--out`` and ``--sessions`` (both spellings, ``--x v`` and ``--x=v``), then
+    ``--out out``: the arguments of one child session of a script that runs itself once per session."""
+    return [*without_options(argv, ("--out", "--sessions")), "--out", str(out)]

@@ -85,6 +85,7 @@ from bench_common import (
     error_text,
     session_argv,
     time_call,
+    without_options,
 )
 
 from lora_lab.experiments.fused_moe import (
@@ -532,14 +533,7 @@ SESSION_COMPLETE = "session_complete.json"
 def _session_key(argv: list[str], index: int) -> dict:
     from lora_lab.lab.provenance import code_hash
 
-    rest, skip = [], False  # the arguments without --out, --sessions and the child's own two
-    for a in argv:
-        if skip:
-            skip = False
-        elif a in ("--out", "--sessions", "--session-index", "--first-call-ledger"):
-            skip = True
-        elif not a.startswith(("--out=", "--sessions=", "--session-index=", "--first-call-ledger=")):
-            rest.append(a)
+    rest = without_options(argv, ("--out", "--sessions", "--session-index", "--first-call-ledger"))
     return {"code_hash": code_hash(), "index": index, "argv": rest}
 
 
@@ -660,9 +654,7 @@ def main(argv=None):
             print(f"--- session {k + 1}/{args.sessions} done in {time.perf_counter() - t0:.0f} s", flush=True)
             if done.returncode != 0 and not (part / LAYER_CSV).exists():
                 raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / LAYER_CSV}")
-            if done.returncode == 0:
-                mark_session_complete(part, raw, k)
-            parts.append(part)
+            parts.append(part)  # (a child that finished wrote its own session_complete.json)
         measure.pool_csv_sessions(parts, out, [LAYER_CSV, E2E_CSV])
     rows = measure.read_csv(out / LAYER_CSV)
     table = layer_table(rows)

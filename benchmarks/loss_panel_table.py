@@ -36,7 +36,8 @@ SMALL_D, FLOOR_TARGET_SMALL, FLOOR_TARGET = 2048, 1.25, 1.10
 
 
 def load(paths: list[str], mixed_code: bool = False) -> list[dict]:
-    """The rows of every raw CSV named (a directory stands for its ``07_loss_block.csv``)."""
+    """The rows of every raw CSV named (a directory stands for its ``07_loss_block.csv``), each with its
+    ``code_hash``."""
     rows, hashes = [], set()
     for p in paths:
         path = Path(p)
@@ -142,13 +143,15 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed-code", action="store_true", help="table CSVs written by different code")
     args = ap.parse_args(argv)
     try:
-        table = panel(load(args.inputs, args.mixed_code), args.method)
+        rows = load(args.inputs, args.mixed_code)
+        table = panel(rows, args.method)
     except (ValueError, FileNotFoundError) as exc:
         print(f"loss_panel_table: {exc}", file=sys.stderr)
         return 2
     print(markdown(table))
-    if args.out:
-        measure.write_csv(table, args.out)
+    if args.out:  # stamped with the code that measured the rows, not the code that tables them
+        hashes = sorted({str(r.get("code_hash")) for r in rows})
+        measure.write_csv(table, args.out, code_hash=hashes[0] if len(hashes) == 1 else "mixed:" + ",".join(hashes))
     return 0
 
 

@@ -77,6 +77,10 @@ def test_main_writes_csv_and_refuses_mixed_code(table, tmp_path, capsys):
     with open(out_csv, newline="", encoding="utf-8") as handle:
         written = list(csv.DictReader(handle))
     assert [int(r["tokens"]) for r in written] == [4096, 16384]
+    assert {r["code_hash"] for r in written} == {"mixed:aaaa,bbbb"}  # the measuring code, not the tabling code
+    assert table.main([str(a), "--out", str(out_csv)]) == 0
+    with open(out_csv, newline="", encoding="utf-8") as handle:
+        assert {r["code_hash"] for r in csv.DictReader(handle)} == {"aaaa"}
 
 
 def test_refuses_a_csv_that_is_not_bench_loss(table, tmp_path, capsys):

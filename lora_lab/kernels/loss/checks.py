@@ -4,13 +4,12 @@ its first GEMM."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 from lora_lab.kernels.triton_helpers import check_kernel_device
 
-__all__ = ["DTYPES", "REDUCTIONS", "check_inputs", "queue_label_check"]
+__all__ = ["DTYPES", "REDUCTIONS", "LabelCheck", "check_inputs", "queue_label_check"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -50,26 +49,46 @@ def check_inputs(hidden, weight, labels, ignore_index, reduction, label_smoothin
         raise ValueError(f"softcap must be None or a finite number > 0; got {softcap!r}")
 
 
-def queue_label_check(flat_labels: torch.Tensor, vocab: int, ignore_index: int) -> Callable[[], None]:
-    """Queue the check that every label is ``ignore_index`` or in [0, vocab); return the call that finishes it,
-    raising IndexError naming the first bad label. On CUDA the verdict is copied to pinned host memory behind an
-    event, so the caller can queue GPU work before it waits (a plain ``bool(bad.any())`` would leave the GPU idle
-    from that sync until the host queues the next kernel); elsewhere it is read at once. Idempotent."""
-    bad = (flat_labels != ignore_index) & ((flat_labels < 0) | (flat_labels >= vocab))
-    if flat_labels.device.type == "cuda":
-        verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
-        verdict.copy_(bad.any(), non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-    else:
-        verdict, ready = bad.any(), None
+class LabelCheck:
+    """The check that every label is ``ignore_index`` or in [0, vocab), in two steps: :meth:`queue` queues it and
+    calling the object finishes it (queueing it first if need be), raising IndexError naming the first bad label.
+    On CUDA the verdict is copied to pinned host memory behind an event, so the caller can queue GPU work before it
+    waits (a plain ``bool(bad.any())`` would leave the GPU idle from that sync until the host queues the next
+    kernel); elsewhere it is read at once. The gradients-in-forward path queues its first logit GEMM before this
+    check's kernels, so the GPU starts the GEMM while the host queues the check and the small kernels after it.
+    Both steps are idempotent."""
 
-    def finish() -> None:
-        if ready is not None:
-            ready.synchronize()
-        if bool(verdict):
-            first = int(flat_labels[bad][0])
-            raise IndexError(f"label {first} is outside the vocabulary [0, {vocab}) and is not "
-                             f"ignore_index={ignore_index}")
+    def __init__(self, flat_labels: torch.Tensor, vocab: int, ignore_index: int):
+        self.labels, self.vocab, self.ignore_index = flat_labels, vocab, ignore_index
+        self._bad = self._verdict = self._ready = None
+        self._done = False
 
-    return finish
+    def queue(self) -> LabelCheck:
+        if self._bad is None:
+            y = self.labels
+            self._bad = (y != self.ignore_index) & ((y < 0) | (y >= self.vocab))
+            if y.device.type == "cuda":
+                self._verdict = torch.empty((), dtype=torch.bool, pin_memory=True)
+                self._verdict.copy_(self._bad.any(), non_blocking=True)
+                self._ready = torch.cuda.Event()
+                self._ready.record()
+            else:
+                self._verdict = self._bad.any()
+        return self
+
+    def __call__(self) -> None:
+        if self._done:
+            return
+        self.queue()
+        if self._ready is not None:
+            self._ready.synchronize()
+        if bool(self._verdict):
+            first = int(self.labels[self._bad][0])
+            raise IndexError(f"label {first} is outside the vocabulary [0, {self.vocab}) and is not "
+                             f"ignore_index={self.ignore_index}")
+        self._done = True
+
+
+def queue_label_check(flat_labels: torch.Tensor, vocab: int, ignore_index: int) -> LabelCheck:
+    """A :class:`LabelCheck` already queued; call it to finish the check."""
+    return LabelCheck(flat_labels, vocab, ignore_index).queue()

@@ -35,9 +35,16 @@ import torch
 import triton
 
 from lora_lab.dtypes import addmm_fp32_out_works
-from lora_lab.kernels.loss.kernels import SCALE_CAST_BLOCK, logit_grad_kernel, scale_cast_kernel
+from lora_lab.kernels.loss.kernels import (
+    SCALE_BLOCK,
+    SCALE_CAST_BLOCK,
+    SCALE_MAX_PROGRAMS,
+    logit_grad_kernel,
+    scale_cast_kernel,
+    scale_unless_one_kernel,
+)
 
-__all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_grads",
+__all__ = ["FusedPlan", "plan_chunks", "dw_accumulate_mode", "fwdgrad_loss_and_grads", "scale_unless_one_",
            "FwdGradLinearCrossEntropyFunction"]
 
 GIB = 2**30
@@ -122,9 +129,11 @@ def free_bytes(device: torch.device, need: int | None = None) -> int | None:
     ``need``, the driver is always asked (the figure an error message reports)."""
     if device.type != "cuda":
         return None
-    stats = torch.cuda.memory_stats(device)  # one statistics dict, not one per figure
-    reserved = int(stats.get("reserved_bytes.all.current", 0))
-    held = reserved - int(stats.get("allocated_bytes.all.current", 0))
+    # the nested statistics: torch.cuda.memory_stats flattens the same dict into some 150 dotted keys in Python,
+    # host time spent before the op's first kernel is queued
+    stats = torch.cuda.memory_stats_as_nested_dict(device)
+    reserved = int(stats.get("reserved_bytes", {}).get("all", {}).get("current", 0))
+    held = reserved - int(stats.get("allocated_bytes", {}).get("all", {}).get("current", 0))
     if need is not None and held >= need:
         return held
     key = (device.type, torch.cuda.current_device() if device.index is None else device.index)
@@ -202,11 +211,24 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
     ``cast_dw=False``: where dW was accumulated in an fp32 buffer, that buffer is returned as dW, uncast (the
     autograd function scales it by the incoming gradient and rounds it to the input dtype in one pass).
     ``labels_checked``: called once the first chunk's logit GEMM is queued and before any kernel reads a label (the
-    caller's label range check, which raises on a label outside the vocabulary): the host waits for that check's
-    result while the GPU runs the GEMM, instead of the GPU waiting for the host."""
+    caller's label range check, which raises on a label outside the vocabulary). Where it has a ``queue`` method
+    (:class:`~lora_lab.kernels.loss.checks.LabelCheck`), that is called first, right after the GEMM is queued: the
+    check's kernels queue behind the GEMM, the host waits for the GEMM and the check together, and the GPU idles
+    only for the launch of the softmax-gradient kernel after the GEMM instead of for every small kernel before it.
+    """
     n, d = hidden.shape
     vocab = weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
+    # the first chunk's logit GEMM is queued before anything else: the small kernels below (the label check, the
+    # label count, the scale) and the host work between them then run while the GPU computes the GEMM, instead of
+    # each one leaving the GPU idle until the host queues the next (the profile of session 16 found about 2 ms per
+    # step of such gaps before the first GEMM, under the profiler)
+    logits = torch.empty((plan.rows, vocab), dtype=dtype, device=device) if n else None
+    if n:
+        torch.mm(hidden[: min(n, plan.rows)], weight.t(), out=logits[: min(n, plan.rows)])  # Z_0 = H_0 Wᵀ
+    queue = getattr(labels_checked, "queue", None)
+    if queue is not None:
+        queue()
     valid = labels != ignore_index
     count = valid.sum()
     ones = torch.ones(1, dtype=torch.float32, device=device)
@@ -229,14 +251,14 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
             acc = alloc(weight.shape, dtype=torch.float32, device=device)
             if plan.dw_mode == "partial":
                 partial = _unwritten(weight.shape, dtype=dtype, device=device)
-    logits = torch.empty((plan.rows, vocab), dtype=dtype, device=device) if n else None
     block_v = min(cfg.ce_block_v, max(16, 1 << (vocab - 1).bit_length()))
     for r0 in range(0, n, plan.rows):
         r1 = min(n, r0 + plan.rows)
         h_c = hidden[r0:r1]
         z = logits[: r1 - r0]
-        torch.mm(h_c, weight.t(), out=z)  # Z_c = H_c Wᵀ
-        if r0 == 0 and labels_checked is not None:
+        if r0 > 0:
+            torch.mm(h_c, weight.t(), out=z)  # Z_c = H_c Wᵀ (the first chunk's is queued above)
+        elif labels_checked is not None:
             labels_checked()  # the kernel below loads z[label] unmasked: no label reaches it unchecked
         logit_grad_kernel[(r1 - r0,)](
             z, z.stride(0), labels[r0:r1], loss_rows[r0:r1], lse[r0:r1], kernel_scale,
@@ -265,6 +287,20 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
     total = loss_rows.sum()
     loss = total / count.to(torch.float32) if reduction == "mean" else total
     return loss, dh, dw
+
+
+def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x *= scale`` in place (fp32 product, one rounding), with no pass over ``x`` when ``scale`` is exactly 1
+    (:func:`~.kernels.scale_unless_one_kernel`: the GPU reads the scale, the host never waits for it); ``x``
+    contiguous, ``scale`` one fp32 on its device."""
+    if not (x.is_contiguous() and scale.numel() == 1 and scale.dtype == torch.float32):
+        raise ValueError(f"scale_unless_one_ needs a contiguous tensor and one fp32 scale; got {x.dtype} "
+                         f"{tuple(x.shape)} (contiguous: {x.is_contiguous()}), scale {scale.dtype} x{scale.numel()}")
+    n = x.numel()
+    if n:
+        programs = min(triton.cdiv(n, SCALE_BLOCK), SCALE_MAX_PROGRAMS)
+        scale_unless_one_kernel[(programs,)](x, scale, n, BLOCK=SCALE_BLOCK, num_warps=8)
+    return x
 
 
 def scale_cast_(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -304,13 +340,13 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss):
         dh, dw = ctx.grads
         ctx.grads = (None, None)  # the buffers now belong to the caller
-        g = grad_loss.to(torch.float32)
+        g = grad_loss.to(torch.float32).reshape(1)
         if dh is not None:
-            dh.mul_(g)  # fp32 factor, one rounding (exact when it is 1)
+            scale_unless_one_(dh, g)  # fp32 factor, one rounding; no pass at all when it is 1
         if dw is not None and dw.dtype != ctx.dw_dtype:  # the fp32 accumulator: scaled and rounded once
             acc, dw = dw, torch.empty(dw.shape, dtype=ctx.dw_dtype, device=dw.device)
             scale_cast_(acc, g, dw)
             del acc
         elif dw is not None:
-            dw.mul_(g)
+            scale_unless_one_(dw, g)
         return dh, dw, None, None, None, None, None, None, None, None, None

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from lora_lab.kernels.loss.checks import check_inputs, queue_label_check
+from lora_lab.kernels.loss.checks import LabelCheck, check_inputs
 from lora_lab.kernels.loss.fwdgrad import FwdGradLinearCrossEntropyFunction, fitting_plan, free_bytes, plan_error
 from lora_lab.kernels.loss.kernels import grad_kernel, lse_partials_kernel
 from lora_lab.kernels.triton_helpers import (
@@ -463,7 +463,9 @@ def linear_cross_entropy(
     check_inputs(hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap)
     d = hidden.shape[-1]
     flat_labels = labels.reshape(-1).to(torch.int64).contiguous()
-    labels_checked = queue_label_check(flat_labels, weight.shape[0], ignore_index)
+    # queued later: by the fwdgrad path once its first GEMM is queued (the GPU starts on the GEMM while the host
+    # queues the check), else at once below
+    labels_checked = LabelCheck(flat_labels, weight.shape[0], ignore_index)
     flat_hidden = hidden.reshape(-1, d)
     options = (ignore_index, reduction, float(label_smoothing), float(z_loss),
                None if softcap is None else float(softcap))
@@ -472,7 +474,7 @@ def linear_cross_entropy(
     except BaseException:
         labels_checked()  # a bad label is reported first, as before the check became asynchronous
         raise
-    if fused is not None:  # the fwdgrad path finishes the check once its first GEMM is queued
+    if fused is not None:  # the fwdgrad path queues and finishes the check once its first GEMM is queued
         return FwdGradLinearCrossEntropyFunction.apply(flat_hidden, weight, flat_labels, *options, *fused,
                                                        labels_checked)
     labels_checked()

@@ -177,6 +177,53 @@ def test_scale_cast_refuses_what_it_cannot_stream():
     assert fwdgrad.scale_cast_(torch.zeros(0), torch.ones(()), torch.empty(0, dtype=torch.float16)).numel() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [1, 4095, 3 * 4096 + 17])
+@pytest.mark.parametrize("g", [-0.3, 1.0, 2.0**-20])
+def test_scale_unless_one_matches_an_fp32_product_rounded_once(monkeypatch, dtype, n, g):
+    """x *= g with the product in fp32 and one rounding; g == 1 leaves x as it was. Two programs, so that each loops
+    over several blocks (the GPU runs up to SCALE_MAX_PROGRAMS)."""
+    monkeypatch.setattr(fwdgrad, "SCALE_MAX_PROGRAMS", 2)
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * torch.logspace(-4, 4, n)).to(dtype).to(DEVICE)
+    before = x.clone()
+    scale = torch.tensor([g], dtype=torch.float32, device=DEVICE)
+    assert fwdgrad.scale_unless_one_(x, scale) is x
+    torch.testing.assert_close(x, (before.float() * scale).to(dtype), rtol=0, atol=0)
+    if g == 1.0:
+        assert torch.equal(x, before)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4097, 8_000 * 4096 + 3])
+@pytest.mark.parametrize("g", [-0.3, 1.0])
+def test_gpu_bf16_scale_unless_one_matches_an_fp32_product_rounded_once(n, g):
+    x = torch.randn(n, device="cuda").to(torch.bfloat16)
+    before = x.clone()
+    scale = torch.tensor([g], dtype=torch.float32, device="cuda")
+    fwdgrad.scale_unless_one_(x, scale)
+    torch.testing.assert_close(x, (before.float() * scale).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_scale_unless_one_refuses_what_it_cannot_stream():
+    with pytest.raises(ValueError, match="contiguous tensor and one fp32 scale"):
+        fwdgrad.scale_unless_one_(torch.zeros(4, 6).t(), torch.ones(1))
+    with pytest.raises(ValueError, match="contiguous tensor and one fp32 scale"):
+        fwdgrad.scale_unless_one_(torch.zeros(4), torch.ones(1, dtype=torch.float64))
+    assert fwdgrad.scale_unless_one_(torch.zeros(0), torch.ones(1)).numel() == 0
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+@pytest.mark.parametrize("grad", [1.0, -0.3])
+def test_backward_scales_one_chunk_gradients_by_the_incoming_gradient(trainable, grad):
+    """One chunk (dW kept in the input dtype): backward multiplies dH and dW by the incoming gradient, or leaves
+    them as forward wrote them when it is 1."""
+    h, w, y = loss_inputs(37, 16, 100, torch.float32, DEVICE)
+    cfg = FWD.replace(fwdgrad_chunk_rows=64)
+    errors = _errors(h, w, y, trainable, cfg, grad=grad)
+    assert max(v for k, v in errors.items() if not k.endswith("_floor")) < 1e-5
+
+
 def test_input_dtype_accumulation_needs_no_fp32_buffer():
     cfg = LossKernelConfig(dw_accumulate="input_dtype")
     plan = fwdgrad.plan_chunks(16384, 4096, 128256, torch.bfloat16, True, True, cfg)
@@ -363,6 +410,18 @@ def test_automatic_chunk_shrinks_to_fit(monkeypatch):
     assert fits and plan.rows == 512
 
 
+def _nested(flat: dict) -> dict:
+    """torch.cuda.memory_stats_as_nested_dict's form of a flat {"a.b.c": value} dict."""
+    out: dict = {}
+    for key, value in flat.items():
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
 def test_free_memory_asks_the_driver_only_when_the_allocator_falls_short(monkeypatch):
     stats = {"reserved_bytes.all.current": 5000, "allocated_bytes.all.current": 1000}  # 4000 bytes held unused
     driver_calls = []
@@ -371,7 +430,7 @@ def test_free_memory_asks_the_driver_only_when_the_allocator_falls_short(monkeyp
         driver_calls.append(device)
         return 10_000, 100_000
 
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: _nested(stats))
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(fwdgrad, "_DRIVER_FREE", {})
     monkeypatch.setattr(fwdgrad, "ESTIMATE_HEADROOM", 0)  # the estimate is tested on its own below
@@ -395,7 +454,7 @@ def test_free_memory_estimates_from_the_last_driver_answer(monkeypatch):
         driver_calls.append(device)
         return driver["free"], 140 * gib
 
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device: _nested(stats))
     monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
     monkeypatch.setattr(fwdgrad, "_DRIVER_FREE", {})
     cuda = torch.device("cuda", 0)
@@ -424,20 +483,60 @@ class _Recorder:
         return launch
 
 
-def test_label_check_is_finished_before_any_kernel_reads_a_label(monkeypatch):
+class _CheckRecorder:
+    """Stands in for LabelCheck: records when it is queued and when it is finished."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def queue(self):
+        self.events.append("queue")
+
+    def __call__(self):
+        self.events.append("check")
+
+
+def test_first_gemm_is_queued_before_the_label_check_and_finished_before_any_kernel_reads_a_label(monkeypatch):
+    """The first chunk's logit GEMM goes first (the GPU computes it while the host queues the small kernels); the
+    label check is queued right after it and finished before the softmax-gradient kernel, which reads labels."""
     events = []
     monkeypatch.setattr(fwdgrad, "logit_grad_kernel", _Recorder(fwdgrad.logit_grad_kernel, events))
+    mm = torch.mm
+
+    def recording_mm(*args, **kwargs):
+        events.append("mm")
+        return mm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "mm", recording_mm)
     h, w, y = loss_inputs(37, 16, 100, torch.float32, DEVICE)
     plan = fwdgrad.plan_chunks(37, 16, 100, torch.float32, True, True, FWD, torch.device(DEVICE))
     assert plan.chunks == 3
     fwdgrad.fwdgrad_loss_and_grads(h, w, y.long(), -100, "mean", 0.0, 0.0, None, True, True, FWD, plan,
-                                   labels_checked=lambda: events.append("check"))
-    assert events == ["check", "kernel", "kernel", "kernel"]  # once, before the first kernel
+                                   labels_checked=_CheckRecorder(events))
+    assert events[:4] == ["mm", "queue", "check", "kernel"]
+    assert events.count("queue") == 1 and events.count("check") == 1 and events.count("kernel") == 3
+    events.clear()
+    fwdgrad.fwdgrad_loss_and_grads(h, w, y.long(), -100, "mean", 0.0, 0.0, None, True, True, FWD, plan,
+                                   labels_checked=lambda: events.append("check"))  # a plain callable: no queue
+    assert events[:3] == ["mm", "check", "kernel"]
     events.clear()
     empty = fwdgrad.plan_chunks(0, 16, 100, torch.float32, True, True, FWD, torch.device(DEVICE))
     fwdgrad.fwdgrad_loss_and_grads(h[:0], w, y[:0].long(), -100, "sum", 0.0, 0.0, None, True, True, FWD, empty,
-                                   labels_checked=lambda: events.append("check"))
-    assert events == ["check"]  # no rows: still checked
+                                   labels_checked=_CheckRecorder(events))
+    assert events == ["queue", "check"]  # no rows: still checked
+
+
+def test_label_check_queues_once_and_reports_the_first_bad_label():
+    from lora_lab.kernels.loss.checks import LabelCheck
+
+    y = torch.tensor([1, -100, 7, 99, -5], device=DEVICE)
+    check = LabelCheck(y, 10, -100)
+    assert check.queue() is check and check.queue() is check
+    with pytest.raises(IndexError, match="label 99 is outside the vocabulary \\[0, 10\\) and is not ignore_index=-100"):
+        check()
+    good = LabelCheck(y[:3], 10, -100)
+    good()  # queued by the call itself
+    good()
 
 
 @pytest.mark.parametrize("impl", ["fwdgrad", "recompute"])

@@ -4,17 +4,20 @@
 # 15 and 16: it needs two polls back to back, and the machine goes back after 30 s idle). Notebook 06 takes 930-960 s;
 # the benchmark's first session (--budget-s 420) is most of it.
 #
-#   call A (carry .whl):                          bash tools/device/nb06_split.sh A
+#   call A (carry .whl):                          bash tools/device/nb06_split.sh A <commit>
 #     installs, runs bench_moe.py's session 0 with the notebook's own arguments into build/runs/gpu/session0 (the
 #     folder notebook 06's bench_moe writes into) and packs it, the ledger of first calls, and Triton's autotuning
 #     picks into $OUT/sessionA.tgz.
 #   here:   tar xzf <files_at>/sessionA.tgz -C .   (build/ is ignored: it travels only as carry)
-#   call B (carry .whl, build/runs/gpu, build/triton-cache):    bash tools/device/nb06_split.sh B
+#   call B (carry .whl, build/runs/gpu, build/triton-cache):    bash tools/device/nb06_split.sh B <commit>
 #     installs, runs `make run PROFILE=gpu ONLY=06`: the notebook's bench_moe --sessions 2 keeps session 0 (same
 #     code, same arguments: benchmarks/bench_moe.py session_complete) and runs session 1; results in $OUT.
-# Both calls must run the same commit (session_complete compares the code hash).
+# Both calls must run the same commit (session_complete compares the code hash). Give that commit as the second
+# argument (git rev-parse HEAD here): the copy's stale .git is moved aside and the commit declared
+# (tools/device/declare_commit.sh), so that `lora-lab publish` accepts the run.
 set -u
 STEP=$1
+if [ -n "${2:-}" ]; then source tools/device/declare_commit.sh "$2"; fi
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/build/triton-cache
 T0=$(date +%s)
 { time make install PROFILE=gpu WHEELS=.whl ; } > $OUT/install$STEP.log 2>&1

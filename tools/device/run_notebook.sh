@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# One GPU notebook run in one foreground device call (carry .whl), publishable here afterwards:
+#   bash tools/device/run_notebook.sh <commit> <ONLY> [timeout_s]
+# installs, declares <commit> (tools/device/declare_commit.sh), runs `make run PROFILE=gpu ONLY=<ONLY>` and packs
+# build/runs/gpu into $OUT/results.tgz. Here: `tar xzf <files_at>/results.tgz -C .` then
+# `.venv/bin/lora-lab publish --profile gpu --only <ONLY>`. Notebook 07 took 350-420 s, notebook 10 about 210 s.
+set -u
+COMMIT=$1 ONLY=$2 LIMIT=${3:-450}
+source tools/device/declare_commit.sh "$COMMIT" > $OUT/declared.log 2>&1 || exit 2
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg
+T0=$(date +%s)
+make install PROFILE=gpu WHEELS=.whl > $OUT/install.log 2>&1
+.venv-gpu/bin/python -m pip install -q --no-index --no-deps --find-links .whl cut-cross-entropy >> $OUT/install.log 2>&1
+echo "install $(( $(date +%s) - T0 )) s" | tee $OUT/run.log
+timeout -k 5 "$LIMIT" make run PROFILE=gpu ONLY="$ONLY" > $OUT/notebooks.log 2>&1
+echo "make run exit $? at $(( $(date +%s) - T0 )) s" | tee -a $OUT/run.log
+tar czf $OUT/results.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' build/runs/gpu

@@ -18,11 +18,10 @@
 set -u
 STEP=$1
 if [ -n "${2:-}" ]; then source tools/device/declare_commit.sh "$2"; fi
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/build/triton-cache
+export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/build/triton-cache
 T0=$(date +%s)
-{ time make install PROFILE=gpu WHEELS=.whl ; } > $OUT/install$STEP.log 2>&1
-.venv-gpu/bin/python -m pip install -q --no-index --no-deps --find-links .whl cut-cross-entropy >> $OUT/install$STEP.log 2>&1
-echo "install $(( $(date +%s) - T0 )) s" | tee $OUT/split$STEP.log
+source tools/device/gpu_install.sh "$STEP"
+echo "install $INSTALL_S s" | tee $OUT/split$STEP.log
 G=build/runs/gpu
 if [ "$STEP" = A ]; then
   mkdir -p $G $TRITON_CACHE_DIR

@@ -7,11 +7,9 @@
 set -u
 COMMIT=$1 ONLY=$2 LIMIT=${3:-450}
 source tools/device/declare_commit.sh "$COMMIT" > $OUT/declared.log 2>&1 || exit 2
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg
 T0=$(date +%s)
-make install PROFILE=gpu WHEELS=.whl > $OUT/install.log 2>&1
-.venv-gpu/bin/python -m pip install -q --no-index --no-deps --find-links .whl cut-cross-entropy >> $OUT/install.log 2>&1
-echo "install $(( $(date +%s) - T0 )) s" | tee $OUT/run.log
+source tools/device/gpu_install.sh ""  # an argument, or the sourced file sees this script's own
+echo "install $INSTALL_S s" | tee $OUT/run.log
 timeout -k 5 "$LIMIT" make run PROFILE=gpu ONLY="$ONLY" > $OUT/notebooks.log 2>&1
 echo "make run exit $? at $(( $(date +%s) - T0 )) s" | tee -a $OUT/run.log
 tar czf $OUT/results.tgz --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' build/runs/gpu

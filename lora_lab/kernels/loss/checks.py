@@ -9,7 +9,7 @@ import torch
 
 from lora_lab.kernels.triton_helpers import check_kernel_device
 
-__all__ = ["DTYPES", "REDUCTIONS", "LabelCheck", "check_inputs", "queue_label_check"]
+__all__ = ["DTYPES", "REDUCTIONS", "LabelCheck", "check_inputs"]
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 REDUCTIONS = ("mean", "sum", "none")
@@ -88,7 +88,3 @@ class LabelCheck:
                              f"ignore_index={self.ignore_index}")
         self._done = True
 
-
-def queue_label_check(flat_labels: torch.Tensor, vocab: int, ignore_index: int) -> LabelCheck:
-    """A :class:`LabelCheck` already queued; call it to finish the check."""
-    return LabelCheck(flat_labels, vocab, ignore_index).queue()

@@ -10,7 +10,10 @@ single problem publishes nothing:
   outputs belong to the code published with them;
 * it was run from committed code: its provenance names a git commit and does not say ``git_dirty: true``
   (committing the same code afterwards does not make such a run reproducible from a commit; a copy of a
-  committed tree, whose commit is declared and whose dirty state is unknown, is accepted).
+  committed tree, whose commit is declared and whose dirty state is unknown, is accepted);
+* where the notebooks live in a git repository, that commit is one of its commits and its committed code is the
+  run's code (a declared commit is typed in on the device: session 18's first notebook 07 run declared a
+  mistyped one, which ``lora-lab verify`` would only have caught after the commit).
 
 The published notebook keeps every cell's source, outputs and execution count; it loses what papermill
 added (the injected-parameters cell, error banners, papermill and timing metadata), so that its parameters
@@ -34,7 +37,7 @@ from typing import Any
 
 from lora_lab.lab.history import append_runs, history_entry
 from lora_lab.lab.notebooks import NOTEBOOK_NAME
-from lora_lab.lab.provenance import CODE_HASH_SCOPES, code_hash, code_hash_scope_of, notebook_hash
+from lora_lab.lab.provenance import CODE_HASH_SCOPES, code_hash, code_hash_at, code_hash_scope_of, notebook_hash
 from lora_lab.lab.recording import STATUS_COMPLETED, read_metrics, write_json_atomically
 from lora_lab.lab.runner import INJECTED_TAG, KERNEL_NAME, PAPERMILL_ERROR_TAG, RUN_SUMMARY_NAME, read_notebook
 
@@ -134,6 +137,16 @@ def check_run(executed_path: Path, notebooks_dir: Path, current_code: str | dict
         problems.append(f"{stem}: run from code with {state} (provenance git_dirty="
                         f"{provenance.get('git_dirty')}, git_commit={provenance.get('git_commit')}): commit the code, "
                         "then run it again; a published run must name the commit that produced it")
+    elif (repo := _repository_of(notebooks_dir)) is not None:
+        commit = str(provenance["git_commit"])
+        committed = code_hash_at(repo, commit, code_hash_scope_of(provenance))
+        if committed is None:
+            problems.append(f"{stem}: its provenance names commit {commit!r}, which this repository does not have "
+                            "(a mistyped declared commit?): run it again, declaring `git rev-parse HEAD`")
+        elif committed != provenance.get("code_hash"):
+            problems.append(f"{stem}: commit {commit[:10]}'s code (hash {committed[:12]}) is not the code that ran "
+                            f"(hash {str(provenance.get('code_hash'))[:12]}): run it again, declaring the commit "
+                            "of the code you sent")
     if provenance.get("code_hash") != current_code:
         problems.append(f"{stem}: run by other code (code hash {str(provenance.get('code_hash'))[:12]}, working tree "
                         f"{current_code[:12]}): run it again")
@@ -142,6 +155,23 @@ def check_run(executed_path: Path, notebooks_dir: Path, current_code: str | dict
     elif sources(strip_papermill(executed)) != sources(read_notebook(source_path)):
         problems.append(f"{stem}: the executed notebook's cells differ from {source_path.name}")
     return problems
+
+
+def _repository_of(path: Path) -> Path | None:
+    """The root of the git repository holding ``path`` with at least one commit (None outside one)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path, capture_output=True, text=True,
+                              timeout=60, check=False)
+        if done.returncode != 0:
+            return None
+        root = Path(done.stdout.strip())
+        head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root, capture_output=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return root if head.returncode == 0 else None
 
 
 def publish(

@@ -22,10 +22,14 @@ def test_declare_commit_hides_the_stale_git_and_git_state_records_the_declared_c
              "print(git_state(Path('.')))")
     env = {k: v for k, v in os.environ.items() if k != "LORA_LAB_SOURCE_COMMIT"}
     env["PYTHONPATH"] = str(copy)
-    done = subprocess.run(["bash", "-c", f"source {SCRIPT} abc1234 && {sys.executable} -c \"{probe}\""],
+    commit = "abc1234" + "0" * 33
+    done = subprocess.run(["bash", "-c", f"source {SCRIPT} {commit} && {sys.executable} -c \"{probe}\""],
                           cwd=copy, env=env, capture_output=True, text=True, check=True)
     assert not (copy / ".git").exists()
-    assert "declared commit abc1234" in done.stdout
-    assert "'git_commit': 'abc1234'" in done.stdout and "'git_source': 'declared'" in done.stdout
+    assert f"declared commit {commit}" in done.stdout
+    assert f"'git_commit': '{commit}'" in done.stdout and "'git_source': 'declared'" in done.stdout
     refused = subprocess.run(["bash", "-c", f"source {SCRIPT}"], cwd=copy, env=env, capture_output=True, text=True)
     assert refused.returncode == 2 and "give the commit" in refused.stderr
+    short = subprocess.run(["bash", "-c", f"source {SCRIPT} abc1234"], cwd=copy, env=env, capture_output=True,
+                           text=True)  # a short prefix is refused: session 18 typed one that named no commit
+    assert short.returncode == 2 and "full 40-digit commit" in short.stderr

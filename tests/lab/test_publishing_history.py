@@ -60,3 +60,37 @@ def test_each_publication_is_appended_to_the_run_history(tmp_path):
     assert history[0]["source"] == "publish" and history[0]["published_in"] is None
     metrics = json.loads((outputs / "cpu" / "01_records_metrics.metrics.json").read_text())
     assert metrics["metrics"]["answer"] == 41  # the metrics file holds the last run; the history keeps both
+
+
+def _git(repo: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_a_run_naming_a_commit_the_repository_lacks_or_other_code_is_refused(tmp_path):
+    """Session 18: a declared commit was mistyped on the device (4467ddf1 for 4467ddf2...); publish took the run and
+    only verify, after the commit, would have said the commit does not exist. Now publish says it first."""
+    import pytest
+
+    from lora_lab.lab.publishing import PublishError
+
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURES / "notebooks", notebooks)
+    (tmp_path / "predictions").mkdir()
+    (tmp_path / "predictions" / "predictions.yaml").write_text(PREDICTION)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "-A")
+    _git(tmp_path, "commit", "-q", "-m", "notebooks")
+    runs, outputs = tmp_path / "runs", tmp_path / "outputs"
+    _executed_run(runs, notebooks, 42, "t1")  # names commit aaaa...: not in this repository
+    with pytest.raises(PublishError, match="names commit 'a{40}', which this repository does not have"):
+        publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)
+    metrics = runs / "cpu" / "01_records_metrics.metrics.json"
+    payload = json.loads(metrics.read_text())
+    payload["provenance"]["git_commit"] = _git(tmp_path, "rev-parse", "HEAD")  # a real commit without this code
+    metrics.write_text(json.dumps(payload))
+    with pytest.raises(PublishError, match="is not the code that ran"):
+        publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)
+    assert not outputs.exists()

@@ -5,6 +5,11 @@
 # that .git out of the tree and declares the commit through $LORA_LAB_SOURCE_COMMIT instead (lora_lab.lab.provenance:
 # git_state's "declared" source); publish still checks that the run's code and notebook hashes are the tree's.
 if [ -z "${1:-}" ]; then echo "declare_commit.sh: give the commit (git rev-parse HEAD here)" >&2; return 2; fi
+# the full 40-digit hash, pasted from `git rev-parse HEAD`: a typed short prefix can be wrong and still look right
+# (session 18 declared 4467ddf1 for 4467ddf2…); `lora-lab publish` refuses a commit the repository does not have
+if ! [[ "$1" =~ ^[0-9a-f]{40}$ ]]; then
+  echo "declare_commit.sh: give the full 40-digit commit (git rev-parse HEAD here), not '$1'" >&2; return 2
+fi
 if [ -d .git ]; then mv .git /tmp/stale-device-git.$$; fi
 export LORA_LAB_SOURCE_COMMIT=$1
 echo "declared commit $LORA_LAB_SOURCE_COMMIT (the copy's own .git moved to /tmp)"

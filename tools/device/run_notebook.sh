@@ -3,7 +3,9 @@
 #   bash tools/device/run_notebook.sh <commit> <ONLY> [timeout_s]
 # installs, declares <commit> (tools/device/declare_commit.sh), runs `make run PROFILE=gpu ONLY=<ONLY>` and packs
 # build/runs/gpu into $OUT/results.tgz. Here: `tar xzf <files_at>/results.tgz -C .` then
-# `.venv/bin/lora-lab publish --profile gpu --only <ONLY>`. Notebook 07 took 350-420 s, notebook 10 about 210 s.
+# `.venv/bin/lora-lab publish --profile gpu --only <ONLY>`. Notebook 07 took 350-420 s. Notebook 10 took 150-215 s
+# until session 18, where a fresh machine spent about 285 s on its first session alone and the 320 s limit cut
+# it off (cause not found; the step times themselves were as before): give it 560.
 set -u
 COMMIT=$1 ONLY=$2 LIMIT=${3:-450}
 source tools/device/declare_commit.sh "$COMMIT" > $OUT/declared.log 2>&1 || exit 2

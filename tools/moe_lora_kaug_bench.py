@@ -15,7 +15,7 @@ computes base and term in one:
 Each weight lives in one buffer that serves both of its GEMMs through strided views (CUTLASS takes any leading
 dimension that keeps 16-byte alignment): buf1 (E, 2I + r, H + r) = [[W1, B1], [A1, 0]] and buf2 (E, H + r, I + r) =
 [[W2, B2], [A2, 0]]. In a real integration the frozen W would live in that buffer (the parameter a view of it), so
-the form costs r (2I + H + I) numbers per expert of memory, and the factors' copy into the margins each call (E r
+the form costs r (3I + 2H) + 2r² numbers per expert of memory, and the factors' copy into the margins each call (E r
 (3I + 2H) numbers). Here the buffers are built once per cell from the weights (this tool does not measure memory).
 
 What it times (fwd + bwd of one layer call with LoRA on both expert weights, a synchronised loop, host time in):

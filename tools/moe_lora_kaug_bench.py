@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from lora_lab.experiments.fused_moe import LAYER_SHAPES, random_routing
+from lora_lab.experiments.fused_moe import LAYER_SHAPES, MoeLayerShape, random_routing
 from lora_lab.kernels.moe.engine import (
     _GroupedMmExperts,
     _silu_backward,
@@ -53,6 +53,7 @@ from lora_lab.kernels.moe.engine import (
 )
 from lora_lab.kernels.moe.routing import refuse_second_backward
 from lora_lab.kernels.moe.silu_backward import silu_mul
+from lora_lab.lab import measure
 
 FINE_GRAINED = ("qwen3_30b_a3b", "qwen1_5_moe_a2_7b", "olmoe_1b_7b", "deepseek_v2_lite")
 
@@ -167,9 +168,8 @@ class _WideLoRAExperts(torch.autograd.Function):
         return dx, None, d_weights, None, da1, db1, da2, db2, None, None, None
 
 
-def make_cell(shape_name: str, tokens: int, rank: int, device, dtype, seed: int = 0):
+def make_cell(shape: MoeLayerShape, tokens: int, rank: int, device, dtype, seed: int = 0):
     """(x, index, weights, w1, w2, factors [a1, b1, a2, b2], s1, s2, grad_out) for one LoRA cell, PEFT's init scale."""
-    shape = LAYER_SHAPES[shape_name]
     gen = torch.Generator(device="cpu").manual_seed(seed)
     e, h, i = shape.num_experts, shape.hidden, shape.intermediate
 
@@ -212,20 +212,15 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check(rank: int = 8, tokens: int = 37) -> list[str]:
     """fp32, CPU: kaug against the engine on small odd shapes (an empty expert included). Returns the failures."""
-    from lora_lab.experiments.fused_moe import MoeLayerShape
-
     failures = []
     names = ("out", "dx", "d_weights", "da1", "db1", "da2", "db2")
     for e, top_k, h, i in ((5, 2, 24, 40), (7, 3, 32, 56)):
-        LAYER_SHAPES["_check"] = MoeLayerShape("_check", h, e, top_k, i, True, "qwen3_moe")
-        try:
-            cell = make_cell("_check", tokens, rank, "cpu", torch.float32, seed=e)
-            index = cell[1]
-            index[index == e - 1] = 0  # the last expert gets no rows
-            run = steps(cell, rank)
-            ref, got = run["engine"](), run["kaug"]()
-        finally:
-            del LAYER_SHAPES["_check"]
+        shape = MoeLayerShape("check", h, e, top_k, i, True, "qwen3_moe")
+        cell = make_cell(shape, tokens, rank, "cpu", torch.float32, seed=e)
+        index = cell[1]
+        index[index == e - 1] = 0  # the last expert gets no rows
+        run = steps(cell, rank)
+        ref, got = run["engine"](), run["kaug"]()
         for name, a, b in zip(names, got, ref):
             err = rel_l2(a, b)
             status = "ok" if err <= 1e-5 else "FAIL"
@@ -236,24 +231,15 @@ def check(rank: int = 8, tokens: int = 37) -> list[str]:
 
 
 def timed(fns: dict, calls: int, reps: int) -> dict[str, list[float]]:
-    """ms per call of each callable: ``reps`` rounds, in each round every callable's loop of ``calls`` calls in turn
-    (CUDA events around the loop, synchronised at its end)."""
-    for fn in fns.values():
-        fn()
-        fn()
-    torch.cuda.synchronize()
+    """Per round, the median ms of ``calls`` calls of each callable, taken in turns as a user's loop pays them
+    (:func:`lora_lab.lab.measure.interleaved_loop_ms`: events around each call, synchronised after it), the order
+    rotated round by round (:func:`~lora_lab.lab.measure.rotation`)."""
     out = {name: [] for name in fns}
     for rep in range(reps):
-        order = list(fns)[rep % len(fns):] + list(fns)[:rep % len(fns)]
-        for name in order:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(calls):
-                fns[name]()
-            end.record()
-            torch.cuda.synchronize()
-            out[name].append(start.elapsed_time(end) / calls)
+        order = measure.rotation(list(fns), rep)
+        times = measure.interleaved_loop_ms({name: fns[name] for name in order}, calls=calls, warmup=2)
+        for name, each in times.items():
+            out[name].append(statistics.median(each))
     return out
 
 
@@ -264,7 +250,7 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", nargs="+", default=list(FINE_GRAINED), choices=sorted(LAYER_SHAPES))
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--calls", type=int, default=10, help="timed calls per callable and round")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
     if args.check:
@@ -277,10 +263,10 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, rank {args.rank}, "
-          f"{args.calls} calls x {args.reps} rounds", flush=True)
+          f"{args.calls} calls x {args.reps} rounds, each call synchronised", flush=True)
     for shape in args.shapes:
         for tokens in args.tokens:
-            cell = make_cell(shape, tokens, args.rank, "cuda", torch.bfloat16)
+            cell = make_cell(LAYER_SHAPES[shape], tokens, args.rank, "cuda", torch.bfloat16)
             run = steps(cell, args.rank)
             ref, got = run["engine"](), run["kaug"]()
             errs = {n: rel_l2(a, b) for n, a, b in zip(("out", "dx", "dw", "da1", "db1", "da2", "db2"), got, ref)}

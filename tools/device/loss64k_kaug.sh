@@ -19,4 +19,4 @@ timeout -k 5 $(( LOSS_BUDGET + 60 )) python3 benchmarks/bench_loss.py --out $OUT
   --time-budget-s "$LOSS_BUDGET" > $OUT/loss64k/bench.log 2>&1
 echo "loss64k exit $?" | tee -a $OUT/run.log
 python3 benchmarks/loss_panel_table.py $OUT/loss64k > $OUT/loss64k/panel_table.md 2>&1
-tail -3 $OUT/kaug/kaug.log $OUT/loss64k/bench.log
+tail -n 3 $OUT/kaug/kaug.log $OUT/loss64k/bench.log

@@ -61,8 +61,7 @@ def op_dw(h, w, y, rows: int, mode: str) -> torch.Tensor:
     if h.device.type == "cpu" and h.dtype == torch.bfloat16:
         raise ValueError("source 'op' in bf16 needs a GPU: Triton's CPU interpreter truncates fp32 to bf16 on "
                          "store (use source 'model', or fp16 on a CPU)")
-    cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=rows, dw_accumulate=mode,
-                           ce_block_v=min(4096, max(16, 1 << (w.shape[0] - 1).bit_length())))
+    cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=rows, dw_accumulate=mode)
     wk = w.clone().requires_grad_()
     linear_cross_entropy(h, wk, y, config=cfg).backward()
     return wk.grad

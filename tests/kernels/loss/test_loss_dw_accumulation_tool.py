@@ -45,7 +45,7 @@ def test_accumulating_in_the_input_dtype_costs_accuracy_over_chunks(tool):
     assert eight["input_dtype"] > 1.2 * eight["upcast"]  # eight roundings of the running sum
 
 
-def test_the_interpreter_truncates_to_bf16(tool):
+def test_the_interpreter_truncates_to_bf16():
     if DEVICE != "cpu":
         pytest.skip("a property of Triton's CPU interpreter")
 

@@ -31,6 +31,7 @@ from lora_lab.lab import measure  # noqa: E402
 
 RAW_CSV = "07_loss_block.csv"
 TABLE_METHODS = ["lora_lab", "liger", "cce", "torch_bf16", "gemm_floor"]
+COLUMNS = ["ours", "liger", "cce", "torch_bf16", "gemm_floor"]  # the markdown's ms columns; "ours" is --method's
 LIGER_TARGET = 0.9
 SMALL_D, FLOOR_TARGET_SMALL, FLOOR_TARGET = 2048, 1.25, 1.10
 
@@ -72,13 +73,15 @@ def panel(rows: list[dict], method: str = "lora_lab") -> list[dict]:
         ok = {m: [r for r in mine if r["method"] == m and r["status"] == "ok"]
               for m in dict.fromkeys(r["method"] for r in mine)}
         medians = {m: statistics.median(r["ms"] for r in rs) for m, rs in ok.items() if rs}
-        row = {"shape": shape, "hidden": hidden, "tokens": tokens, "head": head}
+        row = {"shape": shape, "hidden": hidden, "tokens": tokens, "head": head, "method": method}
         if method not in medians:
             statuses = sorted({r["status"] for r in mine if r["method"] == method}) or ["absent"]
             row["status"] = "/".join(statuses)
             out.append(row)
             continue
         row["status"] = "ok"
+        s = measure.summarize(r["ms"] for r in ok[method])
+        row["ours_ms"], (row["ours_ms_low"], row["ours_ms_high"]) = s["median"], s["ci95"]
         for m in TABLE_METHODS:
             if m in medians:
                 s = measure.summarize(r["ms"] for r in ok[m])
@@ -120,7 +123,10 @@ def _ratio(row, key):
 
 
 def markdown(table: list[dict]) -> str:
-    head = ("| head (d, V) | N | head | ours ms | Liger ms | CCE ms | torch bf16 ms | floor ms | ours/Liger | "
+    """The table; "ours" is the method the targets are about (``panel``'s ``method``; named when not lora_lab)."""
+    method = next((r["method"] for r in table if r.get("method")), "lora_lab")
+    ours = "ours" if method == "lora_lab" else f"ours ({method})"
+    head = (f"| head (d, V) | N | head | {ours} ms | Liger ms | CCE ms | torch bf16 ms | floor ms | ours/Liger | "
             "ours/floor | extra peak GiB ours / Liger | targets: floor · Liger · peak |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
@@ -129,7 +135,7 @@ def markdown(table: list[dict]) -> str:
             lines.append(cell + f"| {r['status']} |" + " |" * 9)
             continue
         peaks = f"{r['peak_extra_gib']:.2f} / {r['liger_peak_extra_gib']:.2f}" if r["peak_verdict"] != "n/a" else "-"
-        lines.append(cell + "| " + " | ".join(_ms(r, m) for m in TABLE_METHODS) + f" | {_ratio(r, 'vs_liger')} | "
+        lines.append(cell + "| " + " | ".join(_ms(r, m) for m in COLUMNS) + f" | {_ratio(r, 'vs_liger')} | "
                      f"{_ratio(r, 'vs_floor')} | {peaks} | ≤{r['floor_target']:.2f}: {r['floor_verdict']} · "
                      f"{r['liger_verdict']} · {r['peak_verdict']} |")
     return "\n".join(lines)

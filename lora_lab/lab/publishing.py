@@ -40,6 +40,7 @@ from lora_lab.lab.notebooks import NOTEBOOK_NAME
 from lora_lab.lab.provenance import CODE_HASH_SCOPES, code_hash, code_hash_at, code_hash_scope_of, notebook_hash
 from lora_lab.lab.recording import STATUS_COMPLETED, read_metrics, write_json_atomically
 from lora_lab.lab.runner import INJECTED_TAG, KERNEL_NAME, PAPERMILL_ERROR_TAG, RUN_SUMMARY_NAME, read_notebook
+from lora_lab.lab.verify import GitError, has_commits, repository_root
 
 PAPERMILL_CELL_METADATA = ("papermill", "execution")
 
@@ -159,19 +160,11 @@ def check_run(executed_path: Path, notebooks_dir: Path, current_code: str | dict
 
 def _repository_of(path: Path) -> Path | None:
     """The root of the git repository holding ``path`` with at least one commit (None outside one)."""
-    import subprocess
-
     try:
-        done = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=path, capture_output=True, text=True,
-                              timeout=60, check=False)
-        if done.returncode != 0:
-            return None
-        root = Path(done.stdout.strip())
-        head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root, capture_output=True,
-                              timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError):
+        root = repository_root(path)
+        return root if has_commits(root) else None
+    except GitError:
         return None
-    return root if head.returncode == 0 else None
 
 
 def publish(

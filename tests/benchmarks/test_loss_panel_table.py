@@ -87,3 +87,20 @@ def test_refuses_a_csv_that_is_not_bench_loss(table, tmp_path, capsys):
     path = measure.write_csv([{"case": "x", "ms": 1.0}], tmp_path / "other.csv", code_hash="c0de")
     assert table.main([str(path)]) == 2
     assert "not a bench_loss.py raw CSV" in capsys.readouterr().err
+
+
+def test_ours_column_is_the_chosen_method(table, tmp_path):
+    """--method X: the "ours" column, the ratios and the peak are X's, and the header names X."""
+    cell = {"lora_lab": [20.0, 20.0], "lora_lab_fwdgrad_lowmem": [12.0, 12.0], "liger": [15.0, 15.0],
+            "gemm_floor": [10.0, 10.0]}
+    rows = table.load([str(_write(tmp_path, "a", _rows("big", 4096, 4096, "trainable", cell,
+                                                        {"lora_lab_fwdgrad_lowmem": 0.5, "liger": 1.0})))])
+    default, = table.panel(rows)
+    assert default["ours_ms"] == pytest.approx(20.0) and default["vs_liger"] == pytest.approx(20 / 15)
+    assert "| ours ms |" in table.markdown([default])
+    variant, = table.panel(rows, "lora_lab_fwdgrad_lowmem")
+    assert variant["ours_ms"] == pytest.approx(12.0) and variant["lora_lab_ms"] == pytest.approx(20.0)
+    assert variant["vs_liger"] == pytest.approx(0.8) and variant["peak_verdict"] == "met"
+    text = table.markdown([variant])
+    assert "| ours (lora_lab_fwdgrad_lowmem) ms |" in text
+    assert "| 12.00 [12.00, 12.00] | 15.00 [15.00, 15.00] |" in text and "20.00" not in text

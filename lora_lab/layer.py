@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_lab.adapter_layer import AdapterLinear, adapter_layers
 from lora_lab.dtypes import as_float_dtype
 from lora_lab.targets import (  # noqa: F401 - all_linear, find_target_linears, peft_layers: public here too
     _is_all_linear,
@@ -91,17 +92,6 @@ def resolve_adapter_dtype(weight_dtype: torch.dtype, adapter_dtype: torch.dtype 
     if adapter_dtype is not None:
         return as_float_dtype(adapter_dtype, "adapter_dtype")
     return torch.float32 if weight_dtype in WIDENED_DTYPES else weight_dtype
-
-
-class AdapterLinear(nn.Module):
-    """What the adapter layers (:class:`LoRALinear`, :class:`lora_lab.vera.VeRALinear`) share: a frozen
-    ``nn.Linear`` called ``base`` and ``merge()`` back to one ``nn.Linear``; ``kind`` names the method."""
-
-    kind = "adapter"
-    base: nn.Linear
-
-    def merge(self, compute_dtype: torch.dtype = torch.float32) -> nn.Linear:  # pragma: no cover - abstract
-        raise NotImplementedError
 
 
 class LoRALinear(AdapterLinear):
@@ -354,11 +344,6 @@ def _forget_adapter_config(model: nn.Module) -> None:
     for attr in ("_lora_lab_config", "_lora_lab_vera"):
         if hasattr(model, attr):
             delattr(model, attr)
-
-
-def adapter_layers(model: nn.Module) -> list[tuple[str, AdapterLinear]]:
-    """All adapter layers of a model (LoRA, its variants and VeRA), with their module names."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, AdapterLinear)]
 
 
 def remove_lora(model: nn.Module) -> nn.Module:

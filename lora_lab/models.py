@@ -8,7 +8,6 @@ exactly the rounding of the fp32 one). Any other spec is handed to ``from_pretra
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from lora_lab.dtypes import FLOAT_DTYPES, as_float_dtype
+from lora_lab.hub_offline import hub_offline
 
 __all__ = [
     "ModelNotFoundError",
@@ -138,21 +138,6 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
     return bool(result and result[0])
 
 
-@contextlib.contextmanager
-def _hub_offline():
-    """huggingface_hub in offline mode for the duration (its ``HF_HUB_OFFLINE``, read once at import, set and then
-    restored). ``local_files_only`` alone is not enough: building the headers of a request that is never sent still
-    fetches huggingface_hub's agent registry from the hub (a 3 s timeout when the network is down)."""
-    from huggingface_hub import constants
-
-    before = constants.HF_HUB_OFFLINE
-    constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        constants.HF_HUB_OFFLINE = before
-
-
 def load_model(
     spec: str,
     dtype: torch.dtype | str = torch.float32,
@@ -209,10 +194,10 @@ def load_model(
         return model.to(device).eval()
     # The local cache first, with no network at all: local_files_only alone still lets transformers ask the
     # hub for an adapter_config.json (with huggingface_hub's retries, ~25 s offline); adapter_kwargs stops that,
-    # and _hub_offline() the user-agent lookup that huggingface_hub makes when it builds any request's headers.
+    # and hub_offline() the user-agent lookup that huggingface_hub makes when it builds any request's headers.
     offline = {"local_files_only": True, "adapter_kwargs": {"local_files_only": True}}
     try:
-        with _hub_offline():
+        with hub_offline():
             model = AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, **offline, **kwargs)
         return model.to(device).eval()
     except OSError:
@@ -291,7 +276,7 @@ def load_tokenizer(spec: str):
             if path.exists():
                 tok = AutoTokenizer.from_pretrained(str(path))
             else:
-                with _hub_offline():
+                with hub_offline():
                     tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
         except (OSError, ValueError, TypeError):
             tok = None

@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from lora_lab.hub_offline import hub_offline
+
 __all__ = [
     "PRETRAINED",
     "PretrainedNotInstalledError",
@@ -126,9 +128,7 @@ def _convert(name: str, gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lora_lab.models import _hub_offline
-
-    with _hub_offline():
+    with hub_offline():
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     # The weights are already plain fp32 tensors; only the GGUF "quantizer" tag blocks save_pretrained, and a

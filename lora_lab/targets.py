@@ -12,15 +12,9 @@ from collections.abc import Iterable, Sequence
 
 from torch import nn
 
+from lora_lab.adapter_layer import AdapterLinear, adapter_layers
+
 __all__ = ["ALL_LINEAR", "all_linear", "find_target_linears", "peft_layers"]
-
-
-def _adapters():
-    # lora_lab.layer imports this module (add_lora selects its targets here); its adapter classes are read at call
-    # time, when both modules are loaded
-    from lora_lab import layer
-
-    return layer
 
 
 def _matches(name: str, targets: Sequence[str] | str) -> bool:
@@ -89,7 +83,7 @@ def _refuse_peft_layers(model: nn.Module, action: str, error: type[Exception] = 
 
 def _lora_internals(model: nn.Module) -> set[str]:
     """Names of the modules inside adapter layers (their ``base``): not targets in their own right."""
-    return {f"{n}.{sub}" for n, layer in _adapters().adapter_layers(model) for sub, _ in layer.named_modules() if sub}
+    return {f"{n}.{sub}" for n, layer in adapter_layers(model) for sub, _ in layer.named_modules() if sub}
 
 
 def _nearest_names(target: str, names: Iterable[str]) -> list[str]:
@@ -170,7 +164,7 @@ def _matched_linears(model: nn.Module, targets, exclude, what: str):
     if exclude is not None:
         _check_patterns(model, names, exclude, "exclude")
     matched = _select(model, targets, exclude)
-    already = [(n, m.kind) for n, m in matched if isinstance(m, _adapters().AdapterLinear)]
+    already = [(n, m.kind) for n, m in matched if isinstance(m, AdapterLinear)]
     if already:
         raise ValueError(
             f"{already[0][1]} is already applied to {already[0][0]}"

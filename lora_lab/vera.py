@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_lab.adapter_layer import AdapterLinear
 from lora_lab.dtypes import as_float_dtype
-from lora_lab.layer import AdapterLinear, _install, resolve_adapter_dtype
+from lora_lab.layer import _install, resolve_adapter_dtype
 from lora_lab.targets import _matched_linears
 
 __all__ = ["VeRALinear", "add_vera", "vera_layers", "vera_projections"]

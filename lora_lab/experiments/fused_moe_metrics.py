@@ -1,11 +1,12 @@
 """The metrics of notebook 06's GPU benchmark (``benchmarks/bench_moe.py``), from its per-repetition CSVs: graded
-speedups and peaks, the panel's ratios and first-call times, and the per-implementation layer table. Split from
-:mod:`lora_lab.experiments.fused_moe`, which re-exports it."""
+speedups and peaks, the panel's ratios and first-call times, and the per-implementation layer table. It reads the
+panel's shapes and names (:mod:`lora_lab.experiments.fused_moe_panel`); :mod:`lora_lab.experiments.fused_moe`
+re-exports it."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from lora_lab.experiments.fused_moe import (
+from lora_lab.experiments.fused_moe_panel import (
     H200_DENSE_BF16_TFLOPS,
     LAYER_SHAPES,
     LIGER,

@@ -38,6 +38,9 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from lora_lab.kernels.errors import UnsupportedLoRAError
+from lora_lab.kernels.fused_mark import FUSED_STATE_ATTR
+
 __all__ = ["LigerDetection", "LigerComposition", "LigerPatch", "LOSS_TABLE", "liger_installed", "detect_liger",
            "choose_loss", "composition_report", "check_composition", "apply_liger"]
 
@@ -203,8 +206,6 @@ class LigerComposition:
 
 def _loss_plan(model: nn.Module, fused_loss, detected: LigerDetection) -> tuple[bool, str | None, str]:
     """(install lora_lab's loss?, whose loss runs, why) for ``patch_model(fused_loss=...)``; raises on refusals."""
-    from lora_lab.kernels.patching import UnsupportedLoRAError
-
     liger_loss = detected.loss == "liger"
     if fused_loss == "liger" and not liger_loss:
         raise UnsupportedLoRAError(
@@ -270,8 +271,6 @@ def composition_report(model: nn.Module, loss: str | None = None, loss_reason: s
     """The state of ``model`` now: Liger's parts, whose loss runs, whether every LoRA projection inside a Liger
     SwiGLU MLP is on lora_lab's kernels, and unsupported compositions (``problems``). Callable any time, e.g. after
     applying Liger to an already patched model."""
-    from lora_lab.kernels.patching import _STATE_ATTR as LINEAR_STATE
-
     detected = detect_liger(model)
     lm = _causal_lm(model)
     if loss is None and lm is not None:
@@ -286,7 +285,7 @@ def composition_report(model: nn.Module, loss: str | None = None, loss_reason: s
         mlp = modules.get(name)
         for child_name, child in (mlp.named_children() if mlp is not None else ()):
             if hasattr(child, "lora_A") or type(child).__name__ == "LoRALinear":
-                if hasattr(child, LINEAR_STATE):
+                if hasattr(child, FUSED_STATE_ATTR):
                     report.swiglu_lora_fused += 1
                 else:
                     report.swiglu_lora_unfused.append(f"{name}.{child_name}")
@@ -302,8 +301,6 @@ def composition_report(model: nn.Module, loss: str | None = None, loss_reason: s
 
 def check_composition(model: nn.Module) -> LigerComposition:
     """:func:`composition_report`, raising :class:`~lora_lab.kernels.UnsupportedLoRAError` on any problem."""
-    from lora_lab.kernels.patching import UnsupportedLoRAError
-
     report = composition_report(model)
     if report.problems:
         raise UnsupportedLoRAError("lora_lab + Liger-Kernel: unsupported composition:\n  " +

@@ -29,6 +29,8 @@ from torch import nn
 
 from lora_lab.kernels.bound_forward import BoundForward
 from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.errors import UnsupportedLoRAError
+from lora_lab.kernels.fused_mark import FUSED_STATE_ATTR as _STATE_ATTR
 from lora_lab.kernels.lora.dora import fused_dora_linear
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
 from lora_lab.kernels.lora.shared_input import MAX_SEGMENTS, fused_shared_input_lora
@@ -44,13 +46,6 @@ SHARED_INPUT_GROUPS = (
     ("gate_proj", "up_proj"),
     ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
 )
-
-_STATE_ATTR = "_lora_lab_fused"
-
-
-class UnsupportedLoRAError(ValueError):
-    """The model carries a LoRA configuration the fused kernels do not implement."""
-
 
 def _peft_lora_classes():
     try:

@@ -362,8 +362,8 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, AdapterLinear]]:
 
 
 def remove_lora(model: nn.Module) -> nn.Module:
-    """Unwrap every adapter layer (LoRALinear, VeRALinear) back to its base nn.Linear, without merging: the base
-    weights are untouched.
+    """Unwrap every adapter layer (LoRALinear, LoRAEmbedding, VeRALinear) back to its base layer, without merging:
+    the base weights are untouched; a modules_to_save module goes back to the original, its trained copy dropped.
 
     Refused for a model with PiSSA layers, whose bases hold the residual W - s B A, not the pretrained W
     (``merge_lora`` gives back a model that computes what the adapted one does)."""
@@ -512,7 +512,9 @@ def add_lora(
 
 def merge_lora(model: nn.Module, compute_dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """Replace every LoRALinear with its merged nn.Linear (``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``),
-    and every VeRALinear with its own merge. In place; returns model.
+    every LoRAEmbedding with an embedding of weight ``W + s (B A)^T``, every VeRALinear with its own merge, and every
+    modules_to_save module with its trained copy. A merged layer gets its own weight: on a model with tied input and
+    output embeddings, merging LoRA on one of them leaves the other as it was. In place; returns model.
 
     ``compute_dtype``: the dtype the merged weight is formed in before its one rounding to W's dtype; a
     ``torch.dtype`` or a name as :func:`lora_lab.load_model` takes them ("fp32", "bf16", "float16", ...)."""

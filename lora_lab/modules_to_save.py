@@ -45,9 +45,10 @@ class TrainedCopy(AdapterLinear):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("base", "trained"):
+            modules = self.__dict__.get("_modules")  # absent while copy/pickle rebuild the object
+            if modules is None or "trained" not in modules or name.startswith("__") or name in ("base", "trained"):
                 raise
-            return getattr(self._modules["trained"], name)
+            return getattr(modules["trained"], name)
 
     def forward(self, *args, **kwargs):
         return self.trained(*args, **kwargs)

@@ -189,7 +189,9 @@ def _matched_linears(model: nn.Module, targets, exclude, what: str, allow_embedd
     not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, kinds)]
     if not_linear:
         n, t = not_linear[0]
-        raise TypeError(f"target {n} is a {t}, not an nn.Linear; {what} only wraps linear layers")
+        also = " or nn.Embedding" if allow_embedding else ""
+        raise TypeError(f"target {n} is a {t}, not an nn.Linear{also}; {what} only wraps linear"
+                        f"{' and embedding' if allow_embedding else ''} layers")
     if not matched:
         raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
     return targets, exclude, matched

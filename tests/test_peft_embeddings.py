@@ -1,4 +1,5 @@
 """LoRA on embeddings, modules_to_save and the base weights PEFT saves beside them: both ways against PEFT, exact."""
+import copy
 import json
 import warnings
 
@@ -190,6 +191,7 @@ def test_trained_copy_trains_alone_and_leaves_the_tied_embedding():
     assert head.trained.weight.requires_grad and not head.base.weight.requires_grad
     assert head.trained.weight is not model.model.embed_tokens.weight
     assert head.weight is head.trained.weight  # attributes read through to the copy, as in PEFT
+    assert isinstance(copy.deepcopy(model).lm_head, TrainedCopy)
     model(_ids()).logits.sum().backward()
     assert head.trained.weight.grad is not None and model.model.embed_tokens.weight.grad is None
     assert torch.equal(model.model.embed_tokens.weight, embed)
@@ -319,3 +321,13 @@ def test_scaled_embedding_matches_peft_and_merge_keeps_its_class():
         assert type(merged.embed) is _ScaledEmbedding and merged.embed.padding_idx == 0
         torch.testing.assert_close(merged(x), pm(x), rtol=1e-5, atol=1e-5)
         assert torch.equal(merged(x), pm.merge_and_unload()(x))
+
+
+def test_sharded_save_refuses_embedding_lora_and_modules_to_save_by_name(tmp_path):
+    from lora_lab.distributed.adapters import save_sharded_adapter
+
+    for kwargs, name in ((dict(targets=["embed_tokens"]), "model.embed_tokens is a LoRAEmbedding"),
+                         (dict(targets=["q_proj"], modules_to_save=["lm_head"]), "lm_head is a TrainedCopy")):
+        model = add_lora(lora_lab.load_model("random:tiny-qwen2"), **kwargs)
+        with pytest.raises(AdapterError, match=name):
+            save_sharded_adapter(model, tmp_path / "a")

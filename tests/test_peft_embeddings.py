@@ -14,7 +14,8 @@ from lora_lab.modules_to_save import TrainedCopy
 
 peft = pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
-pytestmark = pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning"),
+              pytest.mark.filterwarnings("ignore:Setting `save_embedding_layers` to `True`:UserWarning")]
 
 # (target_modules, modules_to_save): the tiny Qwen2 ties lm_head to embed_tokens
 CASES = [

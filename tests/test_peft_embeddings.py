@@ -169,6 +169,8 @@ def test_whole_embedding_layers_saved_by_peft_load(tmp_path):
     ours = load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
     with torch.no_grad():
         assert torch.equal(pm(_ids()).logits, ours(_ids()).logits)
+    save_adapter(ours, tmp_path / "ours", save_embedding_layers=True)
+    assert _keys(tmp_path / "ours") == _keys(tmp_path)
 
 
 def test_save_embedding_layers_false_leaves_the_base_weight_out(tmp_path):
@@ -332,3 +334,36 @@ def test_sharded_save_refuses_embedding_lora_and_modules_to_save_by_name(tmp_pat
         model = add_lora(lora_lab.load_model("random:tiny-qwen2"), **kwargs)
         with pytest.raises(AdapterError, match=name):
             save_sharded_adapter(model, tmp_path / "a")
+
+
+def test_rslora_rank_pattern_and_dropout_on_embeddings_both_ways(tmp_path):
+    cfg = dict(r=4, lora_alpha=8, target_modules=["embed_tokens", "q_proj"], use_rslora=True, lora_dropout=0.1,
+               rank_pattern={"embed_tokens": 2}, alpha_pattern={"embed_tokens": 5})
+    pm = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2"), peft.LoraConfig(**cfg))
+    _perturb(pm, 11)
+    pm.save_pretrained(str(tmp_path / "peft"))
+    ours = load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path / "peft")
+    emb = ours.model.embed_tokens
+    assert (emb.r, emb.alpha, emb.scaling) == (2, 5, 5 / 2 ** 0.5)
+    ours.train()  # PEFT applies no dropout to an embedding's branch: the embedding output stays deterministic
+    ids = _ids()
+    assert torch.equal(emb(ids), emb(ids))
+    ours.eval()
+    pm.eval()
+    with torch.no_grad():
+        assert torch.equal(pm(ids).logits, ours(ids).logits)
+    save_adapter(ours, tmp_path / "ours")
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path / "ours"))
+    with torch.no_grad():
+        assert torch.equal(theirs(ids).logits, ours(ids).logits)
+
+
+@pytest.mark.parametrize("field, value", [("ensure_weight_tying", True), ("trainable_token_indices", [1, 2])])
+def test_tying_and_token_fields_are_refused_by_name(tmp_path, field, value):
+    _peft_saved(tmp_path, ["embed_tokens"], None)
+    cfg_file = tmp_path / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg[field] = value
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(AdapterError, match=rf"adapter uses {field}="):
+        load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)

@@ -29,7 +29,7 @@ def load_adapter(model: nn.Module, path: str | Path, *, adapter_dtype: torch.dty
     ``exclude_modules``), with the adapter's r, alpha (per layer through ``rank_pattern``/``alpha_pattern``,
     as PEFT resolves them), dropout, ``use_rslora`` and ``use_dora``; a model that already has LoRA must
     match. Whatever would make the model compute something other than PEFT's reload of the same files
-    is refused by name (``modules_to_save``, ``lora_bias``, pissa_niter_*/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...).
+    is refused by name (``trainable_token_indices``, ``lora_bias``, pissa_niter_*/OLoRA/CorDA/LoftQ/LoRA-GA inits, ...).
     A PiSSA adapter turns the targeted base weights into PiSSA's residual, as PEFT's reload does, so give it
     the original base model.
     A MiCA adapter (``init_lora_weights="mica"``) loads with B frozen, as PEFT trains it; a LoRA-FA adapter

@@ -367,3 +367,31 @@ def test_tying_and_token_fields_are_refused_by_name(tmp_path, field, value):
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(AdapterError, match=rf"adapter uses {field}="):
         load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
+
+
+def _classifier():
+    from transformers import AutoModelForSequenceClassification
+
+    config = lora_lab.model_config("random:tiny-qwen2")
+    config.num_labels, config.pad_token_id = 3, 0
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(config).eval()
+
+
+def test_sequence_classification_head_saved_by_peft_loads_and_goes_back(tmp_path):
+    """task_type SEQ_CLS: PEFT adds its head names ("classifier", "score") to modules_to_save; the one the model has
+    is trained in full and saved as base_model.model.score.weight."""
+    pm = peft.get_peft_model(_classifier(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                             task_type="SEQ_CLS"))
+    _perturb(pm, 12)
+    pm.save_pretrained(str(tmp_path / "peft"))
+    assert "base_model.model.score.weight" in _keys(tmp_path / "peft")
+    ours = load_adapter(_classifier(), tmp_path / "peft")
+    assert isinstance(ours.score, TrainedCopy) and ours.score.trained.weight.requires_grad
+    with torch.no_grad():
+        assert torch.equal(pm(_ids()).logits, ours(_ids()).logits)
+    save_adapter(ours, tmp_path / "ours")
+    assert json.loads((tmp_path / "ours" / "adapter_config.json").read_text())["modules_to_save"] == ["score"]
+    theirs = peft.PeftModel.from_pretrained(_classifier(), str(tmp_path / "ours"))
+    with torch.no_grad():
+        assert torch.equal(theirs(_ids()).logits, ours(_ids()).logits)

@@ -20,6 +20,7 @@ from lora_lab.adapters import (
     save_adapter,
 )
 from lora_lab.determinism import deterministic, seed_everything
+from lora_lab.embedding_lora import LoRAEmbedding
 from lora_lab.layer import (
     LoRALinear,
     ParameterCount,
@@ -47,6 +48,7 @@ from lora_lab.models import (
     random_model_names,
     text_batch,
 )
+from lora_lab.modules_to_save import TrainedCopy, trained_copies
 from lora_lab.numerics import cosine, error_stats, max_abs_diff, rel_l2
 from lora_lab.training import train_steps
 from lora_lab.variants import loraplus_optimizer, loraplus_param_groups
@@ -68,6 +70,9 @@ __all__ = [
     "ENGLISH_SENTENCES",
     "english_sentences",
     "LoRALinear",
+    "LoRAEmbedding",
+    "TrainedCopy",
+    "trained_copies",
     "VeRALinear",
     "add_vera",
     "vera_layers",

@@ -347,8 +347,8 @@ def _forget_adapter_config(model: nn.Module) -> None:
 
 
 def remove_lora(model: nn.Module) -> nn.Module:
-    """Unwrap every adapter layer (LoRALinear, VeRALinear) back to its base nn.Linear, without merging: the base
-    weights are untouched.
+    """Unwrap every adapter layer (LoRALinear, LoRAEmbedding, VeRALinear) back to its base layer, without merging:
+    the base weights are untouched; a modules_to_save module goes back to the original, its trained copy dropped.
 
     Refused for a model with PiSSA layers, whose bases hold the residual W - s B A, not the pretrained W
     (``merge_lora`` gives back a model that computes what the adapted one does)."""
@@ -370,8 +370,11 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     adds an adapter, it does not freeze the first one. All layers are built before the model's tree changes
     (a PiSSA layer turns its base weight into the residual as it is built: callers check everything first).
     """
+    from lora_lab.embedding_lora import LoRAEmbedding
+
     modules = dict(model.named_modules())
-    wrapped = [(n, LoRALinear(modules[n], **spec)) for n, spec in specs.items()]
+    wrapped = [(n, (LoRAEmbedding if isinstance(modules[n], nn.Embedding) else LoRALinear)(modules[n], **spec))
+               for n, spec in specs.items()]
     _install(model, wrapped)
     if lora_fa:
         for _, layer in wrapped:
@@ -425,8 +428,11 @@ def add_lora(
     lora_fa: bool = False,
     init_lora_weights: bool | str = True,
     adapter_dtype: torch.dtype | str | None = None,
+    modules_to_save: Sequence[str] | None = None,
 ) -> nn.Module:
-    """Freeze ``model`` and wrap every ``nn.Linear`` whose name matches ``targets`` in a LoRALinear.
+    """Freeze ``model`` and wrap every ``nn.Linear`` whose name matches ``targets`` in a LoRALinear (an
+    ``nn.Embedding`` in a :class:`lora_lab.embedding_lora.LoRAEmbedding`, PEFT's LoRA for embeddings: plain LoRA or
+    rsLoRA, init True, "gaussian" or False).
 
     Variants (PEFT 0.21's formulations; see :class:`LoRALinear`): ``use_rslora`` scales by alpha / sqrt(r)
     (PEFT's ``use_rslora``); ``use_dora`` adds DoRA's trainable magnitude (PEFT's ``use_dora``); ``lora_fa``
@@ -452,6 +458,10 @@ def add_lora(
     Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers of the earlier calls as they
     are (still trainable); wrapping a module that already carries LoRA is an error. All checks run before anything
     changes, so a failing call leaves the model as it was.
+
+    ``modules_to_save`` (PEFT's field of that name): modules trained in full beside the adapter, e.g.
+    ``["lm_head"]`` or a classifier head; each module whose name ends with an entry gets a trainable copy
+    (:class:`lora_lab.modules_to_save.TrainedCopy`) that ``save_adapter`` writes beside the LoRA factors.
     Returns the model (modified in place).
     """
     _check_rank_alpha(r, alpha)
@@ -460,7 +470,16 @@ def add_lora(
     if adapter_dtype is not None:
         as_float_dtype(adapter_dtype, "adapter_dtype")  # a bad dtype is refused before anything changes
     what = "lora_lab's DoRA (use_dora=True)" if use_dora else "LoRALinear"
-    targets, exclude, matched = _matched_linears(model, targets, exclude, what)
+    targets, exclude, matched = _matched_linears(model, targets, exclude, what, allow_embedding=not use_dora)
+    embeddings = [n for n, m in matched if isinstance(m, nn.Embedding)]
+    if embeddings and (init_lora_weights not in (True, False, "gaussian") or lora_fa):
+        raise ValueError(f"target {embeddings[0]} is an nn.Embedding: LoRA there takes init_lora_weights True, "
+                         f"False or 'gaussian' and no lora_fa, got init_lora_weights={init_lora_weights!r}, "
+                         f"lora_fa={lora_fa}")
+    if modules_to_save is not None:
+        from lora_lab.modules_to_save import install_modules_to_save, plan_modules_to_save
+
+        copies = plan_modules_to_save(model, modules_to_save, [n for n, _ in matched])
     had_lora = bool(lora_layers(model))
     if init_lora_weights == "pissa":
         small = [(n, m) for n, m in matched if r > min(m.in_features, m.out_features)]
@@ -470,13 +489,17 @@ def add_lora(
     spec = {"r": r, "alpha": alpha, "dropout": dropout, "use_rslora": use_rslora, "use_dora": use_dora,
             "init_lora_weights": init_lora_weights, "adapter_dtype": adapter_dtype}
     _wrap(model, {n: spec for n, _ in matched}, lora_fa=lora_fa)
+    if modules_to_save is not None:
+        install_modules_to_save(model, copies)
     _record_config(model, had_lora, r, alpha, dropout, targets, exclude)
     return model
 
 
 def merge_lora(model: nn.Module, compute_dtype: torch.dtype | str = torch.float32) -> nn.Module:
     """Replace every LoRALinear with its merged nn.Linear (``W + s B A``; DoRA: ``m (W + s B A) / ||W + s B A||``),
-    and every VeRALinear with its own merge. In place; returns model.
+    every LoRAEmbedding with an embedding of weight ``W + s (B A)^T``, every VeRALinear with its own merge, and every
+    modules_to_save module with its trained copy. A merged layer gets its own weight: on a model with tied input and
+    output embeddings, merging LoRA on one of them leaves the other as it was. In place; returns model.
 
     ``compute_dtype``: the dtype the merged weight is formed in before its one rounding to W's dtype; a
     ``torch.dtype`` or a name as :func:`lora_lab.load_model` takes them ("fp32", "bf16", "float16", ...)."""

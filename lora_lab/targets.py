@@ -147,10 +147,11 @@ def _as_patterns(patterns, what: str, allow_none: bool = False):
     return patterns
 
 
-def _matched_linears(model: nn.Module, targets, exclude, what: str):
+def _matched_linears(model: nn.Module, targets, exclude, what: str, allow_embedding: bool = False):
     """(targets, exclude, [(name, nn.Linear)]) for PEFT-style ``targets``/``exclude``, after every check: each
     entry matches some module, no target already carries an adapter or lies inside one, every target is an
-    ``nn.Linear`` (else a TypeError saying ``what`` only wraps linear layers), something is left to wrap."""
+    ``nn.Linear`` (or, with ``allow_embedding``, an ``nn.Embedding``; else a TypeError saying ``what`` only wraps
+    linear layers), something is left to wrap."""
     _refuse_peft_layers(model, what)
     targets = _as_patterns(targets, "targets")
     exclude = _as_patterns(exclude, "exclude", allow_none=True)
@@ -178,10 +179,13 @@ def _matched_linears(model: nn.Module, targets, exclude, what: str):
             f"target {inside[0]} is part of a LoRA layer ({inside[0].rsplit('.', 1)[0]}); LoRA cannot wrap "
             "a layer that already carries LoRA"
         )
-    not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, nn.Linear)]
+    kinds = (nn.Linear, nn.Embedding) if allow_embedding else nn.Linear
+    not_linear = [(n, type(m).__name__) for n, m in matched if not isinstance(m, kinds)]
     if not_linear:
         n, t = not_linear[0]
-        raise TypeError(f"target {n} is a {t}, not an nn.Linear; {what} only wraps linear layers")
+        also = " or nn.Embedding" if allow_embedding else ""
+        raise TypeError(f"target {n} is a {t}, not an nn.Linear{also}; {what} only wraps linear"
+                        f"{' and embedding' if allow_embedding else ''} layers")
     if not matched:
         raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
     return targets, exclude, matched

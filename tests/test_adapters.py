@@ -82,9 +82,9 @@ def test_save_without_lora_and_unsupported_config(tmp_path):
     a = add_lora(lora_lab.load_model("random:tiny-qwen2"))
     save_adapter(a, tmp_path)
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
-    cfg["modules_to_save"] = ["lm_head"]
+    cfg["layers_to_transform"] = [0]
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
-    with pytest.raises(AdapterError, match=r"modules_to_save=\['lm_head'\].*does not implement"):
+    with pytest.raises(AdapterError, match=r"layers_to_transform=\[0\].*does not implement"):
         load_adapter(lora_lab.load_model("random:tiny-qwen2"), tmp_path)
 
 
@@ -393,7 +393,7 @@ def test_invalid_variant_fields_are_named(tmp_path, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("modules_to_save", ["lm_head"]), ("fan_in_fan_out", True), ("layers_to_transform", [0]),
+    ("fan_in_fan_out", True), ("layers_to_transform", [0]),
     ("target_parameters", ["mlp.experts.gate_up_proj"]),
 ])
 def test_still_unsupported_fields_are_refused_by_name(tmp_path, field, value):

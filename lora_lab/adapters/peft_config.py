@@ -130,7 +130,7 @@ _BASE_CHANGING_INITS = {
 # Every other field must hold its "off" value (None, False, empty, bias "none"), or the adapter is refused.
 _IMPLEMENTED = {
     "peft_type", "r", "lora_alpha", "lora_dropout", "target_modules", "exclude_modules", "init_lora_weights",
-    "use_rslora", "use_dora", "rank_pattern", "alpha_pattern", LORA_FA_KEY,
+    "use_rslora", "use_dora", "rank_pattern", "alpha_pattern", LORA_FA_KEY, "modules_to_save",
 }
 _NO_EFFECT = {
     "task_type", "base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version",
@@ -233,6 +233,11 @@ def _read_config(path: Path) -> dict:
         raise AdapterError(f"invalid adapter config {cfg_file}: {LORA_FA_KEY}={lora_fa!r}; expected true, false or a "
                            "list of module names (the layers whose A is frozen)")
 
+    modules_to_save = cfg.get("modules_to_save")
+    if not (modules_to_save is None or isinstance(modules_to_save, list)
+            and all(isinstance(n, str) and n for n in modules_to_save)):
+        raise AdapterError(f"invalid adapter config {cfg_file}: modules_to_save={modules_to_save!r}; expected null or "
+                           "a list of module names")
     bad = [f"{k}={v!r}" for k, v in cfg.items() if k not in _IMPLEMENTED | _NO_EFFECT and not _is_off(k, v)]
     if bad:
         raise AdapterError(
@@ -240,7 +245,7 @@ def _read_config(path: Path) -> dict:
         )
     return {"peft_type": "LORA", "r": r, "lora_alpha": alpha, "lora_dropout": float(dropout), "target_modules": targets,
             "exclude_modules": exclude, "init_lora_weights": init, "rank_pattern": rank_pattern,
-            "alpha_pattern": alpha_pattern, "lora_fa": lora_fa, **flags}
+            "alpha_pattern": alpha_pattern, "lora_fa": lora_fa, "modules_to_save": modules_to_save or None, **flags}
 
 
 def _check_pattern_dict(cfg_file: Path, field: str, value, valid, what: str) -> dict:

@@ -68,12 +68,14 @@ _TENSOR_SUFFIXES = {
     "A": (".lora_A.weight", ".lora_A.default.weight"),
     "B": (".lora_B.weight", ".lora_B.default.weight"),
     "M": (".lora_magnitude_vector", ".lora_magnitude_vector.weight", ".lora_magnitude_vector.default.weight"),
+    "EA": (".lora_embedding_A", ".lora_embedding_A.default"),  # LoRA on an nn.Embedding
+    "EB": (".lora_embedding_B", ".lora_embedding_B.default"),
 }
 
 
 def _module_name(key: str, source: Path) -> tuple[str, str]:
-    """'base_model.model.X.lora_A.weight' -> ('X', 'A'); '...X.lora_magnitude_vector' -> ('X', 'M') (DoRA).
-    Tolerates an adapter name ('lora_A.default.weight')."""
+    """'base_model.model.X.lora_A.weight' -> ('X', 'A'); '...X.lora_magnitude_vector' -> ('X', 'M') (DoRA);
+    '...X.lora_embedding_A' -> ('X', 'EA') (an embedding's A). Tolerates an adapter name ('lora_A.default.weight')."""
     k = key[len(PREFIX):] if key.startswith(PREFIX) else key
     for which, suffixes in _TENSOR_SUFFIXES.items():
         for suffix in suffixes:
@@ -81,5 +83,6 @@ def _module_name(key: str, source: Path) -> tuple[str, str]:
                 return k[: -len(suffix)], which
     raise AdapterError(
         f"{source}: unexpected tensor {key!r} in the adapter (expected ...lora_A.weight / ...lora_B.weight, "
-        "and ...lora_magnitude_vector with use_dora)"
+        "...lora_embedding_A / ...lora_embedding_B for an embedding, ...lora_magnitude_vector with use_dora, "
+        "...base_layer.weight of a target, and the tensors of modules_to_save)"
     )

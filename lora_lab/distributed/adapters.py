@@ -58,6 +58,14 @@ def save_sharded_adapter(model: nn.Module, path: str | Path, overwrite: bool = F
     directory that holds an adapter unless ``overwrite``); a ``peft.PeftModel`` by ``save_pretrained`` with the
     gathered LoRA tensors as its state dict. Returns the directory (on every rank).
     """
+    from lora_lab.embedding_lora import embedding_lora_layers
+    from lora_lab.modules_to_save import trained_copies
+
+    unsharded = embedding_lora_layers(model) + trained_copies(model)
+    if unsharded:
+        raise AdapterError(f"saving a sharded adapter with LoRA on embeddings or modules_to_save is not supported "
+                           f"({unsharded[0][0]} is a {type(unsharded[0][1]).__name__}); save it from an unsharded "
+                           "model with lora_lab.save_adapter")
     dora = [name for name, layer in lora_layers(model) if layer.magnitude is not None]
     if dora:
         raise AdapterError(f"saving a sharded DoRA adapter is not supported: the magnitude vectors ({dora[0]}, ...) "

@@ -17,10 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_lab.adapter_layer import AdapterLinear, check_flags, check_rank_alpha, resolve_adapter_dtype
 from lora_lab.dtypes import as_float_dtype
-from lora_lab.layer import AdapterLinear, LoRALinear, _check_flags, _check_rank_alpha, resolve_adapter_dtype
 
-__all__ = ["LoRAEmbedding", "embedding_lora_layers", "all_lora_layers"]
+__all__ = ["LoRAEmbedding", "embedding_lora_layers"]
 
 # what LoRAEmbedding can start from, in PEFT's meanings: True and "gaussian" (A zero, B ~ N(0, 1)), False (A and B
 # both the N(0, 1) draws PEFT creates them with: the fresh layer changes the output)
@@ -48,10 +48,10 @@ class LoRAEmbedding(AdapterLinear):
         super().__init__()
         if not isinstance(base, nn.Embedding):
             raise TypeError(f"LoRAEmbedding wraps an nn.Embedding, got {type(base).__name__}")
-        _check_rank_alpha(r, alpha)
+        check_rank_alpha(r, alpha)
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
-        _check_flags(use_rslora=use_rslora, use_dora=use_dora)
+        check_flags(use_rslora=use_rslora, use_dora=use_dora)
         if use_dora:
             raise ValueError("use_dora=True on an nn.Embedding is not implemented in lora_lab (LoRA on embeddings "
                              "is plain LoRA or rsLoRA)")
@@ -158,8 +158,3 @@ class LoRAEmbedding(AdapterLinear):
 def embedding_lora_layers(model: nn.Module) -> list[tuple[str, LoRAEmbedding]]:
     """All LoRA layers on embeddings of a model, with their module names."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAEmbedding)]
-
-
-def all_lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAEmbedding]]:
-    """The LoRA layers on linears and on embeddings, in model order: what a PEFT LoRA adapter file holds."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))]

@@ -29,8 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_lab.adapter_layer import AdapterLinear, adapter_layers
+from lora_lab.adapter_layer import (  # noqa: F401 - WIDENED_DTYPES, resolve_adapter_dtype, replace_module: public here too
+    WIDENED_DTYPES,
+    AdapterLinear,
+    adapter_layers,
+    install_adapter_layers,
+    replace_module,
+    resolve_adapter_dtype,
+)
+from lora_lab.adapter_layer import check_flags as _check_flags
+from lora_lab.adapter_layer import check_rank_alpha as _check_rank_alpha
 from lora_lab.dtypes import as_float_dtype
+from lora_lab.embedding_lora import LoRAEmbedding
 from lora_lab.targets import (  # noqa: F401 - all_linear, find_target_linears, peft_layers: public here too
     _is_all_linear,
     _matched_linears,
@@ -49,6 +59,7 @@ __all__ = [
     "merge_lora",
     "count_parameters",
     "lora_layers",
+    "all_lora_layers",
     "find_target_linears",
     "all_linear",
     "peft_layers",
@@ -59,10 +70,6 @@ __all__ = [
 ]
 
 
-def _check_flags(**flags) -> None:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {name}={value!r}")
 
 
 # what LoRALinear can start from, in PEFT 0.21's meanings: True (A Kaiming-uniform, B zero), False (A and B both
@@ -73,25 +80,6 @@ INITS = (True, False, "gaussian", "pissa")
 def _check_init(init) -> None:
     if not any(init is i or (isinstance(init, str) and init == i) for i in INITS):
         raise ValueError(f"init_lora_weights={init!r} is not supported; lora_lab implements {INITS!r}")
-
-
-def _check_rank_alpha(r, alpha) -> None:
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        raise ValueError(f"LoRA rank r must be a positive integer, got r={r!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise ValueError(f"LoRA alpha must be a positive number, got alpha={alpha!r}")
-
-
-WIDENED_DTYPES = (torch.bfloat16, torch.float16)  # base dtypes whose adapters default to fp32
-
-
-def resolve_adapter_dtype(weight_dtype: torch.dtype, adapter_dtype: torch.dtype | str | None) -> torch.dtype:
-    """The dtype of a new adapter's trainable tensors: ``adapter_dtype`` when given (a float dtype or its name),
-    else fp32 for a bf16/fp16 base weight (PEFT's ``autocast_adapter_dtype=True``) and the weight's dtype
-    otherwise."""
-    if adapter_dtype is not None:
-        return as_float_dtype(adapter_dtype, "adapter_dtype")
-    return torch.float32 if weight_dtype in WIDENED_DTYPES else weight_dtype
 
 
 class LoRALinear(AdapterLinear):
@@ -327,16 +315,14 @@ class SingleChild(nn.Module):
         return getattr(self, self._child_name)(*args, **kwargs)
 
 
-def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put ``new`` where the submodule called ``name`` (dotted path) is."""
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
 def lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     """All LoRA layers of a model, with their module names."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def all_lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAEmbedding]]:
+    """The LoRA layers on linears and on embeddings, in model order: what a PEFT LoRA adapter file holds."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))]
 
 
 def _forget_adapter_config(model: nn.Module) -> None:
@@ -370,27 +356,13 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     adds an adapter, it does not freeze the first one. All layers are built before the model's tree changes
     (a PiSSA layer turns its base weight into the residual as it is built: callers check everything first).
     """
-    from lora_lab.embedding_lora import LoRAEmbedding
-
     modules = dict(model.named_modules())
     wrapped = [(n, (LoRAEmbedding if isinstance(modules[n], nn.Embedding) else LoRALinear)(modules[n], **spec))
                for n, spec in specs.items()]
-    _install(model, wrapped)
+    install_adapter_layers(model, wrapped)
     if lora_fa:
         for _, layer in wrapped:
             layer.freeze_A()
-
-
-def _install(model: nn.Module, wrapped: list[tuple[str, AdapterLinear]]) -> None:
-    """Freeze every parameter of ``model`` except those of its adapter layers (not their bases), then put the
-    ``wrapped`` layers in place."""
-    keep = {id(p) for _, layer in adapter_layers(model) for p in layer.parameters()}
-    keep -= {id(p) for _, layer in adapter_layers(model) for p in layer.base.parameters()}
-    for p in model.parameters():
-        if id(p) not in keep:
-            p.requires_grad_(False)
-    for name, layer in wrapped:
-        replace_module(model, name, layer)
 
 
 def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets, exclude) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lora_lab.layer import AdapterLinear, _install, adapter_layers
+from lora_lab.adapter_layer import AdapterLinear, adapter_layers, install_adapter_layers
 
 __all__ = ["TrainedCopy", "trained_copies"]
 
@@ -139,7 +139,7 @@ def install_modules_to_save(model: nn.Module, plan: list[tuple[str, str, nn.Modu
     """Wrap every planned module in a :class:`TrainedCopy` (trainable copy); every other parameter outside adapter
     layers is frozen, as ``add_lora`` freezes the model."""
     wrapped = [(name, TrainedCopy(module, entry)) for name, entry, module in plan]
-    _install(model, wrapped)
+    install_adapter_layers(model, wrapped)
     return [w for _, w in wrapped]
 
 

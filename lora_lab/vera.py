@@ -19,9 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_lab.adapter_layer import AdapterLinear
+from lora_lab.adapter_layer import AdapterLinear, install_adapter_layers, resolve_adapter_dtype
 from lora_lab.dtypes import as_float_dtype
-from lora_lab.layer import _install, resolve_adapter_dtype
 from lora_lab.targets import _matched_linears
 
 __all__ = ["VeRALinear", "add_vera", "vera_layers", "vera_projections"]
@@ -155,6 +154,6 @@ def add_vera(
     dtype = resolve_adapter_dtype(w.dtype, adapter_dtype)
     a, b = a.to(device=w.device, dtype=dtype), b.to(device=w.device, dtype=dtype)
     wrapped = [(n, VeRALinear(m, a, b, dropout=dropout, d_initial=d_initial)) for n, m in matched]
-    _install(model, wrapped)
+    install_adapter_layers(model, wrapped)
     model._lora_lab_vera = {"projection_prng_key": projection_prng_key, "d_initial": float(d_initial)}
     return model

@@ -13,8 +13,7 @@ from lora_lab.adapters.peft_config import LORA_FA_KEY, _pattern_value, _read_con
 from lora_lab.adapters.peft_files import CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, _module_name, _read_tensors
 from lora_lab.adapters.vera_format import _load_vera
 from lora_lab.dtypes import as_float_dtype
-from lora_lab.embedding_lora import all_lora_layers
-from lora_lab.layer import _wrap
+from lora_lab.layer import _wrap, all_lora_layers
 from lora_lab.targets import _refuse_peft_layers, _select
 from lora_lab.vera import vera_layers
 

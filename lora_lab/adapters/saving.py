@@ -11,7 +11,8 @@ from lora_lab.adapters.full_weights import full_tensors_to_save, modules_to_save
 from lora_lab.adapters.peft_config import LORA_FA_KEY, _patterns_for, _peft_config, _peft_targets
 from lora_lab.adapters.peft_files import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _check_destination
 from lora_lab.adapters.vera_format import _save_vera
-from lora_lab.embedding_lora import LoRAEmbedding, all_lora_layers
+from lora_lab.embedding_lora import LoRAEmbedding
+from lora_lab.layer import all_lora_layers
 from lora_lab.vera import vera_layers
 
 __all__ = ["save_adapter"]

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lora_lab.adapter_layer import install_adapter_layers, resolve_adapter_dtype
 from lora_lab.adapters.errors import AdapterError
 from lora_lab.adapters.peft_config import _peft_targets
 from lora_lab.adapters.peft_files import CONFIG_NAME, PREFIX, VERA_A_KEY, VERA_B_KEY, WEIGHTS_NAME, _check_destination
-from lora_lab.layer import _install, resolve_adapter_dtype
 from lora_lab.targets import _select
 from lora_lab.vera import VeRALinear, vera_layers, vera_projections
 
@@ -100,6 +100,6 @@ def _load_vera(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tensor], so
     for n, layer in wrapped:
         layer.lambda_b.copy_(tensors[f"{PREFIX}{n}.vera_lambda_b"].to(layer.lambda_b.dtype))
         layer.lambda_d.copy_(tensors[f"{PREFIX}{n}.vera_lambda_d"].to(layer.lambda_d.dtype))
-    _install(model, wrapped)
+    install_adapter_layers(model, wrapped)
     model._lora_lab_vera = {"projection_prng_key": cfg["projection_prng_key"], "d_initial": cfg["d_initial"]}
     return model

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text, write_summary
 
 from lora_lab.kernels import KernelConfig
 from lora_lab.kernels.lora.gemm import lora_gemm
@@ -207,7 +207,7 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args, "gemm_core")
     plot(summary, out)
     print(f"{'cell':>16} {'gemm':>8} {'variant':>20} {'TFLOP/s':>8} {'vs cuBLAS (time)':>18} {'rel L2':>9}")
     for s in summary:

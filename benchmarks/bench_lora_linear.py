@@ -48,6 +48,7 @@ from bench_common import (
     device_line,
     error_text,
     repetition_dots,
+    write_summary,
 )
 from torch import nn
 
@@ -378,7 +379,7 @@ def main(argv=None):
                       + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
                 measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args, "lora_linear")
     if comp_rows:
         measure.write_csv(comp_rows, out / COMPONENTS_CSV)
     plot(summary, rows, out)

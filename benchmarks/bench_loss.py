@@ -87,7 +87,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import check_device, device_line, is_oom, repetition_dots
+from bench_common import add_ledger_argument, check_device, device_line, is_oom, repetition_dots, write_summary
 
 from lora_lab.lab import measure
 
@@ -602,6 +602,7 @@ def main(argv=None):
                          "'not_run' (the CSV is written after every cell anyway)")
     ap.add_argument("--quick", action="store_true",
                     help="the llama3-8b head at 16,384 tokens, both heads, the panel's methods (a few minutes)")
+    add_ledger_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.tokens = ["llama3-8b"], [16384]
@@ -649,7 +650,7 @@ def main(argv=None):
                 measure.write_csv(rows, out / CSV)  # after every cell: partial results survive
                 print(f"{shape} d={hidden} V={vocab} N={tokens} {head}: {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args, "loss")
     plot_time(rows, out)
     plot_memory(summary, out)
     print(f"{'shape':>13} {'N':>6} {'head':>9} {'method':>21} {'ms':>9} {'TFLOP/s':>7} {'/fastest':>8} "

@@ -86,6 +86,7 @@ from bench_common import (
     session_argv,
     time_call,
     without_options,
+    write_summary,
 )
 
 from lora_lab.experiments.fused_moe import (
@@ -658,7 +659,7 @@ def main(argv=None):
         measure.pool_csv_sessions(parts, out, [LAYER_CSV, E2E_CSV])
     rows = measure.read_csv(out / LAYER_CSV)
     table = layer_table(rows)
-    measure.write_csv(table, out / SUMMARY_CSV)
+    write_summary(table, out / SUMMARY_CSV, args, "moe")
     plot_layer(table, out)
     print(f"{'cell':>34} {'impl':>12} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9}")
     for t in table:

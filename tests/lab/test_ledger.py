@@ -120,3 +120,19 @@ def test_table_figures_from_a_summary_table(tmp_path):
     assert {(r["commit"], r["code_hash"], r["n"]) for r in rows} == {("13cbd78", "ab" * 32, "10")}
     path = append_measurements(rows, ledger=tmp_path / "m.csv")  # what it gives, the ledger takes
     assert len(read_measurements(ledger=path, method="lora_lab")) == 4
+
+
+def test_cli_add_then_show(tmp_path, capsys):
+    from lora_lab.lab.cli import main
+
+    brought = tmp_path / "brought.csv"
+    append_measurements([row(), row(benchmark="moe", method="ours")], ledger=brought)
+    target = tmp_path / "gpu" / "measurements.csv"
+    assert main(["ledger", "add", "--profile", "gpu", "--ledger", str(target), str(brought)]) == 0
+    assert "2 rows" in capsys.readouterr().out
+    assert main(["ledger", "show", "--profile", "gpu", "--ledger", str(target), "--benchmark", "moe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ",".join(COLUMNS) and len(lines) == 2 and ",moe," in lines[1]
+    assert read_measurements(ledger=target) == read_measurements(ledger=brought)  # copied as they were
+    assert main(["ledger", "add", "--profile", "gpu", "--ledger", str(target), str(tmp_path / "none.csv")]) == 2
+    assert "no such file" in capsys.readouterr().err

@@ -218,6 +218,7 @@ METHOD_COLUMNS = ("method", "impl", "implementation", "variant", "kernel", "name
 # provenance and bookkeeping columns: never a cell key, never a figure
 META_COLUMNS = {"code_hash", "git_commit", "git_dirty", "version", "note", "status", "ms_each", "rep", "session",
                 "smoke", "timing", "error", "fastest_baseline", "n", "sessions", "calls", "warmup", "seed"}
+_PROSE = re.compile(r"(, |\(|\n)")  # a description or message, not a configuration value
 _FIGURE_NAME = re.compile(r"(^ms$|_ms$|_us$|_s$|gib|bytes|tflops|gbs|_vs_|^vs_|speedup|slowdown|ratio|fraction|"
                           r"share|err|peak|loss|ci95)")
 
@@ -234,7 +235,8 @@ def _number(text: Any) -> float | None:
 
 def _unit(column: str) -> str:
     name = column.removesuffix("_ci95_low").removesuffix("_ci95_high")
-    for pattern, unit in ((r"(^ms$|_ms$)", "ms"), (r"_us$", "us"), (r"_s$", "s"), (r"gib", "GiB"),
+    for pattern, unit in ((r"(^ms$|_ms$)", "ms"), (r"_us$", "us"), (r"_per_s$", "1/s"), (r"_s$", "s"),
+                          (r"gib", "GiB"),
                           (r"bytes", "bytes"), (r"tflops", "TFLOP/s"), (r"gbs", "GB/s"),
                           (r"(vs_|speedup|slowdown|ratio|fraction|share)", "ratio"), (r"err", "relative error")):
         if re.search(pattern, name):
@@ -267,13 +269,17 @@ def table_figures(rows: Iterable[Mapping[str, Any]], *, benchmark: str, source: 
     summarised = "rep" not in columns and any(c in columns for c in ("n", "ms_ci95_low"))
 
     def is_cell(column: str) -> bool:
-        if column in META_COLUMNS or column == method_column or _FIGURE_NAME.search(column):
+        if column in META_COLUMNS or column == method_column or _FIGURE_NAME.search(column) \
+                or "verdict" in column or column.endswith("_each"):
             return False
         values = [row.get(column) for row in rows if row.get(column) not in (None, "")]
         return all(_number(v) is not None and float(v).is_integer() or
-                   (_number(v) is None and isinstance(v, str) and " " not in v and len(v) <= 40) for v in values)
+                   (_number(v) is None and isinstance(v, str) and not _PROSE.search(v) and len(v) <= 120)
+                   for v in values)
 
-    cell_columns = [c for c in columns if is_cell(c)]
+    # a table of repetitions (no summary): the repetition and process are part of what identifies a row
+    keys = [c for c in ("session", "rep") if c in columns and not summarised]
+    cell_columns = [c for c in columns if is_cell(c)] + keys
     figure_columns = [c for c in columns if c not in cell_columns and c not in META_COLUMNS and c != method_column
                       and _FIGURE_NAME.search(c)]
     out = []

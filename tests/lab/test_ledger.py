@@ -136,3 +136,15 @@ def test_cli_add_then_show(tmp_path, capsys):
     assert read_measurements(ledger=target) == read_measurements(ledger=brought)  # copied as they were
     assert main(["ledger", "add", "--profile", "gpu", "--ledger", str(target), str(tmp_path / "none.csv")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_table_figures_from_a_table_of_repetitions():
+    table = [{"impl": "ours", "rep": "0", "shape": "qwen3_30b_a3b", "step_ms_each": "1.0 2.0", "loop_ms": "6.3",
+              "samples_per_s": "28.4", "kernel": "void k<4>(int, float)"},
+             {"impl": "ours", "rep": "1", "shape": "qwen3_30b_a3b", "step_ms_each": "1.5 2.5", "loop_ms": "6.4",
+              "samples_per_s": "28.1", "kernel": "void k<4>(int, float)"}]
+    rows = ledger.table_figures(table, benchmark="moe_host_profile", source="moe_host_profile.csv")
+    assert [(r["cell"], r["statistic"], r["unit"]) for r in rows] == [
+        ("shape=qwen3_30b_a3b;rep=0", "loop_ms", "ms"), ("shape=qwen3_30b_a3b;rep=0", "samples_per_s", "1/s"),
+        ("shape=qwen3_30b_a3b;rep=1", "loop_ms", "ms"), ("shape=qwen3_30b_a3b;rep=1", "samples_per_s", "1/s")]
+    assert all(r["n"] is None for r in rows)  # one repetition each: no sample count claimed

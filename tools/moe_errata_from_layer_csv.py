@@ -5,7 +5,7 @@ rows a session's budget skipped (no ``ms``) included, so a cell timed in one ses
 pooled over two. This prints the ``predictions/errata.yaml`` entry that lowers each such metric's ``sessions``
 to what its rows hold (nothing when none is overstated).
 
-    python tools/errata_moe_sessions.py RUN_DIR    # holding 06_fused_moe.metrics.json and 06_moe_layer.csv
+    python tools/moe_errata_from_layer_csv.py RUN_DIR    # holding 06_fused_moe.metrics.json and 06_moe_layer.csv
 """
 from __future__ import annotations
 

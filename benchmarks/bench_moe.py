@@ -49,8 +49,9 @@ span sessions; the sessions share Triton's disk cache of autotuning results (``T
 otherwise), so a later session reuses an earlier one's picks (Liger's and our pointer-form kernels'; the persistent
 form tunes per process). A session folder that this code already finished with the same arguments (its
 ``session_complete.json``) is kept, not run again, so one run can be split over machines
-(``tools/remote_gpu_run.sh --triton-cache``). ``first_call_s`` (each implementation's first call in a cell: compile and any
-tuning) and ``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure whether a first call or a missing tuning is a trap.
+(``tools/remote_gpu_run.sh --triton-cache``). ``first_call_s`` (each implementation's first call in a cell:
+compile and any tuning) and ``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure
+whether a first call or a missing tuning is a trap.
 
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.

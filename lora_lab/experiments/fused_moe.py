@@ -232,14 +232,14 @@ def peft_roundtrip_check(device="cpu", seed=0) -> dict:
 H200_DENSE_BF16_TFLOPS = 989.5  # NVIDIA H200 SXM: 1,979 TFLOP/s bf16 with 2:4 sparsity, half of it dense
 IMPLEMENTATIONS = ("eager", "grouped_mm", "ours")
 # ours with the persistent form of the row kernels (KernelConfig.moe_loads), timed when a benchmark asks for them
-OURS_PERSISTENT = {"ours_persistent": "persistent"}  # (the warp-specialised form was removed in issue 26)
-# ours without autotuning: the shape-aware tile table alone (issue #24: never worse than 1.3x the tuned form)
+OURS_PERSISTENT = {"ours_persistent": "persistent"}  # (no warp-specialised form: it failed to compile on the H200)
+# ours without autotuning: the shape-aware tile table alone (target: never worse than 1.3x the tuned form)
 OURS_UNTUNED = {"ours_untuned": {"moe_autotune": False}}
-# ours with another engine for the expert weight gradients (KernelConfig.moe_weight_grad; issue #24's dW), timed when
+# ours with another engine for the expert weight gradients (KernelConfig.moe_weight_grad), timed when
 # a benchmark asks for them: the K-grouped Triton kernel; torch._grouped_mm everywhere it applies (its dW alone ran
-# 1.43x (dW1) and 2.08x (dW2) the Triton kernel's speed at the 30B-A3B-like layer, 8,192 tokens,
-# outputs/gpu/session_logs/issue27_25_24_run2/extra_call, but the whole layer ran slower with it at 8k tokens:
-# outputs/gpu/session_logs/issue27_24_23_run4/diag; the default ``auto`` takes it above 2,112 rows per expert since
+# 1.43x (dW1) and 2.08x (dW2) the Triton kernel's speed at the 30B-A3B-like layer, 8,192 tokens (ledger: benchmark
+# moe_weight_grad, commit d30ccda), but the whole layer ran slower with it at 8k tokens (ledger: benchmark moe,
+# commit eecd7de); the default ``auto`` takes it above 2,112 rows per expert since
 # notebook 06's run of 6c94d2c); and the Triton per-tile kernel named explicitly
 OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
                  "ours_dw_grouped_mm": {"moe_weight_grad": "grouped_mm"},
@@ -247,12 +247,12 @@ OURS_KGROUPED = {"ours_kgrouped": {"moe_weight_grad": "kgrouped"},
 # ours with its expert GEMMs on one engine, whatever the rule picks (KernelConfig.moe_engine), timed in LoRA cells
 # when a benchmark asks for them: ``ours_gmm_engine`` on CUTLASS's grouped GEMM (notebook 06's run of 6c94d2c timed it
 # in every LoRA cell, before the rule sent LoRA there), ``ours_triton`` on the Triton kernels (what the rule picked for
-# LoRA on fine-grained experts before session 7's diagnostic: the path the rule now leaves)
+# LoRA on fine-grained experts before a diagnostic of 67c6617 timed both: the path the rule now leaves)
 OURS_ENGINES = {"ours_gmm_engine": {"moe_engine": "grouped_mm"}, "ours_triton": {"moe_engine": "triton"}}
 # ours with the down-forward and dX GEMMs of full fine-tuning on our atomic scatter-add kernels
-# (KernelConfig.moe_scatter='triton'): the form the default left in session 10 for torch._grouped_mm plus the un-sort
+# (KernelConfig.moe_scatter='triton'): the form the default left for torch._grouped_mm plus the un-sort
 # pass (lora_lab.kernels.moe.experts.scatter_engine); and ours with the down projection's backward on our fused
-# kernel (KernelConfig.moe_down_backward='triton'): the form the default left in session 11 for CUTLASS
+# kernel (KernelConfig.moe_down_backward='triton'): the form the default left for CUTLASS
 # (lora_lab.kernels.moe.experts.down_backward_engine). Full cells, when a benchmark asks for them
 OURS_SCATTER = {"ours_scatter_triton": {"moe_scatter": "triton"}, "ours_down_triton": {"moe_down_backward": "triton"}}
 # (the persistent form is one of the Triton kernels': forced there, whatever engine the rule picks for ours)
@@ -307,7 +307,7 @@ class MoeLayerShape:
         return replace(self, hidden=hidden, num_experts=num_experts, top_k=top_k, intermediate=intermediate)
 
 
-# The panel (issue #24): the expert shapes of public MoE models, from each model's config.json on the Hugging Face
+# The panel: the expert shapes of public MoE models, from each model's config.json on the Hugging Face
 # hub (hidden_size, number of routed experts, experts per token, expert intermediate size, whether the top-k
 # weights are renormalised). Every layer runs as SiLU-gated experts in transformers' layout ("-like": GPT-OSS's
 # clamped SwiGLU with biases, DeepSeek's shared experts and Mixtral's own module class are not reproduced).
@@ -409,7 +409,7 @@ def liger_single_config():
     """Liger's autotuned MoE kernels each keep their first config inside the block (restored after it).
 
     For the cells that check numerics or count saved bytes, not speed: Liger's kernels otherwise tune at every new
-    shape on their first call (102 s at a Mixtral-like layer in issue #24; notebook 06's bf16 and saved-bytes cells
+    shape on their first call (102 s at a Mixtral-like layer on an H200; notebook 06's bf16 and saved-bytes cells
     took 302 s and 104 s with it). The tile config changes neither what is saved nor more than the summation order.
     """
     try:

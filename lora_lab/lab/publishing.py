@@ -12,8 +12,8 @@ single problem publishes nothing:
   (committing the same code afterwards does not make such a run reproducible from a commit; a copy of a
   committed tree, whose commit is declared and whose dirty state is unknown, is accepted);
 * where the notebooks live in a git repository, that commit is one of its commits and its committed code is the
-  run's code (a declared commit is typed in on the device: session 18's first notebook 07 run declared a
-  mistyped one, which ``lora-lab verify`` would only have caught after the commit).
+  run's code (a declared commit is typed in on the device, and a mistyped one would otherwise only be caught by
+  ``lora-lab verify`` after the commit).
 
 The published notebook keeps every cell's source, outputs and execution count; it loses what papermill
 added (the injected-parameters cell, error banners, papermill and timing metadata), so that its parameters

@@ -16,7 +16,7 @@ kernel time of calls queued back to back — a GEMM kernel figure, not a user's 
 
 TFLOP/s count 2·M·K·N (the rank term not counted). Each row also carries the relative L2 error of its output
 against an fp32 product of the same bf16 operands (computed once per cell). A kernel that fails to compile or
-run is a row with status ``error`` and the message, not a crash. Issue #15's bar: the core at >= 97% of cuBLAS's
+run is a row with status ``error`` and the message, not a crash. The target: the core at >= 97% of cuBLAS's
 TFLOP/s on these shapes (``time_vs_cublas`` <= 1/0.97 ≈ 1.031).
 
 Writes into --out: gemm_core.csv (one row per cell, GEMM, implementation and repetition),

@@ -18,7 +18,7 @@ Methods (all by default; ``--methods`` picks some):
                         bf16 by cuBLAS, no fp32 buffer: the memory-capped setting)
   lora_lab_fwdgrad_r256, lora_lab_fwdgrad_r1024  lora_lab_fwdgrad with fwdgrad_chunk_rows 256 or 1024 (opt-in): the
                         logits chunk, the path's largest buffer, 16x or 4x smaller than the default 4,096 rows, for
-                        the time it costs (issue #23: extra peak at most Liger's, whose chunks are 128-512 rows here)
+                        the time it costs (target: extra peak at most Liger's, whose chunks are 128-512 rows here)
   lora_lab_fwdgrad_r4096  the same with 4,096-row chunks for a frozen head too (opt-in; the default gives a frozen
                         head 1,024): whether the frozen small-d head's dH GEMM, [rows, V] x [V, d] with few output
                         tiles at 1,024 rows, is what keeps it at 1.37x its floor in notebook 07
@@ -38,7 +38,7 @@ Methods (all by default; ``--methods`` picks some):
                         recomputes them in backward -- 4 GEMMs (frozen: 3)
 
 Cells: shapes qwen2.5-0.5b (d 896, V 151936), gemma2-2b (d 2304, V 256000), llama3-8b (d 4096, V 128256) and
-qwen2.5-14b (d 5120, V 152064) x tokens N in {4096, 16384, 65536} x head {trainable, frozen} (issue #23's panel).
+qwen2.5-14b (d 5120, V 152064) x tokens N in {4096, 16384, 65536} x head {trainable, frozen} (notebook 07's panel).
 A method whose [N x V] buffers cannot fit the GPU (torch_fp32: about 5 N V bf16-sized buffers, torch_bf16: 3) gets
 "oom" rows without being tried; ``--quick`` runs the llama3-8b head at 16,384 tokens only, with the panel's methods.
 
@@ -110,7 +110,7 @@ CHUNK_ROWS = {"lora_lab_fwdgrad_r256": 256, "lora_lab_fwdgrad_r1024": 1024,  # o
               "lora_lab_fwdgrad_r4096": 4096}
 METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
            *CHUNK_ROWS, "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", *FLOORS]
-# issue #23's panel: ours (both paths), torch bf16, Liger, CCE, the 3-GEMM (2 frozen) floor
+# the panel: ours (both paths), torch bf16, Liger, CCE, the 3-GEMM (2 frozen) floor
 PANEL_METHODS = ["lora_lab_fwdgrad", "lora_lab_recompute", "torch_bf16", "liger", "cce", "gemm_floor"]
 OURS = ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem", *CHUNK_ROWS, "lora_lab_recompute",
         "lora_lab_two_pass")

@@ -1,6 +1,6 @@
 """Benchmark: the MoE expert weight gradients alone — the default kernel, the K-grouped one, ``torch._grouped_mm``.
 
-Issue #24's profile put the two weight-gradient kernels of the Qwen3-30B-A3B-like layer at 46% of its kernel time
+A kernel profile put the two weight-gradient kernels of the Qwen3-30B-A3B-like layer at 46% of its kernel time
 (218 TFLOP/s on an H200). ``bench_moe.py --variants ours_kgrouped`` times the whole layer with the K-grouped kernel;
 this script times the two GEMMs themselves, on the same routing the layer would see (softmax router over random
 logits, ``fused_moe.random_routing``), bf16:

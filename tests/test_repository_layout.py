@@ -1,5 +1,5 @@
 """outputs/ holds what runs wrote (notebooks, metrics, CSVs, plots, logs, READMEs), never code: a diagnostic script
-belongs in benchmarks/ (it measures) or tools/, where ruff and the README's layout table see it (issue 26)."""
+belongs in benchmarks/ (it measures) or tools/, where ruff and the README's layout table see it."""
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]

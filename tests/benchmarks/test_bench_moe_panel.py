@@ -1,4 +1,4 @@
-"""bench_moe's panel of issue #24 on the CPU: the time budget, the sessions pooled, the untuned form and the first
+"""bench_moe's MoE panel on the CPU: the time budget, the sessions pooled, the untuned form and the first
 calls recorded, and the panel metrics notebook 06 grades (smoke: tiny stand-ins in Triton's interpreter)."""
 from __future__ import annotations
 
@@ -187,8 +187,8 @@ def test_a_finished_session_is_kept_only_for_this_code_and_these_arguments(bench
 
 @pytest.mark.slow
 def test_sessions_split_over_two_machines_pool_as_one_run(tmp_path):
-    """Session 0 run alone (one GPU call), then --sessions 2 over its folder (the next call): session 0 is kept,
-    session 1 runs, the pooled CSV holds both."""
+    """The first session run alone (one GPU call), then --sessions 2 over its folder (the next call): the first is
+    kept, the second runs, the pooled CSV holds both."""
     env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"

@@ -70,7 +70,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def test_a_run_naming_a_commit_the_repository_lacks_or_other_code_is_refused(tmp_path):
-    """Session 18: a declared commit was mistyped on the device (4467ddf1 for 4467ddf2...); publish took the run and
+    """A declared commit once mistyped on the device (4467ddf1 for 4467ddf2...); publish took the run and
     only verify, after the commit, would have said the commit does not exist. Now publish says it first."""
     import pytest
 

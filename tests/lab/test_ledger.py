@@ -148,3 +148,14 @@ def test_table_figures_from_a_table_of_repetitions():
         ("shape=qwen3_30b_a3b;rep=0", "loop_ms", "ms"), ("shape=qwen3_30b_a3b;rep=0", "samples_per_s", "1/s"),
         ("shape=qwen3_30b_a3b;rep=1", "loop_ms", "ms"), ("shape=qwen3_30b_a3b;rep=1", "samples_per_s", "1/s")]
     assert all(r["n"] is None for r in rows)  # one repetition each: no sample count claimed
+
+
+def test_the_committed_ledgers_hold_only_valid_rows():
+    for profile in ledger.PROFILES:  # (a loop, not parameters: a test id naming the GPU profile is skipped on CPUs)
+        path = ledger.ledger_path(profile)
+        if not path.is_file():
+            continue
+        rows = read_measurements(ledger=path)
+        assert rows, f"{path} holds no rows"
+        for at, got in enumerate(rows):  # every row as the ledger would take it today
+            ledger._clean(got, at, {})

@@ -63,9 +63,10 @@ def add_ledger_argument(ap: argparse.ArgumentParser) -> None:
                          "measurements.csv, or a ledger file (e.g. one to bring back from another machine)")
 
 
-def write_summary(rows: list[dict], path, args, benchmark: str):
+def write_summary(rows: list[dict], path, args, benchmark: str | None = None):
     """``measure.write_csv(rows, path)``; with ``--ledger``, every figure of the written table (as
-    :func:`lora_lab.lab.ledger.table_figures` reads it) also goes into the ledger. Returns the CSV's path."""
+    :func:`lora_lab.lab.ledger.table_figures` reads it) also goes into the ledger, filed under ``benchmark``
+    (default: the table's name, :func:`lora_lab.lab.ledger.table_name`). Returns the CSV's path."""
     from pathlib import Path
 
     path = measure.write_csv(rows, path)
@@ -73,8 +74,8 @@ def write_summary(rows: list[dict], path, args, benchmark: str):
     if target:
         from lora_lab.lab import ledger
 
-        figures = ledger.table_figures(measure.read_csv(path, require_current=False), benchmark=benchmark,
-                                       source=Path(path).name)
+        figures = ledger.table_figures(measure.read_csv(path, require_current=False),
+                                       benchmark=benchmark or ledger.table_name(path), source=Path(path).name)
         profile = "gpu" if torch.cuda.is_available() else "cpu"
         where = ledger.append_measurements(figures, profile=target if target in ledger.PROFILES else profile,
                                            ledger=None if target in ledger.PROFILES else Path(target))

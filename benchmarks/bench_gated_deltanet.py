@@ -252,7 +252,7 @@ def main(argv=None):
                          "fwd_bwd_ms": timed.pop("ms"), **timed, **once[name], "config": variants[name][3]})
     measure.write_csv(rows, out / CSV)
     summary = summary_rows(rows)
-    write_summary(summary, out / SUMMARY_CSV, args, "gated_deltanet")
+    write_summary(summary, out / SUMMARY_CSV, args)
     if args.check_seq:
         check = layer_check(nocast, variants["fused"][0], hidden, args.check_seq, dtype, device)
         print("whole layer check:", check, flush=True)

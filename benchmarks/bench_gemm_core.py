@@ -207,7 +207,7 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     summary = summary_rows(rows)
-    write_summary(summary, out / SUMMARY_CSV, args, "gemm_core")
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot(summary, out)
     print(f"{'cell':>16} {'gemm':>8} {'variant':>20} {'TFLOP/s':>8} {'vs cuBLAS (time)':>18} {'rel L2':>9}")
     for s in summary:

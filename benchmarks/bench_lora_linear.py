@@ -379,7 +379,7 @@ def main(argv=None):
                       + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
                 measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
     summary = summary_rows(rows)
-    write_summary(summary, out / SUMMARY_CSV, args, "lora_linear")
+    write_summary(summary, out / SUMMARY_CSV, args)
     if comp_rows:
         measure.write_csv(comp_rows, out / COMPONENTS_CSV)
     plot(summary, rows, out)

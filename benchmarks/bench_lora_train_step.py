@@ -211,7 +211,7 @@ def main(argv=None):
         measure.write_csv(rows, out / CSV)
         print(f"{name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summary_rows(rows)
-    write_summary(summary, out / SUMMARY_CSV, args, "lora_train_step")
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot(summary, rows, out)
     print(f"{'model':>13} {'variant':>18} {'tokens/s':>10} {'/ peft':>7} {'peak/peft':>9} {'loss diff':>9}")
     for s in summary:

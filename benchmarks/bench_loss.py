@@ -650,7 +650,7 @@ def main(argv=None):
                 measure.write_csv(rows, out / CSV)  # after every cell: partial results survive
                 print(f"{shape} d={hidden} V={vocab} N={tokens} {head}: {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summary_rows(rows)
-    write_summary(summary, out / SUMMARY_CSV, args, "loss")
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot_time(rows, out)
     plot_memory(summary, out)
     print(f"{'shape':>13} {'N':>6} {'head':>9} {'method':>21} {'ms':>9} {'TFLOP/s':>7} {'/fastest':>8} "

@@ -375,7 +375,7 @@ def main(argv=None):
     rows = bench(args, variants, available, device, dtype)
     measure.write_csv(rows, out / CSV)
     summary = summary_rows(rows)
-    write_summary(summary, out / SUMMARY_CSV, args, "loss_train_step")
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot(summary, rows, out)
     print(f"{'variant':>14} {'tokens/s':>10} {'/ standard':>10} {'peak GiB':>8} {'/ standard':>10} {'loss diff':>9}")
     for s in summary:

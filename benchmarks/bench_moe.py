@@ -660,7 +660,7 @@ def main(argv=None):
         measure.pool_csv_sessions(parts, out, [LAYER_CSV, E2E_CSV])
     rows = measure.read_csv(out / LAYER_CSV)
     table = layer_table(rows)
-    write_summary(table, out / SUMMARY_CSV, args, "moe")
+    write_summary(table, out / SUMMARY_CSV, args)
     plot_layer(table, out)
     print(f"{'cell':>34} {'impl':>12} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9}")
     for t in table:

@@ -196,7 +196,7 @@ def main(argv=None):
         rows += bench_cell(tokens, args, device, dtype)
         measure.write_csv(rows, Path(args.out) / CSV)  # after every cell: a run cut short keeps its cells
     table = summary(rows)
-    write_summary(table, Path(args.out) / SUMMARY_CSV, args, "moe_weight_grad")
+    write_summary(table, Path(args.out) / SUMMARY_CSV, args)
     for t in table:
         speed = f"{t['speedup_vs_per_tile']:6.3f}x" if "speedup_vs_per_tile" in t else "      -"
         print(f"{t['cell']:>22} {t['gemm']} {t['impl']:>20} {t['ms']:9.4f} ms {t['tflops']:7.1f} TFLOP/s "

@@ -377,7 +377,7 @@ def main(argv=None) -> None:
     measure.write_csv(rows, out / CSV)
     measure.write_csv(memory, out / MEMORY_CSV)
     summary = summarize(rows, memory)
-    write_summary(summary, out / SUMMARY_CSV, args, "whole_step")
+    write_summary(summary, out / SUMMARY_CSV, args)
     import triton
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"

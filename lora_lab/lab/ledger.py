@@ -38,6 +38,9 @@ __all__ = [
     "read_measurements",
     "summary_figures",
     "table_figures",
+    "repetition_figures",
+    "csv_figures",
+    "table_name",
 ]
 
 COLUMNS = ("date", "commit", "code_hash", "device", "benchmark", "cell", "method", "statistic", "value", "unit",
@@ -299,3 +302,59 @@ def table_figures(rows: Iterable[Mapping[str, Any]], *, benchmark: str, source: 
                     entry[ledger_key] = str(row[table_key])
             out.append(entry)
     return out
+
+
+def repetition_figures(rows: Iterable[Mapping[str, Any]], *, benchmark: str, source: str,
+                       published: bool = False) -> list[dict[str, Any]]:
+    """Ledger rows of a table of repetitions (one row per cell, method and ``rep``, with ``ms``): per cell and
+    method the median ``ms`` and its 95% interval (:func:`lora_lab.lab.measure.summarize`), ``n`` the repetitions
+    and ``sessions`` the processes they came from. Rows without ``ms`` (skipped, out of memory) give no sample."""
+    from lora_lab.lab import measure
+
+    rows = [dict(row) for row in rows]
+    if not rows:
+        return []
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    method_column = next((c for c in METHOD_COLUMNS if c in columns), None)
+    cell_columns = [c for c in columns if c not in META_COLUMNS and c != method_column
+                    and not _FIGURE_NAME.search(c) and not c.endswith("_each")
+                    and all(_number(v) is not None and float(v).is_integer()
+                            or (_number(v) is None and isinstance(v, str) and not _PROSE.search(v) and len(v) <= 120)
+                            for v in (row.get(c) for row in rows) if v not in (None, ""))]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        if _number(row.get("ms")) is None:
+            continue
+        cell = ";".join(f"{c}={row[c]}" for c in cell_columns if row.get(c) not in (None, ""))
+        groups.setdefault((cell or "-", str(row.get(method_column) or "-")), []).append(row)
+    out = []
+    for (cell, method), members in groups.items():
+        summary = measure.summarize([float(r["ms"]) for r in members],
+                                    sessions=measure.sessions_in({"session": r.get("session")} for r in members))
+        provenance = {}
+        for ledger_key, table_key in (("commit", "git_commit"), ("code_hash", "code_hash")):
+            found = {str(r.get(table_key) or "") for r in members}
+            if len(found) == 1 and _HEX.match(next(iter(found))):
+                provenance[ledger_key] = next(iter(found))
+        out += [{**row, "published": published}
+                for row in summary_figures(summary, benchmark=benchmark, cell=cell, method=method, unit="ms",
+                                           source=source, **provenance)]
+    return out
+
+
+def table_name(path: Path | str) -> str:
+    """The benchmark a CSV's rows are filed under: its name without the notebook number and ``_summary``
+    (``07_loss_block_summary.csv`` -> ``loss_block``)."""
+    return re.sub(r"_summary$", "", re.sub(r"^\d\d_", "", Path(path).stem))
+
+
+def csv_figures(path: Path | str, *, benchmark: str | None = None, source: str | None = None,
+                published: bool = False) -> list[dict[str, Any]]:
+    """Ledger rows of a benchmark CSV: :func:`repetition_figures` for a table of repetitions (``rep`` and ``ms``
+    columns), else :func:`table_figures`. ``benchmark`` defaults to :func:`table_name`, ``source`` to the path."""
+    path = Path(path)
+    with open(path, newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle))
+    figures = repetition_figures if rows and "rep" in rows[0] and "ms" in rows[0] else table_figures
+    return figures(rows, benchmark=benchmark or table_name(path), source=source or path.as_posix(),
+                   published=published)

@@ -22,18 +22,18 @@ def parse(*argv):
 
 
 def test_without_ledger_only_the_csv(tmp_path):
-    path = bench_common.write_summary(SUMMARY, tmp_path / "out" / "s.csv", parse(), "lora_linear")
+    path = bench_common.write_summary(SUMMARY, tmp_path / "out" / "s.csv", parse())
     assert path.is_file() and sorted(p.name for p in tmp_path.rglob("*.csv")) == ["s.csv"]
 
 
 def test_ledger_file_receives_every_figure(tmp_path, capsys):
     ledger = tmp_path / "measurements.csv"
-    bench_common.write_summary(SUMMARY, tmp_path / "s.csv", parse("--ledger", str(ledger)), "lora_linear")
+    bench_common.write_summary(SUMMARY, tmp_path / "05_lora_linear_summary.csv", parse("--ledger", str(ledger)))
     rows = read_measurements(ledger=ledger, benchmark="lora_linear")
     assert {(r["method"], r["statistic"], r["value"], r["n"]) for r in rows} == {
         ("ours", "median", 1.5, 5), ("ours", "ci_low", 1.4, 5), ("ours", "ci_high", 1.6, 5),
         ("peft", "median", 2.5, 5), ("peft", "ci_low", 2.4, 5), ("peft", "ci_high", 2.6, 5)}
-    assert {r["cell"] for r in rows} == {"cell=M8192"} and {r["source"] for r in rows} == {"s.csv"}
+    assert {r["cell"] for r in rows} == {"cell=M8192"} and {r["source"] for r in rows} == {"05_lora_linear_summary.csv"}
     assert "6 figures appended" in capsys.readouterr().out
 
 
@@ -41,4 +41,4 @@ def test_a_ledger_that_is_not_one_is_refused(tmp_path):
     other = tmp_path / "other.csv"
     other.write_text("a,b\n1,2\n")
     with pytest.raises(LedgerError, match="not a measurement ledger"):
-        bench_common.write_summary(SUMMARY, tmp_path / "s.csv", parse("--ledger", str(other)), "lora_linear")
+        bench_common.write_summary(SUMMARY, tmp_path / "s.csv", parse("--ledger", str(other)))

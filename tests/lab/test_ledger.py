@@ -159,3 +159,30 @@ def test_the_committed_ledgers_hold_only_valid_rows():
         assert rows, f"{path} holds no rows"
         for at, got in enumerate(rows):  # every row as the ledger would take it today
             ledger._clean(got, at, {})
+
+
+def test_repetition_figures_summarise_each_cell_and_method(tmp_path):
+    import csv
+
+    path = tmp_path / "07_loss_block.csv"
+    rows = [{"shape": "llama3-8b", "tokens": 16384, "method": m, "rep": r, "session": s, "ms": ms, "status": st,
+             "git_commit": "13cbd78", "code_hash": "ab" * 32}
+            for m, values in (("lora_lab", (80.0, 81.0, 82.0, 83.0)), ("liger", (90.0, 91.0, None, 93.0)))
+            for r, (s, ms) in enumerate(zip((0, 0, 1, 1), values))
+            for st in (("ok" if ms is not None else "oom"),)]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    got = ledger.csv_figures(path, published=True)
+    assert {r["benchmark"] for r in got} == {"loss_block"} and {r["source"] for r in got} == {path.as_posix()}
+    medians = {(r["method"], r["n"], r["sessions"]): r["value"] for r in got if r["statistic"] == "median"}
+    assert medians == {("lora_lab", 4, 2): 81.5, ("liger", 3, 2): 91.0}  # the out-of-memory row gives no sample
+    assert {r["cell"] for r in got} == {"shape=llama3-8b;tokens=16384"}
+    assert all(r["published"] and r["commit"] == "13cbd78" for r in got)
+    append_measurements(got, ledger=tmp_path / "m.csv")
+
+
+def test_table_name_files_a_csv_under_its_table():
+    assert ledger.table_name("out/07_loss_block_summary.csv") == "loss_block"
+    assert ledger.table_name("moe_weight_grad.csv") == "moe_weight_grad"

@@ -35,6 +35,7 @@ __all__ = [
     "LedgerError",
     "ledger_path",
     "append_measurements",
+    "check_measurements",
     "read_measurements",
     "summary_figures",
     "table_figures",
@@ -152,20 +153,27 @@ def _check_header(path: Path) -> None:
         raise LedgerError(f"{path}: not a measurement ledger (header {header}; a ledger's is {list(COLUMNS)})")
 
 
+def check_measurements(rows: Iterable[Mapping[str, Any]], profile: str = "gpu") -> list[dict[str, str]]:
+    """``rows`` as :func:`append_measurements` would write them (defaults filled in, every value as text), or
+    :class:`LedgerError` naming the first bad row, column and value. Writes nothing."""
+    rows = list(rows)
+    needs_defaults = any(row.get(key) is None for row in rows if isinstance(row, Mapping)
+                         for key in ("date", "commit", "code_hash", "device"))
+    defaults = _defaults(profile) if needs_defaults else {}
+    return [_clean(row, at, defaults) for at, row in enumerate(rows)]
+
+
 def append_measurements(rows: Iterable[Mapping[str, Any]], profile: str = "gpu", ledger: Path | str | None = None,
-                        outputs_root: Path | str | None = None) -> Path:
+                        outputs_root: Path | str | None = None, skip_present: bool = False) -> Path:
     """Append ``rows`` (dicts of :data:`COLUMNS`) to the ledger ``ledger`` (default :func:`ledger_path`).
 
     ``date``, ``commit``, ``code_hash`` and ``device`` a row leaves out come from the running code and the
     ``profile``'s device; ``published`` defaults to false. Every row is checked before any is written: a bad one
     raises :class:`LedgerError` naming the row, the column and the value, and the file is left as it was. Returns
-    the ledger's path."""
+    the ledger's path. ``skip_present``: a row equal in every column to one the ledger holds is not appended again
+    (the same run published twice)."""
     path = Path(ledger) if ledger is not None else ledger_path(profile, outputs_root)
-    rows = list(rows)
-    needs_defaults = any(row.get(key) is None for row in rows if isinstance(row, Mapping)
-                         for key in ("date", "commit", "code_hash", "device"))
-    defaults = _defaults(profile) if needs_defaults else {}
-    cleaned = [_clean(row, at, defaults) for at, row in enumerate(rows)]
+    cleaned = check_measurements(rows, profile)
     if path.is_file() and path.stat().st_size > 0:
         _check_header(path)
         with open(path, "rb") as handle:  # a file cut mid-line would glue the first new row onto it
@@ -173,6 +181,10 @@ def append_measurements(rows: Iterable[Mapping[str, Any]], profile: str = "gpu",
             if handle.read(1) != b"\n":
                 raise LedgerError(f"{path}: its last line is unfinished; mend the file before appending")
         new = False
+        if skip_present:
+            with open(path, newline="", encoding="utf-8") as handle:
+                present = {tuple(row[c] for c in COLUMNS) for row in csv.DictReader(handle)}
+            cleaned = [row for row in cleaned if tuple(row[c] for c in COLUMNS) not in present]
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         new = True

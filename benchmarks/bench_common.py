@@ -11,7 +11,9 @@
 * :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash);
 * :func:`error_text` — an exception as the one-line text an ``error`` row records;
 * :func:`session_argv` — a script's own arguments for one child session (``--out`` replaced, ``--sessions`` dropped);
-* :func:`without_options` — arguments less some options and their values.
+* :func:`without_options` — arguments less some options and their values;
+* :func:`add_ledger_argument` / :func:`write_summary` — ``--ledger``: the summary CSV's figures also appended to
+  the measurement ledger (:mod:`lora_lab.lab.ledger`); off unless asked for.
 """
 from __future__ import annotations
 
@@ -52,6 +54,33 @@ def add_common_arguments(ap: argparse.ArgumentParser, all_variants, default_vari
                     help=f"what to time besides {', '.join(default_variants)} (always), 'all' for every one: "
                          + " ".join(all_variants))
     ap.add_argument("--smoke", action="store_true", help=smoke_help + " (CPU: set TRITON_INTERPRET=1); no peak memory")
+    add_ledger_argument(ap)
+
+
+def add_ledger_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--ledger", default=None, metavar="cpu|gpu|FILE.csv",
+                    help="also append the summary's figures to the measurement ledger: outputs/<cpu|gpu>/"
+                         "measurements.csv, or a ledger file (e.g. one to bring back from another machine)")
+
+
+def write_summary(rows: list[dict], path, args, benchmark: str | None = None):
+    """``measure.write_csv(rows, path)``; with ``--ledger``, every figure of the written table (as
+    :func:`lora_lab.lab.ledger.table_figures` reads it) also goes into the ledger, filed under ``benchmark``
+    (default: the table's name, :func:`lora_lab.lab.ledger.table_name`). Returns the CSV's path."""
+    from pathlib import Path
+
+    path = measure.write_csv(rows, path)
+    target = getattr(args, "ledger", None)
+    if target:
+        from lora_lab.lab import ledger
+
+        figures = ledger.table_figures(measure.read_csv(path, require_current=False),
+                                       benchmark=benchmark or ledger.table_name(path), source=Path(path).name)
+        profile = "gpu" if torch.cuda.is_available() else "cpu"
+        where = ledger.append_measurements(figures, profile=target if target in ledger.PROFILES else profile,
+                                           ledger=None if target in ledger.PROFILES else Path(target))
+        print(f"{len(figures)} figures appended to {where}", flush=True)
+    return path
 
 
 SECONDARY = ("kernel", "back_to_back")

@@ -45,6 +45,7 @@ from bench_common import (
     device_line,
     repetition_dots,
     time_call,
+    write_summary,
 )
 from torch import nn
 
@@ -251,7 +252,7 @@ def main(argv=None):
                          "fwd_bwd_ms": timed.pop("ms"), **timed, **once[name], "config": variants[name][3]})
     measure.write_csv(rows, out / CSV)
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args)
     if args.check_seq:
         check = layer_check(nocast, variants["fused"][0], hidden, args.check_seq, dtype, device)
         print("whole layer check:", check, flush=True)

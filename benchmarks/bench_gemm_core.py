@@ -16,7 +16,7 @@ kernel time of calls queued back to back — a GEMM kernel figure, not a user's 
 
 TFLOP/s count 2·M·K·N (the rank term not counted). Each row also carries the relative L2 error of its output
 against an fp32 product of the same bf16 operands (computed once per cell). A kernel that fails to compile or
-run is a row with status ``error`` and the message, not a crash. Issue #15's bar: the core at >= 97% of cuBLAS's
+run is a row with status ``error`` and the message, not a crash. The target: the core at >= 97% of cuBLAS's
 TFLOP/s on these shapes (``time_vs_cublas`` <= 1/0.97 ≈ 1.031).
 
 Writes into --out: gemm_core.csv (one row per cell, GEMM, implementation and repetition),
@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text
+from bench_common import add_common_arguments, check_device, chosen_variants, device_line, error_text, write_summary
 
 from lora_lab.kernels import KernelConfig
 from lora_lab.kernels.lora.gemm import lora_gemm
@@ -207,7 +207,7 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot(summary, out)
     print(f"{'cell':>16} {'gemm':>8} {'variant':>20} {'TFLOP/s':>8} {'vs cuBLAS (time)':>18} {'rel L2':>9}")
     for s in summary:

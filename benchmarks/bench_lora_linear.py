@@ -48,6 +48,7 @@ from bench_common import (
     device_line,
     error_text,
     repetition_dots,
+    write_summary,
 )
 from torch import nn
 
@@ -56,23 +57,23 @@ from lora_lab.layer import SingleChild, fill_lora_B
 
 CSV, SUMMARY_CSV, COMPONENTS_CSV = "05_lora_linear.csv", "05_lora_linear_summary.csv", "05_lora_linear_components.csv"
 TARGET = (32768, 4096, 4096, 16)  # the issue's target cell (M, K, N, r)
-# what notebook 05's metrics need: base, PEFT and ours as shipped, the rank-r passes as cuBLAS calls (issue #27),
-# and issue #15's core next to them (the persistent TMA GEMM, and with P / Q folded into its K loops; the
-# warp-specialised forms were removed, issue 26)
+# what notebook 05's metrics need: base, PEFT and ours as shipped, the rank-r passes as cuBLAS calls, and the GEMM
+# core next to them (the persistent TMA GEMM, and with P / Q folded into its K loops; no warp-specialised forms:
+# they failed to compile on the H200)
 DEFAULT_VARIANTS = ["base", "peft", "fused", "fused_torch_rank", "fused_persistent", "fused_fold"]
 REQUIRED_VARIANTS = ("base", "peft", "fused")  # a failure of one of these fails the benchmark
 # the fused op with one KernelConfig field changed from the shipped settings
 FUSED_CONFIGS = {
     "fused": {},
     "fused_triton": {"dispatch": "triton"},
-    # the four rank-r passes as cuBLAS calls around the Triton GEMMs (issue #27: fewer Triton launches per step)
+    # the four rank-r passes as cuBLAS calls around the Triton GEMMs (fewer Triton launches per step)
     "fused_torch_rank": {"dispatch": "triton", "rank_ops": "torch"},
     "fused_overlap": {"overlap": "on"},
     "fused_qdb": {"fuse_q_db": True},
     "fused_qdb_overlap": {"fuse_q_db": True, "overlap": "on"},
     "fused_cublas_base": {"base_gemm": "cublas"},
     "fused_cublas_base_overlap": {"base_gemm": "cublas", "overlap": "on"},
-    # issue #15's core: the persistent TMA GEMM, and P / Q folded into its K loops
+    # the GEMM core: the persistent TMA GEMM, and P / Q folded into its K loops
     "fused_persistent": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent"},
     "fused_fold": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent", "fold_projection": True},
 }
@@ -378,7 +379,7 @@ def main(argv=None):
                       + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
                 measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args)
     if comp_rows:
         measure.write_csv(comp_rows, out / COMPONENTS_CSV)
     plot(summary, rows, out)

@@ -35,7 +35,14 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, repetition_dots
+from bench_common import (
+    add_common_arguments,
+    check_device,
+    chosen_variants,
+    device_line,
+    repetition_dots,
+    write_summary,
+)
 
 from lora_lab.lab import measure
 
@@ -204,7 +211,7 @@ def main(argv=None):
         measure.write_csv(rows, out / CSV)
         print(f"{name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot(summary, rows, out)
     print(f"{'model':>13} {'variant':>18} {'tokens/s':>10} {'/ peft':>7} {'peak/peft':>9} {'loss diff':>9}")
     for s in summary:

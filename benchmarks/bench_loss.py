@@ -18,7 +18,7 @@ Methods (all by default; ``--methods`` picks some):
                         bf16 by cuBLAS, no fp32 buffer: the memory-capped setting)
   lora_lab_fwdgrad_r256, lora_lab_fwdgrad_r1024  lora_lab_fwdgrad with fwdgrad_chunk_rows 256 or 1024 (opt-in): the
                         logits chunk, the path's largest buffer, 16x or 4x smaller than the default 4,096 rows, for
-                        the time it costs (issue #23: extra peak at most Liger's, whose chunks are 128-512 rows here)
+                        the time it costs (target: extra peak at most Liger's, whose chunks are 128-512 rows here)
   lora_lab_fwdgrad_r4096  the same with 4,096-row chunks for a frozen head too (opt-in; the default gives a frozen
                         head 1,024): whether the frozen small-d head's dH GEMM, [rows, V] x [V, d] with few output
                         tiles at 1,024 rows, is what keeps it at 1.37x its floor in notebook 07
@@ -38,7 +38,7 @@ Methods (all by default; ``--methods`` picks some):
                         recomputes them in backward -- 4 GEMMs (frozen: 3)
 
 Cells: shapes qwen2.5-0.5b (d 896, V 151936), gemma2-2b (d 2304, V 256000), llama3-8b (d 4096, V 128256) and
-qwen2.5-14b (d 5120, V 152064) x tokens N in {4096, 16384, 65536} x head {trainable, frozen} (issue #23's panel).
+qwen2.5-14b (d 5120, V 152064) x tokens N in {4096, 16384, 65536} x head {trainable, frozen} (notebook 07's panel).
 A method whose [N x V] buffers cannot fit the GPU (torch_fp32: about 5 N V bf16-sized buffers, torch_bf16: 3) gets
 "oom" rows without being tried; ``--quick`` runs the llama3-8b head at 16,384 tokens only, with the panel's methods.
 
@@ -87,7 +87,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_common import check_device, device_line, is_oom, repetition_dots
+from bench_common import add_ledger_argument, check_device, device_line, is_oom, repetition_dots, write_summary
 
 from lora_lab.lab import measure
 
@@ -110,7 +110,7 @@ CHUNK_ROWS = {"lora_lab_fwdgrad_r256": 256, "lora_lab_fwdgrad_r1024": 1024,  # o
               "lora_lab_fwdgrad_r4096": 4096}
 METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem",
            *CHUNK_ROWS, "lora_lab_recompute", "lora_lab_two_pass", "liger", "cce", "cce_exact", *FLOORS]
-# issue #23's panel: ours (both paths), torch bf16, Liger, CCE, the 3-GEMM (2 frozen) floor
+# the panel: ours (both paths), torch bf16, Liger, CCE, the 3-GEMM (2 frozen) floor
 PANEL_METHODS = ["lora_lab_fwdgrad", "lora_lab_recompute", "torch_bf16", "liger", "cce", "gemm_floor"]
 OURS = ("lora_lab", "lora_lab_fwdgrad", "lora_lab_fwdgrad_lowmem", *CHUNK_ROWS, "lora_lab_recompute",
         "lora_lab_two_pass")
@@ -602,6 +602,7 @@ def main(argv=None):
                          "'not_run' (the CSV is written after every cell anyway)")
     ap.add_argument("--quick", action="store_true",
                     help="the llama3-8b head at 16,384 tokens, both heads, the panel's methods (a few minutes)")
+    add_ledger_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.tokens = ["llama3-8b"], [16384]
@@ -649,7 +650,7 @@ def main(argv=None):
                 measure.write_csv(rows, out / CSV)  # after every cell: partial results survive
                 print(f"{shape} d={hidden} V={vocab} N={tokens} {head}: {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot_time(rows, out)
     plot_memory(summary, out)
     print(f"{'shape':>13} {'N':>6} {'head':>9} {'method':>21} {'ms':>9} {'TFLOP/s':>7} {'/fastest':>8} "

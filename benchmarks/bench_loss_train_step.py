@@ -51,7 +51,15 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
-from bench_common import add_common_arguments, check_device, chosen_variants, device_line, is_oom, repetition_dots
+from bench_common import (
+    add_common_arguments,
+    check_device,
+    chosen_variants,
+    device_line,
+    is_oom,
+    repetition_dots,
+    write_summary,
+)
 
 from lora_lab.lab import measure
 
@@ -367,7 +375,7 @@ def main(argv=None):
     rows = bench(args, variants, available, device, dtype)
     measure.write_csv(rows, out / CSV)
     summary = summary_rows(rows)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args)
     plot(summary, rows, out)
     print(f"{'variant':>14} {'tokens/s':>10} {'/ standard':>10} {'peak GiB':>8} {'/ standard':>10} {'loss diff':>9}")
     for s in summary:

@@ -1,7 +1,7 @@
 """Benchmark: MoE experts — transformers eager, transformers grouped_mm, lora_lab's fused kernels and Liger-Kernel's
 fused MoE, side by side.
 
-Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``, the panel of issue #24: Qwen3-30B-A3B,
+Layer: one experts module of a real MoE shape (``fused_moe.LAYER_SHAPES``, the MoE panel: Qwen3-30B-A3B,
 Qwen1.5-MoE-A2.7B, OLMoE-1B-7B, DeepSeek-V2-Lite, GPT-OSS-20B, Mixtral-8x7B and Mixtral-8x22B-like),
 forward + ``torch.autograd.grad`` of a fixed upstream gradient, bf16, routing from a random
 softmax router, T tokens (default 8192 and 32768). Modes: ``full`` (gradients for X, the routing weights and both
@@ -36,7 +36,7 @@ each whole call, synchronised after it, so host time — e.g. Liger's ``.item()`
 median of ``--calls`` layer calls (``ms``; ``--eager-calls`` for the eager loop) and of ``--e2e-steps`` training
 steps (``step_ms``). Layer cells also carry labelled secondary columns (``--secondary``): ``kernel_ms`` (profiler
 device time per call) and ``back_to_back_ms`` (``do_bench``, calls queued without synchronisation — the figure
-notebook 06 published before issue #27). Peak memory (``measure.peak_bytes``: peak and resident
+notebook 06 published before the synchronised loop). Peak memory (``measure.peak_bytes``: peak and resident
 bytes of one untimed call) is measured once per cell and implementation. Notebook 06 reads the per-repetition
 rows through ``fused_moe.benchmark_metrics``.
 
@@ -49,8 +49,9 @@ span sessions; the sessions share Triton's disk cache of autotuning results (``T
 otherwise), so a later session reuses an earlier one's picks (Liger's and our pointer-form kernels'; the persistent
 form tunes per process). A session folder that this code already finished with the same arguments (its
 ``session_complete.json``) is kept, not run again, so one run can be split over machines
-(``tools/device/nb06_split.sh``). ``first_call_s`` (each implementation's first call in a cell: compile and any
-tuning) and ``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure issue #24's "no traps".
+(``tools/remote_gpu_run.sh --triton-cache``). ``first_call_s`` (each implementation's first call in a cell:
+compile and any tuning) and ``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure
+whether a first call or a missing tuning is a trap.
 
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
@@ -61,7 +62,7 @@ Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, i
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
     python benchmarks/bench_moe.py --out DIR --no-e2e --modes full --shapes qwen3_30b_a3b \
-        --variants ours_kgrouped ours_persistent                       # the K-grouped dW against ours (issue #24)
+        --variants ours_kgrouped ours_persistent                       # the K-grouped dW against ours
     TRITON_INTERPRET=1 python benchmarks/bench_moe.py --out DIR --smoke
 """
 from __future__ import annotations
@@ -86,6 +87,7 @@ from bench_common import (
     session_argv,
     time_call,
     without_options,
+    write_summary,
 )
 
 from lora_lab.experiments.fused_moe import (
@@ -125,7 +127,7 @@ SMOKE_TOKEN_DIVISOR = 1024
 
 
 # Liger's shapes by default: the 30B-A3B-like layer alone. Its first call at a new shape autotunes for minutes (221 s
-# on an H200 at that layer, 8,192 tokens, in the issue27_25_24 session log) and its autotune key is (H_dim, I_dim)
+# on an H200 at that layer, 8,192 tokens, in notebook 06's run of 14de7b6) and its autotune key is (H_dim, I_dim)
 # (liger_kernel/ops/fused_moe_kernels.py, 0.8.5): both token counts of one layer share one tuning
 LIGER_SHAPES = ("qwen3_30b_a3b",)
 # our variants that change only the expert weights' gradient engine, or only the scatter GEMMs of full fine-tuning:
@@ -134,8 +136,8 @@ LIGER_SHAPES = ("qwen3_30b_a3b",)
 WEIGHT_GRAD_VARIANTS = (*OURS_KGROUPED, *OURS_SCATTER)
 OPTIONAL_IMPLS = (*OURS_VARIANTS, LIGER)  # their failure is a recorded result; the others' fails the run
 # First calls known to be expensive with a cold cache (compile + autotuning), in seconds: what the H200 run of
-# notebook 06 at 14de7b6 measured at the 30B-A3B-like layer, 8,192 tokens, full fine-tuning (session log
-# outputs/gpu/session_logs/issue27_25_24/unfinished/06_moe_layer.csv). --budget-s charges an implementation this
+# notebook 06 at 14de7b6 measured at the 30B-A3B-like layer, 8,192 tokens, full fine-tuning (its layer CSV's
+# first_call_s; git history keeps that CSV). --budget-s charges an implementation this
 # before its first call at an autotune key that is not tuned yet (an estimate for other shapes, not a measurement)
 COLD_FIRST_CALL_S = {LIGER: 221.4, "ours": 11.7, "ours_persistent": 19.2}
 # implementations whose tuning Triton's disk cache of autotuning results (TRITON_CACHE_AUTOTUNING=1, set for the
@@ -582,7 +584,7 @@ def main(argv=None):
     ap.add_argument("--liger-shapes", nargs="*", default=list(LIGER_SHAPES), choices=list(LAYER_SHAPES),
                     help="shapes whose full cells also run Liger (default: the 30B-A3B-like layer alone; Liger "
                          "autotunes at each new (H, I), 221 s at that layer on an H200, 102 s at the Mixtral-like one "
-                         "in issue #24, so a session's budget holds at most one)")
+                         ", so one timing session's budget holds at most one)")
     ap.add_argument("--persistent-shapes", nargs="*", default=["qwen3_30b_a3b"], choices=list(LAYER_SHAPES),
                     help="shapes whose cells also run the persistent form when --variants asks for it")
     add_timing_arguments(ap)
@@ -658,7 +660,7 @@ def main(argv=None):
         measure.pool_csv_sessions(parts, out, [LAYER_CSV, E2E_CSV])
     rows = measure.read_csv(out / LAYER_CSV)
     table = layer_table(rows)
-    measure.write_csv(table, out / SUMMARY_CSV)
+    write_summary(table, out / SUMMARY_CSV, args)
     plot_layer(table, out)
     print(f"{'cell':>34} {'impl':>12} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9}")
     for t in table:

@@ -1,6 +1,6 @@
 """Benchmark: the MoE expert weight gradients alone — the default kernel, the K-grouped one, ``torch._grouped_mm``.
 
-Issue #24's profile put the two weight-gradient kernels of the Qwen3-30B-A3B-like layer at 46% of its kernel time
+A kernel profile put the two weight-gradient kernels of the Qwen3-30B-A3B-like layer at 46% of its kernel time
 (218 TFLOP/s on an H200). ``bench_moe.py --variants ours_kgrouped`` times the whole layer with the K-grouped kernel;
 this script times the two GEMMs themselves, on the same routing the layer would see (softmax router over random
 logits, ``fused_moe.random_routing``), bf16:
@@ -45,6 +45,7 @@ from bench_common import (
     device_line,
     error_text,
     time_call,
+    write_summary,
 )
 
 from lora_lab.experiments.fused_moe import LAYER_SHAPES, random_routing
@@ -195,7 +196,7 @@ def main(argv=None):
         rows += bench_cell(tokens, args, device, dtype)
         measure.write_csv(rows, Path(args.out) / CSV)  # after every cell: a run cut short keeps its cells
     table = summary(rows)
-    measure.write_csv(table, Path(args.out) / SUMMARY_CSV)
+    write_summary(table, Path(args.out) / SUMMARY_CSV, args)
     for t in table:
         speed = f"{t['speedup_vs_per_tile']:6.3f}x" if "speedup_vs_per_tile" in t else "      -"
         print(f"{t['cell']:>22} {t['gemm']} {t['impl']:>20} {t['ms']:9.4f} ms {t['tflops']:7.1f} TFLOP/s "

@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_common import check_device, error_text, is_oom, session_argv
+from bench_common import add_ledger_argument, check_device, error_text, is_oom, session_argv, write_summary
 
 from lora_lab.lab import measure
 
@@ -338,6 +338,7 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: tiny configs, fp32, vocab 256, "
                                                          "batch 2 x 16, Liger's RoPE and fused linear CE only")
     ap.add_argument("--session-index", type=int, default=None, help=argparse.SUPPRESS)
+    add_ledger_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.repetitions, args.steps = min(args.repetitions, 3), min(args.steps, 3)
@@ -376,7 +377,7 @@ def main(argv=None) -> None:
     measure.write_csv(rows, out / CSV)
     measure.write_csv(memory, out / MEMORY_CSV)
     summary = summarize(rows, memory)
-    measure.write_csv(summary, out / SUMMARY_CSV)
+    write_summary(summary, out / SUMMARY_CSV, args)
     import triton
 
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (Triton interpreter)"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #15's GPU measurements in one place: the bf16 GPU tests of every kernel the GEMM core touches, then the
+# The GEMM core's GPU measurements in one place: the bf16 GPU tests of every kernel the GEMM core touches, then the
 # benchmarks that grade it (the core against cuBLAS, the LoRA linear's persistent / folded variants against the
 # frozen layer, the MoE layer's persistent variants against grouped_mm and Liger), then a kernel-by-kernel profile
 # of the LoRA linear's target cell and the MoE layer (what limits them). Each step writes into OUT and

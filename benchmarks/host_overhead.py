@@ -1,4 +1,4 @@
-"""Diagnostic for issue #15 (not a benchmark): where the host time of one LoRA linear step goes at M = 8192, where
+"""Diagnostic (not a benchmark): where the host time of one LoRA linear step goes at M = 8192, where
 notebook 05 timed the GEMM core's persistent forms at 2.1-2.5x the shipped op's time while the kernel profile
 (run 1) gave them less device time than the shipped op.
 
@@ -8,7 +8,7 @@ time). Run from the repository root on a CUDA machine:
 
     python benchmarks/host_overhead.py
 
-(Until issue #26 it lived in outputs/gpu/session_logs/issue15_profile/, beside the log of its run 3.) Not a
+Not a
 benchmark in the sense of benchmarks/README.md: one run, no repetitions, no CSV; its numbers say where host time
 goes, never whether a target is met.
 """

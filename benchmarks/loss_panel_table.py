@@ -1,11 +1,11 @@
-"""Issue #23's panel as one table, from the raw CSVs (``07_loss_block.csv``) of one or more ``bench_loss.py`` runs.
+"""The loss panel as one table, from the raw CSVs (``07_loss_block.csv``) of one or more ``bench_loss.py`` runs.
 
     python benchmarks/loss_panel_table.py DIR_OR_CSV [...] [--out panel.csv] [--method lora_lab]
 
 Per cell (head shape, tokens, frozen / trainable): each method's median ms and its 95% interval over the run's
 repetitions; our method's time over Liger's and over the GEMM floor, repetition by repetition (median and 95%
 interval: both ran side by side in each repetition); the extra peak of ours and of Liger; and the verdict of each of
-issue #23's speed and memory targets:
+the panel's speed and memory targets:
 
 * floor: ours <= 1.10 x the GEMM floor where d >= 2,048, <= 1.25 x where d < 2,048 (``met`` when the interval's
   upper end is at or under the target, ``missed`` when its lower end is above it, ``inconclusive`` otherwise);

@@ -1,4 +1,4 @@
-"""Issue #24's panel as one table, from notebook 06's outputs: ``06_fused_moe.metrics.json`` and
+"""The MoE panel as one table, from notebook 06's outputs: ``06_fused_moe.metrics.json`` and
 ``06_moe_layer_summary.csv``.
 
     python benchmarks/moe_panel_table.py OUTPUTS_DIR [--out panel.md]
@@ -8,7 +8,7 @@ Per cell (layer, tokens, full fine-tuning / LoRA on the experts): ours, grouped_
 ours' speed over the faster peer, the median and 95% interval of the per-repetition ratios the notebook recorded
 (``<cell>_speedup_vs_grouped_mm`` / ``_vs_liger``; the faster peer is the one with the smaller median ratio); ours'
 expert-GEMM TFLOP/s; peak above the resident tensors over grouped_mm's; the first call (compile and autotuning
-included); the untuned configuration's time over the tuned one. Then the verdict of each of issue #24's targets
+included); the untuned configuration's time over the tuned one. Then the verdict of each of the panel's targets
 that applies to the cell:
 
 * every cell: ours' time <= the faster peer's (speed ratio >= 1.0);

@@ -1,4 +1,4 @@
-"""Profile: where a fused op's step goes, kernel by kernel (``torch.profiler``) — what limits issue #15's targets.
+"""Profile: where a fused op's step goes, kernel by kernel (``torch.profiler``) — what limits their speed.
 
 Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the benchmarks time them):
 

@@ -1,4 +1,4 @@
-"""Diagnostic for issue #23's whole-step target (not a benchmark): what is alive at the peak of one training step.
+"""Diagnostic for the whole-step memory target (not a benchmark): what is alive at the peak of one training step.
 
 Notebook 10's H200 run measured the Llama-like step's peak at 6.26 GiB with lora_lab's loss against 5.59 GiB with
 Liger's (everything else the same: PEFT LoRA, Liger's kernels, ``patch_model``). By the two losses' own buffers

@@ -1,8 +1,7 @@
 """Top-level torch ops of one fused DoRA layer's forward + backward (torch profiler, CPU, Triton interpreter).
 The interpreter runs a Triton launch as tensor copies (aten::empty/new_empty/set_/copy_): those are left out.
 
-A diagnostic of issue #14 (its output: outputs/cpu/session_logs/issue14/dora_op_count.log, where the script lived
-until issue #26). Run from the repository root:
+A diagnostic of the fused DoRA layer's op count. Run from the repository root:
 
     TRITON_INTERPRET=1 python tools/dora_op_count.py
 """

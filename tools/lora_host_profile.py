@@ -68,7 +68,7 @@ def trace(step, calls: int, cuda: bool, chrome: Path | None = None):
     events = list(prof.events())
     marks = sorted((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("call_"))
     # GPU work only: the call_<i> annotation is mirrored on the GPU timeline too (a CUDA-side event spanning the
-    # call), which counted as a kernel before session 8 and made lead_us 0 and busy_us larger than the span
+    # call), which, counted as a kernel, would make lead_us 0 and busy_us larger than the span
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events
                      if e.device_type == DeviceType.CUDA and not e.name.startswith("call_"))
     rows = []

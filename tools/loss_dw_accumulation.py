@@ -1,10 +1,10 @@
-"""What accumulating a trainable head's dW in bf16 costs in accuracy, by the number of row chunks (issue #23).
+"""What accumulating a trainable head's dW in bf16 costs in accuracy, by the number of row chunks.
 
 The gradients-in-forward path (``lora_lab.kernels.loss.fwdgrad``) adds one ``G_cᵀ H_c`` per row chunk into dW. By
 default it keeps that sum in fp32 (``dw_accumulate="auto"``: ``out_dtype`` on CUDA, ``partial`` elsewhere);
 ``"input_dtype"`` (Liger's choice, bench_loss.py's ``lora_lab_fwdgrad_lowmem``) adds into the 16-bit dW itself, one
 rounding per chunk. On an H200 at 65,536 tokens (16 chunks of 4,096 rows) that ran 1.4-1.8% faster and held one
-[V, d] buffer less (outputs/gpu/session_logs/session19/loss64k/variants_table.md). This measures the other side:
+[V, d] buffer less (the ledger's loss rows of commit bdf912c). This measures the other side:
 dW's relative L2 error against the fp64 reference for 1 to 64 chunks on the same inputs, per accumulation mode.
 
 Two sources of dW:

@@ -1,7 +1,7 @@
 """Variants of the loss op beside it: each variant's own time, its time over the default op's, Liger's and the GEMM
 floor's (repetition by repetition, median and 95% interval), and the extra peaks, from bench_loss.py raw CSVs.
 
-benchmarks/loss_panel_table.py tables issue #23's panel for one method; this one answers "what would a different
+benchmarks/loss_panel_table.py tables the loss panel for one method; this one answers "what would a different
 setting of the same op buy" (``lora_lab_fwdgrad_lowmem``: dW accumulated in the input dtype; ``..._r4096``: 4,096-row
 chunks for a frozen head too), cell by cell, for the variants a run measured.
 

@@ -1,4 +1,4 @@
-"""Go / no-go for issue #24's LoRA target: the LoRA terms of frozen experts folded into CUTLASS's grouped GEMMs by
+"""Go / no-go for the MoE LoRA speed target: the LoRA terms of frozen experts folded into CUTLASS's grouped GEMMs by
 widening their K, against the grouped-GEMM engine as it is (``lora_lab.kernels.moe.engine``), side by side in one
 process. No notebook reads it; nothing in the package uses the widened form yet.
 

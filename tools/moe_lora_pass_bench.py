@@ -2,8 +2,9 @@
 dense (S, N) tensor made by a rank-r grouped GEMM and read by the SiLU·up pass (the "dense" way), against the term
 made inside that pass from its factors (:class:`~lora_lab.kernels.moe.silu_backward.LowRankRows`), and the rank-r
 product of the rows a pass writes by its own grouped GEMM against summing it inside the pass
-(:class:`~lora_lab.kernels.moe.silu_backward.LowRankOut`). A diagnostic for issue #24's LoRA target: session 9's
-benchmark found the engine slower with every piece factored, and this says which piece costs. No notebook reads it.
+(:class:`~lora_lab.kernels.moe.silu_backward.LowRankOut`). A diagnostic for the MoE layer's LoRA speed target: a
+benchmark of 2d65ec1 found the engine slower with every piece factored, and this says which piece costs. No
+notebook reads it.
 
     python tools/moe_lora_pass_bench.py [--tokens 8192 32768] [--rank 16] > lora_passes.txt
 

@@ -151,10 +151,10 @@ LINEAR_CSV, GDN_CSV, TRAIN_CSV = "05_lora_linear.csv", "05_gated_deltanet.csv", 
 BENCHMARK_CSVS = {"bench_lora_linear.py": [LINEAR_CSV, "05_lora_linear_components.csv"],
                   "bench_gated_deltanet.py": [GDN_CSV], "bench_lora_train_step.py": [TRAIN_CSV]}
 TARGET_CELL = "32k_4096x4096_r16"  # M = 32768 tokens, K = N = 4096, r = 16: the issue's target cell
-# issue #15's GEMM core as a LoRA linear: bench_lora_linear's persistent / folded variants (its default set; the
-# warp-specialised forms were removed in issue 26: their build failed to compile on the H200)
+# the GEMM core as a LoRA linear: bench_lora_linear's persistent / folded variants (its default set; there are no
+# warp-specialised forms: their build failed to compile on the H200)
 CORE_VARIANTS = ("fused_persistent", "fused_fold")
-# issue #27: the shipped op with its four rank-r passes as cuBLAS calls (KernelConfig(rank_ops="torch"))
+# the shipped op with its four rank-r passes as cuBLAS calls (KernelConfig(rank_ops="torch"))
 RANK_OPS_VARIANT = "fused_torch_rank"
 TRAIN_MODELS = {"qwen3-4096": "qwen3_4096", "qwen2.5-0.5b": "qwen2_5_0_5b"}
 
@@ -197,7 +197,7 @@ def _worst_cell(rows, cells, variant: str) -> dict:
 
 
 def core_variant_metrics(rows, cells) -> dict:
-    """Issue #15's GEMM core as a LoRA linear (``fused_persistent``, ``fused_fold``), for each variant the benchmark
+    """The GEMM core as a LoRA linear (``fused_persistent``, ``fused_fold``), for each variant the benchmark
     timed in every cell: time and peak over the frozen layer in the target cell, the forward and dX GEMMs' TFLOP/s
     there, and the worst cell's time ratio. A variant that failed somewhere
     (a row with status ``error``) gets ``lora_linear_<variant>_failed_cells`` instead of ratios."""

@@ -339,7 +339,7 @@ def liger_single_config():
     """Liger's autotuned MoE kernels each keep their first config inside the block (restored after it).
 
     For the cells that check numerics or count saved bytes, not speed: Liger's kernels otherwise tune at every new
-    shape on their first call (102 s at a Mixtral-like layer in issue #24; notebook 06's bf16 and saved-bytes cells
+    shape on their first call (102 s at a Mixtral-like layer on an H200; notebook 06's bf16 and saved-bytes cells
     took 302 s and 104 s with it). The tile config changes neither what is saved nor more than the summation order.
     """
     try:

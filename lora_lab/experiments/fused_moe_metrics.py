@@ -43,7 +43,7 @@ GRADED_E2E = [("lora", "eager"), ("lora", "grouped_mm"), ("full", "grouped_mm"),
 # --variants) are compared with ours: full fine-tuning only (with LoRA ours runs on the grouped-GEMM engine, which has
 # neither form; the LoRA cell of the 30B-A3B-like layer stays graded through GRADED_PEAKS)
 PERSISTENT_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full"]
-# the panel (issue #24): every shape at 8,192 and 32,768 tokens, full and LoRA; ours against each peer, the untuned
+# the panel: every shape at 8,192 and 32,768 tokens, full and LoRA; ours against each peer, the untuned
 # form against ours, peak memory against grouped_mm, ours' first call (compile + any tuning) in seconds
 PANEL_TOKENS = (8192, 32768)
 PANEL_CELLS = [f"{shape}_t{tokens}_{mode}" for shape in LAYER_SHAPES for tokens in PANEL_TOKENS

@@ -203,7 +203,7 @@ def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
                 "torch_fp32", "qwen2.5-0.5b", 16384, "trainable", 0) and r["status"] == "ok" \
                 and r.get("peak_extra_gib") is not None:
             out["torch_fp32_peak_gib_qwen_16k_trainable"] = float(r["peak_extra_gib"])
-    for shape, tokens, head in big:  # lora_lab's time per cell (issue #23's target: llama3-8b, 16k, trainable)
+    for shape, tokens, head in big:  # lora_lab's time per cell (the target cell: llama3-8b, 16k, trainable)
         mine = [r for r in rows if (r["shape"], r["tokens"], r["head"], r["method"], r["status"]) ==
                 (shape, tokens, head, "lora_lab", "ok") and r.get("ms") is not None]
         if mine:

@@ -7,6 +7,8 @@
     lora-lab validate
     lora-lab check-prose
     lora-lab launch   JOB [--nproc 2] [--config JSON] [--out DIR]       torchrun; prints each rank's metrics
+    lora-lab ledger   show --profile gpu [--benchmark loss] [--method M]   rows of outputs/<profile>/measurements.csv
+    lora-lab ledger   add --profile gpu FILE.csv        append another ledger's rows (e.g. from a GPU machine)
     lora-lab --version
 
 Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify), prose states
@@ -108,7 +110,51 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--out", type=Path, default=None,
                         help="folder for config.json, rank<r>.json and torchrun.log (default: a new temporary one)")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before the job is stopped")
+    _ledger_parser(commands)
     return parser
+
+
+def _ledger_parser(commands) -> None:
+    from lora_lab.lab.ledger import PROFILES
+
+    ledger = commands.add_parser("ledger", help="show or add rows of the measurement ledger "
+                                                "(outputs/<profile>/measurements.csv)")
+    verbs = ledger.add_subparsers(dest="verb", metavar="VERB", required=True)
+    show = verbs.add_parser("show", help="print the rows (as CSV) that match")
+    add = verbs.add_parser("add", help="append the rows of another ledger file, each checked first")
+    add.add_argument("file", type=Path, help="a ledger file, e.g. written by a benchmark's --ledger FILE.csv")
+    for verb in (show, add):
+        verb.add_argument("--profile", choices=PROFILES, required=True)
+        verb.add_argument("--ledger", type=Path, default=None,
+                          help="the ledger file (default: <repo>/outputs/<profile>/measurements.csv)")
+    for column in ("benchmark", "cell", "method", "statistic", "commit"):
+        show.add_argument(f"--{column}", default=None, help=f"only rows whose {column} is this")
+
+
+def command_ledger(args: argparse.Namespace) -> int:
+    import csv
+
+    from lora_lab.lab.ledger import COLUMNS, LedgerError, append_measurements, read_measurements
+
+    try:
+        if args.verb == "add":
+            if not args.file.is_file():
+                raise LedgerError(f"{args.file}: no such file")
+            rows = read_measurements(ledger=args.file)
+            where = append_measurements(rows, profile=args.profile, ledger=args.ledger)
+            print(f"{len(rows)} rows of {args.file} appended to {where}")
+            return EXIT_OK
+        match = {c: getattr(args, c) for c in ("benchmark", "cell", "method", "statistic", "commit")
+                 if getattr(args, c) is not None}
+        rows = read_measurements(profile=args.profile, ledger=args.ledger, **match)
+    except LedgerError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    writer = csv.DictWriter(sys.stdout, fieldnames=COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({**row, "value": repr(row["value"]), "published": str(row["published"]).lower(),
+                      "n": row["n"] or "", "sessions": row["sessions"] or ""} for row in rows)
+    return EXIT_OK
 
 
 def command_launch(args: argparse.Namespace) -> int:
@@ -252,6 +298,7 @@ COMMANDS = {
     "publish": command_publish,
     "check-prose": command_check_prose,
     "launch": command_launch,
+    "ledger": command_ledger,
 }
 
 

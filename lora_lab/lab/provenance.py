@@ -6,7 +6,7 @@ holding the same code — also where there is no git (the GPU machine receives a
 ``lora-lab verify`` recomputes it from git history for the commit a run names, and ``lora-lab publish`` refuses a
 run whose hashes differ from the working tree's.
 
-Which files the hash covers is its **scope**, recorded with it as ``code_hash_scope``: runs since issue #27 hash
+Which files the hash covers is its **scope**, recorded with it as ``code_hash_scope``: new runs hash
 ``lora_lab/`` and ``benchmarks/`` (which produces every timing) — scope ``lora_lab+benchmarks``; older runs
 recorded no scope and hashed ``lora_lab/`` only (scope ``lora_lab``), and are still verified that way.
 """

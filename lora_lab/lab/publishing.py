@@ -12,8 +12,8 @@ single problem publishes nothing:
   (committing the same code afterwards does not make such a run reproducible from a commit; a copy of a
   committed tree, whose commit is declared and whose dirty state is unknown, is accepted);
 * where the notebooks live in a git repository, that commit is one of its commits and its committed code is the
-  run's code (a declared commit is typed in on the device: session 18's first notebook 07 run declared a
-  mistyped one, which ``lora-lab verify`` would only have caught after the commit).
+  run's code (a declared commit is typed in on the device, and a mistyped one would otherwise only be caught by
+  ``lora-lab verify`` after the commit).
 
 The published notebook keeps every cell's source, outputs and execution count; it loses what papermill
 added (the injected-parameters cell, error banners, papermill and timing metadata), so that its parameters
@@ -23,7 +23,9 @@ its executed notebook, its metrics and every file or folder whose name starts wi
 Publishing replaces a notebook's files but not its past: each published run is appended to the profile's run
 history (``outputs/<profile>/run_history.json``, :mod:`lora_lab.lab.history`) with the commit and code that ran
 it and the outcome of every prediction registered (committed) for it, so a republished notebook's earlier
-outcomes stay on the scoreboard.
+outcomes stay on the scoreboard. The figures of its benchmark CSVs are appended to the profile's measurement ledger
+(``outputs/<profile>/measurements.csv``, :mod:`lora_lab.lab.ledger`) as published, with the run's date, device,
+commit and code hash.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_lab.lab.history import append_runs, history_entry
+from lora_lab.lab.ledger import LEDGER_NAME, LedgerError, append_measurements, check_measurements, csv_figures
 from lora_lab.lab.notebooks import NOTEBOOK_NAME
 from lora_lab.lab.provenance import CODE_HASH_SCOPES, code_hash, code_hash_at, code_hash_scope_of, notebook_hash
 from lora_lab.lab.recording import STATUS_COMPLETED, read_metrics, write_json_atomically
@@ -167,6 +170,24 @@ def _repository_of(path: Path) -> Path | None:
         return None
 
 
+def published_figures(run_dir: Path, stem: str, profile: str) -> list[dict[str, Any]]:
+    """Ledger rows (published) of the benchmark CSVs notebook ``stem`` wrote into ``run_dir``: every ``NN_*.csv``,
+    a table of repetitions left out where its ``_summary`` table is there, each row with the run's date (when it
+    finished), device, commit and code hash unless its CSV names the commit and code hash itself; ``source`` is
+    the CSV's published path ``outputs/<profile>/<name>``."""
+    provenance = read_metrics(run_dir / f"{stem}.metrics.json").get("provenance") or {}
+    run = {"date": str(provenance.get("finished") or provenance.get("started") or "")[:10] or None,
+           "device": provenance.get("device"), "commit": provenance.get("git_commit"),
+           "code_hash": provenance.get("code_hash")}
+    rows = []
+    for path in notebook_files(run_dir, stem):
+        if path.suffix != ".csv" or path.is_dir() or path.with_name(f"{path.stem}_summary.csv").is_file():
+            continue
+        for row in csv_figures(path, source=f"outputs/{profile}/{path.name}", published=True):
+            rows.append({**{k: v for k, v in run.items() if v}, **row})
+    return rows
+
+
 def publish(
     profile: str,
     runs_root: Path | str,
@@ -203,6 +224,12 @@ def publish(
         predictions, registered = predictions_for_history(predictions_path, notebooks_dir)
     except ValueError as error:
         problems.append(f"the run history cannot grade the runs: {error}")
+    figures = []
+    for path in executed_paths if not problems else ():
+        try:
+            figures += check_measurements(published_figures(run_dir, path.stem, profile), profile)
+        except (LedgerError, OSError, ValueError) as error:
+            problems.append(f"{path.stem}: its benchmark CSVs do not make ledger rows: {error}")
     if problems:
         raise PublishError("nothing published:\n  - " + "\n  - ".join(problems))
     history_entries = [history_entry(read_metrics(path.with_name(f"{path.stem}.metrics.json")), profile, predictions,
@@ -232,6 +259,8 @@ def publish(
     summary_out["notebooks"] = dict(sorted(summary_out.get("notebooks", {}).items()))
     write_json_atomically(summary_path, summary_out)
     append_runs(out_dir, profile, history_entries)
+    if figures:
+        append_measurements(figures, profile, ledger=out_dir / LEDGER_NAME, skip_present=True)
     return done
 
 

@@ -1,4 +1,4 @@
-"""bench_moe's panel of issue #24 on the CPU: the time budget, the sessions pooled, the untuned form and the first
+"""bench_moe's MoE panel on the CPU: the time budget, the sessions pooled, the untuned form and the first
 calls recorded, and the panel metrics notebook 06 grades (smoke: tiny stand-ins in Triton's interpreter)."""
 from __future__ import annotations
 
@@ -187,8 +187,8 @@ def test_a_finished_session_is_kept_only_for_this_code_and_these_arguments(bench
 
 @pytest.mark.slow
 def test_sessions_split_over_two_machines_pool_as_one_run(tmp_path):
-    """Session 0 run alone (one GPU call), then --sessions 2 over its folder (the next call): session 0 is kept,
-    session 1 runs, the pooled CSV holds both."""
+    """The first session run alone (one GPU call), then --sessions 2 over its folder (the next call): the first is
+    kept, the second runs, the pooled CSV holds both."""
     env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
@@ -207,30 +207,3 @@ def test_sessions_split_over_two_machines_pool_as_one_run(tmp_path):
     assert (tmp_path / "session0" / fused_moe.LAYER_CSV).read_text() == written  # not run again
     rows = measure.read_csv(tmp_path / fused_moe.LAYER_CSV)
     assert measure.sessions_in(rows) == 2
-
-
-def test_the_split_route_runs_session_0_with_notebook_06s_arguments(bench):
-    """tools/device/nb06_split.sh's call A runs bench_moe's session 0 with the arguments notebook 06's section 6
-    passes (its parameters cell's defaults), so that the notebook's --sessions run keeps that session."""
-    import ast
-    import json
-    import re
-    import shlex
-
-    cells = ["".join(c["source"]) for c in json.loads((ROOT / "notebooks" / "06_fused_moe.ipynb").read_text())["cells"]
-             if c["cell_type"] == "code"]
-    params = {}
-    for node in ast.parse(next(c for c in cells if c.startswith("PROFILE ="))).body:
-        params[node.targets[0].id] = ast.literal_eval(node.value)
-    call = next(c for c in cells if '"bench_moe.py"' in c)  # the cell that runs it (the parameters cell names it)
-    variants = ast.literal_eval("[" + re.search(r'"--secondary", "--variants", ([^\]]*?)\]', call).group(1) + "]")
-    budgets = params["BUDGET_S"] if isinstance(params["BUDGET_S"], (list, tuple)) else [params["BUDGET_S"]]
-    notebook = ["--out", "x", "--repetitions", str(params["REPETITIONS"]), "--sessions", str(params["SESSIONS"]),
-                "--budget-s", *[str(b) for b in budgets], "--secondary", "--variants", *variants]
-    script = (ROOT / "tools" / "device" / "nb06_split.sh").read_text()
-    command = re.search(r"python benchmarks/bench_moe\.py (.*?) > \$OUT/session0\.log", script.replace("\\\n", " "),
-                        re.S)
-    line = command.group(1)
-    split = shlex.split(line.replace("$G", "g"))  # $G: the folder, in --out and --first-call-ledger only
-    assert bench._session_key(split, 0) == bench._session_key(notebook, 0)
-    assert params["SESSIONS"] == 2  # call B's notebook run adds exactly one session

@@ -52,7 +52,7 @@ TIME_05 += ["lora_linear_base_host_ms_32k_4096x4096_r16", "lora_linear_fused_hos
             "lora_linear_fused_torch_rank_time_vs_base_32k_4096x4096_r16",
             "lora_linear_fused_torch_rank_time_vs_fused_32k_4096x4096_r16",
             "lora_linear_fused_torch_rank_host_ms_32k_4096x4096_r16", "lora_linear_fused_torch_rank_worst_time_vs_base"]
-TIME_05 += [f"lora_linear_{variant}_{metric}" for variant in fused_lora_kernels.CORE_VARIANTS  # issue #15's core
+TIME_05 += [f"lora_linear_{variant}_{metric}" for variant in fused_lora_kernels.CORE_VARIANTS  # the GEMM core
             for metric in ("time_vs_base_32k_4096x4096_r16", "tflops_32k_4096x4096_r16", "worst_time_vs_base")]
 MEMORY_05 = ["lora_linear_peak_vs_base_32k_4096x4096_r16", "train_peak_vs_peft_qwen3_4096",
              "train_peak_vs_peft_qwen2_5_0_5b",
@@ -488,7 +488,7 @@ def test_a_failing_optional_moe_implementation_is_a_recorded_row_not_a_crash(mon
 
 @pytest.mark.slow
 def test_primary_figure_is_the_users_loop_with_labelled_secondary_columns(smoke_dir):
-    """Issue #27: the timed rows carry the synchronised loop's figure (``timing`` = loop, every timed call in
+    """The timed rows carry the synchronised loop's figure (``timing`` = loop, every timed call in
     ``ms_each``) and kernel time only as a separate, labelled column; no do_bench column without CUDA."""
     for name, value in (("06_moe_layer.csv", "ms"), ("05_gated_deltanet.csv", "fwd_bwd_ms")):
         rows = [r for r in measure.read_csv(smoke_dir / name) if r.get(value) is not None]

@@ -1,4 +1,4 @@
-"""benchmarks/loss_panel_table.py: issue #23's panel table and target verdicts, from synthetic bench_loss.py CSVs."""
+"""benchmarks/loss_panel_table.py: the loss panel table and target verdicts, from synthetic bench_loss.py CSVs."""
 from __future__ import annotations
 
 import csv

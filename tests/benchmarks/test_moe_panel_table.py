@@ -1,4 +1,4 @@
-"""benchmarks/moe_panel_table.py: issue #24's targets judged per cell from a notebook 06 output folder (a small
+"""benchmarks/moe_panel_table.py: the MoE panel's targets judged per cell from a notebook 06 output folder (a small
 synthetic one here: the verdict rules, the faster peer, the table and its refusals)."""
 import csv
 import json

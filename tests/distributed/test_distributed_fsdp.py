@@ -1,4 +1,4 @@
-"""Two processes with gloo on random:tiny-qwen2 in fp32 (issue #16's CPU check): FSDP2-sharded LoRA training gives
+"""Two processes with gloo on random:tiny-qwen2 in fp32 (notebook 08's CPU check): FSDP2-sharded LoRA training gives
 the one-process losses (same global batch) within 1e-6, and the adapter saved from the two processes reloads on one
 process, in lora_lab and in PEFT, with the two-process model's logits bit for bit."""
 import pytest

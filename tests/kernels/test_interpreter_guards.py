@@ -1,4 +1,4 @@
-"""Guards around Triton's CPU interpreter (issue 26).
+"""Guards around Triton's CPU interpreter.
 
 * bf16 in the interpreter: its bf16 ``tl.dot`` returns wrong numbers, not an error, so every Triton entry point
   refuses bf16 there (:func:`~lora_lab.kernels.triton_helpers.check_interpreter_dtype`) and still runs fp32.

@@ -378,7 +378,7 @@ def _zero_lora_B(model):
 
 @pytest.mark.parametrize("kind", ["peft", "lora_lab"])
 def test_deep_copy_of_a_patched_model_is_independent(kind):
-    # issue 26: the patched forward closed over the original module, so a deep copy ran on the original's
+    # the patched forward once closed over the original module, so a deep copy ran on the original's
     # parameters and sent its gradients there
     if kind == "peft":
         model = peft_tiny(targets=["q_proj", "k_proj", "v_proj", "down_proj"])

@@ -1,7 +1,7 @@
 """The committed scoreboards show the grading of the committed outputs.
 
-`lora-lab publish` alone does not grade (`make publish` does). Sessions 18 and 19 published notebooks 07 and 10 with
-`lora-lab publish` and left outputs/gpu/scoreboard.md as notebook 06's publication had graded it: three predictions
+`lora-lab publish` alone does not grade (`make publish` does). Publishing notebooks 07 and 10 with
+`lora-lab publish` once left outputs/gpu/scoreboard.md as notebook 06's publication had graded it: three predictions
 read void that the published run had graded. This test fails on such a stale board.
 """
 from pathlib import Path

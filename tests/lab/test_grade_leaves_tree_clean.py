@@ -1,4 +1,4 @@
-"""Grading the same outputs twice must not rewrite the committed scoreboard (issue 26: `lora-lab grade` rewrote
+"""Grading the same outputs twice must not rewrite the committed scoreboard (`lora-lab grade` once rewrote
 outputs/cpu/scoreboard.md with only a new timestamp, dirtying the tree)."""
 import re
 

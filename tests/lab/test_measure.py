@@ -178,8 +178,8 @@ def test_pool_sessions_renumbers_repetitions_and_counts_sessions():
 
 
 def test_ratio_summary_counts_only_sessions_that_gave_samples():
-    # notebook 06's H200 run of bec6a1b: a budget skipped a cell in session 0 (rows without ``ms``) and session 1
-    # timed it; its interval rests on one session and must say so (it said 2)
+    # notebook 06's H200 run of bec6a1b: a budget skipped a cell in the first session (rows without ``ms``) and the
+    # second timed it; its interval rests on one session and must say so (it said 2)
     s0 = [{"variant": v, "rep": r, "ms": None, "status": "skipped"} for r in range(2) for v in ("a", "b")]
     s1 = [{"variant": v, "rep": r, "ms": 2.0 + r, "status": "ok"} for r in range(2) for v in ("a", "b")]
     rows = measure.pool_sessions([s0, s1])
@@ -188,8 +188,8 @@ def test_ratio_summary_counts_only_sessions_that_gave_samples():
 
 
 def test_ratio_summary_pairs_only_repetitions_that_hold_both_sides():
-    # notebook 06's H200 run of bfc8cc2 failed here: a budget skipped one variant (ours_persistent) in session 0
-    # while ours was timed in both; the ratio rests on session 1's repetitions alone and says so
+    # notebook 06's H200 run of bfc8cc2 failed here: a budget skipped one variant (ours_persistent) in the first
+    # session while ours was timed in both; the ratio rests on the second session's repetitions alone and says so
     s0 = ([{"variant": "a", "rep": r, "ms": 2.0, "status": "ok"} for r in range(3)]
           + [{"variant": "b", "rep": r, "ms": None, "status": "skipped"} for r in range(3)])
     s1 = [{"variant": v, "rep": r, "ms": 4.0 if v == "a" else 2.0, "status": "ok"} for r in range(2) for v in "ab"]

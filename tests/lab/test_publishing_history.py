@@ -70,7 +70,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def test_a_run_naming_a_commit_the_repository_lacks_or_other_code_is_refused(tmp_path):
-    """Session 18: a declared commit was mistyped on the device (4467ddf1 for 4467ddf2...); publish took the run and
+    """A declared commit once mistyped on the device (4467ddf1 for 4467ddf2...); publish took the run and
     only verify, after the commit, would have said the commit does not exist. Now publish says it first."""
     import pytest
 
@@ -94,3 +94,45 @@ def test_a_run_naming_a_commit_the_repository_lacks_or_other_code_is_refused(tmp
     with pytest.raises(PublishError, match="is not the code that ran"):
         publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)
     assert not outputs.exists()
+
+
+def test_publishing_appends_the_run_s_benchmark_figures_to_the_ledger_once(tmp_path):
+    import csv
+
+    from lora_lab.lab.ledger import read_measurements
+
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURES / "notebooks", notebooks)
+    (tmp_path / "predictions").mkdir()
+    (tmp_path / "predictions" / "predictions.yaml").write_text(PREDICTION)
+    runs, outputs = tmp_path / "runs", tmp_path / "outputs"
+    _executed_run(runs, notebooks, 42, "2026-12-04T08:33:47+00:00")
+    with open(runs / "cpu" / "01_cells.csv", "w", newline="") as handle:  # a benchmark's table of repetitions
+        writer = csv.writer(handle)
+        writer.writerow(["cell", "method", "rep", "ms"])
+        writer.writerows([["c1", "ours", rep, 1.0 + rep] for rep in range(3)])
+    for _ in range(2):  # the same run published twice: its figures are in the ledger once
+        publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)
+    rows = read_measurements(ledger=outputs / "cpu" / "measurements.csv")
+    assert [(r["statistic"], r["value"], r["n"]) for r in rows] == [("median", 2.0, 3), ("ci_low", 1.0, 3),
+                                                                    ("ci_high", 3.0, 3)]
+    assert {(r["benchmark"], r["cell"], r["method"], r["date"], r["device"], r["commit"], r["code_hash"],
+             r["published"], r["source"]) for r in rows} == {
+        ("cells", "cell=c1", "ours", "2026-12-04", "cpu", "a" * 40, code_hash(), True, "outputs/cpu/01_cells.csv")}
+
+
+def test_a_run_whose_csv_makes_no_valid_ledger_row_publishes_nothing(tmp_path):
+    import pytest
+
+    from lora_lab.lab.publishing import PublishError
+
+    notebooks = tmp_path / "notebooks"
+    shutil.copytree(FIXTURES / "notebooks", notebooks)
+    (tmp_path / "predictions").mkdir()
+    (tmp_path / "predictions" / "predictions.yaml").write_text(PREDICTION)
+    runs, outputs = tmp_path / "runs", tmp_path / "outputs"
+    _executed_run(runs, notebooks, 42, "t1")  # no date the ledger can file the figures under
+    (runs / "cpu" / "01_cells.csv").write_text("cell,method,rep,ms\nc1,ours,0,1.0\n")
+    with pytest.raises(PublishError, match="01_records_metrics: its benchmark CSVs do not make ledger rows: .*date"):
+        publish("cpu", runs_root=runs, outputs_root=outputs, notebooks_dir=notebooks, to_notebooks=False)
+    assert not (outputs / "cpu").exists()

@@ -221,9 +221,10 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
     dtype, device = hidden.dtype, hidden.device
     # the first chunk's logit GEMM is queued before anything else: the small kernels below (the label check, the
     # label count, the scale) and the host work between them then run while the GPU computes the GEMM, instead of
-    # each one leaving the GPU idle until the host queues the next (the profile of session 16 found about 2 ms per
-    # step of such gaps before the first GEMM, under the profiler). The price: the label check now queues behind
-    # this GEMM, so the host waits for the GEMM too and the GPU idles for one launch (the softmax pass's) after it.
+    # each one leaving the GPU idle until the host queues the next (an H200 kernel profile of adcb417 found about
+    # 2 ms per step of such gaps before the first GEMM, under the profiler). The price: the label check now queues
+    # behind this GEMM, so the host waits for the GEMM too and the GPU idles for one launch (the softmax pass's)
+    # after it.
     # In a whole training step, where the host runs ahead of the GPU through the model's forward, the old order hid
     # the small kernels anyway and paid nothing; there this order costs that one launch. A check on a side stream,
     # waiting only for the work queued before the GEMM, would pay neither (not written yet: it needs a GPU to test).

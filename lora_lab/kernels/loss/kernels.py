@@ -54,7 +54,7 @@ def _tanh(x):
 
     |x| >= 0.5: 1 - 2 / (exp(2|x|) + 1) with the sign put back; 2/(e+1) <= 0.54 there, so the subtraction loses
     at most one bit, and it saturates to ±1 correctly. |x| < 0.5: that form cancels (1 - 2/(e+1) -> 0 as x -> 0,
-    up to 7.5e-5 relative error measured in issue #26), so the series through x^15 instead: the first omitted
+    up to 7.5e-5 relative error measured in fp32), so the series through x^15 instead: the first omitted
     term is below 0.5^16 · 6e-4 ≈ 1e-8 of |x| (relative), Horner in x² adds a few ulps."""
     ax = tl.abs(x)
     big = 1.0 - 2.0 / (tl.exp(2.0 * ax) + 1.0)

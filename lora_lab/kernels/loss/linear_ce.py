@@ -64,8 +64,8 @@ IMPL_ENV = "LORA_LAB_LOSS_IMPL"  # forces a path where the config says "auto" (b
 @dataclass(frozen=True)
 class LossKernelConfig:
     """Tile sizes and memory plan of the two kernels (defaults: the fastest 16-bit settings of the H200 sweeps of
-    ``benchmarks/tune_loss.py``, logs in ``outputs/gpu/session_logs/issue13/``; fp32 and the interpreter get
-    smaller tiles unless a config is given).
+    ``benchmarks/tune_loss.py``, in ``outputs/gpu/measurements.csv`` as benchmark tune_loss; fp32 and the
+    interpreter get smaller tiles unless a config is given).
 
     ``chunk_rows``: rows per pass of the dH accumulation (its fp32 buffer is ``chunk_rows x d``); None: N/32
     (at least 256), a buffer of 1/16 of dH's own bytes;
@@ -87,13 +87,13 @@ class LossKernelConfig:
     ``fwdgrad_frozen_max_rows``: the same bound for a frozen head (no dW), 1,024 rows by default. With no dW to
     accumulate, a smaller chunk costs only more, smaller GEMM launches. At 16,384 tokens on an H200, 1,024-row
     chunks ran within 2% of 4,096-row ones at the Llama-3-8B and Qwen2.5-0.5B heads and held 0.37 and 0.32 GiB
-    extra instead of 1.10 and 1.19 (``outputs/gpu/session_logs/issue27_24_23_run4/diag/``, one session). A trainable
+    extra instead of 1.10 and 1.19 (the ledger's loss rows of commit 606d2f0, one session). A trainable
     head keeps ``fwdgrad_max_rows``: there every chunk adds into the fp32 [V, d] dW accumulator, and 1,024-row
     chunks were 8-11% slower;
     ``dw_accumulate``: how a trainable head's dW is accumulated in fp32 over the chunks (:mod:`.fwdgrad`);
     ``ce_block_v``, ``ce_warps``: the softmax pass's vocabulary block and warps (an H200 sweep of one 4,096-row
     chunk at the Llama-3-8B head found every setting within 0.844-0.908 ms, against 0.657 ms for its bytes at
-    4.8 TB/s: ``outputs/gpu/session_logs/issue27_24_23_run6/loss_dw_first_chunk/``, one repetition). Programs
+    4.8 TB/s: the ledger's tune_loss rows of commit fbf05b3, one repetition). Programs
     walking several rows each, and a second read from the row's end, both meant for L2 to serve that read, were
     slower there (1.318-2.064 ms) or no faster, and were dropped.
     """

@@ -1,6 +1,6 @@
 """Which engine runs the expert GEMMs of a MoE layer, and the CUTLASS grouped-GEMM engine itself.
 
-Issue #24 measured (H200, bf16, full fine-tuning, fwd + bwd): on coarse experts (Mixtral-like, E 8, I 14336,
+Measured on an H200 (bf16, full fine-tuning, fwd + bwd): on coarse experts (Mixtral-like, E 8, I 14336,
 8,192 tokens) ``torch._grouped_mm`` (CUTLASS's grouped GEMM) ran the layer 1.45x faster than the Triton kernels;
 on fine-grained experts (E >= 64, I <= 1408) the Triton kernels were 1.17-1.36x faster. :func:`choose_engine`
 routes a layer by its shape class:
@@ -30,8 +30,8 @@ kernels' in every cell it was timed in. Notebook 06's H200 run of 6c94d2c (``out
 of that run) timed it (``ours_gmm_engine``) in every LoRA cell with E <= 32: 2.41x and 2.42x the Triton kernels'
 speed on the Mixtral-8x7B-like layer (8k and 32k tokens; 1.84x and 1.65x grouped_mm + PEFT), 2.56x on the
 Mixtral-8x22B-like layer (8k) and 1.77x and 1.84x on the GPT-OSS-20B-like layer (E 32, I 2880), the last two cells
-one session each. A diagnostic of session 7 (one session, 2 repetitions, 8k tokens:
-``outputs/gpu/session_logs/issue27_24_23_run6/diag_moe_lora_column/``) timed it on two fine-grained layers: 6.277
+one session each. A diagnostic of 67c6617 (one session, 2 repetitions, 8k tokens; the ledger's moe rows of that
+commit) timed it on two fine-grained layers: 6.277
 against 8.668 ms on the 30B-A3B-like layer (E 128, I 768) and 5.531 against 7.748 ms on the Qwen1.5-MoE-like one
 (E 60, I 1408), where full fine-tuning is Triton's win. Before these measurements LoRA layers stayed on Triton. The
 Triton kernels keep the LoRA layers this engine cannot run (a rank that is not a multiple of 8, fp16, pre-Hopper
@@ -46,9 +46,9 @@ weighted copy, no unsorted copy, no fp32 T x H buffer); SiLU·up forward is one 
 Saved for backward: X, the weights, [g | u] and the routing; the sorted copy of X is
 gathered again in backward, except with LoRA on frozen experts when the layer has more than 16 experts
 (:func:`keep_sorted_x`): there the forward's sorted copy is kept for dA1, which saves a gather of (S, H) in backward
-(about 0.55 ms of a 16.6 ms call at the 30B-A3B-like layer, 32k tokens, in session 11's H200 kernel profile) for
+(about 0.55 ms of a 16.6 ms call at the 30B-A3B-like layer, 32k tokens, in an H200 kernel profile of 3746665) for
 S x H more memory held from forward to backward. Coarse layers gather again: at the Mixtral-8x7B-like layer, 32k
-tokens, our LoRA peak was already 0.964 of grouped_mm's in notebook 06's session-11 run.
+tokens, our LoRA peak was already 0.964 of grouped_mm's in notebook 06's run of 3746665.
 Backward: D = dOut_e W2_e (one grouped GEMM); one fused Triton pass for the router gradient ⟨D, SiLU(g) u⟩, the
 routing weight and SiLU·up's backward, which also returns the weighted h again
 (:mod:`~lora_lab.kernels.moe.silu_backward`); dX = dGU W1_e; the weight gradients as K-grouped GEMMs (``_grouped_mm``
@@ -66,7 +66,7 @@ Tried and measured slower: SiLU·up's forward and backward passes can make the L
 P2 and Q1 themselves (:class:`~lora_lab.kernels.moe.silu_backward.LowRankRows` and ``LowRankOut``), which removes four
 rank-r grouped GEMMs and two (S, N) temporaries. With all four in use, this engine with LoRA took 4-10% longer in
 every LoRA cell of notebook 06's four fine-grained layers (H200, one session, 5 repetitions;
-``outputs/gpu/session_logs/session9/lora_factored/``), so the engine keeps the dense terms above.
+the ledger's moe rows of commit 2d65ec1), so the engine keeps the dense terms above.
 ``tools/moe_lora_pass_bench.py`` times each piece both ways, to find which one costs; ``FACTORED_LORA_PIECES`` names
 the pieces the engine takes factored (none by default).
 """

@@ -26,9 +26,9 @@ every gradient that function declines (the LoRA factors' rank-sized sides, unali
 ``auto``, the default, takes ``per_tile`` everywhere; ``grouped_mm`` is opt-in. The history of that rule:
 in isolation ``_grouped_mm`` with its gathers ran dW1 1.43x and dW2 2.08x as fast as ``per_tile`` (H200, the
 Qwen3-30B-A3B-like layer, 8,192 tokens, bf16;
-``outputs/gpu/session_logs/issue27_25_24_run2/extra_call/moe_weight_grad.csv``), but the whole layer told otherwise:
+the ledger's moe_weight_grad rows of commit d30ccda), but the whole layer told otherwise:
 with ``grouped_mm`` it took 8.94 ms against 7.58 ms with ``per_tile`` at 8,192 tokens, and 25.54 against 25.77 ms at
-32,768 (one session, 3 repetitions, ``outputs/gpu/session_logs/issue27_24_23_run4/diag/``).
+32,768 (one session, 3 repetitions; the ledger's moe rows of commit eecd7de).
 Notebook 06's H200 run of 6c94d2c then found ``grouped_mm`` slower with at most 1,024 rows per expert (every 8k cell)
 and faster above 2,048 (1.085x at the Qwen1.5-MoE-like layer's 2,185 rows, 1.202x at DeepSeek-V2-Lite's 3,072, 1.139x
 at OLMoE's 4,096), so ``auto`` took ``grouped_mm`` above 2,112 rows per expert. Then the routing weight moved into h

@@ -34,8 +34,8 @@ Each gradient is computed only when autograd asks for it, so LoRA on frozen expe
 big grouped GEMMs in backward instead of four.
 
 **The two scatter GEMMs (down forward, dX) on CUTLASS** (``KernelConfig.moe_scatter``, :func:`scatter_engine`).
-Session 10's kernel profile of this path (H200, the Qwen3-30B-A3B-like layer, 32,768 tokens, full fine-tuning,
-``outputs/gpu/session_logs/session10/``) timed our down GEMM, which adds every row into an fp32 (T, H) buffer with
+A kernel profile of this path at e24f153 (H200, the Qwen3-30B-A3B-like layer, 32,768 tokens, full fine-tuning)
+timed our down GEMM, which adds every row into an fp32 (T, H) buffer with
 atomics, at 2.33 ms for its 0.82 TFLOP (about 354 TFLOP/s; the zeroed buffer and its bf16 copy cost 0.15 ms more), and
 the dX GEMM at 3.35 ms for 1.65 TFLOP; the grouped-GEMM engine's CUTLASS GEMMs averaged about 550 TFLOP/s in the
 same profile. So for bf16 on Hopper the default writes these two GEMMs' rows in expert order with
@@ -43,7 +43,7 @@ same profile. So for bf16 on Hopper the default writes these two GEMMs' rows in 
 unsort_sum`, fp32 in registers, rows of no expert skipped). ``moe_scatter='triton'`` keeps the atomic form; notebook 06
 times both side by side (``ours_scatter_triton``).
 
-A diagnostic H200 run of that change (session 10, 3 repetitions, one process; ``outputs/gpu/session_logs/session10/``)
+A diagnostic H200 run of that change (a23ff54, 3 repetitions, one process; the ledger's moe rows of that commit)
 timed the layer 3-8% faster (medians) in every full fine-tuning cell of four fine-grained layers (at the 30B-A3B-like
 layer 18.72 against 20.21 ms at 32k tokens, 5.56 against 5.81 at 8k), and its kernel profile afterwards put CUTLASS's
 two GEMMs at 1.37 and 2.44 ms. In the same run ``benchmarks/bench_moe_weight_grad.py`` timed dW1 alone (X gathered
@@ -53,7 +53,7 @@ against 1.33 ms at 8k). So with ``moe_weight_grad='auto'``, where the scatter GE
 of no expert sort after the last group and are never read). dW2 stays on the per-tile kernel, which reads the
 routing-weighted h and gathers dOut in its loader.
 
-Notebook 06's H200 run of that code (session 11, commit 3746665) timed the dW1 rule slower than both weight gradients
+Notebook 06's H200 run of that code (commit 3746665) timed the dW1 rule slower than both weight gradients
 per-tile at 8k tokens (``ours_per_tile`` 1.136 times as fast) and a tie at 32k; a kernel profile of the same code
 found a ``masked_fill_`` of 1.11 ms after the K-grouped GEMM, zeroing experts without rows by a masked write over the
 whole (E, 2I, H) gradient. :func:`~lora_lab.kernels.moe.silu_backward.zero_empty_experts_` now writes only the
@@ -64,8 +64,8 @@ fused down-backward kernel takes about 3.3 ms at the 30B-A3B-like layer, 32k tok
 TFLOP/s) and dW2 per-tile about 2 ms. The other form gathers dOut into expert order once (S x H), runs D = dOut_s W2_e
 on ``torch._grouped_mm``, SiLU·up's backward and the router gradient in the grouped-GEMM engine's Triton pass (which
 does not write h again), and dW2 as one K-grouped ``_grouped_mm`` over the same gathered rows and the weighted h the
-forward saved. With the masked fill gone, a diagnostic H200 run (session 11, one process, 3 repetitions, medians;
-``outputs/gpu/session_logs/session11/check/``) timed it faster on every fine-grained layer with 60 or more experts:
+forward saved. With the masked fill gone, a diagnostic H200 run (3746665, one process, 3 repetitions, medians;
+the ledger's moe rows of that commit) timed it faster on every fine-grained layer with 60 or more experts:
 15.78 against 16.97 ms (30B-A3B-like, 32k), 4.98 against 5.09 (8k), 13.88 against 15.00 (Qwen1.5-MoE-like, 32k), 21.01
 against 21.94 (DeepSeek-V2-Lite-like, 32k), 20.14 against 21.59 (OLMoE-like, 32k), and a tie on the 32-expert
 GPT-OSS-20B-like and the coarse Mixtral-like layers. So ``auto`` follows the scatter GEMMs' rule (bf16 on Hopper, no

@@ -12,7 +12,7 @@ It is already K-grouped in its *decomposition*: no split-K, no atomics; one prog
 each program reducing over its expert's whole row range and storing its tile once. What it lacks is a pipeline that
 spans tiles: every tile is its own K loop, so each tile pays the software pipeline's fill (the first ``num_stages - 1``
 row blocks: a ``sorted_token`` load, then the dependent gather, before the first MMA can start) and its drain (wait
-for the last MMA, scale, convert, store) with nothing to overlap them. At the Qwen3-30B-A3B-like layer of issue #24
+for the last MMA, scale, convert, store) with nothing to overlap them. At the Qwen3-30B-A3B-like layer of notebook 06
 (H 2048, I 768, 128 experts, top-8) at 8,192 tokens an expert holds 512 rows on average: 8 K-steps of 64 rows per
 128 x 128 tile, about 2.2 µs of tensor-core work per tile on one H200 SM (16.8 MFLOP at 989/132 TFLOP/s), against a
 fill of two dependent global loads plus the epilogue per tile — the same order of time. (The short K is the problem's:

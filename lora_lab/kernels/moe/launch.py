@@ -32,14 +32,14 @@ takes its own column, whatever the regime: ``rows`` 128 x 64, ``gate_up`` and ``
 and 3 stages. Measured, not reasoned: with the table above, ``moe_autotune=False`` ran every LoRA cell of notebook
 06's H200 run of 6c94d2c at 1.46-1.62x the tuned time (at most 1.12x in full fine-tuning, the same kernels without
 the LoRA term), and an H200 run printing the autotuner's picks (``TRITON_PRINT_AUTOTUNING=1``, 30B-A3B-like and
-Mixtral-8x7B-like LoRA cells, 8k tokens; ``outputs/gpu/session_logs/issue24_27_23_run5/autotune_lora/``) found
+Mixtral-8x7B-like LoRA cells, 8k tokens, at 6c94d2c) found
 this column's tiles best in 7 of the 8 tuned launches (the other, ``down_backward`` at the 30B-A3B-like layer,
 preferred 8 warps and 4 stages). The column has not been timed untuned yet.
 
 The untuned launch on a GPU uses the *specialised* kernel (Triton knows which sizes and strides are multiples of
 16 and vectorises the loads) except on tiny problems (:func:`tiny_problem`), where the unspecialised twin
 (:func:`unspecialized_twin`) keeps the dozens of odd shapes of the correctness checks from compiling one
-variant each. Before issue #24 every untuned launch used the twin, whatever the shape.
+variant each.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ TINY_VOLUME = 1 << 30  # rows · N · K below which the untuned launch uses the 
 MAX_TUNED_CONFIGS = 3  # configs timed per shape: the table's pick and at most two neighbours
 # with LoRA: the LoRA column's pick and one neighbour. In the H200 diagnostic that printed the picks (module docstring)
 # the tuner chose the column in 7 of 8 LoRA launches and the first neighbour in the eighth, never a third config; each
-# config timed is one more compile in the first call (15.5 s at the 30B-A3B-like LoRA cell, issue #24 asks <= 15)
+# config timed is one more compile in the first call (15.5 s at the 30B-A3B-like LoRA cell; the target: <= 15)
 MAX_TUNED_CONFIGS_LORA = 2
 
 
@@ -107,7 +107,7 @@ def narrow_block_size(size: int, config: KernelConfig, volume: int = 0) -> int:
     and notebook 06's H200 run of bec6a1b measured the untuned layer at 1.57-1.63x the tuned one in every LoRA
     cell (1.01-1.10x in full fine-tuning, where no narrow GEMM runs). That was not the cause: after this change an H200
     diagnostic still measured 13.95 ms untuned against 8.71 ms tuned at the 30B-A3B-like LoRA cell, 8k tokens
-    (``outputs/gpu/session_logs/issue27_24_23_run4/diag/``). The tiles of the LoRA-carrying launches were (the
+    (the ledger's moe rows of commit eecd7de). The tiles of the LoRA-carrying launches were (the
     table's LoRA column, module docstring)."""
     twin = not running_in_interpreter() and not autotune_enabled(config) and tiny_problem(volume)
     return max(64 if twin else 16, next_power_of_2(size))

@@ -34,11 +34,12 @@ a *bin* (e + 1: expert e, E + 1: an id outside [0, E); bin 0 stays empty);
               prefix of total over bins; writes sorted_slot / sorted_token (and the inverse map) at pos; the
               programs of the first tiles also write the row-tile map and the offsets
 
-Before issue #24's host-time profile the same routing was a string of small torch ops, each paying its launch on the
+Before a host-time profile the same routing was a string of small torch ops, each paying its launch on the
 host while the GPU waited: at the 30B-A3B-like layer, 8k tokens, full fine-tuning, 46 GPU events ran before the
 first expert GEMM (22 of them the stable 64-bit sort), which started 1.37 ms into a traced call (0.89 ms with the
 counting sort), and the plain loop went from 7.44 / 7.52 ms to 6.69 / 6.75 ms (H200,
-``outputs/gpu/session_logs/session8/``). The plain-torch form stays as the reference (:func:`route_experts_torch`)
+host profiles of 79e9b47 and af954d1 by ``tools/moe_host_profile.py``; the ledger's moe_host_profile rows). The
+plain-torch form stays as the reference (:func:`route_experts_torch`)
 and for a CPU without the interpreter.
 """
 

@@ -15,7 +15,7 @@ column partials of dw meet through fp32 atomics.
 A LoRA term can come in factored form (:class:`LowRankRows`: made in registers from the rank-r rows and the row's
 expert factor) and a pass can sum the rank-r product of the rows it writes (:class:`LowRankOut`). The grouped-GEMM
 engine does not use either: with both in both passes it measured 4-10% slower on an H200 than the dense terms made by
-grouped GEMMs (``outputs/gpu/session_logs/session9/lora_factored/``); ``tools/moe_lora_pass_bench.py`` times the
+grouped GEMMs (the ledger's moe rows of commit 2d65ec1); ``tools/moe_lora_pass_bench.py`` times the
 pieces one by one. Done in torch this is a handful of (S, I) fp32 temporaries
 (about 1 GB each at a Mixtral-like layer with 8,192 tokens); here nothing but dGU, h and dw is written.
 """
@@ -464,7 +464,7 @@ def zero_empty_experts_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
     The K-grouped GEMM (``torch._grouped_mm`` with K split at ``ends``) leaves an empty expert's block unwritten;
     a masked write over the whole (E, M, N) gradient would read and write every expert's block to fix the rare
-    empty one (805 MB at a 30B-A3B-like dW1, 1.11 ms on an H200; ``outputs/gpu/session_logs/session11/``). Here a
+    empty one (805 MB at a 30B-A3B-like dW1, 1.11 ms on an H200 in a kernel profile of 3746665). Here a
     program per (expert, tile of rows) loads two offsets and writes only where the expert is empty. Returns ``out``.
     """
     if out.dim() != 3 or ends.dim() != 1 or ends.shape[0] != out.shape[0]:

@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # these tests are about the Triton kernels: no small-shape dispatch to cuBLAS (tested on its own below)
 TRITON = KernelConfig.from_env(dispatch="triton")
 
-# per-dtype tolerances on relative L2 error against the fp64 reference (issue 7's bars for bf16)
+# per-dtype tolerances on relative L2 error against the fp64 reference (the kernels' bars for bf16)
 TOL = {
     torch.float32: {"y": 1e-5, "dx": 1e-5, "dA": 1e-5, "dB": 1e-5},
     torch.float16: {"y": 2e-3, "dx": 1e-2, "dA": 5e-3, "dB": 5e-3},
@@ -240,7 +240,7 @@ def test_folded_projection_falls_back_where_it_cannot_fold(r, p):
     run_and_compare(x, w, b, A, B, 0.5, p=p, seed=3 if p else None, tol=TOL[torch.float32], config=config)
 
 
-# Issue 26: the persistent forms take every input the default form takes. An input TMA cannot read as it is (the
+# The persistent forms take every input the default form takes. An input TMA cannot read as it is (the
 # stride-0 gradient of y.sum(), a transposed view) is copied into a packed row-major buffer; operands no copy makes
 # readable (rows of a byte width not a multiple of 16) run on the default form. Results equal the default form's.
 def _persistent_calls(monkeypatch):
@@ -306,7 +306,7 @@ def test_persistent_gemm_runs_the_default_form_where_tma_cannot_read(fold, monke
 @pytest.mark.parametrize("grad", ["sum", "random"])
 @pytest.mark.parametrize("M,K,N", [(4101, 1024, 2048), (1000, 1024, 1030)], ids=["aligned", "n-1030"])
 def test_gpu_persistent_gemm_bf16_with_sum_and_random_gradients(M, K, N, grad, fold):
-    """Issue 26's H200 failures at a moderate shape: y.sum().backward() (a stride-0 gradient, refused before) and
+    """H200 failures once seen at a moderate shape: y.sum().backward() (a stride-0 gradient, refused before) and
     a random gradient, bf16, against the fp64 reference; N = 1030 (2060-byte rows) runs dX on the default form."""
     x, w, b, A, B = make_case(M, K, N, 16, torch.bfloat16, device="cuda")
     config = TRITON.replace(gemm_loads="persistent", base_gemm="triton", fold_projection=fold)
@@ -322,7 +322,7 @@ def test_gpu_persistent_gemm_bf16_with_sum_and_random_gradients(M, K, N, grad, f
 
 
 def test_warp_specialised_gemm_form_is_refused_naming_the_supported_values(monkeypatch):
-    # issue 26: gemm_loads="persistent_ws" failed to compile on the H200 (PassManager::run failed); removed
+    # gemm_loads="persistent_ws" failed to compile on the H200 (PassManager::run failed) and is no option
     with pytest.raises(ValueError, match=r"gemm_loads must be one of auto, tma, pointer, persistent; got "
                                          r"'persistent_ws' \(the warp-specialised persistent form was removed"):
         KernelConfig(gemm_loads="persistent_ws")
@@ -477,7 +477,7 @@ def test_gpu_bf16_cublas_engine(adapter_dtype):
 
 @pytest.mark.parametrize("fold,want", [(False, 6), (True, 4)], ids=["separate-passes", "folded"])
 def test_triton_launches_per_forward_and_backward(fold, want, monkeypatch):
-    """Issue 27 item 5's count, checked without a GPU: the kernels replaced by stubs that record each launch. The
+    """The launch count, checked without a GPU: the kernels replaced by stubs that record each launch. The
     shipped Triton path launches P and the GEMM forward, Q, dB, dA and the dX GEMM backward (six); folding P and Q
     into the persistent GEMMs leaves four."""
     import lora_lab.kernels.lora.gemm as gemm

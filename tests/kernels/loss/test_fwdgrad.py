@@ -577,7 +577,7 @@ def test_gpu_bad_label_on_the_fwdgrad_path_leaves_the_device_usable():
 
 
 # ------------------------------------------------------------------------------------------------------------
-# tanh in fp32 (softcap): issue #26 measured 7.5e-5 relative error for small |x| with 1 - 2/(exp(2x) + 1)
+# tanh in fp32 (softcap): 1 - 2/(exp(2x) + 1) measured 7.5e-5 relative error for small |x| with 1 - 2/(exp(2x) + 1)
 # ------------------------------------------------------------------------------------------------------------
 
 @triton.jit
@@ -632,7 +632,7 @@ def test_gpu_bf16_as_accurate_as_torch_bf16(trainable, grad, bound, dw_accumulat
     any power of two (gradient accumulation's 1/k, a loss scale), scaling the saved bf16 dH and dW is exact: within
     1.1x torch's error. Any other incoming gradient rounds dH a second time (as in Liger's; dW accumulated in fp32 is
     scaled before its one rounding): within 1.6x (H200
-    runs measured 1.23x plain and 1.46x with smoothing, z-loss, softcap and a sum; outputs/gpu/session_logs/issue23).
+    runs measured 1.23x plain and 1.46x with smoothing, z-loss, softcap and a sum).
     The ``partial`` fallback of the dW accumulation rounds once more per chunk and is not held to these bounds."""
     h, w, y = loss_inputs(6000, 1024, 32_000, torch.bfloat16, "cuda", weight_scale=0.02, ignored=(0, 5, 77))
     cfg = LossKernelConfig(impl="fwdgrad", fwdgrad_chunk_rows=2048, dw_accumulate=dw_accumulate)

@@ -1,4 +1,4 @@
-"""Peer projects' test cases for a fused linear cross-entropy, ported (issue #26): their case parameters and
+"""Peer projects' test cases for a fused linear cross-entropy, ported: their case parameters and
 tolerances, this project's test code.
 
 * Liger-Kernel, ``test/transformers/test_fused_linear_cross_entropy.py`` (linkedin/Liger-Kernel at ead96b61):

@@ -1,4 +1,4 @@
-"""The engine dispatch of the fused MoE layer (issue #24): the rule as a pure function, and the CUTLASS
+"""The engine dispatch of the fused MoE layer: the rule as a pure function, and the CUTLASS
 grouped-GEMM engine (``torch._grouped_mm``) against the plain-torch reference, forward and every gradient.
 
 CPU: torch's ``_grouped_mm`` fallback in fp32 (no Triton involved). GPU (@pytest.mark.gpu): bf16 on Hopper."""
@@ -16,7 +16,7 @@ from lora_lab.numerics import cosine, rel_l2
 
 BF16 = torch.bfloat16
 HOPPER = (9, 0)
-# (experts, tokens · top-k, hidden, intermediate) of issue #24's layers at 8,192 tokens
+# (experts, tokens · top-k, hidden, intermediate) of notebook 06's layers at 8,192 tokens
 MIXTRAL = dict(num_experts=8, num_assignments=8192 * 2, hidden=4096, intermediate=14336)
 QWEN3_30B = dict(num_experts=128, num_assignments=8192 * 8, hidden=2048, intermediate=768)
 QWEN15_MOE = dict(num_experts=60, num_assignments=8192 * 4, hidden=2048, intermediate=1408)
@@ -46,7 +46,7 @@ def test_coarse_experts_and_lora_go_to_grouped_mm_and_fine_grained_full_layers_s
     assert choose(GPT_OSS_20B, num_experts=33) == "triton" and choose(GPT_OSS_20B, intermediate=2040) == "triton"
     # the same coarse layer off its fast path stays on Triton
     # LoRA on the experts goes there at every shape class (coarse: notebook 06, 6c94d2c, 1.77-2.56x the Triton
-    # kernels; fine-grained: session 7's diagnostic, 1.38x and 1.40x at 8k tokens), unless a rank breaks the 16-byte
+    # kernels; fine-grained: a diagnostic of 67c6617, 1.38x and 1.40x at 8k tokens), unless a rank breaks the 16-byte
     # strides or the layer is off the fast path
     assert choose(MIXTRAL, ranks=(16, 16)) == "grouped_mm" and choose(GPT_OSS_20B, ranks=(8,)) == "grouped_mm"
     assert choose(QWEN3_30B, ranks=(16, 16)) == "grouped_mm" and choose(QWEN15_MOE, ranks=(16, 16)) == "grouped_mm"
@@ -191,7 +191,7 @@ def test_grouped_mm_engine_keeps_sorted_x_for_lora_on_frozen_fine_grained_expert
 
 @needs_grouped_mm
 def test_grouped_mm_engine_frees_gate_up_after_backward_and_says_so_on_a_second_one():
-    """[g | u] is freed inside backward (peak memory, issue #24): a second backward through the same graph is
+    """[g | u] is freed inside backward (peak memory): a second backward through the same graph is
     refused by name instead of reading a freed buffer."""
     x, index, weights, w1, w2, _ = make_problem(37, 20, 12, 5, 2, routing="random")
     leaves = [t.detach().clone().requires_grad_(True) for t in (x, weights, w1, w2)]
@@ -277,7 +277,7 @@ def test_grouped_mm_engine_drops_sentinel_expert_ids():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < HOPPER,
                     reason="needs a Hopper GPU")
-# one coarse shape (E <= 16, I >= 4096: the rule's grouped_mm class), kept small: T 1024 (issue #24's H200 run of
+# one coarse shape (E <= 16, I >= 4096: the rule's grouped_mm class), kept small: T 1024 (an H200 run of
 # this test timed out at 120 s with T 4096, mostly in an fp32 pass of the Triton kernels, autotuned, that the
 # reference never needed), one fine-grained and one tiny shape
 @pytest.mark.parametrize("T,H,I,E,K", [(1000, 264, 136, 16, 4), (1024, 1024, 4096, 8, 2), (5, 64, 32, 8, 2)])

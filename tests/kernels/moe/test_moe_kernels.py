@@ -176,7 +176,7 @@ def test_autotuner_zeroes_only_scratch_or_outputs(monkeypatch, router_grad):
     """The autotuner zeroes each ``reset_to_zero`` argument before every config it times and once more before the
     real launch. Those arguments must be the kernel's own outputs or scratch, never an input: the routing weights
     once stood in for down_backward's unused router-gradient buffer, and the first (tuning) call of a layer whose
-    router needs no gradient zeroed them, so every LoRA gradient of that layer came back zero (H200, session 8).
+    router needs no gradient zeroed them, so every LoRA gradient of that layer came back zero (once, on an H200).
     The interpreter never tunes, so this checks the arguments each launch would hand the autotuner."""
     import lora_lab.kernels.moe.down_backward as down_module
     import lora_lab.kernels.moe.grouped_gemm as rows_module
@@ -368,7 +368,7 @@ def test_weight_grad_never_reads_the_next_experts_rows(loads, dtype):
 
 
 def test_warp_specialised_moe_form_is_refused_naming_the_supported_values(monkeypatch):
-    # issue 26: the warp-specialised persistent forms failed to compile on the H200 and were removed
+    # the warp-specialised persistent forms failed to compile on the H200: no such option
     from lora_lab.kernels.config import KernelConfig
 
     with pytest.raises(ValueError, match=r"moe_loads must be one of pointer, persistent; got 'persistent_ws' "
@@ -612,7 +612,7 @@ def test_fused_bf16_gpu_against_grouped_mm_and_eager():
 
 @interpreter
 def test_backward_frees_gate_up_and_refuses_a_second_backward():
-    """[g | u] is released right after down_backward_silu (peak memory, issue #24); a second backward through the
+    """[g | u] is released right after down_backward_silu (peak memory); a second backward through the
     same graph is refused by name, and the saved-tensor accounting still counts [g | u] as saved."""
     from lora_lab.kernels import KernelConfig
 

@@ -1,4 +1,4 @@
-"""The MoE kernels' launch decisions (issue #24): the shape-aware tile table, pruned autotuning, the disk cache
+"""The MoE kernels' launch decisions: the shape-aware tile table, pruned autotuning, the disk cache
 options, and the kernels run with the table's GPU tiles in the interpreter (fp32 against the reference)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from lora_lab.kernels.triton_helpers import running_in_interpreter
 
 interpreter = pytest.mark.skipif(not running_in_interpreter(), reason="kernels run in TRITON_INTERPRET=1")
 
-# (name, tokens, hidden, experts, top_k, intermediate): the two layers of issue #24's table
+# (name, tokens, hidden, experts, top_k, intermediate): the two layers of notebook 06's table
 MIXTRAL = dict(tokens=8192, hidden=4096, experts=8, top_k=2, inter=14336)
 QWEN3_30B = dict(tokens=8192, hidden=2048, experts=128, top_k=8, inter=768)
 

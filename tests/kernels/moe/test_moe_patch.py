@@ -201,7 +201,7 @@ def test_patched_peft_model_bf16_gpu_close_to_fp32_eager():
 
 @interpreter
 def test_deep_copy_of_a_patched_moe_model_is_independent():
-    # issue 26: a deep copy's patched forward must run on the copy's experts and send gradients there
+    # a deep copy's patched forward must run on the copy's experts and send gradients there
     model = tiny_qwen3_moe()
     patch_moe_experts(model)
     x = ids()

@@ -170,7 +170,7 @@ def test_dw1_on_grouped_mm_is_its_own_rule(scatter, weight_grad, grouped_calls, 
 
 def test_down_backward_rule_follows_the_scatter_rule_and_impossible_requests_name_why():
     args = dict(dtype=BF16, capability=HOPPER, has_lora=False, available=True) | QWEN3_30B
-    # auto: CUTLASS for bf16 on Hopper (session 11's H200 benchmark), the fused kernel wherever the scatter GEMMs
+    # auto: CUTLASS for bf16 on Hopper (an H200 benchmark of 3746665), the fused kernel wherever the scatter GEMMs
     # stay on Triton
     assert experts.down_backward_engine(requested="auto", **args) == "grouped_mm"
     for other in (dict(dtype=torch.float32), dict(capability=(8, 0)), dict(capability=None), dict(has_lora=True),

@@ -1,0 +1,76 @@
+"""tools/remote_gpu_run.sh: on a copy of the tree it moves the copy's stale .git aside and declares the commit, so
+provenance.git_state records that commit (source "declared", dirty unknown) instead of the stale repository's;
+it runs the command under its limit and packs build/runs/gpu; bad arguments are refused before anything runs."""
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "remote_gpu_run.sh"
+COMMIT = "abc1234" + "0" * 33
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+@pytest.fixture
+def copy(tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(ROOT / "lora_lab", copy / "lora_lab", ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["git", "init", "-q", str(copy)], check=True)  # the stale repository of a copied tree
+    (tmp_path / "out").mkdir()
+    return copy
+
+
+def run(copy, *args, out=True):
+    env = {k: v for k, v in os.environ.items() if k != "LORA_LAB_SOURCE_COMMIT"}
+    env["PYTHONPATH"] = str(copy)
+    if out:
+        env["OUT"] = str(copy.parent / "out")
+    else:
+        env.pop("OUT", None)
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=copy, env=env, capture_output=True, text=True)
+
+
+def test_declares_the_commit_runs_and_packs(copy):
+    probe = ("from pathlib import Path; from lora_lab.lab.provenance import git_state; "
+             "Path('build/runs/gpu').mkdir(parents=True); Path('build/runs/gpu/x.csv').write_text('1'); "
+             "print(git_state(Path('.')))")
+    done = run(copy, COMMIT, "--no-install", "--limit", "60", "command", "--", sys.executable, "-c", probe)
+    assert done.returncode == 0, done.stderr
+    out = copy.parent / "out"
+    assert not (copy / ".git").exists()
+    assert f"declared commit {COMMIT}" in (out / "declared.log").read_text()
+    log = (out / "run.log").read_text()
+    assert f"'git_commit': '{COMMIT}'" in log and "'git_source': 'declared'" in log
+    with tarfile.open(out / "results.tgz") as packed:
+        assert "build/runs/gpu/x.csv" in packed.getnames()
+    assert "exit 0" in (out / "summary.txt").read_text()
+
+
+def test_the_run_s_exit_status_and_the_limit(copy):
+    assert run(copy, COMMIT, "--no-install", "command", "--", "bash", "-c", "exit 3").returncode == 3
+    stopped = run(copy, COMMIT, "--no-install", "--limit", "1", "command", "--", "sleep", "30")
+    assert stopped.returncode == 124 and "exit 124" in stopped.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ([COMMIT[:7], "notebooks", "07"], "full 40-digit commit"),  # a typed short prefix can name no commit at all
+    ([COMMIT, "--limit", "ten", "notebooks", "07"], "--limit takes whole seconds"),
+    ([COMMIT, "benchmarks", "07"], "the mode is 'notebooks' or 'command'"),
+    ([COMMIT, "notebooks"], "notebooks takes one ONLY list"),
+    ([COMMIT, "command", "--"], "command needs the command"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(copy, args, message):
+    done = run(copy, *args)
+    assert done.returncode == 2 and message in done.stderr
+    assert (copy / ".git").exists()  # nothing moved
+
+
+def test_out_is_required(copy):
+    done = run(copy, COMMIT, "notebooks", "07", out=False)
+    assert done.returncode == 2 and "$OUT must name an existing folder" in done.stderr

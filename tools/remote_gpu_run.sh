@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Run notebooks or a benchmark on a remote GPU host that received a copy of this working tree (with the wheels in
+# .whl/), and pack what they wrote into $OUT, so that the run can be published or its figures added here.
+#
+#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] notebooks ONLY
+#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] command -- CMD [ARG ...]
+#
+# COMMIT   the full 40-digit commit of the copied tree (`git rev-parse HEAD` here). The copy's own .git, if any,
+#          names another commit: it is moved aside and COMMIT declared through $LORA_LAB_SOURCE_COMMIT
+#          (lora_lab.lab.provenance.git_state), so a run records the commit that `lora-lab publish` checks.
+# notebooks ONLY   `make run PROFILE=gpu ONLY=ONLY` (e.g. 07 or 05,09) into build/runs/gpu/.
+# command -- CMD   any command, e.g. `.venv-gpu/bin/python benchmarks/bench_loss.py --out build/runs/gpu/loss
+#                  --ledger $OUT/measurements.csv --quick` (--ledger FILE: the figures come back in that file).
+# --limit S        seconds the run may take before it is stopped (default 450; the install is not counted).
+# --no-install     skip `make install PROFILE=gpu WHEELS=.whl` (a host already set up by an earlier run).
+# --triton-cache   keep Triton's autotuning picks in build/triton-cache/ (packed with the results): a run split
+#                  over two calls, e.g. bench_moe's first timing session in one (--session-index 0), notebook 06
+#                  (which keeps that session) in the next with build/runs/gpu and build/triton-cache carried back.
+#
+# $OUT (required) receives: declared.log, install.log, run.log (the run's output), summary.txt (seconds and exit
+# codes) and results.tgz (build/runs/gpu without model weights, plus build/triton-cache with --triton-cache).
+# Back here: `tar xzf results.tgz -C .`, then `make publish PROFILE=gpu ONLY=..` for notebooks (it publishes and
+# grades; commit the scoreboard with the run), or `python -m lora_lab ledger add --profile gpu measurements.csv`.
+# Exit status: the run's (124 when --limit stopped it), 2 for bad arguments.
+set -u
+usage() { sed -n '5,6p' "$0" | sed 's/^# *//' >&2; exit 2; }
+[ $# -ge 2 ] || usage
+COMMIT=$1; shift
+LIMIT=450 INSTALL=1 CACHE=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --limit) LIMIT=${2:-}; shift 2 ;;
+    --no-install) INSTALL=0; shift ;;
+    --triton-cache) CACHE=1; shift ;;
+    *) break ;;
+  esac
+done
+MODE=${1:-}; shift || true
+if ! [[ "$COMMIT" =~ ^[0-9a-f]{40}$ ]]; then
+  echo "remote_gpu_run.sh: give the full 40-digit commit (git rev-parse HEAD here), not '$COMMIT'" >&2; exit 2
+fi
+if ! [[ "$LIMIT" =~ ^[0-9]+$ ]]; then echo "remote_gpu_run.sh: --limit takes whole seconds, not '$LIMIT'" >&2; exit 2; fi
+if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then echo "remote_gpu_run.sh: \$OUT must name an existing folder" >&2; exit 2; fi
+case $MODE in
+  notebooks) [ $# -eq 1 ] || { echo "remote_gpu_run.sh: notebooks takes one ONLY list, e.g. 07 or 05,09" >&2; exit 2; }
+             RUN=(make run PROFILE=gpu "ONLY=$1") ;;
+  command)   [ "${1:-}" = -- ] && shift
+             [ $# -ge 1 ] || { echo "remote_gpu_run.sh: command needs the command after --" >&2; exit 2; }
+             RUN=("$@") ;;
+  *) echo "remote_gpu_run.sh: the mode is 'notebooks' or 'command', not '$MODE'" >&2; exit 2 ;;
+esac
+
+# 1. the declared commit (a copy's stale .git would make the run's commit wrong, and the run unpublishable)
+if [ -d .git ]; then mv .git "/tmp/stale-copy-git.$$"; fi
+export LORA_LAB_SOURCE_COMMIT=$COMMIT
+echo "declared commit $LORA_LAB_SOURCE_COMMIT" | tee "$OUT/declared.log"
+
+# 2. the environment and the install from the carried wheels (cut-cross-entropy without dependencies: the
+#    host's torch stays)
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg
+if [ "$CACHE" = 1 ]; then
+  export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/build/triton-cache
+  mkdir -p "$TRITON_CACHE_DIR"
+fi
+T0=$(date +%s)
+if [ "$INSTALL" = 1 ]; then
+  { time make install PROFILE=gpu WHEELS=.whl ; } > "$OUT/install.log" 2>&1
+  .venv-gpu/bin/python -m pip install -q --no-index --no-deps --find-links .whl cut-cross-entropy \
+    >> "$OUT/install.log" 2>&1
+fi
+INSTALL_S=$(( $(date +%s) - T0 ))
+
+# 3. the run, under its time limit
+T1=$(date +%s)
+timeout -k 10 "$LIMIT" "${RUN[@]}" > "$OUT/run.log" 2>&1
+RC=$?
+RUN_S=$(( $(date +%s) - T1 ))
+
+# 4. the results
+PACK=()
+[ -d build/runs/gpu ] && PACK+=(build/runs/gpu)
+[ "$CACHE" = 1 ] && PACK+=(build/triton-cache)
+if [ ${#PACK[@]} -gt 0 ]; then
+  tar czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' "${PACK[@]}"
+fi
+{ echo "commit $COMMIT"; echo "mode $MODE: ${RUN[*]}"; echo "install $INSTALL_S s"
+  echo "run $RUN_S s (limit $LIMIT s), exit $RC"; echo "packed: ${PACK[*]:-nothing}"; } | tee "$OUT/summary.txt"
+exit $RC

@@ -386,6 +386,7 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     (a PiSSA layer turns its base weight into the residual as it is built: callers check everything first).
     """
     modules = dict(model.named_modules())
+    _refuse_tied_pissa(model, [n for n, spec in specs.items() if spec.get("init_lora_weights") == "pissa"])
     wrapped = [(n, LoRALinear(modules[n], **spec)) for n, spec in specs.items()]
     _install(model, wrapped)
     if lora_fa:
@@ -402,7 +403,27 @@ def _install(model: nn.Module, wrapped: list[tuple[str, AdapterLinear]]) -> None
         if id(p) not in keep:
             p.requires_grad_(False)
     for name, layer in wrapped:
+        layer.train(layer.base.training)  # a new layer takes the mode of the module it replaces (dropout off in eval)
         replace_module(model, name, layer)
+
+
+def _refuse_tied_pissa(model: nn.Module, names: Sequence[str]) -> None:
+    """PiSSA turns each target's weight into a residual in place: refuse a target whose weight another module shares
+    (a tied ``lm_head`` and ``embed_tokens``), which would be rewritten with it."""
+    if not names:
+        return
+    owners: dict[int, list[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(pname)
+    for n in names:
+        w = model.get_submodule(n).weight
+        others = [o for o in owners.get(id(w), []) if o != f"{n}.weight"]
+        if others:
+            raise ValueError(
+                f"init_lora_weights='pissa' on {n}: its weight is tied to {others[0]}, which PiSSA's residual would "
+                f"rewrite too; exclude {n} from the targets, or untie it first (e.g. "
+                f"model.{n}.weight = nn.Parameter(model.{n}.weight.detach().clone()))"
+            )
 
 
 def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets, exclude) -> None:
@@ -474,6 +495,10 @@ def add_lora(
     _check_init(init_lora_weights)
     if adapter_dtype is not None:
         as_float_dtype(adapter_dtype, "adapter_dtype")  # a bad dtype is refused before anything changes
+    other = [(n, m.kind) for n, m in adapter_layers(model) if not isinstance(m, LoRALinear)]
+    if other:
+        raise ValueError(f"{type(model).__name__} carries {other[0][1]} layers ({other[0][0]}, ...); LoRA and "
+                         f"{other[0][1]} do not mix in one model (an adapter file holds one kind)")
     what = "lora_lab's DoRA (use_dora=True)" if use_dora else "LoRALinear"
     targets, exclude, matched = _matched_linears(model, targets, exclude, what)
     had_lora = bool(lora_layers(model))
@@ -507,12 +532,16 @@ def merge_lora(model: nn.Module, compute_dtype: torch.dtype | str = torch.float3
 
 
 class ParameterCount(NamedTuple):
+    """``trainable``: parameters that train; ``frozen``: frozen parameters outside adapter layers (the base model's);
+    ``frozen_adapter``: frozen parameters of adapter layers (LoRA-FA's A, MiCA's B)."""
+
     trainable: int
     frozen: int
+    frozen_adapter: int = 0
 
     @property
     def total(self) -> int:
-        return self.trainable + self.frozen
+        return self.trainable + self.frozen + self.frozen_adapter
 
     @property
     def trainable_share(self) -> float:
@@ -520,23 +549,34 @@ class ParameterCount(NamedTuple):
         return self.trainable / self.frozen if self.frozen else float("nan")
 
     def __str__(self) -> str:
+        adapter = f", {self.frozen_adapter:,} frozen adapter parameters" if self.frozen_adapter else ""
         return (
             f"{self.trainable:,} trainable of {self.frozen:,} frozen base parameters "
-            f"({100 * self.trainable_share:.2f}%); {self.total:,} in all"
+            f"({100 * self.trainable_share:.2f}%){adapter}; {self.total:,} in all"
         )
 
 
 def count_parameters(model: nn.Module | Iterable[nn.Parameter]) -> ParameterCount:
-    """Trainable and frozen parameter counts. Shared (tied) tensors count once. Works on meta tensors."""
+    """Trainable and frozen parameter counts. Shared (tied) tensors count once. Works on meta tensors.
+
+    Given a module, a frozen parameter of an adapter layer (LoRA-FA's A) counts as ``frozen_adapter``, not as a
+    frozen base parameter."""
     params = model.parameters() if isinstance(model, nn.Module) else model
+    adapter: set[int] = set()
+    if isinstance(model, nn.Module):
+        for _, layer in adapter_layers(model):
+            base = {id(p) for p in layer.base.parameters()}
+            adapter.update(id(p) for p in layer.parameters() if id(p) not in base)
     seen: set[int] = set()
-    trainable = frozen = 0
+    trainable = frozen = frozen_adapter = 0
     for p in params:
         if id(p) in seen:
             continue
         seen.add(id(p))
         if p.requires_grad:
             trainable += p.numel()
+        elif id(p) in adapter:
+            frozen_adapter += p.numel()
         else:
             frozen += p.numel()
-    return ParameterCount(trainable, frozen)
+    return ParameterCount(trainable, frozen, frozen_adapter)

@@ -12,7 +12,7 @@ from lora_lab.adapters.peft_config import LORA_FA_KEY, _pattern_value, _read_con
 from lora_lab.adapters.peft_files import CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGHTS_NAME, _module_name, _read_tensors
 from lora_lab.adapters.vera_format import _load_vera
 from lora_lab.layer import LoRALinear, _wrap, lora_layers
-from lora_lab.targets import _refuse_peft_layers, _select
+from lora_lab.targets import _refuse_peft_layers, _refuse_unwrappable, _select
 from lora_lab.vera import vera_layers
 
 __all__ = ["load_adapter"]
@@ -72,6 +72,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         bad = [(n, type(m).__name__) for n, m in modules if not isinstance(m, nn.Linear)]
         if bad:
             raise AdapterError(f"adapter targets {bad[0][0]}, a {bad[0][1]}; only nn.Linear targets are supported")
+        _refuse_unwrappable(model, [n for n, _ in modules], "load_adapter", AdapterError)
         planned = {n: (m.in_features, m.out_features, rank_alpha(n)[0]) for n, m in modules}
     if not planned:
         raise AdapterError(
@@ -87,6 +88,12 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         name, which = _module_name(key, source)
+        if name not in planned and existing:
+            raise AdapterError(
+                f"adapter tensor {key!r} is for {name}, which carries no LoRA layer in this model; its LoRA layers are "
+                f"at {', '.join(sorted(existing)[:3])}{', ...' if len(existing) > 3 else ''}. Load the adapter into a "
+                "model without LoRA (load_adapter adds its layers) or into one with LoRA at the adapter's targets"
+            )
         if name not in planned:
             raise AdapterError(f"adapter tensor {key!r} is for {name}, which the model has no LoRA target at")
         if which == "M" and not use_dora:

@@ -492,6 +492,21 @@ def test_every_notebook_parameter_has_a_rule_its_default_passes():
             assert parameter_problem(name, default) is None, f"{path.name}: the registered {name}={default!r}"
 
 
+def test_papermill_parses_every_notebooks_parameters_cell(caplog):
+    """`papermill NB out -p NAME VALUE` run directly reads the parameters cell with its own line parser, which takes
+    a line whose comment holds "=" (or ">=") for an unparsable one and warns: every line must parse."""
+    from papermill.translators import PythonTranslator
+
+    for path in discover_notebooks(REPO_NOTEBOOKS):
+        cell = next(c for c in nbformat.read(str(path), as_version=4).cells
+                    if "parameters" in (c.metadata.get("tags") or []))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="papermill"):
+            names = [parameter.name for parameter in PythonTranslator.inspect(cell)]
+        assert "Unable to parse" not in caplog.text, f"{path.name}: {caplog.text}"
+        assert names == list(declared_parameters(path)), path.name
+
+
 def test_overrides_print_no_papermill_parse_warning(tmp_path, caplog, capfd):
     """A parameters cell whose comment holds "=" (as notebooks 01-03's MODEL line) once made every `-p` print
     papermill's "Unable to parse line 2 'MODEL = ...'"."""

@@ -13,8 +13,9 @@ For each selected ``notebooks/NN_name.ipynb`` the runner
 - on the ``gpu`` profile skips a notebook whose metadata asks for more GPUs than the machine has
   (``{"lora_lab": {"gpus": 2}}``; the cpu profile runs every notebook's cpu path), saying so, and removes its old
   metrics file from the output folder; a skip is not a failure;
-- removes the notebook's previous metrics file (stale results must not be graded), executes it into
-  ``<outputs>/<profile>/<stem>.ipynb``;
+- moves the notebook's previous metrics file out of the grader's way (stale results must not be graded): a
+  completed one to ``.<stem>.metrics.previous.json``, removed when this run completes and kept when it fails; then
+  executes the notebook into ``<outputs>/<profile>/<stem>.ipynb``;
 - on failure reports the notebook, the failing cell (index in the source notebook, counting from 0) and
   the exception, marks its metrics ``failed``, and goes on with the next notebook; on Ctrl-C marks the one
   running ``interrupted``, says so in one line and stops.
@@ -387,6 +388,38 @@ def inject_overrides(path: Path, overrides: dict[str, Any], executed_path: Path)
     return executed_path
 
 
+def check_cell_timeout(cell_timeout: Any) -> int | None:
+    """``--cell-timeout`` as the whole number of seconds nbclient takes (its timeout is an integer), checked before
+    anything runs; None: no limit."""
+    if cell_timeout is None:
+        return None
+    whole = isinstance(cell_timeout, int) or isinstance(cell_timeout, float) and cell_timeout.is_integer()
+    if isinstance(cell_timeout, bool) or not whole or not cell_timeout > 0:
+        raise RunnerError(f"--cell-timeout must be a positive whole number of seconds (the notebook executor takes "
+                          f"an integer); got {cell_timeout!r}")
+    return int(cell_timeout)
+
+
+def kept_metrics_path(output_dir: Path, stem: str) -> Path:
+    """Where an earlier completed result of ``stem`` waits while the notebook runs again (kept if the run fails;
+    a hidden name, not ``*.metrics.json``, so nothing grades or publishes it)."""
+    return output_dir / f".{stem}.metrics.previous.json"
+
+
+def _set_aside(metrics_file: Path, kept: Path) -> None:
+    """Move an earlier completed result out of the grader's way (an earlier failed one is dropped)."""
+    if not metrics_file.is_file():
+        return
+    try:
+        completed = read_metrics(metrics_file).get("provenance", {}).get("status") == "completed"
+    except (OSError, ValueError, AttributeError):
+        completed = False
+    if completed:
+        os.replace(metrics_file, kept)
+    else:
+        metrics_file.unlink()
+
+
 def run_notebook(
     plan: NotebookPlan,
     profile: str,
@@ -400,7 +433,8 @@ def run_notebook(
     stem = path.stem
     executed_path = output_dir / f"{stem}.ipynb"
     metrics_file = metrics_path(output_dir, stem)
-    metrics_file.unlink(missing_ok=True)
+    kept = kept_metrics_path(output_dir, stem)
+    _set_aside(metrics_file, kept)  # stale results must not be graded, but a failing run must not lose them
     started_clock = time.monotonic()
     started = _now()
     context = {"notebook": stem, "profile": profile, "output_dir": str(output_dir), "notebook_path": str(path),
@@ -437,6 +471,10 @@ def run_notebook(
     warnings: list[str] = []
     if status == "interrupted":
         quiet_orphaned_kernel_tasks()
+    if status == "ok" and metrics_file.is_file():
+        kept.unlink(missing_ok=True)  # replaced by this run's result
+    elif kept.is_file():
+        warnings.append(f"the earlier completed result of {stem} is kept as {kept.name} (not graded)")
     if status != "ok":
         mark_run_ended(metrics_file, STATUS_INTERRUPTED if status == "interrupted" else STATUS_FAILED, error_details)
     elif not metrics_file.is_file():
@@ -495,8 +533,7 @@ def run(
     from tqdm.auto import tqdm
 
     stream = stream or sys.stdout
-    if cell_timeout is not None and not cell_timeout > 0:
-        raise RunnerError(f"--cell-timeout must be a positive number of seconds; got {cell_timeout}")
+    cell_timeout = check_cell_timeout(cell_timeout)
     resolved = resolve_profile(profile)
     try:
         notebooks = select_notebooks(discover_notebooks(notebooks_dir), only)

@@ -400,6 +400,21 @@ def check_cell_timeout(cell_timeout: Any) -> int | None:
     return int(cell_timeout)
 
 
+def check_writable(directory: Path, option: str) -> None:
+    """Create ``directory`` if needed and write a file into it, or raise RunnerError naming the folder (and the
+    option that chose it), before anything runs."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        where = Path(error.filename) if error.filename else directory
+        raise RunnerError(f"cannot write into {directory} ({error.strerror or error} at {where}): give a writable "
+                          f"folder with {option}") from None
+
+
 def kept_metrics_path(output_dir: Path, stem: str) -> Path:
     """Where an earlier completed result of ``stem`` waits while the notebook runs again (kept if the run fails;
     a hidden name, not ``*.metrics.json``, so nothing grades or publishes it)."""
@@ -545,7 +560,7 @@ def run(
     plans = plan_parameters(notebooks, dict(overrides or {}), resolved)
     skipped = {path: reason for path in notebooks if (reason := skip_reason(path, resolved)) is not None}
     output_dir = Path(outputs_root).resolve() / resolved
-    output_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(output_dir, "--outputs-dir")
     disabled = progress_disabled(disable_progress)
     print(f"running {len(notebooks)} notebook(s) on profile {resolved} into {output_dir}", file=stream)
     results: list[NotebookResult] = []

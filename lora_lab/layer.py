@@ -486,8 +486,13 @@ def add_lora(
     module (a typo is an error naming the nearest module names). A model with PEFT's layers is refused (take
     its base back with ``merge_and_unload()``/``unload()``, or load its saved adapter with ``load_adapter``).
     Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers of the earlier calls as they
-    are (still trainable); wrapping a module that already carries LoRA is an error. All checks run before anything
-    changes, so a failing call leaves the model as it was.
+    are (still trainable); wrapping a module that already carries LoRA is an error, and so is adding LoRA to a model
+    with VeRA layers. A new layer takes the train/eval mode of the module it replaces (``load_model`` gives an
+    eval-mode model: dropout stays off until ``model.train()``). PiSSA on a weight another module shares (an
+    ``lm_head`` tied to ``embed_tokens``) is refused, since its residual would rewrite the embedding too (PEFT only
+    warns): untie it or leave it out. The ``out_proj`` of an ``nn.MultiheadAttention`` is refused (MHA reads its
+    weight without calling it). All checks run before anything changes, so a failing call leaves the model as it
+    was.
     Returns the model (modified in place).
     """
     _check_rank_alpha(r, alpha)

@@ -34,7 +34,8 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
     NaN or an infinity is refused by name. A VeRA adapter
     (``peft_type`` VERA) loads into a model without adapters as :class:`~lora_lab.vera.VeRALinear` layers.
     Every tensor's module and shape is checked before anything is changed, so a failing call leaves the
-    model as it was.
+    model as it was. New layers take the train/eval mode of the modules they replace (an eval-mode model loads
+    with dropout off, as PEFT's reload).
     """
     path = Path(path)
     cfg = _read_config(path)

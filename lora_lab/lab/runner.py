@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -403,8 +404,6 @@ def check_cell_timeout(cell_timeout: Any) -> int | None:
 def check_writable(directory: Path, option: str) -> None:
     """Create ``directory`` if needed and write a file into it, or raise RunnerError naming the folder (and the
     option that chose it), before anything runs."""
-    import tempfile
-
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
@@ -415,24 +414,20 @@ def check_writable(directory: Path, option: str) -> None:
                           f"folder with {option}") from None
 
 
-def kept_metrics_path(output_dir: Path, stem: str) -> Path:
-    """Where an earlier completed result of ``stem`` waits while the notebook runs again (kept if the run fails;
-    a hidden name, not ``*.metrics.json``, so nothing grades or publishes it)."""
-    return output_dir / f".{stem}.metrics.previous.json"
-
-
-def _set_aside(metrics_file: Path, kept: Path) -> None:
-    """Move an earlier completed result out of the grader's way (an earlier failed one is dropped)."""
-    if not metrics_file.is_file():
-        return
-    try:
-        completed = read_metrics(metrics_file).get("provenance", {}).get("status") == "completed"
-    except (OSError, ValueError, AttributeError):
-        completed = False
-    if completed:
-        os.replace(metrics_file, kept)
-    else:
-        metrics_file.unlink()
+def _set_aside(output_dir: Path, stem: str) -> Path:
+    """Move an earlier completed result of ``stem`` to a hidden name that nothing grades or publishes (not
+    ``*.metrics.json``), kept if this run fails; an earlier failed result is dropped. Returns the hidden path."""
+    metrics_file, kept = metrics_path(output_dir, stem), output_dir / f".{stem}.metrics.previous.json"
+    if metrics_file.is_file():
+        try:
+            completed = read_metrics(metrics_file).get("provenance", {}).get("status") == "completed"
+        except (OSError, ValueError, AttributeError):
+            completed = False
+        if completed:
+            os.replace(metrics_file, kept)
+        else:
+            metrics_file.unlink()
+    return kept
 
 
 def run_notebook(
@@ -448,8 +443,7 @@ def run_notebook(
     stem = path.stem
     executed_path = output_dir / f"{stem}.ipynb"
     metrics_file = metrics_path(output_dir, stem)
-    kept = kept_metrics_path(output_dir, stem)
-    _set_aside(metrics_file, kept)  # stale results must not be graded, but a failing run must not lose them
+    kept = _set_aside(output_dir, stem)  # stale results must not be graded, but a failing run must not lose them
     started_clock = time.monotonic()
     started = _now()
     context = {"notebook": stem, "profile": profile, "output_dir": str(output_dir), "notebook_path": str(path),

@@ -71,11 +71,12 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> None:
 
 def install_adapter_layers(model: nn.Module, wrapped: list[tuple[str, AdapterLinear]]) -> None:
     """Freeze every parameter of ``model`` except those of its adapter layers (not their bases), then put the
-    ``wrapped`` layers in place."""
+    ``wrapped`` layers in place, each in the train/eval mode of the module it replaces."""
     keep = {id(p) for _, layer in adapter_layers(model) for p in layer.parameters()}
     keep -= {id(p) for _, layer in adapter_layers(model) for p in layer.base.parameters()}
     for p in model.parameters():
         if id(p) not in keep:
             p.requires_grad_(False)
     for name, layer in wrapped:
+        layer.train(layer.base.training)  # a new layer takes the mode of the module it replaces (dropout off in eval)
         replace_module(model, name, layer)

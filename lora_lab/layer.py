@@ -41,6 +41,7 @@ from lora_lab.adapter_layer import check_flags as _check_flags
 from lora_lab.adapter_layer import check_rank_alpha as _check_rank_alpha
 from lora_lab.dtypes import as_float_dtype
 from lora_lab.embedding_lora import LoRAEmbedding
+from lora_lab.modules_to_save import TrainedCopy, install_modules_to_save, plan_modules_to_save
 from lora_lab.targets import (  # noqa: F401 - all_linear, find_target_linears, peft_layers: public here too
     _is_all_linear,
     _matched_linears,
@@ -357,12 +358,32 @@ def _wrap(model: nn.Module, specs: dict[str, dict], lora_fa: bool = False) -> No
     (a PiSSA layer turns its base weight into the residual as it is built: callers check everything first).
     """
     modules = dict(model.named_modules())
+    _refuse_tied_pissa(model, [n for n, spec in specs.items() if spec.get("init_lora_weights") == "pissa"])
     wrapped = [(n, (LoRAEmbedding if isinstance(modules[n], nn.Embedding) else LoRALinear)(modules[n], **spec))
                for n, spec in specs.items()]
     install_adapter_layers(model, wrapped)
     if lora_fa:
         for _, layer in wrapped:
             layer.freeze_A()
+
+
+def _refuse_tied_pissa(model: nn.Module, names: Sequence[str]) -> None:
+    """PiSSA turns each target's weight into a residual in place: refuse a target whose weight another module shares
+    (a tied ``lm_head`` and ``embed_tokens``), which would be rewritten with it."""
+    if not names:
+        return
+    owners: dict[int, list[str]] = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(pname)
+    for n in names:
+        w = model.get_submodule(n).weight
+        others = [o for o in owners.get(id(w), []) if o != f"{n}.weight"]
+        if others:
+            raise ValueError(
+                f"init_lora_weights='pissa' on {n}: its weight is tied to {others[0]}, which PiSSA's residual would "
+                f"rewrite too; exclude {n} from the targets, or untie it first (e.g. "
+                f"model.{n}.weight = nn.Parameter(model.{n}.weight.detach().clone()))"
+            )
 
 
 def _record_config(model: nn.Module, had_lora: bool, r, alpha, dropout, targets, exclude) -> None:
@@ -428,8 +449,13 @@ def add_lora(
     module (a typo is an error naming the nearest module names). A model with PEFT's layers is refused (take
     its base back with ``merge_and_unload()``/``unload()``, or load its saved adapter with ``load_adapter``).
     Calling ``add_lora`` again on other targets adds LoRA there and leaves the layers of the earlier calls as they
-    are (still trainable); wrapping a module that already carries LoRA is an error. All checks run before anything
-    changes, so a failing call leaves the model as it was.
+    are (still trainable); wrapping a module that already carries LoRA is an error, and so is adding LoRA to a model
+    with VeRA layers. A new layer takes the train/eval mode of the module it replaces (``load_model`` gives an
+    eval-mode model: dropout stays off until ``model.train()``). PiSSA on a weight another module shares (an
+    ``lm_head`` tied to ``embed_tokens``) is refused, since its residual would rewrite the embedding too (PEFT only
+    warns): untie it or leave it out. The ``out_proj`` of an ``nn.MultiheadAttention`` is refused (MHA reads its
+    weight without calling it). All checks run before anything changes, so a failing call leaves the model as it
+    was.
 
     ``modules_to_save`` (PEFT's field of that name): modules trained in full beside the adapter, e.g.
     ``["lm_head"]`` or a classifier head; each module whose name ends with an entry gets a trainable copy
@@ -441,6 +467,11 @@ def add_lora(
     _check_init(init_lora_weights)
     if adapter_dtype is not None:
         as_float_dtype(adapter_dtype, "adapter_dtype")  # a bad dtype is refused before anything changes
+    lora_kinds = (LoRALinear, LoRAEmbedding, TrainedCopy)
+    other = [(n, m.kind) for n, m in adapter_layers(model) if not isinstance(m, lora_kinds)]
+    if other:
+        raise ValueError(f"{type(model).__name__} carries {other[0][1]} layers ({other[0][0]}, ...); LoRA and "
+                         f"{other[0][1]} do not mix in one model (an adapter file holds one kind)")
     what = "lora_lab's DoRA (use_dora=True)" if use_dora else "LoRALinear"
     targets, exclude, matched = _matched_linears(model, targets, exclude, what, allow_embedding=not use_dora)
     embeddings = [n for n, m in matched if isinstance(m, nn.Embedding)]
@@ -449,8 +480,6 @@ def add_lora(
                          f"False or 'gaussian' and no lora_fa, got init_lora_weights={init_lora_weights!r}, "
                          f"lora_fa={lora_fa}")
     if modules_to_save is not None:
-        from lora_lab.modules_to_save import install_modules_to_save, plan_modules_to_save
-
         copies = plan_modules_to_save(model, modules_to_save, [n for n, _ in matched])
     had_lora = bool(lora_layers(model))
     if init_lora_weights == "pissa":
@@ -487,12 +516,16 @@ def merge_lora(model: nn.Module, compute_dtype: torch.dtype | str = torch.float3
 
 
 class ParameterCount(NamedTuple):
+    """``trainable``: parameters that train; ``frozen``: frozen parameters outside adapter layers (the base model's);
+    ``frozen_adapter``: frozen parameters of adapter layers (LoRA-FA's A, MiCA's B)."""
+
     trainable: int
     frozen: int
+    frozen_adapter: int = 0
 
     @property
     def total(self) -> int:
-        return self.trainable + self.frozen
+        return self.trainable + self.frozen + self.frozen_adapter
 
     @property
     def trainable_share(self) -> float:
@@ -500,23 +533,34 @@ class ParameterCount(NamedTuple):
         return self.trainable / self.frozen if self.frozen else float("nan")
 
     def __str__(self) -> str:
+        adapter = f", {self.frozen_adapter:,} frozen adapter parameters" if self.frozen_adapter else ""
         return (
             f"{self.trainable:,} trainable of {self.frozen:,} frozen base parameters "
-            f"({100 * self.trainable_share:.2f}%); {self.total:,} in all"
+            f"({100 * self.trainable_share:.2f}%){adapter}; {self.total:,} in all"
         )
 
 
 def count_parameters(model: nn.Module | Iterable[nn.Parameter]) -> ParameterCount:
-    """Trainable and frozen parameter counts. Shared (tied) tensors count once. Works on meta tensors."""
+    """Trainable and frozen parameter counts. Shared (tied) tensors count once. Works on meta tensors.
+
+    Given a module, a frozen parameter of an adapter layer (LoRA-FA's A) counts as ``frozen_adapter``, not as a
+    frozen base parameter."""
     params = model.parameters() if isinstance(model, nn.Module) else model
+    adapter: set[int] = set()
+    if isinstance(model, nn.Module):
+        for _, layer in adapter_layers(model):
+            base = {id(p) for p in layer.base.parameters()}
+            adapter.update(id(p) for p in layer.parameters() if id(p) not in base)
     seen: set[int] = set()
-    trainable = frozen = 0
+    trainable = frozen = frozen_adapter = 0
     for p in params:
         if id(p) in seen:
             continue
         seen.add(id(p))
         if p.requires_grad:
             trainable += p.numel()
+        elif id(p) in adapter:
+            frozen_adapter += p.numel()
         else:
             frozen += p.numel()
-    return ParameterCount(trainable, frozen)
+    return ParameterCount(trainable, frozen, frozen_adapter)

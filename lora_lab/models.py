@@ -391,7 +391,10 @@ def english_sentences(n: int, start: int = 0) -> tuple[str, ...]:
 
 def text_batch(tokenizer, texts: Sequence[str] = SAMPLE_SENTENCES, device="cpu") -> dict[str, torch.Tensor]:
     """Right-padded batch of ``texts`` with ``labels`` (padding -> -100) for a causal-LM loss."""
-    enc = tokenizer(list(texts), padding=True, return_tensors="pt")
+    texts = list(texts)
+    if not texts:
+        raise ValueError("text_batch: the list of sentences (texts) is empty; pass at least one sentence")
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
     ids, mask = enc["input_ids"], enc["attention_mask"]
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}

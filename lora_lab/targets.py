@@ -188,4 +188,18 @@ def _matched_linears(model: nn.Module, targets, exclude, what: str, allow_embedd
                         f"{' and embedding' if allow_embedding else ''} layers")
     if not matched:
         raise ValueError(f"exclude={exclude!r} excludes every module that targets={targets!r} match: nothing to wrap")
+    _refuse_unwrappable(model, [n for n, _ in matched], what)
     return targets, exclude, matched
+
+
+def _refuse_unwrappable(model: nn.Module, names: Iterable[str], what: str, error: type[Exception] = ValueError) -> None:
+    """Refuse a linear its parent never calls: ``nn.MultiheadAttention`` reads ``out_proj.weight`` and ``.bias``
+    directly, so a wrapper there would be skipped (and break MHA's forward)."""
+    for n in names:
+        parent_name, _, child = n.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(parent, nn.MultiheadAttention) and child == "out_proj":
+            raise error(
+                f"target {n} is the out_proj of an nn.MultiheadAttention ({parent_name or 'the model'}), which reads "
+                f"its weight directly instead of calling it; {what} cannot wrap it (exclude it from the targets)"
+            )

@@ -19,15 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lora_lab.adapter_layer import AdapterLinear, install_adapter_layers, resolve_adapter_dtype
+from lora_lab.adapter_layer import AdapterLinear, adapter_layers, install_adapter_layers, resolve_adapter_dtype
 from lora_lab.dtypes import as_float_dtype
 from lora_lab.targets import _matched_linears
 
 __all__ = ["VeRALinear", "add_vera", "vera_layers", "vera_projections"]
 
 
-def vera_projections(r: int, in_features: int, out_features: int, projection_prng_key: int = 0):
-    """The shared (A, B) = (r x in, out x r), drawn as PEFT draws them (see the module docstring)."""
+def vera_projections(r: int, in_features: int, out_features: int, projection_prng_key: int = 0,
+                     model_dtype: torch.dtype = torch.float32):
+    """The shared (A, B) = (r x in, out x r), drawn as PEFT draws them (see the module docstring), in fp32 and
+    rounded to ``model_dtype`` (PEFT casts them to the base layer's dtype before it widens the adapter to fp32)."""
     generator = torch.Generator(device="cpu").manual_seed(projection_prng_key)
 
     def kaiming(shape):
@@ -35,7 +37,10 @@ def vera_projections(r: int, in_features: int, out_features: int, projection_prn
         return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
     a = kaiming((r, in_features))
-    return a, kaiming((out_features, r))
+    b = kaiming((out_features, r))
+    if model_dtype in (torch.bfloat16, torch.float16):
+        a, b = a.to(model_dtype).float(), b.to(model_dtype).float()
+    return a, b
 
 
 class VeRALinear(AdapterLinear):
@@ -141,6 +146,10 @@ def add_vera(
         raise ValueError(f"VeRA dropout must be in [0, 1), got {dropout!r}")
     if adapter_dtype is not None:
         as_float_dtype(adapter_dtype, "adapter_dtype")
+    lora = [n for n, m in adapter_layers(model) if not isinstance(m, VeRALinear)]
+    if lora:
+        raise ValueError(f"{type(model).__name__} carries LoRA layers ({lora[0]}, ...); LoRA and VeRA do not mix in "
+                         "one model (an adapter file holds one kind)")
     if vera_layers(model):
         raise ValueError(
             f"{type(model).__name__} already has VeRA layers; VeRA's projections are shared and sized for every "
@@ -149,8 +158,8 @@ def add_vera(
     _, _, matched = _matched_linears(model, targets, exclude, "VeRALinear")
     out_max = max(m.out_features for _, m in matched)
     in_max = max(m.in_features for _, m in matched)
-    a, b = vera_projections(r, in_max, out_max, projection_prng_key)
     w = matched[0][1].weight
+    a, b = vera_projections(r, in_max, out_max, projection_prng_key, w.dtype)
     dtype = resolve_adapter_dtype(w.dtype, adapter_dtype)
     a, b = a.to(device=w.device, dtype=dtype), b.to(device=w.device, dtype=dtype)
     wrapped = [(n, VeRALinear(m, a, b, dropout=dropout, d_initial=d_initial)) for n, m in matched]

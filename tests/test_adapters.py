@@ -517,3 +517,69 @@ def test_a_non_finite_adapter_tensor_is_refused_by_name(tmp_path, bad, legacy):
     with pytest.raises(AdapterError, match=re.escape(key) + r".* holds non-finite values"):
         load_adapter(model, tmp_path)
     assert not lora_lab.lora_layers(model)
+
+
+def test_save_refuses_a_non_finite_tensor_by_name_and_writes_nothing(tmp_path):
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"))
+    with torch.no_grad():
+        dict(lora_lab.lora_layers(model))["model.layers.1.self_attn.v_proj"].lora_B[2, 0] = float("nan")
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    with pytest.raises(AdapterError, match=re.escape(key) + r".* holds non-finite values \(1 NaN, 0 inf"):
+        save_adapter(model, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    vera = lora_lab.add_vera(lora_lab.load_model("random:tiny-qwen2"), r=8)
+    with torch.no_grad():
+        lora_lab.vera.vera_layers(vera)[0][1].lambda_d[0] = float("inf")
+    with pytest.raises(AdapterError, match=r"'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.vera_lambda_d' "
+                                           r"holds non-finite values \(0 NaN, 1 inf"):
+        save_adapter(vera, tmp_path / "v")
+    assert not (tmp_path / "v").exists()
+
+
+def test_load_into_a_model_with_lora_elsewhere_says_where_its_lora_is(tmp_path):
+    save_adapter(add_lora(lora_lab.load_model("random:tiny-qwen2"), targets=["q_proj"]), tmp_path)
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"), targets=["k_proj"])
+    with pytest.raises(AdapterError, match=r"is for model\.layers\.0\.self_attn\.q_proj, which carries no LoRA "
+                                           r"layer in this model; its LoRA layers are at model\.layers\.0\.self_attn"):
+        load_adapter(model, tmp_path)
+
+
+def test_load_adapter_layers_take_the_models_mode(tmp_path):
+    """A PEFT adapter with lora_dropout loads into an eval-mode model as PEFT's reload does: dropout off."""
+    _peft_saved(tmp_path, lora_dropout=0.5)
+    model = lora_lab.load_model("random:tiny-qwen2")
+    assert not model.training
+    load_adapter(model, tmp_path)
+    assert not any(m.training for m in model.modules())
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2"), str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(model(_ids()).logits, theirs(_ids()).logits)
+    model = load_adapter(lora_lab.load_model("random:tiny-qwen2").train(), tmp_path)
+    assert all(layer.training for _, layer in lora_lab.lora_layers(model))
+
+
+def test_lora_on_a_multihead_attention_out_proj_is_refused_by_name(tmp_path):
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.fc(self.attn(x, x, x)[0])
+
+    with pytest.raises(ValueError, match=r"target attn\.out_proj is the out_proj of an nn\.MultiheadAttention "
+                                         r"\(attn\)"):
+        add_lora(Block(), targets=["out_proj", "fc"])
+    with pytest.raises(ValueError, match=r"attn\.out_proj is the out_proj of an nn\.MultiheadAttention"):
+        lora_lab.add_vera(Block(), r=4, targets=["out_proj"])
+    model = Block()
+    add_lora(model, targets=["fc"])
+    save_adapter(model, tmp_path)
+    _edit_config(tmp_path, target_modules=["out_proj", "fc"])
+    fresh = Block()
+    with pytest.raises(AdapterError, match=r"attn\.out_proj is the out_proj of an nn\.MultiheadAttention"):
+        load_adapter(fresh, tmp_path)
+    assert not lora_lab.lora_layers(fresh)

@@ -396,3 +396,25 @@ def test_an_adapter_saved_from_a_bf16_model_loads_as_fp32_and_as_peft_does(tmp_p
     with torch.no_grad():
         assert torch.equal(ours(input_ids=ids).logits, back(input_ids=ids).logits)
         assert torch.equal(ours(input_ids=ids).logits, theirs(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("add", ["lora", "dora", "vera"])
+def test_new_layers_take_the_mode_of_the_module_they_replace(add):
+    """load_model returns an eval-mode model: the new layers' dropout must be off, so two forwards agree."""
+    def build():
+        model = lora_lab.load_model("random:tiny-qwen2")
+        if add == "vera":
+            return lora_lab.add_vera(model, r=8, dropout=0.5)
+        return add_lora(model, r=4, dropout=0.5, use_dora=add == "dora")
+
+    model = build()
+    assert not model.training and not any(m.training for m in model.modules())
+    with torch.no_grad():  # a branch that changes the output, so that dropout would show
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lambda_b" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, model(ids).logits)
+    trained = add_lora(lora_lab.load_model("random:tiny-qwen2").train(), r=4, dropout=0.5)
+    assert all(layer.training for _, layer in lora_lab.adapter_layers(trained))

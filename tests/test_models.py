@@ -161,6 +161,8 @@ def test_english_sentences_are_distinct_and_sliced_with_clear_errors():
         lora_lab.english_sentences(1, start=-1)
     batch = lora_lab.text_batch(lora_lab.ByteTokenizer(), lora_lab.english_sentences(4))
     assert batch["input_ids"].shape[0] == 4 and bool((batch["labels"][batch["attention_mask"] == 0] == -100).all())
+    with pytest.raises(ValueError, match=r"text_batch: the list of sentences \(texts\) is empty"):
+        lora_lab.text_batch(lora_lab.ByteTokenizer(), [])
 
 
 def test_english_sentences_begin_with_distinct_words():

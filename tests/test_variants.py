@@ -155,6 +155,16 @@ def test_lora_fa_trains_b_only():
         assert torch.count_nonzero(layer.lora_B) > 0
 
 
+def test_lora_fa_frozen_A_counts_as_adapter_not_base():
+    base = lora_lab.count_parameters(lora_lab.load_model("random:tiny-qwen2"))
+    model = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8, lora_fa=True)
+    a = sum(layer.lora_A.numel() for _, layer in lora_lab.lora_layers(model))
+    b = sum(layer.lora_B.numel() for _, layer in lora_lab.lora_layers(model))
+    count = lora_lab.count_parameters(model)
+    assert count == (b, base.total, a)
+    assert count.total == base.total + a + b and f"{a:,} frozen adapter parameters" in str(count)
+
+
 def test_lora_fa_with_dora_trains_b_and_m():
     model = add_lora(lora_lab.load_model("random:tiny-qwen2"), r=4, alpha=8, lora_fa=True, use_dora=True)
     trainable = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
@@ -211,6 +221,19 @@ def test_pissa_init_is_the_principal_part_and_the_base_the_residual():
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer.merge()(x), layer(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(layer.merge().weight, W, rtol=1e-5, atol=1e-5)
+
+
+def test_pissa_on_a_tied_head_is_refused_and_the_embedding_kept():
+    model = lora_lab.load_model("random:tiny-qwen2")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    before = model.model.embed_tokens.weight.detach().clone()
+    with pytest.raises(ValueError, match=r"init_lora_weights='pissa' on lm_head: its weight is tied to "
+                                         r"model\.embed_tokens\.weight"):
+        add_lora(model, r=4, alpha=8, targets=["q_proj", "lm_head"], init_lora_weights="pissa")
+    assert torch.equal(model.model.embed_tokens.weight, before) and not lora_lab.lora_layers(model)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())  # untied: accepted
+    add_lora(model, r=4, alpha=8, targets=["lm_head"], init_lora_weights="pissa")
+    assert torch.equal(model.model.embed_tokens.weight, before)
 
 
 def test_pissa_model_merges_and_refuses_remove_lora():

@@ -135,13 +135,18 @@ def test_bad_input_is_named(kwargs, error, problem):
 
 def test_vera_and_lora_do_not_mix(tmp_path):
     model = add_vera(lora_lab.load_model("random:tiny-qwen2"), r=8)
-    with pytest.raises(ValueError, match=r"VeRA is already applied to model\.layers\.0\.self_attn\.q_proj"):
-        lora_lab.add_lora(model, targets=("q_proj",))
+    for targets in (("q_proj",), ("k_proj",)):  # refused when added, on the same targets or on others
+        with pytest.raises(ValueError, match=r"carries VeRA layers \(model\.layers\.0\.self_attn\.q_proj, \.\.\.\); "
+                                             "LoRA and VeRA do not mix"):
+            lora_lab.add_lora(model, targets=targets)
+    assert not lora_lab.lora_layers(model)
     with pytest.raises(ValueError, match="already has VeRA layers"):
         add_vera(model, r=8, targets=("k_proj",))
-    lora_lab.add_lora(model, targets=("k_proj",))
-    with pytest.raises(AdapterError, match="carries LoRA and VeRA layers"):
-        save_adapter(model, tmp_path)
+    lora = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2"), targets=("k_proj",))
+    with pytest.raises(ValueError, match=r"carries LoRA layers \(model\.layers\.0\.self_attn\.k_proj, \.\.\.\); "
+                                         "LoRA and VeRA do not mix"):
+        add_vera(lora, r=8)
+    assert not vera_layers(lora)
     save_adapter(add_vera(lora_lab.load_model("random:tiny-qwen2"), r=8), tmp_path)
     with pytest.raises(AdapterError, match="already carries adapter layers"):
         load_adapter(lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2")), tmp_path)
@@ -197,3 +202,31 @@ def test_vera_on_a_bf16_model_keeps_fp32_vectors_by_default_and_bf16_on_request(
     assert all(vl.lambda_d.dtype == torch.bfloat16 for _, vl in lora_lab.vera.vera_layers(bf16))
     with pytest.raises(ValueError, match="adapter_dtype"):
         lora_lab.add_vera(lora_lab.load_model("random:tiny-qwen2"), r=8, adapter_dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_vera_projections_on_a_half_model_are_rounded_as_peft_rounds_them(tmp_path, dtype):
+    """PEFT casts the drawn projections to the base layer's dtype before widening them to fp32: add_vera, and a
+    reload with save_projection=False (projections drawn again), give PEFT's projections and PEFT's logits."""
+    import peft
+    from safetensors.torch import load_file, save_file
+
+    model = add_vera(lora_lab.load_model("random:tiny-qwen2", dtype=dtype), r=8, targets=TARGETS,
+                     projection_prng_key=3)
+    pm = peft.get_peft_model(lora_lab.load_model("random:tiny-qwen2", dtype=dtype),
+                             peft.VeraConfig(r=8, target_modules=TARGETS, projection_prng_key=3))
+    q = pm.base_model.model.model.layers[0].self_attn.q_proj
+    layer = vera_layers(model)[0][1]
+    assert torch.equal(q.vera_A["default"], layer.vera_A) and torch.equal(q.vera_B["default"], layer.vera_B)
+    _fill_lambdas(model)
+    save_adapter(model, tmp_path)
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    cfg["save_projection"] = False
+    (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
+    sd = {k: v for k, v in load_file(str(tmp_path / "adapter_model.safetensors")).items() if "vera_A" not in k
+          and "vera_B" not in k}
+    save_file(sd, str(tmp_path / "adapter_model.safetensors"))
+    ours = load_adapter(lora_lab.load_model("random:tiny-qwen2", dtype=dtype), tmp_path)
+    theirs = peft.PeftModel.from_pretrained(lora_lab.load_model("random:tiny-qwen2", dtype=dtype), str(tmp_path))
+    with torch.no_grad():
+        assert torch.equal(ours(input_ids=_ids()).logits, theirs(input_ids=_ids()).logits)

@@ -14,7 +14,7 @@ from lora_lab.adapters.peft_files import CONFIG_NAME, LEGACY_WEIGHTS_NAME, WEIGH
 from lora_lab.adapters.vera_format import _load_vera
 from lora_lab.dtypes import as_float_dtype
 from lora_lab.layer import _wrap, all_lora_layers
-from lora_lab.targets import _refuse_peft_layers, _select
+from lora_lab.targets import _refuse_peft_layers, _refuse_unwrappable, _select
 from lora_lab.vera import vera_layers
 
 __all__ = ["load_adapter"]
@@ -36,7 +36,8 @@ def load_adapter(model: nn.Module, path: str | Path, *, adapter_dtype: torch.dty
     NaN or an infinity is refused by name. A VeRA adapter
     (``peft_type`` VERA) loads into a model without adapters as :class:`~lora_lab.vera.VeRALinear` layers.
     Every tensor's module and shape is checked before anything is changed, so a failing call leaves the
-    model as it was.
+    model as it was. New layers take the train/eval mode of the modules they replace (an eval-mode model loads
+    with dropout off, as PEFT's reload).
 
     LoRA on an ``nn.Embedding`` (``lora_embedding_A``/``lora_embedding_B``) loads as a
     :class:`~lora_lab.embedding_lora.LoRAEmbedding`, ``modules_to_save`` as trainable copies
@@ -93,6 +94,7 @@ def load_adapter(model: nn.Module, path: str | Path, *, adapter_dtype: torch.dty
         if bad:
             raise AdapterError(f"adapter targets {bad[0][0]}, a {bad[0][1]}; only nn.Linear and nn.Embedding targets "
                                "are supported")
+        _refuse_unwrappable(model, [n for n, _ in modules], "load_adapter", AdapterError)
         embeddings = [n for n, m in modules if isinstance(m, nn.Embedding)]
         if embeddings and (use_dora or cfg["init_lora_weights"] in ("pissa", "mica")):
             what = "use_dora" if use_dora else f"init_lora_weights={cfg['init_lora_weights']!r}"
@@ -118,6 +120,12 @@ def load_adapter(model: nn.Module, path: str | Path, *, adapter_dtype: torch.dty
     found: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         name, which = _module_name(key, source)
+        if name not in planned and existing:
+            raise AdapterError(
+                f"adapter tensor {key!r} is for {name}, which carries no LoRA layer in this model; its LoRA layers are "
+                f"at {', '.join(sorted(existing)[:3])}{', ...' if len(existing) > 3 else ''}. Load the adapter into a "
+                "model without LoRA (load_adapter adds its layers) or into one with LoRA at the adapter's targets"
+            )
         if name not in planned:
             raise AdapterError(f"adapter tensor {key!r} is for {name}, which the model has no LoRA target at")
         if which.startswith("E") != (name in is_embedding):

@@ -39,6 +39,16 @@ def _check_finite(tensors: dict[str, torch.Tensor], source: Path) -> dict[str, t
     return tensors
 
 
+def _refuse_non_finite_save(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    """Before a save writes anything: a tensor holding a NaN or an infinity is refused by name (load_adapter would
+    refuse the file)."""
+    for key, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            raise AdapterError(f"tensor {key!r} holds non-finite values ({nan} NaN, {inf} inf of {t.numel()}); "
+                               f"refusing to save a broken adapter to {out}")
+
+
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     weights = path / WEIGHTS_NAME
     if weights.is_file():

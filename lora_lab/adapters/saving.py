@@ -9,7 +9,7 @@ from torch import nn
 from lora_lab.adapters.errors import AdapterError
 from lora_lab.adapters.full_weights import full_tensors_to_save, modules_to_save_entries
 from lora_lab.adapters.peft_config import LORA_FA_KEY, _patterns_for, _peft_config, _peft_targets
-from lora_lab.adapters.peft_files import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _check_destination
+from lora_lab.adapters.peft_files import CONFIG_NAME, PREFIX, WEIGHTS_NAME, _check_destination, _refuse_non_finite_save
 from lora_lab.adapters.vera_format import _save_vera
 from lora_lab.embedding_lora import LoRAEmbedding
 from lora_lab.layer import all_lora_layers
@@ -79,6 +79,7 @@ def _save_adapter(model: nn.Module, path: str | Path, overwrite: bool, value_of,
             tensors[f"{PREFIX}{name}.lora_magnitude_vector"] = value_of(layer.magnitude)
     tensors.update(full_tensors_to_save(model, targets, save_embedding_layers))
     modules_to_save = modules_to_save_entries(model)
+    _refuse_non_finite_save(tensors, out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     config = _peft_config(r, alpha, first.dropout_p, targets, exclude, base_name, use_rslora=first.use_rslora,

@@ -12,8 +12,16 @@ from torch import nn
 from lora_lab.adapter_layer import install_adapter_layers, resolve_adapter_dtype
 from lora_lab.adapters.errors import AdapterError
 from lora_lab.adapters.peft_config import _peft_targets
-from lora_lab.adapters.peft_files import CONFIG_NAME, PREFIX, VERA_A_KEY, VERA_B_KEY, WEIGHTS_NAME, _check_destination
-from lora_lab.targets import _select
+from lora_lab.adapters.peft_files import (
+    CONFIG_NAME,
+    PREFIX,
+    VERA_A_KEY,
+    VERA_B_KEY,
+    WEIGHTS_NAME,
+    _check_destination,
+    _refuse_non_finite_save,
+)
+from lora_lab.targets import _refuse_unwrappable, _select
 from lora_lab.vera import VeRALinear, vera_layers, vera_projections
 
 __all__: list[str] = []
@@ -38,6 +46,7 @@ def _save_vera(model: nn.Module, out: Path, overwrite: bool) -> Path:
     for name, layer in layers:
         tensors[f"{PREFIX}{name}.vera_lambda_b"] = layer.lambda_b.detach().contiguous().cpu()
         tensors[f"{PREFIX}{name}.vera_lambda_d"] = layer.lambda_d.detach().contiguous().cpu()
+    _refuse_non_finite_save(tensors, out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
     config = {
@@ -67,6 +76,7 @@ def _load_vera(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tensor], so
         raise AdapterError(f"adapter targets {bad[0][0]}, a {bad[0][1]}; only nn.Linear targets are supported")
     if not modules:
         raise AdapterError(f"adapter targets {targets!r} match no module of {type(model).__name__}")
+    _refuse_unwrappable(model, [n for n, _ in modules], "load_adapter", AdapterError)
     in_max, out_max = max(m.in_features for _, m in modules), max(m.out_features for _, m in modules)
     want = {VERA_A_KEY: (r, in_max), VERA_B_KEY: (out_max, r)}
     for n, m in modules:
@@ -89,11 +99,11 @@ def _load_vera(model: nn.Module, cfg: dict, tensors: dict[str, torch.Tensor], so
     if missing:
         raise AdapterError(f"VeRA adapter has no {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1
                                                                   else ""))
+    w = modules[0][1].weight
     if cfg["save_projection"]:
         a, b = tensors[VERA_A_KEY], tensors[VERA_B_KEY]
-    else:
-        a, b = vera_projections(r, in_max, out_max, cfg["projection_prng_key"])
-    w = modules[0][1].weight
+    else:  # drawn again and rounded to the model's dtype, as PEFT's reload does
+        a, b = vera_projections(r, in_max, out_max, cfg["projection_prng_key"], w.dtype)
     dtype = resolve_adapter_dtype(w.dtype, None)  # fp32 on a bf16/fp16 model, as add_vera and PEFT's reload
     a, b = a.to(device=w.device, dtype=dtype), b.to(device=w.device, dtype=dtype)
     wrapped = [(n, VeRALinear(m, a, b, dropout=cfg["vera_dropout"])) for n, m in modules]

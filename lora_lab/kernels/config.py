@@ -161,27 +161,57 @@ def _parse_env(field: str, text: str):
     raise ValueError(f"{variable}={text!r}: expected 1 or 0")
 
 
+class _FromEnvironment:
+    """The default of every KernelConfig field: the field's ``LORA_LAB_*`` variable when set, else ``SHIPPED``."""
+
+    def __repr__(self) -> str:
+        return "<LORA_LAB_* variable or shipped default>"
+
+
+_ENV = _FromEnvironment()
+
+SHIPPED = {
+    "dispatch": "auto", "base_gemm": "auto", "overlap": "auto", "gemm_loads": "auto", "fuse_q_db": False,
+    "fold_projection": False, "autotune": True, "moe_autotune": True, "moe_block_m": None, "moe_loads": "pointer",
+    "moe_weight_grad": "auto", "moe_engine": "auto", "moe_scatter": "auto", "moe_down_backward": "auto",
+    "rank_ops": "triton",
+}
+
+
+def _seeded(environ: Mapping[str, str], fields) -> dict:
+    """The value of each of ``fields``: its variable in ``environ`` when set (and not blank), else the shipped one."""
+    values = {}
+    for field in fields:
+        text = environ.get(ENV_VARIABLES[field])
+        values[field] = _parse_env(field, text) if text is not None and text.strip() else SHIPPED[field]
+    return values
+
+
 @dataclass(frozen=True)
 class KernelConfig:
-    """Settings of the fused LoRA and MoE kernels (see the module docstring for each field)."""
+    """Settings of the fused LoRA and MoE kernels (see the module docstring for each field). A field left out takes
+    its ``LORA_LAB_*`` variable's value when that is set, else the shipped default (``SHIPPED``)."""
 
-    dispatch: str = "auto"
-    base_gemm: str = "auto"
-    overlap: str = "auto"
-    gemm_loads: str = "auto"
-    fuse_q_db: bool = False
-    fold_projection: bool = False
-    autotune: bool = True
-    moe_autotune: bool = True
-    moe_block_m: int | None = None
-    moe_loads: str = "pointer"
-    moe_weight_grad: str = "auto"
-    moe_engine: str = "auto"
-    moe_scatter: str = "auto"
-    moe_down_backward: str = "auto"
-    rank_ops: str = "triton"
+    dispatch: str = _ENV
+    base_gemm: str = _ENV
+    overlap: str = _ENV
+    gemm_loads: str = _ENV
+    fuse_q_db: bool = _ENV
+    fold_projection: bool = _ENV
+    autotune: bool = _ENV
+    moe_autotune: bool = _ENV
+    moe_block_m: int | None = _ENV
+    moe_loads: str = _ENV
+    moe_weight_grad: str = _ENV
+    moe_engine: str = _ENV
+    moe_scatter: str = _ENV
+    moe_down_backward: str = _ENV
+    rank_ops: str = _ENV
 
     def __post_init__(self):
+        left_out = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is _ENV]
+        for name, value in _seeded(os.environ, left_out).items():
+            object.__setattr__(self, name, value)
         for name, allowed in CHOICES.items():
             value = getattr(self, name)
             if value not in allowed:
@@ -199,11 +229,7 @@ class KernelConfig:
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> KernelConfig:
         """Defaults, replaced by each ``LORA_LAB_*`` variable that is set, then by ``overrides``."""
         environ = os.environ if environ is None else environ
-        values = {}
-        for field, variable in ENV_VARIABLES.items():
-            text = environ.get(variable)
-            if text is not None and text.strip():
-                values[field] = _parse_env(field, text)
+        values = _seeded(environ, [f for f in ENV_VARIABLES if f not in overrides])
         values.update(overrides)
         return cls(**values)
 

@@ -220,8 +220,11 @@ class _SharedInputGroup:
         return True
 
     def output_for(self, index, x):
-        """This member's output, or None when the group cannot serve it (caller runs the single kernel)."""
-        if not self.enabled:
+        """This member's output, or None when the group cannot serve it (caller runs the single kernel).
+
+        An inference tensor (``torch.inference_mode``) has no version counter, so an in-place change between two
+        members' calls could not be seen: each member then runs its own kernel."""
+        if not self.enabled or x.is_inference():
             return None
         pend = self._pending
         if pend is not None:
@@ -354,6 +357,8 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
     Returns a summary: ``{"lora_layers": n, "shared_input_groups": g, "frozen_members": f, "moe_experts": e,
     "fused_loss": bool (lora_lab's loss runs), "loss": "lora_lab" | "liger" | None (the model's own),
     "liger": the composition report (``LigerComposition.as_dict()``) or None without Liger, "skipped": [reasons]}``.
+    A model with nothing to patch (no LoRA layer, no MoE experts, no fused loss) gets a RuntimeWarning saying so, and
+    the reason in ``skipped``.
     Raises :class:`UnsupportedLoRAError` (and patches nothing) when
     ``strict`` and any LoRA layer is unsupported; with ``strict=False`` those layers keep their own forward.
     """
@@ -425,9 +430,14 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
                 groups += 1
 
     moe = moe_patch.patch_moe_experts(model, config=config)
+    skipped = [why for _, why in bad]
+    if not found and not moe and liger["loss"] is None:
+        skipped.append(f"{type(model).__name__} has no LoRA layer (nor MoE experts, nor a fused loss asked for): "
+                       "nothing was patched; add LoRA first (add_lora or load_adapter)")
+        warnings.warn(f"patch_model: {skipped[-1]}", RuntimeWarning, stacklevel=2)
     return {"lora_layers": patched, "shared_input_groups": groups, "frozen_members": frozen, "moe_experts": moe,
             "fused_loss": liger["install_loss"], "loss": liger["loss"], "liger": _liger_summary(model, liger, moe),
-            "skipped": [why for _, why in bad]}
+            "skipped": skipped}
 
 
 def _liger_module():

@@ -14,7 +14,8 @@
 Exit codes: 0 fine; 1 a notebook failed (run), a pre-registration rule was broken (verify), prose states
 a number no run recorded or there was nothing to check (check-prose); 2 bad input (unknown parameter or a value
 its rule refuses, malformed or uncommitted predictions file, not a git repository, no lora_lab checkout, a run
-that cannot be published, ...); 130 interrupted (Ctrl-C).
+that cannot be published, an output folder that cannot be written, no metrics to grade, ...); 130 interrupted
+(Ctrl-C).
 Grading exits 0 whatever the hit rate: a miss is a finding, not a failure.
 
 Paths not given on the command line are taken from the checkout the running ``lora_lab`` package lives in, else
@@ -163,10 +164,20 @@ def command_launch(args: argparse.Namespace) -> int:
     from lora_lab.distributed.launch import LaunchError, launch
 
     try:
-        text = Path(args.config[1:]).read_text(encoding="utf-8") if args.config.startswith("@") else args.config
-        config = json.loads(text)
+        text = args.config
+        if text.startswith("@"):
+            try:
+                text = Path(args.config[1:]).read_text(encoding="utf-8")
+            except OSError as error:
+                raise ValueError(f"--config {args.config}: cannot read {args.config[1:]} ({error.strerror or error})"
+                                 ) from None
+        try:
+            config = json.loads(text)
+        except ValueError as error:
+            source = f"the file {args.config[1:]}" if args.config.startswith("@") else repr(text[:60])
+            raise ValueError(f"--config: {source} is not valid JSON ({error})") from None
         if not isinstance(config, dict):
-            raise ValueError(f"the config must be a JSON object, got {type(config).__name__}")
+            raise ValueError(f"--config must be a JSON object, got {type(config).__name__}")
         results = launch(args.job, config, nproc=args.nproc, out_dir=args.out, timeout=args.timeout)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -217,10 +228,17 @@ def command_grade(args: argparse.Namespace) -> int:
     from lora_lab.lab.grading import grade
     from lora_lab.lab.predictions import PredictionError
     from lora_lab.lab.recording import resolve_profile
+    from lora_lab.lab.runner import RunnerError, check_writable
 
     try:
         # grading reads recorded metrics, so a named profile needs no device; only "auto" is resolved
         profile = args.profile if args.profile in ("cpu", "gpu") else resolve_profile(args.profile)
+        profile_dir = (args.outputs_dir or repo_root() / "outputs") / profile
+        if not any(profile_dir.glob("*.metrics.json")):
+            raise ValueError(f"no *.metrics.json in {profile_dir}: nothing to grade (lora-lab run writes a run's "
+                             f"metrics into build/runs/<profile>/: grade them with --outputs-dir build/runs)")
+        if not args.no_write:
+            check_writable(profile_dir, "--outputs-dir (or --no-write)")
         grade(
             profile,
             predictions_path=args.predictions,
@@ -228,7 +246,7 @@ def command_grade(args: argparse.Namespace) -> int:
             notebooks_dir=args.notebooks_dir,
             write=not args.no_write,
         )
-    except (PredictionError, RuntimeError, ValueError) as error:
+    except (PredictionError, RunnerError, RuntimeError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return EXIT_OK

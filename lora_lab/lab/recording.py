@@ -16,7 +16,8 @@ and the run lands in ``<output folder>/<notebook>.metrics.json``::
 
 **Where the run goes.** Under ``lora-lab run`` the runner hands the notebook one context (the environment
 variable ``LORA_LAB_RUN``): its profile, its output folder and its parameters. Run any other way (Jupyter,
-``papermill``, ``pytest --nbval``), results go to a scratch folder, ``<repo>/build/scratch/<profile>/``: the
+``papermill``, ``pytest --nbval``), results go to a scratch folder, ``<repo>/build/scratch/<profile>/`` (the
+checkout around the current folder, else the one the package lives in: :func:`checkout`): the
 committed ``outputs/`` only ever receive what ``lora-lab publish`` copies there after its checks.
 
 **Parameters** are read from the notebook's own ``parameters`` cell (names) and the caller's namespace
@@ -29,6 +30,7 @@ The file is rewritten atomically at every ``record`` so the values measured befo
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import json
 import math
 import os
@@ -82,11 +84,26 @@ def resolve_profile(profile: str = "auto") -> str:
     return name
 
 
+def _package_dir() -> Path:
+    """The folder of the imported ``lora_lab`` package."""
+    return Path(__file__).resolve().parents[1]
+
+
+def checkout() -> Path | None:
+    """The checkout a run outside the runner belongs to: the one around the current directory (Jupyter starts the
+    kernel in the notebook's folder), else the one the imported ``lora_lab`` package lives in (``papermill`` or a
+    script started from another folder), else None."""
+    return find_repo_root() or find_repo_root(_package_dir())
+
+
 def scratch_dir(profile: str) -> Path:
-    """Where a run outside the runner writes: ``<repo>/build/scratch/<profile>`` (or a temporary folder)."""
-    root = find_repo_root()
-    base = root / SCRATCH_DIR if root is not None else Path(tempfile.gettempdir()) / "lora_lab_scratch"
-    return base / profile
+    """Where a run outside the runner writes: ``<checkout>/build/scratch/<profile>`` (:func:`checkout`); with no
+    checkout, a temporary folder named after the package's location, so two installations never share one."""
+    root = checkout()
+    if root is not None:
+        return root / SCRATCH_DIR / profile
+    tag = hashlib.sha256(str(_package_dir()).encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"lora_lab_scratch_{tag}" / profile
 
 
 def metrics_path(output_directory: Path | str, notebook: str) -> Path:
@@ -309,7 +326,7 @@ def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, A
     global _current
     _check_stem(notebook_stem)
     context = run_context()
-    root = find_repo_root()
+    root = checkout()
     notebook_path = root / "notebooks" / f"{notebook_stem}.ipynb" if root is not None else None
     overrides: dict[str, Any] = {}
     if context is not None:

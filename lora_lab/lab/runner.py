@@ -13,8 +13,9 @@ For each selected ``notebooks/NN_name.ipynb`` the runner
 - on the ``gpu`` profile skips a notebook whose metadata asks for more GPUs than the machine has
   (``{"lora_lab": {"gpus": 2}}``; the cpu profile runs every notebook's cpu path), saying so, and removes its old
   metrics file from the output folder; a skip is not a failure;
-- removes the notebook's previous metrics file (stale results must not be graded), executes it into
-  ``<outputs>/<profile>/<stem>.ipynb``;
+- moves the notebook's previous metrics file out of the grader's way (stale results must not be graded): a
+  completed one to ``.<stem>.metrics.previous.json``, removed when this run completes and kept when it fails; then
+  executes the notebook into ``<outputs>/<profile>/<stem>.ipynb``;
 - on failure reports the notebook, the failing cell (index in the source notebook, counting from 0) and
   the exception, marks its metrics ``failed``, and goes on with the next notebook; on Ctrl-C marks the one
   running ``interrupted``, says so in one line and stops.
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -387,6 +389,47 @@ def inject_overrides(path: Path, overrides: dict[str, Any], executed_path: Path)
     return executed_path
 
 
+def check_cell_timeout(cell_timeout: Any) -> int | None:
+    """``--cell-timeout`` as the whole number of seconds nbclient takes (its timeout is an integer), checked before
+    anything runs; None: no limit."""
+    if cell_timeout is None:
+        return None
+    whole = isinstance(cell_timeout, int) or isinstance(cell_timeout, float) and cell_timeout.is_integer()
+    if isinstance(cell_timeout, bool) or not whole or not cell_timeout > 0:
+        raise RunnerError(f"--cell-timeout must be a positive whole number of seconds (the notebook executor takes "
+                          f"an integer); got {cell_timeout!r}")
+    return int(cell_timeout)
+
+
+def check_writable(directory: Path, option: str) -> None:
+    """Create ``directory`` if needed and write a file into it, or raise RunnerError naming the folder (and the
+    option that chose it), before anything runs."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as error:
+        where = Path(error.filename) if error.filename else directory
+        raise RunnerError(f"cannot write into {directory} ({error.strerror or error} at {where}): give a writable "
+                          f"folder with {option}") from None
+
+
+def _set_aside(output_dir: Path, stem: str) -> Path:
+    """Move an earlier completed result of ``stem`` to a hidden name that nothing grades or publishes (not
+    ``*.metrics.json``), kept if this run fails; an earlier failed result is dropped. Returns the hidden path."""
+    metrics_file, kept = metrics_path(output_dir, stem), output_dir / f".{stem}.metrics.previous.json"
+    if metrics_file.is_file():
+        try:
+            completed = read_metrics(metrics_file).get("provenance", {}).get("status") == "completed"
+        except (OSError, ValueError, AttributeError):
+            completed = False
+        if completed:
+            os.replace(metrics_file, kept)
+        else:
+            metrics_file.unlink()
+    return kept
+
+
 def run_notebook(
     plan: NotebookPlan,
     profile: str,
@@ -400,7 +443,7 @@ def run_notebook(
     stem = path.stem
     executed_path = output_dir / f"{stem}.ipynb"
     metrics_file = metrics_path(output_dir, stem)
-    metrics_file.unlink(missing_ok=True)
+    kept = _set_aside(output_dir, stem)  # stale results must not be graded, but a failing run must not lose them
     started_clock = time.monotonic()
     started = _now()
     context = {"notebook": stem, "profile": profile, "output_dir": str(output_dir), "notebook_path": str(path),
@@ -437,6 +480,10 @@ def run_notebook(
     warnings: list[str] = []
     if status == "interrupted":
         quiet_orphaned_kernel_tasks()
+    if status == "ok" and metrics_file.is_file():
+        kept.unlink(missing_ok=True)  # replaced by this run's result
+    elif kept.is_file():
+        warnings.append(f"the earlier completed result of {stem} is kept as {kept.name} (not graded)")
     if status != "ok":
         mark_run_ended(metrics_file, STATUS_INTERRUPTED if status == "interrupted" else STATUS_FAILED, error_details)
     elif not metrics_file.is_file():
@@ -495,8 +542,7 @@ def run(
     from tqdm.auto import tqdm
 
     stream = stream or sys.stdout
-    if cell_timeout is not None and not cell_timeout > 0:
-        raise RunnerError(f"--cell-timeout must be a positive number of seconds; got {cell_timeout}")
+    cell_timeout = check_cell_timeout(cell_timeout)
     resolved = resolve_profile(profile)
     try:
         notebooks = select_notebooks(discover_notebooks(notebooks_dir), only)
@@ -508,7 +554,7 @@ def run(
     plans = plan_parameters(notebooks, dict(overrides or {}), resolved)
     skipped = {path: reason for path in notebooks if (reason := skip_reason(path, resolved)) is not None}
     output_dir = Path(outputs_root).resolve() / resolved
-    output_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(output_dir, "--outputs-dir")
     disabled = progress_disabled(disable_progress)
     print(f"running {len(notebooks)} notebook(s) on profile {resolved} into {output_dir}", file=stream)
     results: list[NotebookResult] = []

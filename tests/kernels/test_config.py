@@ -26,7 +26,11 @@ def test_environment_seeds_defaults_and_arguments_win(monkeypatch):
     assert config.moe_weight_grad == "kgrouped"
     assert KernelConfig.from_env(dispatch="cublas").dispatch == "cublas"
     assert resolve_config(None) == config  # no config given: the environment's defaults, read at the call
-    assert KernelConfig().dispatch == "auto"  # a plain KernelConfig() ignores the environment
+    # a field left out of KernelConfig(...) takes its variable's value, as from_env; one given wins
+    assert KernelConfig() == config and KernelConfig(autotune=True).dispatch == "triton"
+    assert KernelConfig(dispatch="auto").dispatch == "auto" and KernelConfig(dispatch="auto").autotune is False
+    assert KernelConfig.from_env({}) == KernelConfig.from_env({}, dispatch="auto")  # another environment: its own
+    assert KernelConfig.from_env({}).dispatch == "auto" and KernelConfig.from_env({}).autotune is True
 
 
 @pytest.mark.parametrize("variable, value, message", [

@@ -466,3 +466,25 @@ def test_saved_and_loaded_patched_model_runs_on_its_own_parameters(tmp_path):
         assert torch.equal(model(input_ids=ids).logits, want)
     loaded(input_ids=ids, labels=ids).loss.backward()
     assert lora_grads(loaded) and not lora_grads(model)
+
+
+def test_patched_model_runs_under_inference_mode():
+    """Inference tensors carry no version counter: the shared-input groups step aside and each layer runs its
+    own kernel, forward and generate giving what the unpatched model gives."""
+    model = lora_lab.add_lora(lora_lab.load_model("random:tiny-qwen2", dtype=torch.float32, device=DEVICE), r=4,
+                              targets=ALL_PROJ)
+    lora_lab.fill_lora_B(model, 0.02, generator=torch.Generator().manual_seed(0))
+    ref = copy.deepcopy(model)
+    assert patch_model(model)["shared_input_groups"] == 4
+    ids = torch.randint(3, 500, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.inference_mode():
+        assert rel_l2(model(ids).logits, ref(ids).logits) < 1e-5
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, ref.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0))
+
+
+def test_a_model_without_lora_is_reported_not_silently_left_alone():
+    model = lora_lab.load_model("random:tiny-qwen2", dtype=torch.float32, device=DEVICE)
+    with pytest.warns(RuntimeWarning, match="patch_model: Qwen2ForCausalLM has no LoRA layer .*nothing was patched"):
+        report = patch_model(model)
+    assert report["lora_layers"] == 0 and "has no LoRA layer" in report["skipped"][0]

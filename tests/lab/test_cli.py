@@ -82,3 +82,52 @@ def test_a_notebooks_verdicts_outside_the_repository_use_the_packages_prediction
                                    "metrics": {}, "notes": {}, "provenance": {"status": "completed"}}))
     rows, _ = notebook_verdicts("01_build_lora_layer", "cpu", metrics)
     assert rows and all(row.notebook == "01_build_lora_layer" for row in rows)
+
+
+def test_grade_refuses_a_folder_without_metrics_and_writes_nothing(tmp_path, capsys):
+    (tmp_path / "cpu").mkdir()
+    for extra in ([], ["--no-write"]):
+        assert main(["grade", "--profile", "cpu", "--outputs-dir", str(tmp_path), *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"error: no *.metrics.json in {tmp_path / 'cpu'}: nothing to grade" in err
+    assert list((tmp_path / "cpu").iterdir()) == []
+
+
+def _unwritable(tmp_path):
+    """A folder no one can write into, root included: a path below a plain file."""
+    (tmp_path / "a_file").write_text("")
+    return tmp_path / "a_file" / "runs"
+
+
+def test_run_into_an_unwritable_folder_names_it_before_anything_runs(tmp_path, capsys):
+    fixtures = Path(__file__).parent / "fixtures" / "notebooks"
+    runs = _unwritable(tmp_path)
+    code = main(["run", "--profile", "cpu", "--notebooks-dir", str(fixtures), "--outputs-dir", str(runs),
+                 "--only", "01"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: cannot write into {runs / 'cpu'} (" in err and "--outputs-dir" in err, err
+    assert "Traceback" not in err and "nothing was run" in err
+
+
+def test_grade_into_an_unwritable_folder_names_it(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "01_records_metrics.metrics.json").write_text("{}")
+
+    def refuse(*args, **kwargs):  # a read-only folder (chmod does not stop root, who may run the tests)
+        raise PermissionError(13, "Permission denied", str(tmp_path / "cpu"))
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    assert main(["grade", "--profile", "cpu", "--outputs-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: cannot write into {tmp_path / 'cpu'} (Permission denied" in err and "--no-write" in err, err
+    assert list((tmp_path / "cpu").iterdir()) == [tmp_path / "cpu" / "01_records_metrics.metrics.json"]
+
+
+@pytest.mark.parametrize("config, says", [("{bad", "--config: '{bad' is not valid JSON"),
+                                          ("[1]", "--config must be a JSON object, got list"),
+                                          ("@/no/such/file.json", "--config @/no/such/file.json: cannot read")])
+def test_launch_names_a_bad_config(config, says, capsys):
+    assert main(["launch", "lora_lab.distributed.jobs:train_lora", "--config", config]) == 2
+    assert f"error: {says}" in capsys.readouterr().err

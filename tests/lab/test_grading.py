@@ -170,7 +170,7 @@ def test_grade_command_grades_the_gpu_profile_without_a_gpu(tmp_path, monkeypatc
     import lora_lab.lab.recording as recording
 
     monkeypatch.setattr(recording, "cuda_available", lambda: False)
-    (tmp_path / "gpu").mkdir()
+    _write_metrics(tmp_path / "gpu", "01_records_metrics", {"answer": 42})
     common = ["--outputs-dir", str(tmp_path), "--notebooks-dir", str(FIXTURE_NOTEBOOKS), "--no-write"]
     assert main(["grade", "--profile", "gpu", "--predictions", str(EVERY_COMPARATOR), *common]) == 0
     assert "profile gpu:" in capsys.readouterr().out

@@ -195,7 +195,35 @@ def test_output_dir_is_scratch_outside_the_runner(bare_repo, tmp_path, monkeypat
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    assert not str(lab.output_dir("cpu")).startswith(str(elsewhere))  # a temporary folder, not cwd
+    assert not str(lab.output_dir("cpu")).startswith(str(elsewhere))  # the package's checkout, not cwd
+
+
+def test_a_run_started_outside_the_checkout_records_its_overrides_in_the_packages_checkout(bare_repo, tmp_path,
+                                                                                          monkeypatch):
+    """papermill started from another folder: the kernel's cwd holds no checkout, so the package's checkout gives
+    the parameters cell (the override is recorded, the run voided) and the scratch folder (never one shared)."""
+    import nbformat
+
+    repo = bare_repo
+    cell = nbformat.v4.new_code_cell('PROFILE = "auto"\nR = 8')
+    cell.metadata["tags"] = ["parameters"]
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), str(repo / "notebooks" / "01_demo.ipynb"))
+    monkeypatch.setattr(recording, "_package_dir", lambda: repo / "lora_lab")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = lab.start_run("01_demo", "cpu", namespace={"PROFILE": "auto", "R": 4})
+    assert run.parameters == {"PROFILE": "auto", "R": 4} and run.provenance["parameter_overrides"] == {"R": 4}
+    assert run.directory == repo.resolve() / "build" / "scratch" / "cpu"
+    lab.finish_run()
+
+
+def test_without_any_checkout_the_scratch_folder_is_the_installations_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(recording, "_package_dir", lambda: tmp_path / "site-packages" / "lora_lab")
+    one = recording.scratch_dir("cpu")
+    monkeypatch.setattr(recording, "_package_dir", lambda: tmp_path / "other-venv" / "lora_lab")
+    assert one.name == "cpu" and one != recording.scratch_dir("cpu")
 
 
 def test_mark_run_ended_keeps_what_was_recorded(out_dir):

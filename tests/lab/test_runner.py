@@ -86,6 +86,20 @@ def test_a_failing_notebook_is_reported_and_the_others_survive(batch):
     assert (cpu / "01_line.png").is_file()
 
 
+def test_a_failing_run_keeps_the_earlier_completed_result_aside(batch, tmp_path):
+    """The planted completed result of 02 is not graded (02 failed this time), but not lost either; a run that
+    completes replaces the kept one."""
+    _, cpu, printed = batch
+    kept = cpu / ".02_fails_at_known_cell.metrics.previous.json"
+    assert json.loads(kept.read_text()) == STALE
+    assert "the earlier completed result of 02_fails_at_known_cell is kept as " + kept.name in printed
+    assert metrics(cpu, "02_fails_at_known_cell")["provenance"]["status"] == "failed"
+    shutil.copytree(cpu, tmp_path / "cpu")
+    assert run(profile="cpu", only=["3"], notebooks_dir=FIXTURE_NOTEBOOKS, outputs_root=tmp_path,
+               disable_progress=True, stream=io.StringIO()) == 0
+    assert not list((tmp_path / "cpu").glob(".03_*previous*"))  # completed again: nothing kept
+
+
 def test_figures_stay_in_the_executed_notebook_even_with_mplbackend_agg(batch):
     _, cpu, _ = batch
     executed = nbformat.read(str(cpu / "01_records_metrics.ipynb"), as_version=4)
@@ -176,6 +190,20 @@ def test_run_command_rejects_unknown_parameter_without_running(tmp_path, capsys)
     assert code == 2
     assert "unknown parameter 'NOPE'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("value", ["300.5", "0", "-3", "nan", "inf"])
+def test_a_bad_cell_timeout_is_refused_before_anything_runs_and_loses_no_result(tmp_path, capsys, value):
+    good = {"notebook": "01_records_metrics", "profile": "cpu", "metrics": {"answer": 42},
+            "provenance": {"status": "completed"}}
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "01_records_metrics.metrics.json").write_text(json.dumps(good))
+    code = main(["run", "--profile", "cpu", "--notebooks-dir", str(FIXTURE_NOTEBOOKS), "--outputs-dir", str(tmp_path),
+                 "--only", "01", "--cell-timeout", value])
+    assert code == 2
+    assert "--cell-timeout must be a positive whole number of seconds" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "cpu").iterdir()] == ["01_records_metrics.metrics.json"]
+    assert metrics(tmp_path / "cpu", "01_records_metrics") == good
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
@@ -490,6 +518,21 @@ def test_every_notebook_parameter_has_a_rule_its_default_passes():
         for name, default in declared_parameters(path).items():
             assert name in PARAMETER_RULES, f"{path.name}: parameter {name} has no rule in PARAMETER_RULES"
             assert parameter_problem(name, default) is None, f"{path.name}: the registered {name}={default!r}"
+
+
+def test_papermill_parses_every_notebooks_parameters_cell(caplog):
+    """`papermill NB out -p NAME VALUE` run directly reads the parameters cell with its own line parser, which takes
+    a line whose comment holds "=" (or ">=") for an unparsable one and warns: every line must parse."""
+    from papermill.translators import PythonTranslator
+
+    for path in discover_notebooks(REPO_NOTEBOOKS):
+        cell = next(c for c in nbformat.read(str(path), as_version=4).cells
+                    if "parameters" in (c.metadata.get("tags") or []))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="papermill"):
+            names = [parameter.name for parameter in PythonTranslator.inspect(cell)]
+        assert "Unable to parse" not in caplog.text, f"{path.name}: {caplog.text}"
+        assert names == list(declared_parameters(path)), path.name
 
 
 def test_overrides_print_no_papermill_parse_warning(tmp_path, caplog, capfd):

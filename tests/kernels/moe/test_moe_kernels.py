@@ -506,7 +506,8 @@ def test_kernel_config_switches_moe_tuning_off(monkeypatch):
     assert lc.narrow_block_size(16, fixed, volume=1000) == 64
     assert lc.row_block_size(8192 * 8, 128, KernelConfig(moe_block_m=32)) == 32
     monkeypatch.setenv("LORA_LAB_MOE_AUTOTUNE", "0")  # the environment only seeds the default
-    assert not KernelConfig.from_env().moe_autotune and KernelConfig().moe_autotune
+    assert not KernelConfig.from_env().moe_autotune and not KernelConfig().moe_autotune
+    assert KernelConfig(moe_autotune=True).moe_autotune
 
 
 def test_unspecialized_twins_cover_every_size_and_stride():

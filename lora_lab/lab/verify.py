@@ -31,116 +31,31 @@ by its path only (a rename starts a new history). A shallow clone cannot be veri
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH, PredictionError, parse_predictions_yaml
+from lora_lab.lab.git_history import (  # noqa: F401 - the git helpers: public here too
+    Commit,
+    GitError,
+    Registration,
+    UnreadableVersion,
+    commits_touching,
+    entries_by_id,
+    file_at,
+    git,
+    has_commits,
+    is_amendment,
+    is_ancestor,
+    is_shallow,
+    parents_of,
+    registrations,
+    repository_root,
+)
+from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH
 from lora_lab.lab.provenance import code_hash_at, code_hash_scope_of
 
 DEFAULT_OUTPUTS = Path("outputs")
-
-
-class GitError(RuntimeError):
-    """git is missing, the directory is not a repository, or a git command failed."""
-
-
-def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False)
-    except OSError as error:
-        raise GitError(f"cannot run git: {error}") from error
-    if check and done.returncode != 0:
-        raise GitError(f"git {' '.join(args)} failed in {repo}: {done.stderr.strip()}")
-    return done
-
-
-def repository_root(path: Path | str) -> Path:
-    done = git(Path(path), "rev-parse", "--show-toplevel", check=False)
-    if done.returncode != 0:
-        raise GitError(f"{path} is not inside a git repository ({done.stderr.strip()})")
-    return Path(done.stdout.strip())
-
-
-def has_commits(repo: Path) -> bool:
-    return git(repo, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode == 0
-
-
-def is_shallow(repo: Path) -> bool:
-    return git(repo, "rev-parse", "--is-shallow-repository", check=False).stdout.strip() == "true"
-
-
-@dataclass(frozen=True)
-class Commit:
-    sha: str
-    date: str  # committer date, ISO 8601
-
-    @property
-    def short(self) -> str:
-        return self.sha[:10]
-
-
-def commits_touching(repo: Path, relative_path: str) -> list[Commit]:
-    """Commits of HEAD's history that changed ``relative_path``, oldest first (topological)."""
-    if not has_commits(repo):
-        return []
-    done = git(repo, "log", "--full-history", "--topo-order", "--reverse", "--format=%H %cI", "HEAD", "--",
-               relative_path)
-    commits = []
-    for line in done.stdout.splitlines():
-        sha, _, date = line.partition(" ")
-        commits.append(Commit(sha, date))
-    return commits
-
-
-def parents_of(repo: Path, shas: list[str]) -> dict[str, list[str]]:
-    if not shas:
-        return {}
-    done = git(repo, "rev-list", "--parents", "--no-walk=unsorted", *shas)
-    parents: dict[str, list[str]] = {}
-    for line in done.stdout.splitlines():
-        sha, *rest = line.split()
-        parents[sha] = rest
-    return parents
-
-
-def file_at(repo: Path, sha: str, relative_path: str) -> str | None:
-    """The text of ``relative_path`` at commit ``sha``, or None if it does not exist there."""
-    done = git(repo, "show", f"{sha}:{relative_path}", check=False)
-    return done.stdout if done.returncode == 0 else None
-
-
-def is_ancestor(repo: Path, older: str, newer: str) -> bool:
-    return git(repo, "merge-base", "--is-ancestor", older, newer, check=False).returncode == 0
-
-
-class _Unreadable(Exception):
-    pass
-
-
-def entries_by_id(text: str | None, where: str) -> dict[str, Any]:
-    """``{id: raw entry}`` of one version of the predictions file (missing file: empty)."""
-    if text is None:
-        return {}
-    try:
-        entries, _ = parse_predictions_yaml(text, source=where)
-    except PredictionError as error:
-        raise _Unreadable(f"{where}: {'; '.join(error.problems)}") from None
-    found: dict[str, Any] = {}
-    amendments: dict[str, int] = {}
-    for entry in entries:
-        if isinstance(entry, dict) and "amends" in entry:
-            target = str(entry["amends"])
-            amendments[target] = amendments.get(target, 0) + 1
-            found[f"amends {target} #{amendments[target]}"] = entry
-        elif isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"] not in found:
-            found[entry["id"]] = entry
-    return found
-
-
-def is_amendment(key: str) -> bool:
-    return key.startswith("amends ")
 
 
 def describe_edit(old: Any, new: Any) -> str:
@@ -155,16 +70,6 @@ def describe_edit(old: Any, new: Any) -> str:
         elif old[key] != new[key]:
             changes.append(f"field '{key}' {old[key]!r} -> {new[key]!r}")
     return "; ".join(changes)
-
-
-@dataclass(frozen=True)
-class Registration:
-    commit: str
-    date: str
-
-    @property
-    def short(self) -> str:
-        return self.commit[:10]
 
 
 @dataclass
@@ -192,21 +97,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def registrations(repo: Path | str, predictions_path: str = str(DEFAULT_PREDICTIONS_PATH)) -> dict[str, Registration]:
-    """``{id: Registration}``: the first commit whose predictions file holds each id."""
-    repo = repository_root(repo)
-    found: dict[str, Registration] = {}
-    for commit in commits_touching(repo, predictions_path):
-        try:
-            ids = entries_by_id(file_at(repo, commit.sha, predictions_path), f"{predictions_path}@{commit.short}")
-        except _Unreadable:
-            continue
-        for entry_id in ids:
-            if not is_amendment(entry_id):
-                found.setdefault(entry_id, Registration(commit.sha, commit.date))
-    return found
-
-
 def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -> None:
     history = commits_touching(repo, predictions_path)
     parents = parents_of(repo, [commit.sha for commit in history])
@@ -221,14 +111,14 @@ def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -
     for commit in history:
         try:
             new = version(commit.sha)
-        except _Unreadable as error:
+        except UnreadableVersion as error:
             report.violations.append(f"cannot check across an unreadable version: {error}")
             continue
         seen.update(new)
         for parent in parents.get(commit.sha, []):
             try:
                 old = version(parent)
-            except _Unreadable:
+            except UnreadableVersion:
                 continue  # reported when that commit itself was visited
             for entry_id, entry in old.items():
                 if entry_id not in new:
@@ -252,7 +142,7 @@ def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -
                 working_file.read_text(encoding="utf-8") if working_file.is_file() else None,
                 f"{predictions_path} (working tree)",
             )
-        except _Unreadable as error:
+        except UnreadableVersion as error:
             report.violations.append(f"cannot check the working tree: {error}")
             return
         for entry_id, entry in committed.items():
@@ -293,7 +183,7 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
         current = entries_by_id(
             working_file.read_text(encoding="utf-8") if working_file.is_file() else None, predictions_path
         )
-    except _Unreadable as error:
+    except UnreadableVersion as error:
         report.violations.append(f"cannot read the current predictions: {error}")
         return
     superseded = set()

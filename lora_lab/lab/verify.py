@@ -40,6 +40,7 @@ from lora_lab.lab.git_history import (  # noqa: F401 - the git helpers: public h
     GitError,
     Registration,
     UnreadableVersion,
+    amendment_registrations,
     commits_touching,
     entries_by_id,
     file_at,
@@ -293,6 +294,50 @@ def check_results_tie_to_code(repo: Path, outputs: str, report: VerifyReport) ->
             )
 
 
+def check_history_rules(repo: Path, predictions_path: str, outputs: str, report: VerifyReport) -> None:
+    """Each committed run history grades every run by the rules in force at its commit, and applies an amendment
+    that changes grading (``kind``) only to runs whose commit descends from the commit that registered it."""
+    from lora_lab.lab.history import HISTORY_NAME, ancestry, parse_history
+    from lora_lab.lab.rules import CURRENT, version_of_run
+
+    listing = git(repo, "ls-tree", "-r", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
+        if has_commits(repo) else []
+    files = sorted(item for item in listing if Path(item).name == HISTORY_NAME)
+    if not files:
+        return
+    amendments = amendment_registrations(repo, predictions_path)
+    in_history = ancestry(repo)
+    for path in files:
+        try:
+            runs = parse_history(file_at(repo, "HEAD", path), path)
+        except ValueError as error:
+            report.violations.append(f"{path}: {error}")
+            continue
+        for run in runs:
+            ran, published = run.get("git_commit"), run.get("published_in")
+            where = f"{path}: the run of {run.get('notebook')} at {str(ran or published or '?')[:7]}"
+            if not isinstance(run.get("rules"), int) or not isinstance(run.get("grading_amendments"), list):
+                report.violations.append(f"{where} does not say which rules graded it (rules, grading_amendments): "
+                                         "regenerate the history (python tools/seed_run_history.py)")
+                continue
+            if ran or published:
+                due = version_of_run(run, in_history)
+                if run["rules"] > due:
+                    report.violations.append(f"{where} is graded by rules v{run['rules']}, which came after it "
+                                             f"(v{due} was in force): a later rule applies to later runs only")
+            elif run["rules"] != CURRENT:
+                report.violations.append(f"{where} names no commit, yet is graded by rules v{run['rules']}")
+            for key in run["grading_amendments"]:
+                registration = amendments.get(key)
+                if registration is None:
+                    report.violations.append(f"{where} applies amendment {key!r}, which {predictions_path} never held")
+                elif not (ran or published) or not in_history(registration.commit, str(ran or published), not ran):
+                    report.violations.append(
+                        f"{where} is graded with {key!r} (it changes how the prediction is graded), registered in "
+                        f"{registration.short} ({registration.date}), after that run: an amendment that changes "
+                        "grading applies to later runs only")
+
+
 def verify(
     repo: Path | str = ".",
     predictions_path: str = str(DEFAULT_PREDICTIONS_PATH),
@@ -309,4 +354,5 @@ def verify(
     check_append_only(root, predictions_path, report)
     check_predicted_before_measured(root, predictions_path, outputs.rstrip("/"), report)
     check_results_tie_to_code(root, outputs.rstrip("/"), report)
+    check_history_rules(root, predictions_path, outputs.rstrip("/"), report)
     return report

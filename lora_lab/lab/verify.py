@@ -1,6 +1,6 @@
 """Check from git history that the pre-registration was honest.
 
-Four invariants:
+Six invariants:
 
 1. **Append-only.** For every commit C that touched ``predictions/predictions.yaml`` and every
    parent P of C: each id in the file at P is in the file at C, unchanged (compared as parsed
@@ -17,11 +17,20 @@ Four invariants:
 3. **Results tie to code.** Every committed ``outputs/<profile>/*.metrics.json`` that names the commit it ran
    (``git_commit``) and carries a ``code_hash`` must have been run by exactly the code committed there:
    the hash recomputed from that commit, over the files of the run's ``code_hash_scope`` (``lora_lab/`` and
-   ``benchmarks/`` since issue #27; ``lora_lab/`` for older runs, which record no scope), equals the recorded one.
+   ``benchmarks/`` for newer runs; ``lora_lab/`` for older ones, which record no scope), equals the recorded one.
 
 4. **Results say which code ran them.** A published run whose code (same scope) differs from HEAD's fails,
    unless the profile's committed run history (``outputs/<profile>/run_history.json``) has an entry of that
    notebook naming the run's commit and code hash: then it stays published, labelled ``ran <commit>``.
+
+5. **Graded by the rules of its day.** Each run of a committed ``run_history.json`` names the rules version that
+   graded it (``rules``), no later than the version in force at its commit, and applies a grading amendment
+   (``kind``) only when the commit that registered it is an ancestor of the run's (:mod:`lora_lab.lab.rules`).
+
+6. **The published notebook is what ran.** The code cells of ``outputs/<profile>/NN_*.ipynb`` hash to those the run
+   executed (its recorded ``code_cells_hash``; for older runs, the code cells of the notebook at the run's commit,
+   when that version's notebook hash is the recorded one). Markdown may change after a run; code may not. A run
+   listed in ``predictions/stale_runs.yaml`` (shrink-only, printed on every verify) is a note, not a violation.
 
 A prediction's registration date and commit (shown on the scoreboard) are the first commit,
 in topological order, whose predictions file holds its id. The predictions file is followed
@@ -34,6 +43,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from lora_lab.lab.git_history import (  # noqa: F401 - the git helpers: public here too
     Commit,
@@ -54,7 +65,7 @@ from lora_lab.lab.git_history import (  # noqa: F401 - the git helpers: public h
     repository_root,
 )
 from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH
-from lora_lab.lab.provenance import code_hash_at, code_hash_scope_of
+from lora_lab.lab.provenance import code_cells_hash, code_hash_at, code_hash_scope_of, notebook_text_hash
 
 DEFAULT_OUTPUTS = Path("outputs")
 
@@ -338,6 +349,86 @@ def check_history_rules(repo: Path, predictions_path: str, outputs: str, report:
                         "grading applies to later runs only")
 
 
+STALE_RUNS = "predictions/stale_runs.yaml"
+
+
+def ran_code_cells(repo: Path, profile_dir: str, notebook: str, provenance: dict) -> str | None:
+    """The hash of the code cells a published run executed: recorded (``code_cells_hash``), else those of
+    ``notebooks/<notebook>.ipynb`` at the commit it ran from when that version's notebook hash is the recorded one;
+    None when neither tells."""
+    if provenance.get("code_cells_hash"):
+        return str(provenance["code_cells_hash"])
+    commit, recorded = provenance.get("git_commit"), provenance.get("notebook_hash")
+    text = file_at(repo, str(commit), f"notebooks/{notebook}.ipynb") if commit and recorded else None
+    if text is not None and notebook_text_hash(text) == recorded:
+        return code_cells_hash(text)
+    return None
+
+
+def load_stale_runs(text: str | None, where: str = STALE_RUNS) -> dict[tuple[str, str, str], str]:
+    """``{(profile, notebook, commit prefix): why}`` of the known-stale list (see :func:`check_published_notebooks`)."""
+    entries = yaml.safe_load(text) if text else []
+    if not isinstance(entries, list):
+        raise ValueError(f"{where}: not a list")
+    found = {}
+    for index, entry in enumerate(entries):
+        fields = ("profile", "notebook", "git_commit", "why")
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(name), str) and entry[name] for name in fields):
+            raise ValueError(f"{where}: entry #{index + 1} needs text fields {', '.join(fields)}")
+        found[entry["profile"], entry["notebook"], entry["git_commit"]] = entry["why"]
+    return found
+
+
+def check_published_notebooks(repo: Path, outputs: str, report: VerifyReport) -> None:
+    """Every published notebook (``outputs/<profile>/NN_*.ipynb``) holds the code cells its run executed. A run whose
+    notebook was edited after it ran fails, unless it is listed in ``predictions/stale_runs.yaml`` (profile,
+    notebook, the commit it ran from, why): a list that may only shrink, printed on every verify."""
+    listing = git(repo, "ls-tree", "-r", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
+        if has_commits(repo) else []
+    try:
+        listed = load_stale_runs(file_at(repo, "HEAD", STALE_RUNS))
+        versions = [load_stale_runs(file_at(repo, commit.sha, STALE_RUNS), f"{STALE_RUNS} at {commit.short}")
+                    for commit in commits_touching(repo, STALE_RUNS)]
+        working = repo / STALE_RUNS
+        if working.is_file():
+            listed = load_stale_runs(working.read_text(encoding="utf-8"), f"{STALE_RUNS} (working tree)")
+            versions.append(listed)
+    except ValueError as error:
+        report.violations.append(str(error))
+        return
+    for before, after in zip(versions, versions[1:]):
+        for key in sorted(set(after) - set(before)):
+            report.violations.append(f"{STALE_RUNS}: {'/'.join(key)} was added after the list was first committed: "
+                                     "the list of known-stale published runs may only shrink; republish the run")
+    used = set()
+    for path in sorted(item for item in listing if item.endswith(".ipynb") and item.count("/") == 2):
+        profile, notebook = path.split("/")[1], Path(path).stem
+        try:
+            payload = json.loads(file_at(repo, "HEAD", f"{outputs}/{profile}/{notebook}.metrics.json") or "{}")
+        except ValueError:
+            continue  # reported by check_results_tie_to_code
+        provenance = payload.get("provenance") or {}
+        ran = ran_code_cells(repo, f"{outputs}/{profile}", notebook, provenance)
+        if ran is None:
+            report.notes.append(f"{path}: its run recorded no code-cell hash, and the notebook at the commit it ran "
+                                "from does not match its notebook hash: cannot tell which code cells ran")
+            continue
+        if code_cells_hash(file_at(repo, "HEAD", path) or "{}") == ran:
+            continue
+        commit = str(provenance.get("git_commit") or "")
+        key = next((key for key in listed if key[:2] == (profile, notebook) and key[2] and commit.startswith(key[2])),
+                   None)
+        problem = f"{path}: code cells differ from the run (of {commit[:7] or 'an unknown commit'}); republish needed"
+        if key is None:
+            report.violations.append(problem)
+        else:
+            used.add(key)
+            report.notes.append(f"{problem} (known stale, {STALE_RUNS}: {listed[key]})")
+    for key in sorted(set(listed) - used):
+        report.violations.append(f"{STALE_RUNS}: {'/'.join(key)} is not a stale published run (republished, or its "
+                                 "code cells match): remove the entry")
+
+
 def verify(
     repo: Path | str = ".",
     predictions_path: str = str(DEFAULT_PREDICTIONS_PATH),
@@ -355,4 +446,5 @@ def verify(
     check_predicted_before_measured(root, predictions_path, outputs.rstrip("/"), report)
     check_results_tie_to_code(root, outputs.rstrip("/"), report)
     check_history_rules(root, predictions_path, outputs.rstrip("/"), report)
+    check_published_notebooks(root, outputs.rstrip("/"), report)
     return report

@@ -28,7 +28,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab import rules
 from lora_lab.lab.git_history import (
     amendment_registrations,
     commits_touching,
@@ -40,7 +39,8 @@ from lora_lab.lab.git_history import (
 )
 from lora_lab.lab.predictions import Prediction
 from lora_lab.lab.recording import write_json_atomically
-from lora_lab.lab.rules import CURRENT
+from lora_lab.lab.rules import CURRENT, version_of_run
+from lora_lab.lab.rules import grade_payload as grade_under_rules
 
 HISTORY_NAME = "run_history.json"
 SCHEMA = 1
@@ -87,8 +87,8 @@ def grade_payload(prediction: Prediction, profile: str, payload: dict[str, Any],
     """One prediction graded against one metrics payload under the rules of ``version`` and the grading
     amendments registered before the run, as a history record; ``later``: what today's rules and amendments give,
     when that differs (kept beside the grade, never in its place)."""
-    record = rules.grade_payload(prediction, profile, payload, version, amendments_in_force)
-    now = rules.grade_payload(prediction, profile, payload)
+    record = grade_under_rules(prediction, profile, payload, version, amendments_in_force)
+    now = grade_under_rules(prediction, profile, payload)
     if now["outcome"] != record["outcome"]:
         record["later"] = f"{now['outcome']}: {now['why']}" if now["why"] else now["outcome"]
     return record
@@ -219,7 +219,7 @@ def seed_history(repo: Path | str, profile: str, predictions: list[Prediction],
             seen.add(run_key(entry))
             before = _committed_before(root, commit.sha, predictions_path)
             ids = {entry_id for entry_id, registration in registered.items() if registration.commit in before}
-            version = rules.version_of_run(entry, in_history)
+            version = version_of_run(entry, in_history)
             ran = entry.get("git_commit")
             in_force = {key for key, registration in amendments.items()
                         if in_history(registration.commit, str(ran or commit.sha), not ran)}

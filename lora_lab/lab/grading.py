@@ -17,7 +17,8 @@ prediction whose metric is a speed ratio (``Prediction.is_speed_ratio``: ``kind:
 naming a timing ratio) is ``void`` unless its value records ``"sessions": k`` with k >= 2 — the number of
 separate processes whose repetitions the interval pools (:data:`SESSIONS_KEY`; a value without the key, or a
 plain number, counts as one session). The outcome the one-session interval would have had is kept beside
-the void (``one_session_outcome``) and shown in the run history.
+the void (``one_session_outcome``) and shown in the run history. (A rule since 76030ca: earlier runs are graded
+without it, see below.)
 
 **Run history.** Every published run of a notebook is kept (:mod:`lora_lab.lab.history`,
 ``outputs/<profile>/run_history.json``). A prediction's first run that graded it (hit, miss or inconclusive)
@@ -25,6 +26,12 @@ is its **registered test**; later runs are **replications**; runs before it that
 headline outcome (and value) of a prediction is its registered test's, never replaced by a later run; the
 history column lists every run's outcome, and a prediction whose outcomes differ between runs is **unstable**
 (counted in the summary). A prediction no recorded run graded is graded on the current metrics file.
+
+**Rules of the run's day.** Each recorded run is graded by the rules in force at the commit it ran from, and by the
+grading amendments registered by then (:mod:`lora_lab.lab.rules`); a later rule never regrades it. Where today's
+rules would grade a headline run otherwise, the row says so beside it (``later``), and the summary counts them.
+A superseded prediction whose first run graded it before it was superseded keeps that outcome beside it
+(``first_run``); the summary counts those apart, next to the headline.
 
 Hit rate = hits / (hits + misses) over the headline outcomes, i.e. the registered tests. Brier score = mean
 over those hits and misses of (confidence - outcome)^2 with outcome 1 for a hit and 0 for a miss (0 is

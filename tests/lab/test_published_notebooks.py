@@ -76,3 +76,23 @@ def test_the_known_stale_list_only_shrinks_and_a_new_mismatch_fails(tmp_path):
     violations = verify(repo.root).violations
     assert any("01_demo" in violation and "remove the entry" in violation for violation in violations)
     assert any("added after" in violation for violation in violations)  # git keeps the addition, as for predictions
+
+
+def test_a_run_records_the_hash_of_its_code_cells_and_verify_reads_it(tmp_path):
+    from lora_lab.lab.provenance import code_cells_hash, provenance
+
+    path = tmp_path / "01_demo.ipynb"
+    path.write_text(_notebook("x = 1"))
+    recorded = provenance("cpu", path)["code_cells_hash"]
+    assert recorded == code_cells_hash(_notebook("x = 1", prose="other prose")) != code_cells_hash(_notebook("y = 1"))
+
+    repo = Repo(tmp_path / "repo")
+    repo.predictions()
+    repo.commit("no notebook in the repository: only the recorded hash tells what ran")
+    repo.write("outputs/cpu/01_demo.ipynb", _notebook("y = 1"))
+    repo.write("outputs/cpu/01_demo.metrics.json", json.dumps(
+        {"notebook": "01_demo", "profile": "cpu", "metrics": {},
+         "provenance": {"status": "completed", "git_commit": "a" * 40, "code_cells_hash": recorded}}))
+    repo.commit("published")
+    violations = verify(repo.root).violations
+    assert any("01_demo.ipynb: code cells differ from the run" in violation for violation in violations)

@@ -1,8 +1,9 @@
 """Regenerate ``outputs/<profile>/run_history.json`` from git history (see :mod:`lora_lab.lab.history`).
 
 Every committed version of ``outputs/<profile>/<notebook>.metrics.json`` is one published run, graded against
-the current predictions file (rules and labels of now), restricted to the predictions registered before the
-commit that published it. Runs published but not committed yet are kept. Run from the repository root::
+the predictions registered before the commit that published it, under the rules in force at the commit it ran
+from (``lora_lab.lab.rules``): a later rule or grading amendment applies to later runs only; labels are today's.
+Runs published but not committed yet are kept. Run from the repository root::
 
     PYTHONPATH=$PWD python tools/seed_run_history.py [--profile gpu --profile cpu]
 """

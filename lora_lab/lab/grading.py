@@ -17,7 +17,8 @@ prediction whose metric is a speed ratio (``Prediction.is_speed_ratio``: ``kind:
 naming a timing ratio) is ``void`` unless its value records ``"sessions": k`` with k >= 2 — the number of
 separate processes whose repetitions the interval pools (:data:`SESSIONS_KEY`; a value without the key, or a
 plain number, counts as one session). The outcome the one-session interval would have had is kept beside
-the void (``one_session_outcome``) and shown in the run history.
+the void (``one_session_outcome``) and shown in the run history. (A rule since 76030ca: earlier runs are graded
+without it, see below.)
 
 **Run history.** Every published run of a notebook is kept (:mod:`lora_lab.lab.history`,
 ``outputs/<profile>/run_history.json``). A prediction's first run that graded it (hit, miss or inconclusive)
@@ -25,6 +26,12 @@ is its **registered test**; later runs are **replications**; runs before it that
 headline outcome (and value) of a prediction is its registered test's, never replaced by a later run; the
 history column lists every run's outcome, and a prediction whose outcomes differ between runs is **unstable**
 (counted in the summary). A prediction no recorded run graded is graded on the current metrics file.
+
+**Rules of the run's day.** Each recorded run is graded by the rules in force at the commit it ran from, and by the
+grading amendments registered by then (:mod:`lora_lab.lab.rules`); a later rule never regrades it. Where today's
+rules would grade a headline run otherwise, the row says so beside it (``later``), and the summary counts them.
+A superseded prediction whose first run graded it before it was superseded keeps that outcome beside it
+(``first_run``); the summary counts those apart, next to the headline.
 
 Hit rate = hits / (hits + misses) over the headline outcomes, i.e. the registered tests. Brier score = mean
 over those hits and misses of (confidence - outcome)^2 with outcome 1 for a hit and 0 for a miss (0 is
@@ -38,15 +45,25 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab.errata import apply_errata
-from lora_lab.lab.measure import MIN_REPETITIONS
+from lora_lab.lab.git_history import GitError, registrations, repository_root
+from lora_lab.lab.history import load_history
 from lora_lab.lab.predictions import Prediction, PredictionError, format_number, load_predictions, superseded_ids
-from lora_lab.lab.recording import STATUS_COMPLETED, STATUS_FAILED, STATUS_INTERRUPTED, STATUS_RUNNING
+from lora_lab.lab.rules import (  # noqa: F401 - MIN_SESSIONS and why_void_payload: public here too
+    MIN_SESSIONS,
+    ONE_SESSION_WHY,
+    RULES,
+    SESSIONS_KEY,
+    describe_error,
+    format_value,
+    is_repeated,
+    outcome_of,
+    sessions_of,
+    why_void_payload,
+)
 from lora_lab.lab.scoreboard_files import (  # noqa: F401 - SCOREBOARD_MD/PNG and plot_scoreboard: public here too
     SCOREBOARD_MD,
     SCOREBOARD_PNG,
@@ -58,9 +75,6 @@ from lora_lab.lab.scoreboard_files import (  # noqa: F401 - SCOREBOARD_MD/PNG an
 RUN_SUMMARY_NAME = "run_summary.json"
 OUTCOMES = ("hit", "miss", "inconclusive", "void", "superseded")
 GRADED_OUTCOMES = ("hit", "miss", "inconclusive")
-SESSIONS_KEY = "sessions"  # in a repeated measurement: how many separate processes its samples pool
-MIN_SESSIONS = 2
-ONE_SESSION_WHY = "one session: a speed ratio needs ≥ 2"
 
 
 @dataclass
@@ -85,6 +99,9 @@ class GradedRow:
     amended: str = ""  # why its label was amended ("" = not amended)
     ran: str = ""  # "ran <commit>" when the published run's code differs from the working tree's
     history: list[dict] = field(default_factory=list)  # every recorded run that graded it, oldest first
+    rules: int | None = None  # the rules version its headline run was graded under (None: today's, no history)
+    later: str = ""  # what today's rules give its headline run, when that differs ("void: why")
+    first_run: str = ""  # a superseded prediction's graded first run: its outcome ("" = none)
 
     @property
     def unstable(self) -> bool:
@@ -162,10 +179,24 @@ class Scoreboard:
         return (self.group_line(f"profile {self.profile}", live)
                 + f"; {self.count('superseded')} superseded")
 
+    def with_superseded_first_runs(self) -> list[GradedRow]:
+        """The live rows, plus each superseded prediction whose first run graded it (before it was superseded),
+        counted by that run's outcome."""
+        live = [row for row in self.rows if row.outcome != "superseded"]
+        return live + [GradedRow(**{**row.__dict__, "outcome": row.first_run}) for row in self.rows
+                       if row.outcome == "superseded" and row.first_run]
+
     def split_lines(self) -> list[str]:
         live = [row for row in self.rows if row.outcome != "superseded"]
+        superseded = sum(row.outcome == "superseded" and bool(row.first_run) for row in self.rows)
+        later = [row for row in live if row.later]
         return [self.group_line("blind", [row for row in live if row.blind]),
-                self.group_line("informed", [row for row in live if not row.blind])]
+                self.group_line("informed", [row for row in live if not row.blind]),
+                self.group_line(f"counting the graded first runs of {superseded} superseded predictions",
+                                self.with_superseded_first_runs()),
+                f"today's rules would grade {len(later)} headline run(s) otherwise "
+                f"({sum(row.later.startswith('void') for row in later)} void); each headline stands, graded by "
+                "the rules of its run"]
 
     def table_text(self, claim_width: int = 48) -> str:
         if not self.rows:
@@ -202,7 +233,13 @@ class Scoreboard:
             "runs disagree is **unstable**. *Inconclusive*: the 95% interval of repeated measurements straddles "
             "the threshold. Void predictions say why they could not be graded (a speed ratio needs an interval "
             "pooled over ≥ 2 sessions; `x*` in a history is what a one-session interval gave); superseded ones are "
-            "shown, not graded. *Informed*: registered after a related result was seen (what, in the column; "
+            "shown, not graded, with the outcome of their first run when it graded them before they were superseded "
+            "(counted apart above). Each run is graded by the rules in force at the commit it ran from "
+            "(`lora_lab.lab.rules`: " + "; ".join(f"v{item.version} {item.commit} {item.date}: {item.rule}"
+                                                 for item in RULES)
+            + "); a later rule never regrades an earlier run: where today's rules would grade a headline run "
+            "otherwise, *why* says so beside it. *Informed*: registered after a related result was seen (what, in the "
+            "column; "
             "*amended*: relabelled by a later label amendment). *Run*: `ran <commit>` when the published run's "
             "code differs from this commit's.",
             "",
@@ -219,8 +256,9 @@ class Scoreboard:
                 row.measured_text(),
                 row.predicted,
                 f"{row.confidence:.2f}",
-                f"**{row.outcome}**",
-                row.why,
+                f"**{row.outcome}**" + (f" (first run: {row.first_run})" if row.first_run else ""),
+                "; ".join(filter(None, [row.why, f"graded by rules v{row.rules}; today's rules: {row.later}"
+                                        if row.later else ""])),
                 (row.informed_by + (f" (amended: {row.amended})" if row.amended else "")) or "blind",
                 row.registered,
                 row.ran,
@@ -235,14 +273,6 @@ class Scoreboard:
 def escape_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
-
-def format_value(value: Any) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, (list, dict)):
-        text = json.dumps(value)
-        return text if len(text) <= 40 else text[:39] + "…"
-    return format_number(value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,15 +293,6 @@ def read_json(path: Path) -> tuple[dict[str, Any] | None, str]:
     return payload, ""
 
 
-def describe_error(error: dict[str, Any] | None) -> str:
-    if not error:
-        return ""
-    where = f" (cell {error['cell_index']})" if error.get("cell_index") is not None else ""
-    message = str(error.get("evalue") or "").strip().splitlines()
-    message_text = f": {message[0][:120]}" if message else ""
-    return f"{error.get('ename', 'error')}{message_text}{where}"
-
-
 def why_void(
     prediction: Prediction, profile: str, metrics_file: Path, run_summary: dict[str, Any]
 ) -> tuple[str, Any]:
@@ -287,70 +308,6 @@ def why_void(
     return why_void_payload(prediction, profile, payload, summary_entry)
 
 
-def why_void_payload(
-    prediction: Prediction, profile: str, payload: dict[str, Any], summary_entry: dict[str, Any] | None = None
-) -> tuple[str, Any]:
-    """:func:`why_void` for a metrics file already read (``payload``; the errata naming its run applied,
-    :mod:`lora_lab.lab.errata`)."""
-    summary_entry = summary_entry or {}
-    payload = apply_errata(payload)
-    provenance = payload.get("provenance") or {}
-    status = provenance.get("status")
-    metrics = payload.get("metrics") or {}
-    value = metrics.get(prediction.metric) if isinstance(metrics, dict) else None
-    if payload.get("profile") not in (None, profile):
-        return f"metrics file records profile {payload.get('profile')!r}, not {profile!r}", value
-    if status == STATUS_FAILED:
-        error = provenance.get("error") or summary_entry.get("error")
-        return f"notebook failed: {describe_error(error)}".rstrip(": "), value
-    if status == STATUS_INTERRUPTED:
-        return "run interrupted before the end", value
-    if status == STATUS_RUNNING:
-        return "run unfinished: finish_run() was not called, or the kernel died", value
-    if status != STATUS_COMPLETED:
-        return f"run status {status!r} is not {STATUS_COMPLETED!r}", value
-    if not isinstance(metrics, dict) or prediction.metric not in metrics:
-        recorded = sorted(metrics) if isinstance(metrics, dict) else []
-        shown = ", ".join(recorded[:6]) + (", …" if len(recorded) > 6 else "")
-        return f"metric {prediction.metric!r} not recorded (recorded: {shown or 'nothing'})", None
-    overrides = provenance.get("parameter_overrides") or {}
-    if overrides:
-        shown = ", ".join(f"{name}={value!r}" for name, value in sorted(overrides.items()))
-        return f"run with parameters other than the registered ones ({shown})", value
-    if value is None:
-        note = (payload.get("notes") or {}).get(prediction.metric)
-        return f"metric {prediction.metric!r} is null" + (f" ({note})" if note else ""), None
-    if is_repeated(value):
-        if value["n"] < MIN_REPETITIONS:
-            return (f"metric {prediction.metric!r} has {value['n']} repetition(s); a timing claim is graded on "
-                    f">= {MIN_REPETITIONS}"), value
-    elif not (isinstance(value, bool) or (isinstance(value, (int, float)) and math.isfinite(value))):
-        return f"metric {prediction.metric!r} is not a number: {format_value(value)}", value
-    if prediction.is_speed_ratio and sessions_of(value) < MIN_SESSIONS:
-        note = str((payload.get("notes") or {}).get(prediction.metric) or "")
-        erratum = f"; {note}" if note.startswith("erratum:") else ""
-        return f"{ONE_SESSION_WHY} (recorded from {sessions_of(value)}{erratum})", value
-    return "", value
-
-
-def sessions_of(value: Any) -> int:
-    """How many separate processes (sessions) a recorded value pools: ``value["sessions"]``, else 1."""
-    if is_repeated(value) and isinstance(value.get(SESSIONS_KEY), int) and not isinstance(value[SESSIONS_KEY], bool):
-        return value[SESSIONS_KEY]
-    return 1
-
-
-def is_repeated(value: Any) -> bool:
-    """A repeated measurement as :func:`lora_lab.lab.measure.summarize` writes it."""
-    return isinstance(value, dict) and {"median", "ci95", "n"} <= set(value)
-
-
-def outcome_of(prediction: Prediction, value: Any) -> str:
-    if is_repeated(value):
-        low, high = value["ci95"]
-        return prediction.outcome_for_interval(float(low), float(high))
-    return "hit" if prediction.holds_for(value) else "miss"
-
 
 # --------------------------------------------------------------------------------------------
 # Grading
@@ -359,8 +316,6 @@ def outcome_of(prediction: Prediction, value: Any) -> str:
 
 def registered_labels(predictions_path: Path) -> dict[str, str]:
     """``{id: "<commit> <date>"}`` from git history; empty when git cannot tell."""
-    from lora_lab.lab.verify import GitError, registrations, repository_root
-
     try:
         root = repository_root(predictions_path.parent)
         relative = predictions_path.resolve().relative_to(root.resolve()).as_posix()
@@ -371,8 +326,6 @@ def registered_labels(predictions_path: Path) -> dict[str, str]:
 
 def registration_times(predictions_path: Path) -> dict[str, str]:
     """``{id: ISO date of the commit that registered it}`` from git history; empty when git cannot tell."""
-    from lora_lab.lab.verify import GitError, registrations, repository_root
-
     try:
         root = repository_root(predictions_path.parent)
         relative = predictions_path.resolve().relative_to(root.resolve()).as_posix()
@@ -449,8 +402,6 @@ def grade_predictions(
     """Grade ``predictions`` that apply to ``profile`` against the files in ``profile_dir``; with a run
     ``history`` (default: ``profile_dir``'s run_history.json, if any), each prediction's headline is its
     registered test and its row lists every recorded run (see the module docstring)."""
-    from lora_lab.lab.history import load_history
-
     profile_dir = Path(profile_dir)
     registered = registered or {}
     history = load_history(profile_dir) if history is None else history
@@ -467,7 +418,17 @@ def grade_predictions(
             if prediction.notebook not in ran_labels:
                 ran_labels[prediction.notebook] = ran_label(metrics_file)
             row.ran = ran_labels[prediction.notebook]
-            if row.outcome != "superseded":
+            if row.outcome == "superseded":
+                first = GradedRow(**{**row.__dict__, "outcome": "void", "history": []})
+                apply_history(first, prediction, history)
+                test = next((run for run in first.history if run["role"] == "test"), None)
+                replaced_at = _instant((registered_at or {}).get(replaced_by[prediction.id]))
+                published = _instant(test.get("published")) if test else None
+                before = replaced_at is None or published is None or published <= replaced_at
+                row.first_run = first.outcome if first.outcome in GRADED_OUTCOMES and before else ""
+                row.history, row.value, row.interval = first.history, first.value, first.interval
+                row.repetitions, row.sessions, row.rules = first.repetitions, first.sessions, first.rules
+            else:
                 apply_history(row, prediction, history)
                 tested = any(run["role"] == "test" for run in row.history)
                 late = "" if tested else registered_after_run((registered_at or {}).get(prediction.id), metrics_file)
@@ -510,7 +471,7 @@ def apply_history(row: GradedRow, prediction: Prediction, history: list[dict]) -
         effective = outcome if outcome in GRADED_OUTCOMES else graded.get("one_session_outcome") or ""
         commit = str(run.get("git_commit") or "")[:7] or (  # early runs recorded no commit: where they were published
             f"published in {str(run['published_in'])[:7]}" if run.get("published_in") else "")
-        row.history.append({"commit": commit, "outcome": outcome,
+        row.history.append({"commit": commit, "outcome": outcome, "published": run.get("published"),
                             "one_session_outcome": graded.get("one_session_outcome") or "", "role": role,
                             "effective": effective})
     if test is not None:
@@ -519,6 +480,7 @@ def apply_history(row: GradedRow, prediction: Prediction, history: list[dict]) -
         row.value = graded.get("value")
         row.interval = tuple(graded["ci95"]) if graded.get("ci95") else None
         row.repetitions, row.sessions, row.one_session_outcome = graded.get("n"), graded.get("sessions"), ""
+        row.rules, row.later = runs[test].get("rules"), graded.get("later") or ""
 
 
 def uncommitted_change(predictions_path: Path) -> str | None:

@@ -5,13 +5,15 @@ Publishing a notebook replaces its metrics file; the run history keeps the run. 
     {"notebook": "05_fused_lora_kernels", "git_commit": "<sha the run started from>", "code_hash": "…",
      "code_hash_scope": "lora_lab", "notebook_hash": "…", "device": "NVIDIA H200", "started": "…",
      "finished": "…", "published_in": "<sha of the commit that published it, or null>", "published": "<its date>",
-     "source": "git" | "publish",
+     "source": "git" | "publish", "rules": 4, "grading_amendments": ["amends p09-x #1"],
      "graded": {"<prediction id>": {"outcome": "hit", "value": 1.4, "ci95": [1.3, 1.5], "n": 5,
                                     "sessions": null, "why": "", "one_session_outcome": ""}}}
 
 ``graded`` holds every prediction registered (committed) before the run was published that applies to the
-profile and the notebook, graded by :mod:`lora_lab.lab.grading`'s rules. ``lora-lab publish`` appends an entry
-(source ``publish``); :func:`seed_history` rebuilds the entries of every run ever committed from git history
+profile and the notebook, graded by the rules in force at the commit it ran from (:mod:`lora_lab.lab.rules`):
+``rules`` is their version, ``grading_amendments`` the amendments that changed how its predictions are graded,
+and ``later`` (beside a grade, when it differs) what today's rules would give. ``lora-lab publish`` appends an
+entry (source ``publish``); :func:`seed_history` rebuilds the entries of every run ever committed from git history
 (source ``git``: each committed version of ``outputs/<profile>/<notebook>.metrics.json``), keeping published
 entries git does not hold yet. ``python tools/seed_run_history.py`` regenerates the committed files.
 
@@ -26,8 +28,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from lora_lab.lab.git_history import (
+    amendment_registrations,
+    commits_touching,
+    file_at,
+    git,
+    is_ancestor,
+    registrations,
+    repository_root,
+)
 from lora_lab.lab.predictions import Prediction
 from lora_lab.lab.recording import write_json_atomically
+from lora_lab.lab.rules import CURRENT, version_of_run
+from lora_lab.lab.rules import grade_payload as grade_under_rules
 
 HISTORY_NAME = "run_history.json"
 SCHEMA = 1
@@ -69,34 +82,34 @@ def run_key(run: dict) -> tuple:
     return tuple(str(run.get(key)) for key in ("notebook", "started", "finished", "code_hash", "notebook_hash"))
 
 
-def _number(value: Any) -> Any:
-    return value if isinstance(value, (bool, int, float)) or value is None else None
-
-
-def grade_payload(prediction: Prediction, profile: str, payload: dict[str, Any]) -> dict[str, Any]:
-    """One prediction graded against one metrics payload, as a history record."""
-    from lora_lab.lab.grading import GradedRow, fill_outcome, why_void_payload
-
-    row = GradedRow(id=prediction.id, claim=prediction.claim, notebook=prediction.notebook, metric=prediction.metric,
-                    value=None, comparator=prediction.comparator, threshold=prediction.threshold,
-                    predicted=prediction.threshold_text(), confidence=prediction.confidence, outcome="void")
-    why, value = why_void_payload(prediction, profile, payload)
-    fill_outcome(row, prediction, why, value)
-    return {"outcome": row.outcome, "value": _number(row.value),
-            "ci95": list(row.interval) if row.interval is not None else None, "n": row.repetitions,
-            "sessions": row.sessions, "why": row.why, "one_session_outcome": row.one_session_outcome}
+def grade_payload(prediction: Prediction, profile: str, payload: dict[str, Any], version: int = CURRENT,
+                  amendments_in_force: set[str] | None = None) -> dict[str, Any]:
+    """One prediction graded against one metrics payload under the rules of ``version`` and the grading
+    amendments registered before the run, as a history record; ``later``: what today's rules and amendments give,
+    when that differs (kept beside the grade, never in its place)."""
+    record = grade_under_rules(prediction, profile, payload, version, amendments_in_force)
+    now = grade_under_rules(prediction, profile, payload)
+    if now["outcome"] != record["outcome"]:
+        record["later"] = f"{now['outcome']}: {now['why']}" if now["why"] else now["outcome"]
+    return record
 
 
 def history_entry(payload: dict[str, Any], profile: str, predictions: list[Prediction],
                   registered: set[str] | None = None, published_in: str | None = None,
-                  published: str | None = None, source: str = "publish") -> dict[str, Any]:
+                  published: str | None = None, source: str = "publish", version: int = CURRENT,
+                  amendments_in_force: set[str] | None = None) -> dict[str, Any]:
     """The history entry of one run (its metrics ``payload``), graded against the ``predictions`` of its
-    notebook that apply to ``profile`` and, when ``registered`` is given, whose ids are in it."""
+    notebook that apply to ``profile`` and, when ``registered`` is given, whose ids are in it; under the rules of
+    ``version`` and the grading amendments ``amendments_in_force`` (None: all), see :mod:`lora_lab.lab.rules`."""
     provenance = payload.get("provenance") or {}
     notebook = payload.get("notebook")
-    graded = {prediction.id: grade_payload(prediction, profile, payload) for prediction in predictions
+    chosen = [prediction for prediction in predictions
               if prediction.notebook == notebook and prediction.applies_to(profile)
-              and (registered is None or prediction.id in registered)}
+              and (registered is None or prediction.id in registered)]
+    graded = {prediction.id: grade_payload(prediction, profile, payload, version, amendments_in_force)
+              for prediction in chosen}
+    applied = sorted(key for prediction in chosen for key, _, _ in prediction.grading_amendments
+                     if amendments_in_force is None or key in amendments_in_force)
     return {
         "notebook": notebook,
         "git_commit": provenance.get("git_commit"),
@@ -110,6 +123,8 @@ def history_entry(payload: dict[str, Any], profile: str, predictions: list[Predi
         "published_in": published_in,
         "published": published,
         "source": source,
+        "rules": version,
+        "grading_amendments": applied,
         "graded": dict(sorted(graded.items())),
     }
 
@@ -137,10 +152,34 @@ def runs_naming(runs: list[dict], notebook: str, commit: str, code_hash: str) ->
 
 def _committed_before(repo: Path, sha: str, predictions_path: str) -> set[str]:
     """Commits that touched the predictions file and are strict ancestors of ``sha``."""
-    from lora_lab.lab.verify import git
-
     done = git(repo, "rev-list", "--full-history", f"{sha}^@", "--", predictions_path, check=False)
     return set(done.stdout.split()) if done.returncode == 0 else set()
+
+
+def ancestry(repo: Path):
+    """``in_history(older, newer, strict)``: is commit ``older`` an ancestor of ``newer`` (``strict``: other than
+    it)? A commit this repository does not have (a rule's commit, seen from a history that never held it) counts as
+    an ancestor: its rule is in force from the start."""
+    known: dict[str, bool] = {}
+    answers: dict[tuple[str, str, bool], bool] = {}
+
+    def exists(sha: str) -> bool:
+        if sha not in known:
+            known[sha] = git(repo, "cat-file", "-e", f"{sha}^{{commit}}", check=False).returncode == 0
+        return known[sha]
+
+    def in_history(older: str, newer: str, strict: bool) -> bool:
+        if (older, newer, strict) not in answers:
+            if not exists(older):
+                answers[older, newer, strict] = True
+            elif strict and git(repo, "rev-parse", older).stdout.strip() == git(repo, "rev-parse", newer,
+                                                                                 check=False).stdout.strip():
+                answers[older, newer, strict] = False
+            else:
+                answers[older, newer, strict] = is_ancestor(repo, older, newer)
+        return answers[older, newer, strict]
+
+    return in_history
 
 
 def seed_history(repo: Path | str, profile: str, predictions: list[Prediction],
@@ -148,14 +187,15 @@ def seed_history(repo: Path | str, profile: str, predictions: list[Prediction],
     """Every run of ``profile`` ever committed under ``<outputs>/<profile>/`` in HEAD's history, oldest first.
 
     Each committed version of a ``<notebook>.metrics.json`` is one run (a version whose run — same
-    :func:`run_key` — was committed before is not counted again). It is graded against ``predictions`` (the
-    current file: the rules and labels of now), restricted to the ids registered in a strict ancestor of the
-    commit that published it — what had been predicted before that result was committed.
+    :func:`run_key` — was committed before is not counted again). It is graded against ``predictions``
+    restricted to the ids registered in a strict ancestor of the commit that published it — what had been
+    predicted before that result was committed — under the rules in force at the commit it ran from and the
+    grading amendments registered by then (:mod:`lora_lab.lab.rules`); label amendments apply to every run.
     """
-    from lora_lab.lab.verify import commits_touching, file_at, git, registrations, repository_root
-
     root = repository_root(repo)
     registered = registrations(root, predictions_path)
+    amendments = amendment_registrations(root, predictions_path)
+    in_history = ancestry(root)
     folder = f"{outputs.rstrip('/')}/{profile}"
     listing = git(root, "log", "--format=", "--name-only", "HEAD", "--", f"{folder}/").stdout.split()
     depth = folder.count("/") + 1
@@ -179,7 +219,12 @@ def seed_history(repo: Path | str, profile: str, predictions: list[Prediction],
             seen.add(run_key(entry))
             before = _committed_before(root, commit.sha, predictions_path)
             ids = {entry_id for entry_id, registration in registered.items() if registration.commit in before}
-            runs.append(history_entry(payload, profile, predictions, ids, commit.sha, commit.date, "git"))
+            version = version_of_run(entry, in_history)
+            ran = entry.get("git_commit")
+            in_force = {key for key, registration in amendments.items()
+                        if in_history(registration.commit, str(ran or commit.sha), not ran)}
+            runs.append(history_entry(payload, profile, predictions, ids, commit.sha, commit.date, "git", version,
+                                      in_force))
     runs.sort(key=lambda run: (str(run["published"]), str(run["finished"]), str(run["notebook"])))
     return runs
 

@@ -23,15 +23,16 @@ measurement, yet no ``informed_by``) is corrected by a later list item that amen
       kind: speed_ratio
       reason: "why the label changes"
 
-An amendment changes only labels (``informed_by``, ``kind``), never what is predicted; grading scores the
-amended entry under its new label, and the scoreboard shows the amendment. It is append-only like an entry.
+An amendment changes only labels (``informed_by``, ``kind``), never what is predicted, and the scoreboard shows
+it. ``informed_by`` relabels every run; ``kind`` changes how the entry is graded, so it applies only to runs after
+the commit that registered it (:mod:`lora_lab.lab.rules`). It is append-only like an entry.
 
 **Speed ratios.** A prediction whose metric is a ratio of times or throughputs is graded only on an interval
 pooled over >= 2 sessions (separate processes, see :mod:`lora_lab.lab.grading`). It is one when it says
 ``kind: speed_ratio`` (itself or through an amendment) or when its metric key names a timing ratio
 (:data:`SPEED_RATIO_METRIC`: ``speedup``, ``time_vs`` or ``time_ratio`` in the key).
 
-When an entry was registered (date and commit) is read from git (``lora_lab.lab.verify``), never
+When an entry was registered (date and commit) is read from git (``lora_lab.lab.git_history``), never
 typed. Validation collects every problem and names the entry (index, id, line) and the field.
 """
 
@@ -189,6 +190,8 @@ class Prediction:
     line: int | None = None
     kind: str = ""  # "speed_ratio" or "" (then inferred from the metric key, see is_speed_ratio)
     amended: str = ""  # the reasons of the label amendments applied to it ("" = none)
+    # (amendment key "amends <id> #k", field, value before it) of each amendment that changes how it is graded
+    grading_amendments: tuple[tuple[str, str, Any], ...] = ()
 
     @property
     def is_speed_ratio(self) -> bool:
@@ -410,8 +413,11 @@ def apply_amendments(predictions: list[Prediction], amendments: list[tuple[int, 
     """Check the label amendments (``amends:`` items) and apply them; problems are appended to ``problems``."""
     by_id = {prediction.id: prediction for prediction in predictions}
     amended_fields: dict[tuple[str, str], int] = {}
+    count: dict[str, int] = {}
     for index, where, entry in amendments:
         target = entry.get("amends")
+        count[str(target)] = count.get(str(target), 0) + 1
+        key = f"amends {target} #{count[str(target)]}"  # as lora_lab.lab.git_history.entries_by_id keys it
         where = f"{where} (amendment of {target!r})"
         before = len(problems)
         for field in entry:
@@ -445,6 +451,8 @@ def apply_amendments(predictions: list[Prediction], amendments: list[tuple[int, 
             informed_by=informed_by.strip() if "informed_by" in entry else old.informed_by,
             kind=entry["kind"] if "kind" in entry else old.kind,
             amended="; ".join(filter(None, [old.amended, reason.strip()])),
+            grading_amendments=old.grading_amendments + tuple(
+                (key, field, getattr(old, field)) for field in ("kind",) if field in entry),
         )
     return [by_id.get(prediction.id, prediction) for prediction in predictions]
 

@@ -13,7 +13,10 @@ in the markdown cells of ``notebooks/NN_*.ipynb``, in ``README.md`` and in ``ben
 (b) **cited**: its sentence names a link target defined in the same file (a line ``[article]: #sources "the
     original write-up"``, used as ``[article]`` or ``[text][article]``) or links to a web page
     (``[text](https://...)``). Sentences split at ". ", "; ", line ends and table cells.
-(c) **structure**, never checked: text in code spans, fenced code, HTML comments, tags and entities, link
+A code span holding only figures, one of them with decimals (``0.957``, ``[0.949, 0.963]``), is a measured figure
+and checked like prose. The values of a notebook are those of its published runs, never an earlier run's: a figure
+quoted from the run before a republication is refused.
+(c) **structure**, never checked: text in other code spans, fenced code, HTML comments, tags and entities, link
     destinations, URLs, reference definitions, LaTeX command names and subscripts; digits inside a word or
     identifier (``fp32``, ``Qwen2.5-0.5B``, ``q_proj``, ``top-8``, ``r16``, versions such as ``3.12.3``);
     heading numbers and ordered-list markers; integers below 100 with no decimal point, no ``%`` and no
@@ -70,6 +73,10 @@ PERCENT = re.compile(r"[ \t]*\\?%")
 SENTENCE_END = re.compile(r"[.;](?=\s)")
 INLINE_EXTERNAL_LINK = re.compile(r"\]\(\s*<?https?://")
 NUMERIC_TEXT = re.compile(r"\s*[-+]?[0-9.]+(?:[eE][-+]?[0-9]+)?(?:\s*,\s*[-+]?[0-9.]+(?:[eE][-+]?[0-9]+)?)*\s*")
+# a code span holding only figures, one with decimals among them (`0.956`, `[0.948, 0.962]`, `2.43e-4`): a measured
+# figure, checked like prose; a code span of integers (`4096`, `128,256`) is a shape or a setting, i.e. structure
+MEASURED_SPAN = re.compile(r"[\s\[\](),;0-9eE+\-−×x%]*[0-9]\.[0-9][\s\[\](),;0-9.eE+\-−×x%]*")
+BACKTICKS = re.compile(r"`+")
 SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹⁻⁺−", "0123456789-+-")
 
 
@@ -189,7 +196,8 @@ def _parameter_cell_numbers(notebook: dict) -> Iterator[float]:
 
 
 def _run_numbers(repo: Path, predictions: list, stem: str | None = None) -> list[float]:
-    """Metrics and parameters of every recorded run of notebook ``stem`` (None: of all), and its thresholds."""
+    """Metrics and parameters of the published run of notebook ``stem`` (None: of all) on each profile (not of an
+    earlier run: a figure quoted from one is stale), and its thresholds."""
     numbers: list[float] = []
     for path in sorted(repo.glob(f"outputs/*/{stem or '*'}.metrics.json")):
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -244,7 +252,9 @@ def _mask_code(text: str) -> str:
         elif opening:
             fence, line = opening.group(1), _blank(line)
         lines.append(line)
-    return _blank_group(CODE_SPAN, _blank_group(HTML_COMMENT, "\n".join(lines)))
+    text = _blank_group(CODE_SPAN, _blank_group(HTML_COMMENT, "\n".join(lines)),
+                        keep=lambda match: bool(MEASURED_SPAN.fullmatch(match.group(0).strip("`"))))
+    return _blank_group(BACKTICKS, text)
 
 
 def _label(text: str) -> str:

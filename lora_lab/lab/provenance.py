@@ -29,6 +29,8 @@ __all__ = [
     "CODE_HASH_SCOPE",
     "LEGACY_CODE_HASH_SCOPE",
     "notebook_hash",
+    "notebook_text_hash",
+    "code_cells_hash",
     "git_state",
     "find_repo_root",
     "package_versions",
@@ -126,16 +128,33 @@ def code_hash_at(repo: Path | str, commit: str, scope: str = CODE_HASH_SCOPE) ->
     return _hash_files(items)
 
 
-def notebook_hash(path: Path | str) -> str:
-    """SHA-256 of a notebook's cell types and sources (outputs, counts and metadata excluded)."""
-    cells = json.loads(Path(path).read_text(encoding="utf-8")).get("cells", [])
+def _cell_sources(text: str, code_only: bool) -> list[list[str]]:
     sources = []
-    for cell in cells:
+    for cell in json.loads(text).get("cells", []):
         if "injected-parameters" in (cell.get("metadata", {}).get("tags") or []):
             continue  # papermill's cell: parameters are recorded on their own
+        if code_only and cell.get("cell_type") != "code":
+            continue
         source = cell.get("source", "")
         sources.append([cell.get("cell_type"), "".join(source) if isinstance(source, list) else source])
+    return sources
+
+
+def notebook_hash(path: Path | str) -> str:
+    """SHA-256 of a notebook's cell types and sources (outputs, counts and metadata excluded)."""
+    sources = _cell_sources(Path(path).read_text(encoding="utf-8"), code_only=False)
     return hashlib.sha256(json.dumps(sources, ensure_ascii=False).encode()).hexdigest()
+
+
+def notebook_text_hash(text: str) -> str:
+    """:func:`notebook_hash` of a notebook's JSON text."""
+    return hashlib.sha256(json.dumps(_cell_sources(text, code_only=False), ensure_ascii=False).encode()).hexdigest()
+
+
+def code_cells_hash(text: str) -> str:
+    """SHA-256 of the sources of a notebook's code cells (its JSON ``text``; papermill's cell excluded): what a run
+    executes. Markdown may change after a run (a corrected figure); code may not."""
+    return hashlib.sha256(json.dumps(_cell_sources(text, code_only=True), ensure_ascii=False).encode()).hexdigest()
 
 
 def git_state(root: Path | None = None) -> dict[str, Any]:
@@ -198,4 +217,5 @@ def provenance(profile: str, notebook_path: Path | str | None = None) -> dict[st
     }
     if notebook_path is not None and Path(notebook_path).is_file():
         record["notebook_hash"] = notebook_hash(notebook_path)
+        record["code_cells_hash"] = code_cells_hash(Path(notebook_path).read_text(encoding="utf-8"))
     return record

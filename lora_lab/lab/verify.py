@@ -1,6 +1,6 @@
 """Check from git history that the pre-registration was honest.
 
-Four invariants:
+Six invariants:
 
 1. **Append-only.** For every commit C that touched ``predictions/predictions.yaml`` and every
    parent P of C: each id in the file at P is in the file at C, unchanged (compared as parsed
@@ -17,11 +17,20 @@ Four invariants:
 3. **Results tie to code.** Every committed ``outputs/<profile>/*.metrics.json`` that names the commit it ran
    (``git_commit``) and carries a ``code_hash`` must have been run by exactly the code committed there:
    the hash recomputed from that commit, over the files of the run's ``code_hash_scope`` (``lora_lab/`` and
-   ``benchmarks/`` since issue #27; ``lora_lab/`` for older runs, which record no scope), equals the recorded one.
+   ``benchmarks/`` for newer runs; ``lora_lab/`` for older ones, which record no scope), equals the recorded one.
 
 4. **Results say which code ran them.** A published run whose code (same scope) differs from HEAD's fails,
    unless the profile's committed run history (``outputs/<profile>/run_history.json``) has an entry of that
    notebook naming the run's commit and code hash: then it stays published, labelled ``ran <commit>``.
+
+5. **Graded by the rules of its day.** Each run of a committed ``run_history.json`` names the rules version that
+   graded it (``rules``), no later than the version in force at its commit, and applies a grading amendment
+   (``kind``) only when the commit that registered it is an ancestor of the run's (:mod:`lora_lab.lab.rules`).
+
+6. **The published notebook is what ran.** The code cells of ``outputs/<profile>/NN_*.ipynb`` hash to those the run
+   executed (its recorded ``code_cells_hash``; for older runs, the code cells of the notebook at the run's commit,
+   when that version's notebook hash is the recorded one). Markdown may change after a run; code may not. A run
+   listed in ``predictions/stale_runs.yaml`` (shrink-only, printed on every verify) is a note, not a violation.
 
 A prediction's registration date and commit (shown on the scoreboard) are the first commit,
 in topological order, whose predictions file holds its id. The predictions file is followed
@@ -31,116 +40,34 @@ by its path only (a rename starts a new history). A shallow clone cannot be veri
 from __future__ import annotations
 
 import json
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH, PredictionError, parse_predictions_yaml
-from lora_lab.lab.provenance import code_hash_at, code_hash_scope_of
+import yaml
+
+from lora_lab.lab.git_history import (  # noqa: F401 - the git helpers: public here too
+    Commit,
+    GitError,
+    Registration,
+    UnreadableVersion,
+    amendment_registrations,
+    commits_touching,
+    entries_by_id,
+    file_at,
+    git,
+    has_commits,
+    is_amendment,
+    is_ancestor,
+    is_shallow,
+    parents_of,
+    registrations,
+    repository_root,
+)
+from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH
+from lora_lab.lab.provenance import code_cells_hash, code_hash_at, code_hash_scope_of, notebook_text_hash
 
 DEFAULT_OUTPUTS = Path("outputs")
-
-
-class GitError(RuntimeError):
-    """git is missing, the directory is not a repository, or a git command failed."""
-
-
-def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=False)
-    except OSError as error:
-        raise GitError(f"cannot run git: {error}") from error
-    if check and done.returncode != 0:
-        raise GitError(f"git {' '.join(args)} failed in {repo}: {done.stderr.strip()}")
-    return done
-
-
-def repository_root(path: Path | str) -> Path:
-    done = git(Path(path), "rev-parse", "--show-toplevel", check=False)
-    if done.returncode != 0:
-        raise GitError(f"{path} is not inside a git repository ({done.stderr.strip()})")
-    return Path(done.stdout.strip())
-
-
-def has_commits(repo: Path) -> bool:
-    return git(repo, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode == 0
-
-
-def is_shallow(repo: Path) -> bool:
-    return git(repo, "rev-parse", "--is-shallow-repository", check=False).stdout.strip() == "true"
-
-
-@dataclass(frozen=True)
-class Commit:
-    sha: str
-    date: str  # committer date, ISO 8601
-
-    @property
-    def short(self) -> str:
-        return self.sha[:10]
-
-
-def commits_touching(repo: Path, relative_path: str) -> list[Commit]:
-    """Commits of HEAD's history that changed ``relative_path``, oldest first (topological)."""
-    if not has_commits(repo):
-        return []
-    done = git(repo, "log", "--full-history", "--topo-order", "--reverse", "--format=%H %cI", "HEAD", "--",
-               relative_path)
-    commits = []
-    for line in done.stdout.splitlines():
-        sha, _, date = line.partition(" ")
-        commits.append(Commit(sha, date))
-    return commits
-
-
-def parents_of(repo: Path, shas: list[str]) -> dict[str, list[str]]:
-    if not shas:
-        return {}
-    done = git(repo, "rev-list", "--parents", "--no-walk=unsorted", *shas)
-    parents: dict[str, list[str]] = {}
-    for line in done.stdout.splitlines():
-        sha, *rest = line.split()
-        parents[sha] = rest
-    return parents
-
-
-def file_at(repo: Path, sha: str, relative_path: str) -> str | None:
-    """The text of ``relative_path`` at commit ``sha``, or None if it does not exist there."""
-    done = git(repo, "show", f"{sha}:{relative_path}", check=False)
-    return done.stdout if done.returncode == 0 else None
-
-
-def is_ancestor(repo: Path, older: str, newer: str) -> bool:
-    return git(repo, "merge-base", "--is-ancestor", older, newer, check=False).returncode == 0
-
-
-class _Unreadable(Exception):
-    pass
-
-
-def entries_by_id(text: str | None, where: str) -> dict[str, Any]:
-    """``{id: raw entry}`` of one version of the predictions file (missing file: empty)."""
-    if text is None:
-        return {}
-    try:
-        entries, _ = parse_predictions_yaml(text, source=where)
-    except PredictionError as error:
-        raise _Unreadable(f"{where}: {'; '.join(error.problems)}") from None
-    found: dict[str, Any] = {}
-    amendments: dict[str, int] = {}
-    for entry in entries:
-        if isinstance(entry, dict) and "amends" in entry:
-            target = str(entry["amends"])
-            amendments[target] = amendments.get(target, 0) + 1
-            found[f"amends {target} #{amendments[target]}"] = entry
-        elif isinstance(entry, dict) and isinstance(entry.get("id"), str) and entry["id"] not in found:
-            found[entry["id"]] = entry
-    return found
-
-
-def is_amendment(key: str) -> bool:
-    return key.startswith("amends ")
 
 
 def describe_edit(old: Any, new: Any) -> str:
@@ -155,16 +82,6 @@ def describe_edit(old: Any, new: Any) -> str:
         elif old[key] != new[key]:
             changes.append(f"field '{key}' {old[key]!r} -> {new[key]!r}")
     return "; ".join(changes)
-
-
-@dataclass(frozen=True)
-class Registration:
-    commit: str
-    date: str
-
-    @property
-    def short(self) -> str:
-        return self.commit[:10]
 
 
 @dataclass
@@ -192,21 +109,6 @@ class VerifyReport:
         return "\n".join(lines)
 
 
-def registrations(repo: Path | str, predictions_path: str = str(DEFAULT_PREDICTIONS_PATH)) -> dict[str, Registration]:
-    """``{id: Registration}``: the first commit whose predictions file holds each id."""
-    repo = repository_root(repo)
-    found: dict[str, Registration] = {}
-    for commit in commits_touching(repo, predictions_path):
-        try:
-            ids = entries_by_id(file_at(repo, commit.sha, predictions_path), f"{predictions_path}@{commit.short}")
-        except _Unreadable:
-            continue
-        for entry_id in ids:
-            if not is_amendment(entry_id):
-                found.setdefault(entry_id, Registration(commit.sha, commit.date))
-    return found
-
-
 def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -> None:
     history = commits_touching(repo, predictions_path)
     parents = parents_of(repo, [commit.sha for commit in history])
@@ -221,14 +123,14 @@ def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -
     for commit in history:
         try:
             new = version(commit.sha)
-        except _Unreadable as error:
+        except UnreadableVersion as error:
             report.violations.append(f"cannot check across an unreadable version: {error}")
             continue
         seen.update(new)
         for parent in parents.get(commit.sha, []):
             try:
                 old = version(parent)
-            except _Unreadable:
+            except UnreadableVersion:
                 continue  # reported when that commit itself was visited
             for entry_id, entry in old.items():
                 if entry_id not in new:
@@ -252,7 +154,7 @@ def check_append_only(repo: Path, predictions_path: str, report: VerifyReport) -
                 working_file.read_text(encoding="utf-8") if working_file.is_file() else None,
                 f"{predictions_path} (working tree)",
             )
-        except _Unreadable as error:
+        except UnreadableVersion as error:
             report.violations.append(f"cannot check the working tree: {error}")
             return
         for entry_id, entry in committed.items():
@@ -293,7 +195,7 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
         current = entries_by_id(
             working_file.read_text(encoding="utf-8") if working_file.is_file() else None, predictions_path
         )
-    except _Unreadable as error:
+    except UnreadableVersion as error:
         report.violations.append(f"cannot read the current predictions: {error}")
         return
     superseded = set()
@@ -403,6 +305,130 @@ def check_results_tie_to_code(repo: Path, outputs: str, report: VerifyReport) ->
             )
 
 
+def check_history_rules(repo: Path, predictions_path: str, outputs: str, report: VerifyReport) -> None:
+    """Each committed run history grades every run by the rules in force at its commit, and applies an amendment
+    that changes grading (``kind``) only to runs whose commit descends from the commit that registered it."""
+    from lora_lab.lab.history import HISTORY_NAME, ancestry, parse_history
+    from lora_lab.lab.rules import CURRENT, version_of_run
+
+    listing = git(repo, "ls-tree", "-r", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
+        if has_commits(repo) else []
+    files = sorted(item for item in listing if Path(item).name == HISTORY_NAME)
+    if not files:
+        return
+    amendments = amendment_registrations(repo, predictions_path)
+    in_history = ancestry(repo)
+    for path in files:
+        try:
+            runs = parse_history(file_at(repo, "HEAD", path), path)
+        except ValueError as error:
+            report.violations.append(f"{path}: {error}")
+            continue
+        for run in runs:
+            ran, published = run.get("git_commit"), run.get("published_in")
+            where = f"{path}: the run of {run.get('notebook')} at {str(ran or published or '?')[:7]}"
+            if not isinstance(run.get("rules"), int) or not isinstance(run.get("grading_amendments"), list):
+                report.violations.append(f"{where} does not say which rules graded it (rules, grading_amendments): "
+                                         "regenerate the history (python tools/seed_run_history.py)")
+                continue
+            if ran or published:
+                due = version_of_run(run, in_history)
+                if run["rules"] > due:
+                    report.violations.append(f"{where} is graded by rules v{run['rules']}, which came after it "
+                                             f"(v{due} was in force): a later rule applies to later runs only")
+            elif run["rules"] != CURRENT:
+                report.violations.append(f"{where} names no commit, yet is graded by rules v{run['rules']}")
+            for key in run["grading_amendments"]:
+                registration = amendments.get(key)
+                if registration is None:
+                    report.violations.append(f"{where} applies amendment {key!r}, which {predictions_path} never held")
+                elif not (ran or published) or not in_history(registration.commit, str(ran or published), not ran):
+                    report.violations.append(
+                        f"{where} is graded with {key!r} (it changes how the prediction is graded), registered in "
+                        f"{registration.short} ({registration.date}), after that run: an amendment that changes "
+                        "grading applies to later runs only")
+
+
+STALE_RUNS = "predictions/stale_runs.yaml"
+
+
+def ran_code_cells(repo: Path, profile_dir: str, notebook: str, provenance: dict) -> str | None:
+    """The hash of the code cells a published run executed: recorded (``code_cells_hash``), else those of
+    ``notebooks/<notebook>.ipynb`` at the commit it ran from when that version's notebook hash is the recorded one;
+    None when neither tells."""
+    if provenance.get("code_cells_hash"):
+        return str(provenance["code_cells_hash"])
+    commit, recorded = provenance.get("git_commit"), provenance.get("notebook_hash")
+    text = file_at(repo, str(commit), f"notebooks/{notebook}.ipynb") if commit and recorded else None
+    if text is not None and notebook_text_hash(text) == recorded:
+        return code_cells_hash(text)
+    return None
+
+
+def load_stale_runs(text: str | None, where: str = STALE_RUNS) -> dict[tuple[str, str, str], str]:
+    """``{(profile, notebook, commit prefix): why}`` of the known-stale list (see :func:`check_published_notebooks`)."""
+    entries = yaml.safe_load(text) if text else []
+    if not isinstance(entries, list):
+        raise ValueError(f"{where}: not a list")
+    found = {}
+    for index, entry in enumerate(entries):
+        fields = ("profile", "notebook", "git_commit", "why")
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(name), str) and entry[name] for name in fields):
+            raise ValueError(f"{where}: entry #{index + 1} needs text fields {', '.join(fields)}")
+        found[entry["profile"], entry["notebook"], entry["git_commit"]] = entry["why"]
+    return found
+
+
+def check_published_notebooks(repo: Path, outputs: str, report: VerifyReport) -> None:
+    """Every published notebook (``outputs/<profile>/NN_*.ipynb``) holds the code cells its run executed. A run whose
+    notebook was edited after it ran fails, unless it is listed in ``predictions/stale_runs.yaml`` (profile,
+    notebook, the commit it ran from, why): a list that may only shrink, printed on every verify."""
+    listing = git(repo, "ls-tree", "-r", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
+        if has_commits(repo) else []
+    try:
+        listed = load_stale_runs(file_at(repo, "HEAD", STALE_RUNS))
+        versions = [load_stale_runs(file_at(repo, commit.sha, STALE_RUNS), f"{STALE_RUNS} at {commit.short}")
+                    for commit in commits_touching(repo, STALE_RUNS)]
+        working = repo / STALE_RUNS
+        if working.is_file():
+            listed = load_stale_runs(working.read_text(encoding="utf-8"), f"{STALE_RUNS} (working tree)")
+            versions.append(listed)
+    except ValueError as error:
+        report.violations.append(str(error))
+        return
+    for before, after in zip(versions, versions[1:]):
+        for key in sorted(set(after) - set(before)):
+            report.violations.append(f"{STALE_RUNS}: {'/'.join(key)} was added after the list was first committed: "
+                                     "the list of known-stale published runs may only shrink; republish the run")
+    used = set()
+    for path in sorted(item for item in listing if item.endswith(".ipynb") and item.count("/") == 2):
+        profile, notebook = path.split("/")[1], Path(path).stem
+        try:
+            payload = json.loads(file_at(repo, "HEAD", f"{outputs}/{profile}/{notebook}.metrics.json") or "{}")
+        except ValueError:
+            continue  # reported by check_results_tie_to_code
+        provenance = payload.get("provenance") or {}
+        ran = ran_code_cells(repo, f"{outputs}/{profile}", notebook, provenance)
+        if ran is None:
+            report.notes.append(f"{path}: its run recorded no code-cell hash, and the notebook at the commit it ran "
+                                "from does not match its notebook hash: cannot tell which code cells ran")
+            continue
+        if code_cells_hash(file_at(repo, "HEAD", path) or "{}") == ran:
+            continue
+        commit = str(provenance.get("git_commit") or "")
+        key = next((key for key in listed if key[:2] == (profile, notebook) and key[2] and commit.startswith(key[2])),
+                   None)
+        problem = f"{path}: code cells differ from the run (of {commit[:7] or 'an unknown commit'}); republish needed"
+        if key is None:
+            report.violations.append(problem)
+        else:
+            used.add(key)
+            report.notes.append(f"{problem} (known stale, {STALE_RUNS}: {listed[key]})")
+    for key in sorted(set(listed) - used):
+        report.violations.append(f"{STALE_RUNS}: {'/'.join(key)} is not a stale published run (republished, or its "
+                                 "code cells match): remove the entry")
+
+
 def verify(
     repo: Path | str = ".",
     predictions_path: str = str(DEFAULT_PREDICTIONS_PATH),
@@ -419,4 +445,6 @@ def verify(
     check_append_only(root, predictions_path, report)
     check_predicted_before_measured(root, predictions_path, outputs.rstrip("/"), report)
     check_results_tie_to_code(root, outputs.rstrip("/"), report)
+    check_history_rules(root, predictions_path, outputs.rstrip("/"), report)
+    check_published_notebooks(root, outputs.rstrip("/"), report)
     return report

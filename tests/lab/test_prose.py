@@ -219,3 +219,33 @@ def test_checking_nothing_fails_and_names_the_directory(tmp_path, capsys, where)
     out = capsys.readouterr().out
     assert f"nothing to check in {repo}" in out and "OK" not in out
     assert ("no such directory" in out) == (where == "missing")
+
+
+# Notebook 07's "What this run found" as it stood after its republication: figures of the run before (0.956, 1.353,
+# 81.652 and its interval) against the published run's metrics (0.957, 1.366, 81.681).
+STALE_07 = """\
+### What this run found
+
+Against Liger its largest time ratio over the four cells was `0.956` (median over repetitions,
+interval `[0.948, 0.962]`; at the Llama-3-8B head, frozen). Against its own three-GEMM floor the largest ratio
+was `1.353`, at the Qwen2.5-0.5B head ($d$ `896`). At the Llama-3-8B head it took
+`81.652` ms trainable (median, two sessions; interval `[80.762, 82.092]`), over the `75` ms targeted.
+"""
+RUN_07 = {  # the published run's medians and intervals (outputs/gpu/07_loss_block.metrics.json)
+    "time_vs_liger_max": {"median": 0.9569327, "ci95": [0.9489168, 0.9634756], "n": 10},
+    "time_vs_three_gemm_floor_max": {"median": 1.3658570, "ci95": [1.3144553, 1.3847740], "n": 10},
+    "lora_lab_ms_llama3-8b_16384_trainable": {"median": 81.6806641, "ci95": [80.3726215, 82.2556648], "n": 10},
+}
+
+
+def test_a_figure_in_a_code_span_must_be_this_runs(tmp_path):
+    root = make_repo(tmp_path, STALE_07, metrics=RUN_07)
+    assert flagged(root) == ["0.956", "0.948", "0.962", "1.353", "81.652", "80.762", "82.092"]
+    fixed = (STALE_07.replace("`0.956`", "`0.957`").replace("`[0.948, 0.962]`", "`[0.949, 0.963]`")
+             .replace("`1.353`", "`1.366`").replace("`81.652`", "`81.681`")
+             .replace("`[80.762, 82.092]`", "`[80.373, 82.256]`"))
+    assert flagged(make_repo(tmp_path / "fixed", fixed, metrics=RUN_07)) == []
+
+
+def test_integers_in_code_spans_stay_structure(tmp_path):
+    assert flagged(make_repo(tmp_path, "A head of $V$ `128,256` and `16,384` tokens, `4096` wide.\n")) == []

@@ -290,7 +290,8 @@ def test_a_run_whose_code_differs_from_head_needs_a_history_entry_naming_its_com
     report = verify(repo.root)
     assert len(report.violations) == 1 and "01_demo.metrics.json: its code" in report.violations[0]
 
-    run = {"notebook": "01_demo", "git_commit": ran, "code_hash": "0" * 64, "graded": {}}
+    run = {"notebook": "01_demo", "git_commit": ran, "code_hash": "0" * 64, "rules": 4, "grading_amendments": [],
+           "graded": {}}
     write_history(repo.root / "outputs" / "cpu", "cpu", [run])  # names the commit, but another hash
     repo.commit("a history entry that does not match")
     assert not verify(repo.root).ok

@@ -13,10 +13,12 @@ recorded no scope and hashed ``lora_lab/`` only (scope ``lora_lab``), and are st
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import platform
 import subprocess
+import tokenize
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -151,10 +153,24 @@ def notebook_text_hash(text: str) -> str:
     return hashlib.sha256(json.dumps(_cell_sources(text, code_only=False), ensure_ascii=False).encode()).hexdigest()
 
 
+def executed_tokens(source: str) -> str:
+    """What of a code cell's ``source`` Python executes: its tokens without comments, blank lines and spacing inside
+    a line (a cell that does not tokenize, e.g. one with IPython magics, is taken whole)."""
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER}
+    try:
+        tokens = [(tok.type, tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+                  if tok.type not in skip]
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return source
+    return json.dumps(tokens, ensure_ascii=False)
+
+
 def code_cells_hash(text: str) -> str:
-    """SHA-256 of the sources of a notebook's code cells (its JSON ``text``; papermill's cell excluded): what a run
-    executes. Markdown may change after a run (a corrected figure); code may not."""
-    return hashlib.sha256(json.dumps(_cell_sources(text, code_only=True), ensure_ascii=False).encode()).hexdigest()
+    """SHA-256 of what a notebook's code cells execute (its JSON ``text``; papermill's cell excluded;
+    :func:`executed_tokens`, so a comment is not code). Markdown and comments may change after a run (a corrected
+    figure, a clearer comment); code may not."""
+    executed = [executed_tokens(source) for _, source in _cell_sources(text, code_only=True)]
+    return hashlib.sha256(json.dumps(executed, ensure_ascii=False).encode()).hexdigest()
 
 
 def git_state(root: Path | None = None) -> dict[str, Any]:

@@ -380,7 +380,8 @@ def load_stale_runs(text: str | None, where: str = STALE_RUNS) -> dict[tuple[str
 
 
 def check_published_notebooks(repo: Path, outputs: str, report: VerifyReport) -> None:
-    """Every published notebook (``outputs/<profile>/NN_*.ipynb``) holds the code cells its run executed. A run whose
+    """Every published notebook (``outputs/<profile>/NN_*.ipynb``, and ``notebooks/NN_*.ipynb`` for the gpu profile,
+    which publishes there too) holds the code cells its run executed (comments aside). A run whose
     notebook was edited after it ran fails, unless it is listed in ``predictions/stale_runs.yaml`` (profile,
     notebook, the commit it ran from, why): a list that may only shrink, printed on every verify."""
     listing = git(repo, "ls-tree", "-r", "--name-only", "HEAD", f"{outputs}/", check=False).stdout.split() \
@@ -413,17 +414,22 @@ def check_published_notebooks(repo: Path, outputs: str, report: VerifyReport) ->
             report.notes.append(f"{path}: its run recorded no code-cell hash, and the notebook at the commit it ran "
                                 "from does not match its notebook hash: cannot tell which code cells ran")
             continue
-        if code_cells_hash(file_at(repo, "HEAD", path) or "{}") == ran:
-            continue
+        # the gpu profile's publication also puts the executed notebook in notebooks/: that copy is checked too
+        copies = [path] + ([f"notebooks/{notebook}.ipynb"] if profile == "gpu" else [])
         commit = str(provenance.get("git_commit") or "")
         key = next((key for key in listed if key[:2] == (profile, notebook) and key[2] and commit.startswith(key[2])),
                    None)
-        problem = f"{path}: code cells differ from the run (of {commit[:7] or 'an unknown commit'}); republish needed"
-        if key is None:
-            report.violations.append(problem)
-        else:
-            used.add(key)
-            report.notes.append(f"{problem} (known stale, {STALE_RUNS}: {listed[key]})")
+        for copy in copies:
+            text = file_at(repo, "HEAD", copy)
+            if text is None or code_cells_hash(text) == ran:
+                continue
+            ran_from = commit[:7] or "an unknown commit"
+            problem = f"{copy}: code cells differ from the run (of {ran_from}); republish needed"
+            if key is None:
+                report.violations.append(problem)
+            else:
+                used.add(key)
+                report.notes.append(f"{problem} (known stale, {STALE_RUNS}: {listed[key]})")
     for key in sorted(set(listed) - used):
         report.violations.append(f"{STALE_RUNS}: {'/'.join(key)} is not a stale published run (republished, or its "
                                  "code cells match): remove the entry")

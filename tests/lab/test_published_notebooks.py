@@ -96,3 +96,37 @@ def test_a_run_records_the_hash_of_its_code_cells_and_verify_reads_it(tmp_path):
     repo.commit("published")
     violations = verify(repo.root).violations
     assert any("01_demo.ipynb: code cells differ from the run" in violation for violation in violations)
+
+
+def test_a_comment_is_not_code_but_a_changed_statement_is(tmp_path):
+    repo = Repo(tmp_path / "repo")
+    repo.predictions()
+    ran = _publish(repo, "01_demo", "x = 1  # one\n\ny = x + 1\n")
+    repo.write("outputs/cpu/01_demo.ipynb", _notebook("x = 1  # the first value, said more clearly\ny = x + 1\n"))
+    repo.commit("a comment reworded after the run")
+    assert verify(repo.root).ok
+    repo.write("outputs/cpu/01_demo.ipynb", _notebook("x = 2  # the first value, said more clearly\ny = x + 1\n"))
+    repo.commit("a value changed after the run")
+    assert verify(repo.root).violations == [
+        f"outputs/cpu/01_demo.ipynb: code cells differ from the run (of {ran[:7]}); republish needed"]
+
+
+def test_the_gpu_profile_copy_in_notebooks_is_checked_too(tmp_path):
+    repo = Repo(tmp_path / "repo")
+    repo.predictions()
+    repo.write("notebooks/01_demo.ipynb", _notebook("x = 1"))
+    ran = repo.commit("01: code")
+    repo.write("outputs/gpu/01_demo.ipynb", _notebook("x = 1"))
+    provenance = {"status": "completed", "git_commit": ran,
+                  "notebook_hash": notebook_hash(repo.root / "notebooks" / "01_demo.ipynb")}
+    repo.write("outputs/gpu/01_demo.metrics.json",
+               json.dumps({"notebook": "01_demo", "profile": "gpu", "metrics": {}, "provenance": provenance}))
+    repo.commit("01: published gpu run")
+    assert verify(repo.root).ok
+    repo.write("notebooks/01_demo.ipynb", _notebook("x = 1", prose="# demo, reworded"))
+    repo.commit("the published notebook's prose reworded")
+    assert verify(repo.root).ok
+    repo.write("notebooks/01_demo.ipynb", _notebook("x = 3"))
+    repo.commit("the published notebook's code edited")
+    assert verify(repo.root).violations == [
+        f"notebooks/01_demo.ipynb: code cells differ from the run (of {ran[:7]}); republish needed"]

@@ -244,8 +244,8 @@ def _veomni(op: str):
 def _sonicmoe(op: str):
     if op != "moe_full":
         raise LookupError("SonicMoE computes plain experts: no LoRA on experts")
-    sonic = importlib.import_module("sonicmoe")
     swiglu = importlib.import_module("sonicmoe.enums").ActivationType.SWIGLU
+    routed = importlib.import_module("sonicmoe").moe_general_routing_inputs
 
     def moe(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
         # moe_general_routing_inputs takes flat, token-sorted assignments and its weights expert-last:
@@ -253,7 +253,7 @@ def _sonicmoe(op: str):
         T, k = top_k_index.shape
         tokens = torch.arange(T, device=x.device, dtype=torch.int32).repeat_interleave(k)
         stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
-        out, _frequency = sonic.moe_general_routing_inputs(
+        out, _frequency = routed(
             x, top_k_weights.reshape(-1), tokens, top_k_index.reshape(-1).to(torch.int32),
             gate_up_proj.permute(1, 2, 0), None, down_proj.permute(1, 2, 0), None, gate_up_proj.shape[0], stream,
             swiglu, False, concat_layout=True)

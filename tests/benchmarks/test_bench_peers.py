@@ -1,0 +1,96 @@
+"""benchmarks/bench_peers.py: its ``--smoke`` run on the CPU (ours and PEFT timed, every other peer a skipped row
+with its error), and a cell with a fake peer that runs, and one that fails."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from lora_lab.lab import measure
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_peers
+
+    return bench_peers
+
+
+@pytest.mark.slow
+def test_smoke_run_times_ours_and_peft_and_records_every_other_peer_as_skipped(tmp_path):
+    env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--out", str(tmp_path), "--smoke",
+           "--repetitions", "2", "--ops", "lora_linear", "moe_full", "loss", "--moe-shapes", "qwen3_30b_a3b"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = measure.read_csv(tmp_path / "peers_ops.csv")
+    assert all(r["smoke"] is True for r in rows)
+    by = {}
+    for r in rows:
+        by.setdefault((r["op"], r["impl"]), []).append(r)
+    for op in ("lora_linear", "moe_full", "loss"):
+        assert {r["rep"] for r in by[(op, "ours")]} == {0, 1} and all(r["ms"] > 0 for r in by[(op, "ours")])
+    peft = by[("lora_linear", "peft")]
+    assert all(r["status"] == "ok" and r["ms"] > 0 and r["out_rel_err"] < 1e-5 for r in peft)
+    for key in [("lora_linear", "axolotl"), ("lora_linear", "unsloth"), ("moe_full", "llamafactory"),
+                ("moe_full", "veomni"), ("moe_full", "sonicmoe"), ("moe_full", "liger"), ("loss", "quack"),
+                ("loss", "liger")]:
+        assert key in by, key  # every peer of the op has rows: timed, failed or skipped
+        for row in by[key]:
+            if row["status"] == "skipped":
+                assert row["error"] and row["tried"] and row["ms"] is None and row["rep"] == 0, row
+            if not torch.cuda.is_available():
+                assert row["status"] == "skipped", row  # no peer runs its CUDA kernels on a CPU
+    if not torch.cuda.is_available():
+        assert "runs CUDA kernels only" in by[("loss", "liger")][0]["error"]
+
+
+def _args():
+    return argparse.Namespace(repetitions=2, smoke=True)
+
+
+def test_a_fake_peer_runs_beside_ours_and_one_that_fails_is_an_error_row(bench, monkeypatch):
+    """A fake axolotl whose ``apply_lora_o`` runs the PEFT layer it is given: timed, its output checked against
+    ours; a fake unsloth that raises: one ``error`` row with the message, the others still timed."""
+    def apply_lora_o(self, X):
+        return self.o_proj(X)
+
+    def refusing(self, X):
+        raise RuntimeError("made-up kernel failure")
+
+    for name, fn in (("axolotl", apply_lora_o), ("unsloth", refusing)):
+        path = {"axolotl": "axolotl.kernels.lora", "unsloth": "unsloth.kernels.fast_lora"}[name]
+        parts = path.split(".")
+        for i in range(1, len(parts)):
+            monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+        monkeypatch.setitem(sys.modules, path, types.SimpleNamespace(apply_lora_o=fn))
+    impls = {n: bench.peer_loader.load(n, "lora_linear", check_device=False) for n in ("peft", "axolotl", "unsloth")}
+    assert all(isinstance(i, bench.peer_loader.PeerOp) for i in impls.values())
+    rows = bench.lora_cell("lora_linear", "c", (16, 32, 32, 4), impls, _args(), torch.device("cpu"), torch.float32)
+    ok = {(r["impl"], r["rep"]) for r in rows if r["status"] == "ok"}
+    assert ok == {(i, rep) for i in ("ours", "peft", "axolotl") for rep in range(2)}
+    assert all(r["out_rel_err"] < 1e-5 for r in rows if r["impl"] == "axolotl")
+    (failed,) = [r for r in rows if r["impl"] == "unsloth"]
+    assert failed["status"] == "error" and "made-up kernel failure" in failed["error"] and failed["ms"] is None
+
+
+def test_a_peer_that_computes_something_else_shows_in_its_output_error(bench, monkeypatch):
+    parts = "axolotl.kernels.lora".split(".")
+    for i in range(1, len(parts)):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:i]), types.ModuleType(".".join(parts[:i])))
+    monkeypatch.setitem(sys.modules, "axolotl.kernels.lora",
+                        types.SimpleNamespace(apply_lora_o=lambda self, X: self.o_proj.base_layer(X)))  # no adapter
+    impls = {"axolotl": bench.peer_loader.load("axolotl", "lora_linear", check_device=False)}
+    rows = bench.lora_cell("lora_linear", "c", (16, 32, 32, 4), impls, _args(), torch.device("cpu"), torch.float32)
+    assert min(r["out_rel_err"] for r in rows if r["impl"] == "axolotl") > 1e-3

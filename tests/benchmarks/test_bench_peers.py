@@ -94,3 +94,68 @@ def test_a_peer_that_computes_something_else_shows_in_its_output_error(bench, mo
     impls = {"axolotl": bench.peer_loader.load("axolotl", "lora_linear", check_device=False)}
     rows = bench.lora_cell("lora_linear", "c", (16, 32, 32, 4), impls, _args(), torch.device("cpu"), torch.float32)
     assert min(r["out_rel_err"] for r in rows if r["impl"] == "axolotl") > 1e-3
+
+
+@pytest.fixture
+def step_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_peers_step
+
+    return bench_peers_step
+
+
+def _step_args(tmp_path, **kw):
+    args = argparse.Namespace(smoke=True, layers=1, batch=2, seq=16, steps=1, repetitions=2, checkpointing_now="off",
+                              checkpoint_dir=str(tmp_path / "ckpt"), impls=["ours", "peft", "axolotl", "unsloth"])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+@pytest.mark.slow
+def test_full_depth_smoke_rows_feed_the_step_metrics(step_bench, monkeypatch, tmp_path):
+    from lora_lab.experiments import peer_comparison
+
+    for name in ("axolotl", "unsloth"):
+        monkeypatch.setitem(sys.modules, name, None)  # missing, whether or not installed
+    rows = step_bench.run_model("llama3_8b", _step_args(tmp_path), torch.device("cpu"), torch.float32)
+    skipped = {r["impl"]: r for r in rows if r["status"] == "skipped"}
+    assert set(skipped) == {"axolotl", "unsloth"} and all("ModuleNotFoundError" in r["error"] for r in skipped.values())
+    ok = {(r["impl"], r["rep"]) for r in rows if r["status"] == "ok"}
+    assert ok == {(i, rep) for i in ("ours", "peft") for rep in range(2)}
+    metrics = peer_comparison.step_metrics(rows)
+    assert metrics["peers_step_llama3_8b_ckpt_off_fastest_peer"] == "peft"
+    assert metrics["peers_step_llama3_8b_ckpt_off_speedup_vs_fastest_peer"]["n"] == 2
+
+
+@pytest.mark.slow
+def test_unsloth_path_loads_the_random_checkpoint_it_writes_offline(step_bench, monkeypatch, tmp_path):
+    """A fake ``unsloth.FastLanguageModel`` that loads with transformers and wraps with PEFT: the checkpoint and
+    tokenizer the benchmark writes load from disk alone, and the loaded model trains."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    calls = {}
+
+    class FastLanguageModel:
+        @staticmethod
+        def from_pretrained(model_name, max_seq_length, dtype, load_in_4bit):
+            calls["load"] = (model_name, max_seq_length, dtype, load_in_4bit)
+            return (AutoModelForCausalLM.from_pretrained(model_name, dtype=dtype),
+                    AutoTokenizer.from_pretrained(model_name))
+
+        @staticmethod
+        def get_peft_model(model, r, target_modules, lora_alpha, lora_dropout, bias, use_gradient_checkpointing):
+            calls["peft"] = (r, lora_alpha, use_gradient_checkpointing)
+            return get_peft_model(model, LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=target_modules))
+
+    monkeypatch.setitem(sys.modules, "unsloth", types.SimpleNamespace(FastLanguageModel=FastLanguageModel))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    peer = step_bench.peer_loader.load("unsloth", "model", check_device=False)
+    args = _step_args(tmp_path)
+    model = step_bench.PeerModel("llama3_8b", "unsloth", args, torch.device("cpu"), torch.float32, peer)
+    model.step()
+    assert calls["load"][1:] == (16, torch.float32, False) and calls["peft"] == (16, 32, False)
+    assert Path(calls["load"][0]).parent == tmp_path / "ckpt" and len(model.losses) == 1
+    tokenizer = AutoTokenizer.from_pretrained(calls["load"][0])
+    assert len(tokenizer) == model.head[1]

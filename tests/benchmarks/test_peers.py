@@ -261,3 +261,27 @@ def test_unknown_names_are_refused_and_missing_ops_are_skips(peers):
     skip = peers.load("quack", "lora_linear")
     assert isinstance(skip, peers.PeerSkip) and skip.error == "quack has no lora_linear op"
     assert set(peers.load_all("moe_full", check_device=False)) == {"liger", "llamafactory", "veomni", "sonicmoe"}
+
+
+def test_the_peer_extras_pin_what_the_loader_expects_and_ci_installs_none(peers):
+    """pyproject's peers-* extras pin exactly the versions peers.PEERS names (the skip records quote them); no
+    install line of the Makefile or environment.yml names a peers extra."""
+    import re
+
+    import tomllib
+    from packaging.requirements import Requirement
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pinned = {}
+    for name, reqs in extras.items():
+        if name.startswith("peers-"):
+            for req in map(Requirement, reqs):
+                (spec,) = req.specifier
+                assert spec.operator == "==", f"{req} in extra {name} is not pinned"
+                pinned[req.name] = (spec.version, name)
+    for peer in peers.PEERS.values():
+        if peer.version:
+            assert pinned.get(peer.distribution) == (peer.version, peer.extra), peer
+    for path in ("Makefile", "environment.yml"):
+        installs = [line for line in (ROOT / path).read_text().splitlines() if re.search(r"\.\[[^\]]*\]", line)]
+        assert installs and not any("peers" in line for line in installs), (path, installs)

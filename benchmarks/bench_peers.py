@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 from pathlib import Path
 
 import peers as peer_loader
 import torch
-from bench_common import check_device, device_line, error_text, is_oom
+from bench_common import check_device, device_line, error_text, is_oom, without_options
 from torch import nn
 
 from lora_lab.lab import measure
@@ -285,8 +286,16 @@ def main(argv=None) -> None:
                     help="which peers to try (each op times those of them that have it)")
     ap.add_argument("--moe-shapes", nargs="+", default=list(FINE_GRAINED), choices=list(FINE_GRAINED))
     ap.add_argument("--repetitions", type=int, default=measure.MIN_REPETITIONS)
+    ap.add_argument("--sessions", type=int, default=1, help="separate processes (this script again, one after "
+                                                           "another), their CSVs pooled: speed ratios are graded "
+                                                           f"on >= {measure.MIN_SESSIONS}")
     ap.add_argument("--smoke", action="store_true", help="tiny stand-in shapes, fp32 (CPU: set TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
+    if args.sessions > 1:
+        raw = sys.argv[1:] if argv is None else list(argv)
+        measure.run_script_sessions(Path(__file__), without_options(raw, ("--out", "--sessions")), args.out, [CSV],
+                                    sessions=args.sessions)
+        return
     if args.repetitions < 1:
         ap.error("--repetitions must be >= 1")
     device = check_device(args.smoke)

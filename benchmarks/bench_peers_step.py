@@ -34,12 +34,13 @@ import argparse
 import copy
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import bench_whole_step as whole
 import peers as peer_loader
 import torch
-from bench_common import check_device, device_line, error_text, is_oom
+from bench_common import check_device, device_line, error_text, is_oom, without_options
 
 from lora_lab.experiments.whole_step import RECIPE
 from lora_lab.lab import measure
@@ -149,17 +150,25 @@ def main(argv=None) -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=5, help="timed whole steps per implementation and repetition")
     ap.add_argument("--repetitions", type=int, default=measure.MIN_REPETITIONS)
+    ap.add_argument("--sessions", type=int, default=1, help="separate processes (this script again, one after "
+                                                           "another), their CSVs pooled: speed ratios are graded "
+                                                           f"on >= {measure.MIN_SESSIONS}")
     ap.add_argument("--checkpoint-dir", default=None, help="where unsloth's random-init checkpoints go "
                                                            "(default: OUT/checkpoints)")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: tiny configs, fp32, 1 layer")
     args = ap.parse_args(argv)
+    args.checkpoint_dir = str(Path(args.checkpoint_dir or Path(args.out) / "checkpoints").resolve())
+    if args.sessions > 1:  # the sessions share the checkpoints: written once
+        raw = without_options(sys.argv[1:] if argv is None else list(argv), ("--out", "--sessions", "--checkpoint-dir"))
+        measure.run_script_sessions(Path(__file__), [*raw, "--checkpoint-dir", args.checkpoint_dir], args.out, [CSV],
+                                    sessions=args.sessions)
+        return
     if args.repetitions < 1 or args.steps < 1:
         ap.error("--repetitions and --steps must be >= 1")
     if args.smoke:
         args.batch, args.seq, args.steps = 2, 16, min(args.steps, 2)
     if "ours" not in args.impls:
         args.impls = ["ours", *args.impls]
-    args.checkpoint_dir = args.checkpoint_dir or str(Path(args.out) / "checkpoints")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the checkpoints are local; the GPU machine has no network
     device = check_device(args.smoke)
     dtype = torch.float32 if device.type != "cuda" else torch.bfloat16

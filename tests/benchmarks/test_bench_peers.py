@@ -159,3 +159,17 @@ def test_unsloth_path_loads_the_random_checkpoint_it_writes_offline(step_bench, 
     assert Path(calls["load"][0]).parent == tmp_path / "ckpt" and len(model.losses) == 1
     tokenizer = AutoTokenizer.from_pretrained(calls["load"][0])
     assert len(tokenizer) == model.head[1]
+
+
+@pytest.mark.slow
+def test_sessions_run_as_separate_processes_and_pool(tmp_path):
+    env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--out", str(tmp_path), "--smoke",
+           "--repetitions", "2", "--sessions", "2", "--ops", "loss", "--peers", "quack"]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [r for r in measure.read_csv(tmp_path / "peers_ops.csv") if r["impl"] == "ours"]
+    assert {(r["session"], r["rep"]) for r in rows} == {(0, 0), (0, 1), (1, 2), (1, 3)}
+    assert measure.sessions_in(rows) == 2

@@ -234,18 +234,31 @@ def _rel_err(out, ref) -> float:
     return (num / max(den, 1e-30)) ** 0.5
 
 
+def _upstream(out, shared):
+    """The upstream gradients of ``out``: ``shared`` (ours') where the shapes agree, the same for every
+    implementation; else drawn (seeded). A scalar (the loss) gets 1."""
+    outs = _outputs(out)
+    if shared is not None and [g.shape for g in shared] == [o.shape for o in outs]:
+        return shared
+    gen = torch.Generator(device=outs[0].device).manual_seed(5)
+    return [torch.randn(o.shape, generator=gen, device=o.device, dtype=o.dtype) if o.dim() else torch.ones_like(o)
+            for o in outs]
+
+
 def time_cell(fns: dict, x, inputs, base: dict, args, device) -> list[dict]:
     """Rows of one cell: first call of each implementation (compile, tuning, its output against ours), peak memory
     once, then ``args.repetitions`` side-by-side loops. ``inputs``: what the step differentiates (one list, or a
     dict per implementation)."""
     cuda = device.type == "cuda"
-    ref = None
+    ref = ref_grads = None
     steps, once = {}, {}
     for name, fn in fns.items():
         wrt = inputs[name] if isinstance(inputs, dict) else inputs
         try:
             out = fn(x)  # the first call: compile, tuning
-            grads = [torch.randn_like(o) if o.dim() else torch.ones_like(o) for o in _outputs(out)]
+            grads = _upstream(out, ref_grads)
+            if name == "ours":
+                ref_grads = grads
 
             def step(fn=fn, wrt=wrt, grads=grads):
                 return torch.autograd.grad(_outputs(fn(x)), wrt, grads, allow_unused=True)

@@ -15,7 +15,7 @@ Ops and their uniform signatures (``x`` is ``[M, K]``; LoRA holders are PEFT-wra
   layout, ``gate_up_proj`` ``[E, 2I, H]`` (gate rows, then up rows), ``down_proj`` ``[E, H, I]``, SwiGLU;
 * ``moe_lora``    — the same plus ``lora``, an :class:`ExpertLoRAFactors` (per-expert factors, frozen experts);
 * ``loss``        — ``fn(h, w, y) -> loss``: mean cross-entropy of ``h @ w.T`` against ``y`` (ignore index -100);
-* ``model``       — axolotl: ``fn(peft_model) -> peft_model`` (its LoRA-kernel monkeypatch); unsloth:
+* ``model``       — axolotl: ``fn(peft_model) -> peft_model`` (its LoRA-kernel monkeypatches); unsloth:
   ``fn(checkpoint_dir, r, max_seq_length, dtype, gradient_checkpointing) -> peft_model`` (its loader).
 
 axolotl 0.21 and unsloth take 3-D activations ``[batch, seq, hidden]`` (unsloth's backward reshapes to three
@@ -179,12 +179,34 @@ def _axolotl(op: str):
         return _fast_lora("axolotl.kernels.lora", op)
     patches = importlib.import_module("axolotl.monkeypatch.lora_kernels")
     DictDefault = importlib.import_module("axolotl.utils.dict").DictDefault
-    cfg = DictDefault({"lora_qkv_kernel": True, "lora_o_kernel": True, "lora_mlp_kernel": True})
 
     def patch(model):
-        return patches.apply_lora_kernel_patches(model, cfg)
+        """axolotl's two steps with its QKV / O / MLP LoRA kernels on: ``patch_self_attn_lora(cfg)`` rewrites the
+        attention class's forward to call ``self.apply_qkv`` / ``self.apply_o``, ``apply_lora_kernel_patches(model,
+        cfg)`` binds its kernels to the model's layers. The rewritten forward is bound to this model's attention
+        modules only and the class keeps its own, so models built later in the process stay plain."""
+        import tempfile
 
-    return patch, "axolotl.monkeypatch.lora_kernels.apply_lora_kernel_patches"
+        config = model.get_base_model().config
+        with tempfile.TemporaryDirectory() as base_model:  # get_attention_cls_from_config reads a config.json
+            config.save_pretrained(base_model)
+            cfg = DictDefault({"base_model": base_model, "model_config_type": config.model_type,
+                               "lora_qkv_kernel": True, "lora_o_kernel": True, "lora_mlp_kernel": True})
+            attention_cls = patches.get_attention_cls_from_config(cfg)
+            original = attention_cls.forward
+            patches.patch_self_attn_lora(cfg)
+            rewritten = attention_cls.forward
+            attention_cls.forward = original
+            if hasattr(attention_cls, "_original_forward"):
+                del attention_cls._original_forward  # its "already patched" mark
+            model = patches.apply_lora_kernel_patches(model, cfg)
+        for module in model.modules():
+            if isinstance(module, attention_cls):
+                module.forward = rewritten.__get__(module)
+        return model
+
+    return patch, ("axolotl.monkeypatch.lora_kernels.patch_self_attn_lora + apply_lora_kernel_patches "
+                   "(lora_qkv_kernel, lora_o_kernel, lora_mlp_kernel)")
 
 
 def _unsloth(op: str):

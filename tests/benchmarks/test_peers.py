@@ -179,22 +179,49 @@ def test_quack_loss_and_liger_loss_argument_order(peers, fake):
     assert got["liger"] == (w, h, y) and got["liger_init"] == {"ignore_index": -100}
 
 
-def test_axolotl_model_patch_turns_on_its_three_lora_kernels(peers, fake):
+def test_axolotl_model_patch_binds_the_rewritten_attention_to_this_model_only(peers, fake):
+    """axolotl's class-level rewrite of the attention forward is bound to the patched model's attention modules;
+    the class keeps its forward (and loses axolotl's "already patched" mark), so another model stays plain."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
     got = {}
 
     class DictDefault(dict):
         pass
 
+    def rewritten(self, *args, **kwargs):
+        return "rewritten"
+
+    def get_attention_cls_from_config(cfg):
+        got["config_json"] = (Path(cfg["base_model"]) / "config.json").is_file()
+        return LlamaAttention
+
+    def patch_self_attn_lora(cfg):
+        LlamaAttention._original_forward = "source"
+        LlamaAttention.forward = rewritten
+
     def apply_lora_kernel_patches(model, cfg):
-        got["call"] = (model, cfg)
+        got["cfg"] = dict(cfg)
         return model
 
-    fake("axolotl.monkeypatch.lora_kernels", apply_lora_kernel_patches=apply_lora_kernel_patches)
+    fake("axolotl.monkeypatch.lora_kernels", apply_lora_kernel_patches=apply_lora_kernel_patches,
+         patch_self_attn_lora=patch_self_attn_lora, get_attention_cls_from_config=get_attention_cls_from_config)
     fake("axolotl.utils.dict", DictDefault=DictDefault)
-    model = object()
+    original = LlamaAttention.forward
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                         num_hidden_layers=2, vocab_size=32)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert peers.load("axolotl", "model", check_device=False).fn(model) is model
-    assert got["call"][0] is model and isinstance(got["call"][1], DictDefault)
-    assert dict(got["call"][1]) == {"lora_qkv_kernel": True, "lora_o_kernel": True, "lora_mlp_kernel": True}
+    assert got["config_json"] and got["cfg"]["model_config_type"] == "llama"
+    assert {k: got["cfg"][k] for k in ("lora_qkv_kernel", "lora_o_kernel", "lora_mlp_kernel")} == {
+        "lora_qkv_kernel": True, "lora_o_kernel": True, "lora_mlp_kernel": True}
+    assert LlamaAttention.forward is original and not hasattr(LlamaAttention, "_original_forward")
+    attention = [m for m in model.modules() if isinstance(m, LlamaAttention)]
+    assert len(attention) == 2 and all(m.forward() == "rewritten" for m in attention)
+    other = LlamaForCausalLM(config)
+    assert all("forward" not in vars(m) for m in other.modules() if isinstance(m, LlamaAttention))
 
 
 def test_a_missing_peer_is_a_skip_with_the_import_error_text(peers, monkeypatch):

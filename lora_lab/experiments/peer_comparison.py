@@ -21,6 +21,7 @@ Keys (notebook 10 records them):
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 from lora_lab.lab import measure
 
@@ -127,4 +128,22 @@ def step_metrics(rows) -> dict:
                  for impl in (OURS, fastest)}
         if all(peaks.values()):
             out[f"{key}_peak_vs_fastest_peer"] = statistics.median(peaks[OURS]) / statistics.median(peaks[fastest])
+    return out
+
+
+OPS_CSV, STEP_CSV = "peers_ops.csv", "peers_step.csv"  # what bench_peers.py and bench_peers_step.py write
+
+
+def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
+    """:func:`ops_metrics` and :func:`step_metrics` of the CSVs in ``directory`` (either may be absent), refusing
+    rows written by other code (``measure.read_csv``) and, unless ``allow_smoke``, rows of a ``--smoke`` run."""
+    out: dict = {}
+    for name, metrics in ((OPS_CSV, ops_metrics), (STEP_CSV, step_metrics)):
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        rows = measure.read_csv(path)
+        if not allow_smoke and any(r.get("smoke") for r in rows):
+            raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
+        out.update(metrics(rows))
     return out

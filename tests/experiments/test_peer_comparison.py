@@ -62,3 +62,16 @@ def test_step_metrics_pick_the_fastest_peer_that_ran():
     assert m["peers_step_llama3_8b_ckpt_off_peak_vs_fastest_peer"] == pytest.approx(50 / 40)
     only_ours = [r for r in rows if r["impl"] == "ours"]
     assert pc.step_metrics(only_ours) == {"peers_step_llama3_8b_ckpt_off_peers_run": 0}
+
+
+def test_benchmark_metrics_read_both_csvs_and_refuse_a_smoke_run(tmp_path):
+    from lora_lab.lab import measure
+
+    rows = _op_rows("loss", {"l_t": 1.0}, {"ours": 70.0, "quack": 74.0}, head="trainable")
+    measure.write_csv([dict(r, smoke=False) for r in rows], tmp_path / pc.OPS_CSV)
+    assert set(pc.benchmark_metrics(tmp_path)) == {"peers_loss_time_vs_quack_trainable",
+                                                   "peers_loss_worst_time_vs_quack"}
+    measure.write_csv([dict(r, smoke=True) for r in rows], tmp_path / pc.OPS_CSV)
+    with pytest.raises(ValueError, match="--smoke run"):
+        pc.benchmark_metrics(tmp_path)
+    assert "peers_loss_worst_time_vs_quack" in pc.benchmark_metrics(tmp_path, allow_smoke=True)

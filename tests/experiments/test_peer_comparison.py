@@ -1,0 +1,77 @@
+"""peer_comparison: the metric keys notebook 10 will record from bench_peers' rows and full-depth step rows,
+computed on made-up rows whose ratios are known."""
+from __future__ import annotations
+
+import pytest
+
+from lora_lab.experiments import peer_comparison as pc
+
+
+def _op_rows(op, cells, times, reps=2, **extra):
+    """``times``: {impl: ms or None (skipped)}; per cell, repetition ``rep`` adds ``rep`` ms to every time."""
+    rows = []
+    for c, scale in cells.items():
+        for impl, ms in times.items():
+            if ms is None:
+                rows.append(dict(op=op, cell=c, impl=impl, rep=0, ms=None, status="skipped",
+                                 error="ModuleNotFoundError: No module named 'x'", tried="import", **extra))
+                continue
+            rows += [dict(op=op, cell=c, impl=impl, rep=rep, ms=ms * scale + rep, status="ok", **extra)
+                     for rep in range(reps)]
+    return rows
+
+
+def test_lora_worst_cell_is_the_largest_time_ratio_across_the_three_ops():
+    rows = (_op_rows("lora_linear", {"a": 1.0, "b": 2.0}, {"ours": 8.0, "axolotl": 10.0, "unsloth": None})
+            + _op_rows("lora_qkv", {"q": 1.0}, {"ours": 9.0, "axolotl": 10.0, "unsloth": None})
+            + _op_rows("lora_mlp", {"m": 1.0}, {"ours": 6.0, "axolotl": 10.0, "unsloth": None}))
+    m = pc.ops_metrics(rows)
+    worst = m["peers_lora_worst_time_vs_axolotl"]
+    assert worst["samples"] == pytest.approx([9 / 10, 10 / 11])  # the QKV cell in both repetitions
+    # repetition 0: 0.8 in both cells; repetition 1: cell a's 9 / 11 above cell b's 17 / 21
+    assert m["peers_lora_linear_worst_time_vs_axolotl"]["samples"] == pytest.approx([16 / 20, 9 / 11])
+    assert "peers_lora_worst_time_vs_unsloth" not in m
+    assert m["peers_lora_unsloth_cells_not_run"] == 4 and m["peers_lora_qkv_unsloth_cells_not_run"] == 1
+    (status,) = [s for s in pc.peer_status(rows) if s["op"] == "lora_mlp"]
+    assert status["peer"] == "unsloth" and status["error"].startswith("ModuleNotFoundError")
+
+
+def test_moe_worst_speedup_is_the_smallest_peer_over_ours_and_loss_ratios_per_head():
+    rows = _op_rows("moe_full", {"s1": 1.0, "s2": 3.0}, {"ours": 10.0, "sonicmoe": 11.0, "llamafactory": 20.0})
+    rows += _op_rows("loss", {"l_t": 1.0}, {"ours": 70.0, "quack": 74.0}, head="trainable")
+    rows += _op_rows("loss", {"l_f": 1.0}, {"ours": 50.0, "quack": 49.0}, head="frozen")
+    m = pc.ops_metrics(rows)
+    assert m["peers_moe_full_worst_speedup_vs_sonicmoe"]["samples"] == pytest.approx([11 / 10, 12 / 11])
+    assert m["peers_moe_full_worst_speedup_vs_llamafactory"]["median"] > 1.9
+    assert "peers_moe_full_worst_speedup_vs_veomni" not in m and m["peers_moe_full_veomni_cells_not_run"] == 2
+    assert m["peers_loss_time_vs_quack_trainable"]["samples"] == pytest.approx([70 / 74, 71 / 75])
+    assert m["peers_loss_worst_time_vs_quack"]["samples"] == pytest.approx([50 / 49, 51 / 50])
+
+
+def test_step_metrics_pick_the_fastest_peer_that_ran():
+    rows = []
+    for impl, tps, peak in (("ours", 12000, 50), ("peft", 8000, 60), ("unsloth", 10000, 40), ("axolotl", None, None)):
+        for rep in range(2):
+            rows.append(dict(model="llama3_8b", checkpointing="off", impl=impl, rep=rep,
+                             status="ok" if tps else "error", tokens_per_s=tps and tps + 100 * rep,
+                             peak_bytes=peak))
+    m = pc.step_metrics(rows)
+    assert m["peers_step_llama3_8b_ckpt_off_fastest_peer"] == "unsloth"
+    assert m["peers_step_llama3_8b_ckpt_off_speedup_vs_fastest_peer"]["samples"] == pytest.approx(
+        [12000 / 10000, 12100 / 10100])
+    assert m["peers_step_llama3_8b_ckpt_off_peak_vs_fastest_peer"] == pytest.approx(50 / 40)
+    only_ours = [r for r in rows if r["impl"] == "ours"]
+    assert pc.step_metrics(only_ours) == {"peers_step_llama3_8b_ckpt_off_peers_run": 0}
+
+
+def test_benchmark_metrics_read_both_csvs_and_refuse_a_smoke_run(tmp_path):
+    from lora_lab.lab import measure
+
+    rows = _op_rows("loss", {"l_t": 1.0}, {"ours": 70.0, "quack": 74.0}, head="trainable")
+    measure.write_csv([dict(r, smoke=False) for r in rows], tmp_path / pc.OPS_CSV)
+    assert set(pc.benchmark_metrics(tmp_path)) == {"peers_loss_time_vs_quack_trainable",
+                                                   "peers_loss_worst_time_vs_quack"}
+    measure.write_csv([dict(r, smoke=True) for r in rows], tmp_path / pc.OPS_CSV)
+    with pytest.raises(ValueError, match="--smoke run"):
+        pc.benchmark_metrics(tmp_path)
+    assert "peers_loss_worst_time_vs_quack" in pc.benchmark_metrics(tmp_path, allow_smoke=True)

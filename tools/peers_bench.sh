@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# lora_lab beside the peers on the GPU machine, one foreground call per part (each under a call's 10 minutes):
+# lora_lab beside the peers on a GPU host, one part per call, run through tools/remote_gpu_run.sh (which installs
+# lora_lab into .venv-gpu first and sets $OUT):
 #
-#   bash tools/device/peers.sh ops  [bench_peers.py arguments]        e.g. --ops lora_linear lora_qkv lora_mlp
-#   bash tools/device/peers.sh step [bench_peers_step.py arguments]   e.g. --models llama3_8b --checkpointing off
+#   bash tools/remote_gpu_run.sh COMMIT command -- bash tools/peers_bench.sh ops  [bench_peers.py arguments]
+#        e.g. --ops lora_linear lora_qkv lora_mlp
+#   bash tools/remote_gpu_run.sh COMMIT command -- bash tools/peers_bench.sh step [bench_peers_step.py arguments]
+#        e.g. --models llama3_8b --checkpointing off
 #
-# Carry .whl: lora_lab's wheels (gpu_install.sh) plus the peers' wheels and whatever their kernel modules import,
-# downloaded here (the machine has no index), e.g. for the pins of pyproject's peers-* extras:
+# Carry .whl: lora_lab's wheels plus the peers' wheels and whatever their kernel modules import, downloaded where
+# an index is reachable (the GPU host may have none), e.g. for the pins of pyproject's peers-* extras:
 #   pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl axolotl==0.21.0 ...
 # The peers install one by one with --no-deps (their torch pins disagree with the machine's torch), each logged;
 # then every peer's load result (peers.load: the op, or the exact error and what was tried) goes to
@@ -13,8 +16,9 @@
 set -u
 PART=$1
 shift
-source tools/device/gpu_install.sh "_peers_$PART"
+: "${OUT:?set OUT to the folder that receives the results}"
 PY=.venv-gpu/bin/python
+[ -x "$PY" ] || { echo "no $PY: install lora_lab first (make install PROFILE=gpu WHEELS=.whl)"; exit 2; }
 PINS=$($PY -c "import tomllib; d = tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']
 print(' '.join(r for k, v in d.items() if k.startswith('peers-') for r in v))")
 for pin in $PINS; do
@@ -47,5 +51,4 @@ case "$PART" in
   step) SCRIPT="benchmarks/bench_peers_step.py --checkpoint-dir build/peer-checkpoints" ;;  # not under $OUT: GBs
   *)    echo "unknown part $PART (ops or step)"; exit 2 ;;
 esac
-LEFT=$((560 - INSTALL_S)); [ $LEFT -lt 60 ] && LEFT=60
-timeout -k 10 $LEFT $PY $SCRIPT --out "$OUT/$PART" --sessions 2 "$@" 2>&1 | tail -60
+$PY $SCRIPT --out "$OUT/$PART" --sessions 2 "$@" 2>&1 | tail -60

@@ -112,7 +112,7 @@ CHECKS = echo "$(VENV)/bin/lora-lab verify"; $(VENV)/bin/lora-lab verify || exit
 	$(if $(filter 1,$(NBVAL)),if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  echo "nbval: $(strip $(NBVAL_RUN))"; $(NBVAL_RUN); \
 	else echo "nbval: no notebooks yet"; fi,:)
-UNIT_TESTS = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+UNIT_TESTS = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: $(STAMP)
 	$(PY) -m ruff check lora_lab tests benchmarks

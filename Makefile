@@ -96,10 +96,10 @@ share = $(if $(filter 0,$(1)),$(NPROC),$(shell expr $(NPROC) / '$(1)' 2>/dev/nul
 THREADS = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(call share,$(1))}
 
 # The notebook stages: the cpu notebook batch, then its grading (BATCH); verify, then nbval (CHECKS).
-# On the cpu profile the batch and verify run in the background while the unit tests run (the tests keep both
-# cores busy only until their last, longest files: the batch fills the gaps), their output going to
-# $(TEST_RUNS)/batch.log, printed when the tests are done; nbval then checks the notebooks against the batch's
-# executed copies (lora_lab.lab.nbval_executed: nbval's comparison and markers, no second execution). On other
+# On the cpu profile the batch and verify run in the background, sharing the cores with the unit tests, their
+# output going to $(TEST_RUNS)/batch.log, printed when the tests are done; nbval then checks the notebooks against
+# the batch's executed copies (lora_lab.lab.nbval_executed: nbval's comparison and markers, without executing the
+# notebooks a second time). On other
 # profiles the stages run one after the other and nbval executes the notebooks itself, on the GPU, so the batch
 # cannot disturb a GPU notebook's timings.
 BATCH  = TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_RUNS); run_status=$$?; \

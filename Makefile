@@ -87,41 +87,53 @@ lint: $(STAMP)
 
 TEST_RUNS := $(CURDIR)/build/test-runs
 
-# Threads per process. pytest runs TEST_WORKERS processes at once and, on the cpu profile, the notebook batch runs
-# beside verify + nbval (two at once); each process's torch (OpenMP) gets its share of the cores, since a thread more
-# than the cores only spin-waits for one that another process holds (on 2 cores, 2 workers with 2 threads each made
-# the unit tests a quarter slower). An OMP_NUM_THREADS of the caller's is kept.
+# Threads per process. pytest runs TEST_WORKERS processes at once (on the cpu profile the notebook batch runs beside
+# them, on one thread); each process's torch (OpenMP) gets its share of the cores, since a thread more than the cores
+# only spin-waits for one that another process holds (on 2 cores, 2 workers with 2 threads each made the unit tests
+# a quarter slower). An OMP_NUM_THREADS of the caller's is kept.
 NPROC := $(shell nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
 share = $(if $(filter 0,$(1)),$(NPROC),$(shell expr $(NPROC) / '$(1)' 2>/dev/null | grep -vx 0 || echo 1))
 THREADS = OMP_NUM_THREADS=$${OMP_NUM_THREADS:-$(call share,$(1))}
 
-# The stages after the unit tests: the cpu notebook batch, then its grading (BATCH); verify, then nbval (CHECKS).
-# On the cpu profile the two run at the same time (each uses about one core: on 2 cores this saves 2 of their
-# 5 minutes), the batch's output going to $(TEST_RUNS)/batch.log, printed when both are done; on other
-# profiles they run one after the other, so the batch cannot disturb a GPU notebook's timings under nbval.
+# The notebook stages: the cpu notebook batch, then its grading (BATCH); verify, then nbval (CHECKS).
+# On the cpu profile the batch and verify run in the background, sharing the cores with the unit tests, their
+# output going to $(TEST_RUNS)/batch.log, printed when the tests are done; nbval then checks the notebooks against
+# the batch's executed copies (lora_lab.lab.nbval_executed: nbval's comparison and markers, without executing the
+# notebooks a second time). On other
+# profiles the stages run one after the other and nbval executes the notebooks itself, on the GPU, so the batch
+# cannot disturb a GPU notebook's timings.
 BATCH  = TQDM_DISABLE=1 $(VENV)/bin/lora-lab run --profile cpu --outputs-dir $(TEST_RUNS); run_status=$$?; \
 	$(VENV)/bin/lora-lab grade --profile cpu --outputs-dir $(TEST_RUNS) && exit $$run_status
 NBVAL_RUN = $(if $(filter cpu,$(PROFILE)),TRITON_INTERPRET=1,) TQDM_DISABLE=1 \
 	$(PY) -m pytest --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/
+NBVAL_EXECUTED = $(PY) -m pytest -p lora_lab.lab.nbval_executed --nbval-lax --nbval-executed $(TEST_RUNS)/cpu \
+	-p no:cacheprovider notebooks/
 CHECKS = echo "$(VENV)/bin/lora-lab verify"; $(VENV)/bin/lora-lab verify || exit $$?; \
 	$(if $(filter 1,$(NBVAL)),if ls notebooks/*.ipynb >/dev/null 2>&1; then \
 	  echo "nbval: $(strip $(NBVAL_RUN))"; $(NBVAL_RUN); \
 	else echo "nbval: no notebooks yet"; fi,:)
+UNIT_TESTS = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: $(STAMP)
 	$(PY) -m ruff check lora_lab tests benchmarks
 	$(VENV)/bin/lora-lab check-prose
-	$(call THREADS,$(TEST_WORKERS)) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 ifeq ($(PROFILE),cpu)
-	@mkdir -p $(TEST_RUNS); start=$$(date +%s); export $(call THREADS,2); \
-	echo "cpu notebook batch and grading (log: $(TEST_RUNS)/batch.log) beside verify and nbval, $$OMP_NUM_THREADS thread(s) each"; \
-	( $(BATCH) ) > $(TEST_RUNS)/batch.log 2>&1 & batch=$$!; \
-	( $(CHECKS) ); checks_status=$$?; wait $$batch; batch_status=$$?; \
-	echo "---- cpu notebook batch and grading: $(TEST_RUNS)/batch.log ----"; cat $(TEST_RUNS)/batch.log; \
-	echo "make test: notebook batch, grading, verify and nbval took $$(( $$(date +%s) - start )) s" \
-	  "(batch and grading exit $$batch_status, verify and nbval exit $$checks_status)"; \
-	[ $$batch_status -eq 0 ] && [ $$checks_status -eq 0 ]
+	@mkdir -p $(TEST_RUNS); start=$$(date +%s); \
+	echo "cpu notebook batch, grading and verify in the background (log: $(TEST_RUNS)/batch.log), 1 thread"; \
+	( export OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}; ( $(BATCH) ); batch_status=$$?; \
+	  echo "$(VENV)/bin/lora-lab verify"; $(VENV)/bin/lora-lab verify || exit $$?; exit $$batch_status \
+	) > $(TEST_RUNS)/batch.log 2>&1 & batch=$$!; \
+	echo "$(call THREADS,$(TEST_WORKERS)) $(UNIT_TESTS)"; $(call THREADS,$(TEST_WORKERS)) $(UNIT_TESTS); \
+	tests_status=$$?; wait $$batch; batch_status=$$?; \
+	echo "---- cpu notebook batch, grading and verify: $(TEST_RUNS)/batch.log ----"; cat $(TEST_RUNS)/batch.log; \
+	nbval_status=0; $(if $(filter 1,$(NBVAL)),if ls notebooks/*.ipynb >/dev/null 2>&1; then \
+	  echo "nbval on the batch's executed notebooks: $(strip $(NBVAL_EXECUTED))"; $(NBVAL_EXECUTED); \
+	  nbval_status=$$?; else echo "nbval: no notebooks yet"; fi;,) \
+	echo "make test: unit tests, notebook batch, grading, verify and nbval took $$(( $$(date +%s) - start )) s" \
+	  "(unit tests exit $$tests_status, batch, grading and verify exit $$batch_status, nbval exit $$nbval_status)"; \
+	[ $$tests_status -eq 0 ] && [ $$batch_status -eq 0 ] && [ $$nbval_status -eq 0 ]
 else
+	$(call THREADS,$(TEST_WORKERS)) $(UNIT_TESTS)
 	$(BATCH)
 	@$(CHECKS)
 endif

@@ -1,5 +1,5 @@
-"""Shared test set-up: Triton's interpreter on CPU-only machines, GPU tests skipped there, and the tiny model
-and token ids that the memory tests share."""
+"""Shared test set-up: Triton's interpreter on CPU-only machines, GPU tests skipped there, the files with slow
+tests collected first, and the tiny model and token ids that the memory tests share."""
 import os
 
 import pytest
@@ -13,6 +13,12 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 def pytest_collection_modifyitems(config, items):
+    # The files holding a test marked slow first, each file's tests and the other files keeping their order: make
+    # test's pytest-xdist (--dist loadfile --no-loadscope-reorder) hands out whole files in this order, so the longest
+    # start early and the last to finish are short ones, instead of one worker running a long file while the other
+    # waits.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.path not in slow_files)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

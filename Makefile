@@ -83,7 +83,7 @@ publish: $(STAMP)
 	$(VENV)/bin/lora-lab grade --profile $(PROFILE)
 
 lint: $(STAMP)
-	$(PY) -m ruff check lora_lab tests benchmarks
+	$(PY) -m ruff check lora_lab tests benchmarks tools
 
 TEST_RUNS := $(CURDIR)/build/test-runs
 
@@ -115,7 +115,7 @@ CHECKS = echo "$(VENV)/bin/lora-lab verify"; $(VENV)/bin/lora-lab verify || exit
 UNIT_TESTS = $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 test: $(STAMP)
-	$(PY) -m ruff check lora_lab tests benchmarks
+	$(PY) -m ruff check lora_lab tests benchmarks tools
 	$(VENV)/bin/lora-lab check-prose
 ifeq ($(PROFILE),cpu)
 	@mkdir -p $(TEST_RUNS); start=$$(date +%s); \

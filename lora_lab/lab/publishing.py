@@ -37,12 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_lab.lab.executed_notebooks import INJECTED_TAG, PAPERMILL_ERROR_TAG, read_notebook
 from lora_lab.lab.history import append_runs, history_entry
 from lora_lab.lab.ledger import LEDGER_NAME, LedgerError, append_measurements, check_measurements, csv_figures
 from lora_lab.lab.notebooks import NOTEBOOK_NAME
 from lora_lab.lab.provenance import CODE_HASH_SCOPES, code_hash, code_hash_at, code_hash_scope_of, notebook_hash
 from lora_lab.lab.recording import STATUS_COMPLETED, read_metrics, write_json_atomically
-from lora_lab.lab.runner import INJECTED_TAG, KERNEL_NAME, PAPERMILL_ERROR_TAG, RUN_SUMMARY_NAME, read_notebook
+from lora_lab.lab.runner import KERNEL_NAME, RUN_SUMMARY_NAME
 from lora_lab.lab.verify import GitError, has_commits, repository_root
 
 PAPERMILL_CELL_METADATA = ("papermill", "execution")

@@ -235,8 +235,6 @@ def analyze_forward(fn, name: str, head_path: str, body_path: str) -> LogitTrans
             continue
         if isinstance(s, ast.If) and "loss" in text:
             break  # a loss computed otherwise: refused below
-        if isinstance(s, ast.If) and logits not in _names(s):
-            continue
         if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name):
             target = s.targets[0].id
             if target != logits and logits not in _names(s) and _path(s.value):

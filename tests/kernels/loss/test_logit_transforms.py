@@ -39,7 +39,7 @@ TRANSFORMING = {
     "cohere2.Cohere2ForCausalLM": ({}, "logits * self.logit_scale"),
     "cohere2_moe.Cohere2MoeForCausalLM": ({}, "logits * self.logit_scale"),
     "cohere_compass.CohereCompassForCausalLM": (
-        dict(layer_types=["sliding_attention", "full_attention"],
+        dict(logit_scale=0.0625, layer_types=["sliding_attention", "full_attention"],
              rope_parameters={"full_attention": _ROPE, "sliding_attention": _ROPE}), "logits * self.logit_scale"),
     "falcon_h1.FalconH1ForCausalLM": (dict(lm_head_multiplier=4.0, mamba_d_ssm=64, **_MAMBA),
                                       "logits * self.model.lm_head_multiplier"),
@@ -108,9 +108,9 @@ def _batch():
     return ids, labels
 
 
-def _loss_and_grads(model, ids, labels):
+def _loss_and_grads(model, ids, labels, run=None):
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=labels).loss
+    loss = model(input_ids=ids, labels=labels).loss if run is None else run(model)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -232,3 +232,24 @@ def test_a_scale_folded_into_the_hidden_states_gives_the_scaled_logits(scale):
     else:
         bound = (32 + 2) * 2.0**-24 * scale * (h.abs() @ w.abs().t())
         assert torch.all((folded - scaled).abs() <= bound)
+
+
+@pytest.mark.parametrize("arch", ["granite.GraniteForCausalLM", "cohere.CohereForCausalLM",
+                                  "gemma2.Gemma2ForCausalLM"])
+def test_causal_lm_loss_follows_the_transform(arch):
+    from lora_lab.loss import causal_lm_loss
+
+    model = _model(arch)
+    ids, labels = _batch()
+    ref = _loss_and_grads(model, ids, labels, lambda m: causal_lm_loss(m, ids, labels, chunked=False))
+    runs = {"fused": {"fused": True}}
+    if TRANSFORMING[arch][1].startswith("softcap"):
+        with pytest.raises(ValueError, match="soft-caps its logits.*fused=True"):
+            causal_lm_loss(model, ids, labels, chunked=True)
+    else:
+        runs["chunked"] = {"chunked": True}
+    for kwargs in runs.values():
+        got = _loss_and_grads(model, ids, labels, lambda m, kw=kwargs: causal_lm_loss(m, ids, labels, **kw))
+        assert abs(got[0].item() - ref[0].item()) <= 1e-5 * abs(ref[0].item())
+        for n in ref[1]:
+            assert rel_l2(got[1][n], ref[1][n]) <= 1e-4, n

@@ -14,6 +14,7 @@ is followed).
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -118,9 +119,11 @@ def logit_transform(lm: nn.Module, head: nn.Module) -> LogitTransform:
     return transform
 
 
+@functools.lru_cache(maxsize=256)
 def analyze_forward(fn, name: str, head_path: str, body_path: str) -> LogitTransform:
     """:func:`logit_transform` on the source of the forward ``fn`` (``name`` for messages), whose head is the
-    module at ``head_path`` ("self.lm_head") and decoder body at ``body_path`` ("self.model")."""
+    module at ``head_path`` ("self.lm_head") and decoder body at ``body_path`` ("self.model"). Cached: the
+    source is read and parsed once per forward."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError) as e:

@@ -340,9 +340,10 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
     autograd copies them instead of taking them over; each later backward allocates its own scaled copy. A later
     backward returns the gradient times its incoming gradient, as a fresh tensor, provided the first backward's
     incoming gradient was exactly 1 (the common ``loss.backward(retain_graph=True)``): a first backward with
-    another factor scales dH (and a 16-bit single-chunk dW) in place, and the later one is refused, naming
-    ``impl='recompute'``, which supports it. Saved-tensor hooks (``torch.autograd.graph.save_on_cpu``, a
-    checkpoint around the loss) see the gradients as they see any saved tensor."""
+    another factor scales dH (and a dW kept in W's dtype: fp32, one chunk, ``input_dtype``) in place, and the
+    later one is refused, naming ``impl='recompute'``, which supports it. Saved-tensor hooks
+    (``torch.autograd.graph.save_on_cpu``, a checkpoint around the loss) see the gradients as they see any saved
+    tensor."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config, plan,

@@ -34,11 +34,14 @@ class LogitTransform:
     """``scales``: (``"*"`` or ``"/"``, attribute path from the model) applied in order to the hidden states (the
     model applies them to its hidden states or logits; a product commutes with the head); ``softcap``: the path of
     the soft-cap value (None: no soft-cap; the value None at run time: none either); ``cast_hidden``: the forward
-    casts the hidden states to the head's dtype before the head."""
+    casts the hidden states to the head's dtype before the head; ``loss_added_when``: the flag under which the
+    forward adds a term to its loss after the causal-LM loss (an MoE router's auxiliary loss), which the fused loss
+    does not add."""
 
     scales: tuple[tuple[str, str], ...] = ()
     softcap: str | None = None
     cast_hidden: bool = False
+    loss_added_when: str | None = None  # "output_router_logits": the forward adds a router loss when that is on
 
     def apply(self, lm: nn.Module, hidden: torch.Tensor, head_weight: torch.Tensor) -> tuple[torch.Tensor,
                                                                                             float | None]:
@@ -258,4 +261,14 @@ def analyze_forward(fn, name: str, head_path: str, body_path: str) -> LogitTrans
         raise refuse("computes its loss without self.loss_function (transformers' shifted causal-LM loss)")
     if logits not in _names(loss_call):
         raise refuse(f"passes something other than {logits!r} to its loss: {ast.unparse(loss_call)}")
-    return LogitTransform(scales=tuple(scales), softcap=softcap, cast_hidden=bool(cast))
+    added_when = None
+    for s in stmts[stmts.index(loss_call) + 1:]:  # a term added to the loss afterwards (a router's aux loss)
+        adds = [n for n in ast.walk(s) if (isinstance(n, ast.AugAssign) and ast.unparse(n.target) == "loss")
+                or (isinstance(n, ast.Assign) and "loss" in map(ast.unparse, n.targets) and "loss" in _names(n.value))]
+        if not adds:
+            continue
+        if isinstance(s, ast.If) and ast.unparse(s.test) == "output_router_logits" and added_when is None:
+            added_when = "output_router_logits"
+            continue
+        raise refuse(f"adds to its loss after the causal-LM loss: {ast.unparse(adds[0])}")
+    return LogitTransform(scales=tuple(scales), softcap=softcap, cast_hidden=bool(cast), loss_added_when=added_when)

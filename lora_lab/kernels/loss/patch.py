@@ -10,6 +10,8 @@ sum / num_items_in_batch.
 What the model's forward does to its logits between the head and the loss (a scale, a soft-cap:
 :mod:`lora_lab.logit_transforms`) is done here too; a forward that does something else is refused
 (:class:`~lora_lab.logit_transforms.UnsupportedLogitTransform`, naming the class and the statement) and left unpatched.
+An MoE forward that adds its router's auxiliary loss (``output_router_logits``) is refused while that is on: at
+patching when the config turns it on, at the call when the call does.
 """
 from __future__ import annotations
 
@@ -78,6 +80,8 @@ def patch_causal_lm_loss(model: nn.Module, config: LossKernelConfig | None = Non
     if hasattr(lm, _STATE_ATTR):
         return lm
     transform = logit_transform(lm, head)
+    if transform.loss_added_when and getattr(lm.config, transform.loss_added_when, False):
+        raise UnsupportedLogitTransform(_router_loss_message(lm, "config."))
     original = lm.__dict__.get("forward")
     body = getattr(lm, lm.base_model_prefix)
 
@@ -90,6 +94,10 @@ def patch_causal_lm_loss(model: nn.Module, config: LossKernelConfig | None = Non
                                     inputs_embeds=inputs_embeds, use_cache=use_cache,
                                     logits_to_keep=logits_to_keep, **kwargs)
         num_items = kwargs.pop("num_items_in_batch", None)
+        if transform.loss_added_when:
+            flag = kwargs.get(transform.loss_added_when)
+            if flag if flag is not None else getattr(lm.config, transform.loss_added_when, False):
+                raise ValueError(_router_loss_message(lm, ""))
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
         weight = _plain_head(lm).weight
@@ -101,6 +109,12 @@ def patch_causal_lm_loss(model: nn.Module, config: LossKernelConfig | None = Non
     setattr(lm, _STATE_ATTR, original)
     lm.forward = forward
     return lm
+
+
+def _router_loss_message(lm: nn.Module, where: str) -> str:
+    return (f"{type(lm).__name__} adds its router's auxiliary loss to the loss when {where}output_router_logits is "
+            "True, which the fused loss does not; set it False or leave the model's own loss (fused_loss=False, "
+            "unpatch_causal_lm_loss)")
 
 
 def unpatch_causal_lm_loss(model: nn.Module) -> bool:

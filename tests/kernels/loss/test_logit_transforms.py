@@ -4,7 +4,8 @@ Every causal LM of the installed transformers whose forward scales or soft-caps 
 fp32, with LoRA on every linear: the loss and the LoRA gradients of ``patch_model(..., fused_loss=True)`` match
 the unpatched model's on both loss paths (forced through ``LORA_LAB_LOSS_IMPL``). Forwards that do something
 else are refused by name (a ``skipped`` entry, the model's own loss kept). The transforms' values are set where
-they change the loss a lot (scales far from 1, soft-caps below the logits' range). CPU: Triton's interpreter.
+they change the loss a lot (scales far from 1, soft-caps below the logits' range). A forward that adds an MoE
+router's auxiliary loss after the causal-LM loss is refused while that loss is on. CPU: Triton's interpreter.
 """
 import ast
 import glob
@@ -253,3 +254,35 @@ def test_causal_lm_loss_follows_the_transform(arch):
         assert abs(got[0].item() - ref[0].item()) <= 1e-5 * abs(ref[0].item())
         for n in ref[1]:
             assert rel_l2(got[1][n], ref[1][n]) <= 1e-4, n
+
+
+def _mixtral(output_router_logits):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**TINY, num_local_experts=2, num_experts_per_tok=1, router_aux_loss_coef=0.5,
+                           output_router_logits=output_router_logits)
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config).float().to(DEVICE).train()
+    lora_lab.add_lora(model, r=4, alpha=8)
+    lora_lab.fill_lora_B(model, 0.02)
+    return model
+
+
+def test_a_router_auxiliary_loss_is_not_dropped_silently():
+    # Mixtral adds router_aux_loss_coef * its load-balancing loss when output_router_logits is on
+    ids, labels = _batch()
+    model = _mixtral(output_router_logits=False)
+    ref = _loss_and_grads(model, ids, labels)
+    patch_causal_lm_loss(model)
+    got = _loss_and_grads(model, ids, labels)
+    assert abs(got[0].item() - ref[0].item()) <= 1e-5 * abs(ref[0].item())
+    for n in ref[1]:
+        assert rel_l2(got[1][n], ref[1][n]) <= 1e-4, n
+    with pytest.raises(ValueError, match="MixtralForCausalLM adds its router's auxiliary loss.*output_router_logits"):
+        model(input_ids=ids, labels=labels, output_router_logits=True)
+    on = _mixtral(output_router_logits=True)
+    with_aux = on(input_ids=ids, labels=labels).loss
+    summary = patch_model(on, fused_loss=True)
+    assert summary["fused_loss"] is False and "config.output_router_logits" in summary["skipped"][-1]
+    unpatch_model(on)
+    assert abs(with_aux.item() - ref[0].item()) > 1e-3  # the auxiliary term is there to lose

@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lora_lab.logit_transforms import logit_transform
+
 __all__ = [
     "ChunkedLinearCrossEntropy",
     "chunked_cross_entropy",
@@ -228,7 +230,9 @@ def causal_lm_loss(
     transformers shifts them. ``fused=True`` (whatever ``chunked`` says) applies the Triton op
     :func:`lora_lab.kernels.loss.linear_cross_entropy` to those hidden states instead: no logits at all.
     ``labels=None`` uses ``input_ids``. The lm_head must be a plain linear layer without bias (as in
-    Qwen2 / Llama); a LoRA-wrapped head is rejected.
+    Qwen2 / Llama); a LoRA-wrapped head is rejected. What the model's forward does to its logits before its
+    loss is done too (:mod:`lora_lab.logit_transforms`: a scale on both paths, a soft-cap with ``fused=True``);
+    a forward that does something else raises :class:`~lora_lab.logit_transforms.UnsupportedLogitTransform`.
     """
     if labels is None:
         labels = input_ids
@@ -245,10 +249,16 @@ def causal_lm_loss(
     if head.bias is not None:
         raise ValueError(f"the {which} loss supports an lm_head without bias only")
     body = _decoder_of(model)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    transform = logit_transform(lm, head)  # what the forward does to the logits before its loss (or refused)
+    if not fused and transform.softcap_value(lm) is not None:
+        raise ValueError(f"{type(lm).__name__} soft-caps its logits ({transform.softcap} = "
+                         f"{transform.softcap_value(lm)}), which the chunked loss does not; pass fused=True")
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden, softcap = transform.apply(lm, hidden, head.weight)
     targets = shift_labels(labels, ignore_index)
     if fused:
         from lora_lab.kernels.loss import linear_cross_entropy  # imports Triton: only when asked for
 
-        return linear_cross_entropy(hidden, head.weight, targets, ignore_index=ignore_index)
+        return linear_cross_entropy(hidden, head.weight, targets, ignore_index=ignore_index, softcap=softcap)
     return chunked_cross_entropy(hidden, head.weight, targets, chunk_size=chunk_size, ignore_index=ignore_index)

@@ -34,7 +34,7 @@ from lora_lab.kernels.fused_mark import FUSED_STATE_ATTR as _STATE_ATTR
 from lora_lab.kernels.lora.dora import fused_dora_linear
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
 from lora_lab.kernels.lora.shared_input import MAX_SEGMENTS, fused_shared_input_lora
-from lora_lab.kernels.loss.patch import patch_causal_lm_loss, unpatch_causal_lm_loss
+from lora_lab.kernels.loss.patch import UnsupportedLogitTransform, patch_causal_lm_loss, unpatch_causal_lm_loss
 from lora_lab.kernels.moe import patch as moe_patch
 from lora_lab.kernels.triton_helpers import interpreter_reason, running_in_interpreter
 
@@ -347,7 +347,9 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
     from the environment when this is called); the patched layers keep it.
 
     ``fused_loss=True`` also routes ``model(..., labels=...)`` through the fused linear cross-entropy
-    (:func:`~lora_lab.kernels.loss.patch_causal_lm_loss`: no logits are built when labels are given).
+    (:func:`~lora_lab.kernels.loss.patch_causal_lm_loss`: no logits are built when labels are given); a model whose
+    forward does to its logits what the fused loss cannot (:mod:`lora_lab.logit_transforms`) keeps its
+    own loss, with the reason in ``skipped`` and ``fused_loss`` False.
 
     With Liger-Kernel applied to the model (before or after this call; :mod:`lora_lab.kernels.liger`), the LoRA
     projections inside Liger's modules are fused all the same. When both offer a loss (``fused_loss=True`` and
@@ -379,8 +381,13 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
             "fuse_shared_inputs=False (each LoRA linear gets its own fused op, inside its FSDP unit's forward)"
         )
     liger = _liger_loss_plan(model, fused_loss)  # Liger-Kernel composition: refusals before anything is patched
+    loss_skipped = []
     if liger["install_loss"]:
-        patch_causal_lm_loss(model)  # checks the head first: a refusal leaves the model untouched
+        try:
+            patch_causal_lm_loss(model)  # checks the head first: a refusal leaves the model untouched
+        except UnsupportedLogitTransform as e:  # the model's own loss stays: reported, not raised
+            loss_skipped.append(f"fused_loss: not installed: {e}")
+            liger = {**liger, "install_loss": False, "loss": "liger" if liger["detected"].loss == "liger" else None}
     elif liger["loss"] == "liger":
         _liger_module().step_aside_for_liger_loss(model)  # a former fused_loss=True chose lora_lab's: Liger's now
     if bad:
@@ -437,7 +444,7 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
         warnings.warn(f"patch_model: {skipped[-1]}", RuntimeWarning, stacklevel=2)
     return {"lora_layers": patched, "shared_input_groups": groups, "frozen_members": frozen, "moe_experts": moe,
             "fused_loss": liger["install_loss"], "loss": liger["loss"], "liger": _liger_summary(model, liger, moe),
-            "skipped": skipped}
+            "skipped": skipped + loss_skipped}
 
 
 def _liger_module():

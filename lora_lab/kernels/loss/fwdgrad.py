@@ -237,7 +237,8 @@ def fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, labe
     valid = labels != ignore_index
     count = valid.sum()
     ones = torch.ones(1, dtype=torch.float32, device=device)
-    scale = (ones / count.to(torch.float32)) if reduction == "mean" else ones
+    # no labelled row: zero gradients, as F.cross_entropy (a factor of 1/0 would make fp16's post-scaling 0 · inf)
+    scale = (ones / count.clamp(min=1).to(torch.float32)) if reduction == "mean" else ones
     # fp16's range: dz/N underflows (as in the recomputing path); its gradient stays unscaled (O(1)) and the
     # GEMMs' results are scaled once afterwards. bf16 and fp32 take the factor inside the kernel.
     post_scale = scale if (dtype == torch.float16 and reduction == "mean") else None
@@ -329,7 +330,21 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
     scalar gradient. Nothing of H or W is saved. A dW accumulated in fp32 stays fp32 until backward, which scales
     and rounds it in one pass (into a buffer of W's dtype) instead of a cast in forward and a scaling
     pass over the cast dW in backward: one read and write of a [V, d] matrix less (the peak is the same: the fp32
-    buffer and dW coexisted during the cast as well), in one streaming Triton pass (:func:`scale_cast_`)."""
+    buffer and dW coexisted during the cast as well), in one streaming Triton pass (:func:`scale_cast_`).
+
+    A second backward through the same graph (``retain_graph=True``, or ``torch.autograd.grad(...,
+    retain_graph=True)`` then ``backward``): the gradients are saved with ``ctx.save_for_backward``, so autograd
+    frees them with the graph: right after a backward without ``retain_graph`` (before the gradients are passed on,
+    so ``W.grad`` still takes dW's buffer without a copy), else when the graph is freed. With ``retain_graph`` they
+    stay held until then: dH (N·d in the input dtype; 16,384 rows x 4,096 in bf16: 128 MiB) and, for a trainable
+    head, dW (V·d in the input dtype, or 4·V·d bytes as the fp32 accumulator: 1.96 GiB at 128,256 x 4,096), and
+    autograd copies them instead of taking them over; each later backward allocates its own scaled copy. A later
+    backward returns the gradient times its incoming gradient, as a fresh tensor, provided the first backward's
+    incoming gradient was exactly 1 (the common ``loss.backward(retain_graph=True)``): a first backward with
+    another factor scales dH (and a dW kept in W's dtype: fp32, one chunk, ``input_dtype``) in place, and the
+    later one is refused, naming ``impl='recompute'``, which supports it. Saved-tensor hooks
+    (``torch.autograd.graph.save_on_cpu``, a checkpoint around the loss) see the gradients as they see any saved
+    tensor."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config, plan,
@@ -337,15 +352,18 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
         loss, dh, dw = fwdgrad_loss_and_grads(hidden, weight, labels, ignore_index, reduction, label_smoothing,
                                               z_loss, softcap, plan.need_h, plan.need_w, config, plan,
                                               cast_dw=False, labels_checked=labels_checked)
-        ctx.grads = (dh, dw)
+        ctx.save_for_backward(dh, dw)  # freed by autograd with the graph (after backward unless retain_graph)
         ctx.dw_dtype = weight.dtype
+        ctx.first_grad = None  # the first backward's incoming gradient, once it has run
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dh, dw = ctx.grads
-        ctx.grads = (None, None)  # the buffers now belong to the caller
+        dh, dw = ctx.saved_tensors
         g = grad_loss.to(torch.float32).reshape(1)
+        if ctx.first_grad is not None:
+            return (*_scaled_copies(ctx, dh, dw, g), None, None, None, None, None, None, None, None, None)
+        ctx.first_grad = g.clone()
         if dh is not None:
             scale_unless_one_(dh, g)  # fp32 factor, one rounding; no pass at all when it is 1
         if dw is not None and dw.dtype != ctx.dw_dtype:  # the fp32 accumulator: scaled and rounded once
@@ -355,3 +373,23 @@ class FwdGradLinearCrossEntropyFunction(torch.autograd.Function):
         elif dw is not None:
             scale_unless_one_(dw, g)
         return dh, dw, None, None, None, None, None, None, None, None, None
+
+
+def _scaled_copies(ctx, dh, dw, g):
+    """A later backward through a retained graph: fresh copies of the saved gradients times ``g``; refused where the
+    first backward scaled them in place by a factor other than 1."""
+    scaled_in_place = dh is not None or (dw is not None and dw.dtype == ctx.dw_dtype)
+    if scaled_in_place and not bool((ctx.first_grad == 1.0).all()):
+        raise RuntimeError(
+            "linear_cross_entropy (gradients-in-forward path): a second backward through the same graph after a "
+            f"first backward whose incoming gradient was {float(ctx.first_grad):g}, not 1; that backward scaled the "
+            "saved gradients in place. Use LossKernelConfig(impl='recompute') (or LORA_LAB_LOSS_IMPL=recompute), "
+            "which supports any number of backwards, or make the first backward's incoming gradient 1")
+    out_dh = out_dw = None
+    if dh is not None:
+        out_dh = scale_unless_one_(dh.clone(memory_format=torch.contiguous_format), g)
+    if dw is not None and dw.dtype != ctx.dw_dtype:
+        out_dw = scale_cast_(dw, g, torch.empty(dw.shape, dtype=ctx.dw_dtype, device=dw.device))
+    elif dw is not None:
+        out_dw = scale_unless_one_(dw.clone(memory_format=torch.contiguous_format), g)
+    return out_dh, out_dw

@@ -372,8 +372,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         vocab = weight.shape[0]
         valid = (labels != ignore_index).to(torch.float32)
         grad = grad_loss.to(torch.float32)
-        if reduction == "mean":
-            grad = grad / count.to(torch.float32)
+        if reduction == "mean":  # no labelled row: zero gradients, as F.cross_entropy (not 0 · 1/0)
+            grad = grad / count.clamp(min=1).to(torch.float32)
         coef = valid * grad  # per row: the incoming gradient (and 1/count), 0 on ignored rows
         a = (coef * (1.0 + 2.0 * z_loss * lse) if z_loss > 0.0 else coef).contiguous()
         b = (coef * (1.0 - label_smoothing)).contiguous()

@@ -7,6 +7,11 @@ labels the original forward runs. Gradient checkpointing, PEFT and the fused LoR
 are unaffected. Transformers' loss conventions are kept: labels are shifted by one (or ``shift_labels`` is used
 as given), ``ignore_index`` -100, and ``num_items_in_batch`` (gradient accumulation) turns the mean into
 sum / num_items_in_batch.
+What the model's forward does to its logits between the head and the loss (a scale, a soft-cap:
+:mod:`lora_lab.logit_transforms`) is done here too; a forward that does something else is refused
+(:class:`~lora_lab.logit_transforms.UnsupportedLogitTransform`, naming the class and the statement) and left unpatched.
+An MoE forward that adds its router's auxiliary loss (``output_router_logits``) is refused while that is on: at
+patching when the config turns it on, at the call when the call does.
 """
 from __future__ import annotations
 
@@ -15,8 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from lora_lab.kernels.loss.linear_ce import LossKernelConfig, linear_cross_entropy
+from lora_lab.logit_transforms import UnsupportedLogitTransform, logit_transform
 
-__all__ = ["patch_causal_lm_loss", "unpatch_causal_lm_loss", "causal_lm_of", "fused_head_loss"]
+__all__ = ["patch_causal_lm_loss", "unpatch_causal_lm_loss", "causal_lm_of", "fused_head_loss",
+           "UnsupportedLogitTransform"]
 
 _STATE_ATTR = "_lora_lab_fused_loss"
 IGNORE_INDEX = -100
@@ -43,17 +50,20 @@ def _plain_head(lm: nn.Module) -> nn.Linear:
 
 def fused_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor | None = None,
                     shift_labels: torch.Tensor | None = None, num_items_in_batch=None,
-                    ignore_index: int = IGNORE_INDEX, config: LossKernelConfig | None = None) -> torch.Tensor:
-    """Transformers' causal-LM loss of ``hidden`` [B, T, d] under the head ``head_weight`` [V, d], fused."""
+                    ignore_index: int = IGNORE_INDEX, config: LossKernelConfig | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Transformers' causal-LM loss of ``hidden`` [B, T, d] under the head ``head_weight`` [V, d] (logits soft-capped
+    at ``softcap`` first, if given), fused."""
     if shift_labels is None:
         if labels is None:
             raise ValueError("fused_head_loss needs labels or shift_labels")
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     if num_items_in_batch is None:
-        return linear_cross_entropy(hidden, head_weight, shift_labels, ignore_index=ignore_index, config=config)
+        return linear_cross_entropy(hidden, head_weight, shift_labels, ignore_index=ignore_index, config=config,
+                                    softcap=softcap)
     total = linear_cross_entropy(hidden, head_weight, shift_labels, ignore_index=ignore_index, reduction="sum",
-                                 config=config)
+                                 config=config, softcap=softcap)
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
@@ -61,13 +71,17 @@ def fused_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: tor
 
 def patch_causal_lm_loss(model: nn.Module, config: LossKernelConfig | None = None) -> nn.Module:
     """Make ``model(..., labels=...)`` compute its loss with the fused op (idempotent); returns the patched
-    ``*ForCausalLM`` module."""
+    ``*ForCausalLM`` module. Raises :class:`UnsupportedLogitTransform` (and patches nothing) where the model's
+    forward does something to its logits before the loss that the op cannot reproduce."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     lm = causal_lm_of(model)
-    _plain_head(lm)
+    head = _plain_head(lm)
     if hasattr(lm, _STATE_ATTR):
         return lm
+    transform = logit_transform(lm, head)
+    if transform.loss_added_when and getattr(lm.config, transform.loss_added_when, False):
+        raise UnsupportedLogitTransform(_router_loss_message(lm, "config."))
     original = lm.__dict__.get("forward")
     body = getattr(lm, lm.base_model_prefix)
 
@@ -80,16 +94,27 @@ def patch_causal_lm_loss(model: nn.Module, config: LossKernelConfig | None = Non
                                     inputs_embeds=inputs_embeds, use_cache=use_cache,
                                     logits_to_keep=logits_to_keep, **kwargs)
         num_items = kwargs.pop("num_items_in_batch", None)
+        if transform.loss_added_when:
+            flag = kwargs.get(transform.loss_added_when)
+            if flag if flag is not None else getattr(lm.config, transform.loss_added_when, False):
+                raise ValueError(_router_loss_message(lm, ""))
         out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        loss = fused_head_loss(out.last_hidden_state, _plain_head(lm).weight, labels, shift, num_items,
-                               config=config)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=out.past_key_values,
+        weight = _plain_head(lm).weight
+        hidden, softcap = transform.apply(lm, out.last_hidden_state, weight)
+        loss = fused_head_loss(hidden, weight, labels, shift, num_items, config=config, softcap=softcap)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
                                       hidden_states=out.hidden_states, attentions=out.attentions)
 
     setattr(lm, _STATE_ATTR, original)
     lm.forward = forward
     return lm
+
+
+def _router_loss_message(lm: nn.Module, where: str) -> str:
+    return (f"{type(lm).__name__} adds its router's auxiliary loss to the loss when {where}output_router_logits is "
+            "True, which the fused loss does not; set it False or leave the model's own loss (fused_loss=False, "
+            "unpatch_causal_lm_loss)")
 
 
 def unpatch_causal_lm_loss(model: nn.Module) -> bool:

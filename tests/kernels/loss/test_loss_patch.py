@@ -129,3 +129,48 @@ def test_gpu_bf16_patched_model_close_to_standard():
     patch_model(model, fused_loss=True)
     got = _loss_and_grads(model, lambda m: m(input_ids=ids, labels=labels).loss)
     _assert_same(got, ref, loss_tol=1e-2, grad_tol=5e-2)
+
+
+def _lora_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("impl", ["recompute", "fwdgrad"])
+def test_second_backward_through_a_retained_graph_doubles_the_lora_gradients(impl, monkeypatch):
+    model = _lora_model()
+    ids, labels = _batch(model)
+    ref = _loss_and_grads(model, lambda m: m(input_ids=ids, labels=labels).loss)
+    monkeypatch.setenv("LORA_LAB_LOSS_IMPL", impl)
+    patch_causal_lm_loss(model)
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    twice = _lora_grads(model)
+    assert twice.keys() == ref[1].keys()
+    for n in ref[1]:
+        assert rel_l2(twice[n], 2 * ref[1][n]) <= 1e-4, n
+    # autograd.grad with retain_graph, then backward: the gradient once, in .grad
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=labels).loss
+    lora = [p for n, p in model.named_parameters() if n in ref[1]]
+    first = torch.autograd.grad(loss, lora, retain_graph=True)
+    loss.backward()
+    for (n, p), g in zip([(n, p) for n, p in model.named_parameters() if n in ref[1]], first):
+        assert p.grad is not None and rel_l2(p.grad, ref[1][n]) <= 1e-4 and rel_l2(g, ref[1][n]) <= 1e-4, n
+
+
+@pytest.mark.parametrize("impl", ["recompute", "fwdgrad"])
+def test_every_label_ignored_gives_zero_lora_gradients_as_unpatched(impl, monkeypatch):
+    model = _lora_model()
+    ids, _ = _batch(model)
+    labels = torch.full_like(ids, -100)
+    ref = _loss_and_grads(model, lambda m: m(input_ids=ids, labels=labels).loss)
+    assert torch.isnan(ref[0]) and all(torch.count_nonzero(g) == 0 for g in ref[1].values())
+    monkeypatch.setenv("LORA_LAB_LOSS_IMPL", impl)
+    patch_causal_lm_loss(model)
+    got = _loss_and_grads(model, lambda m: m(input_ids=ids, labels=labels).loss)
+    assert torch.isnan(got[0])
+    assert got[1].keys() == ref[1].keys()
+    for n, g in got[1].items():
+        assert not torch.isnan(g).any() and torch.count_nonzero(g) == 0, n

@@ -5,6 +5,7 @@ history and ``lora-lab verify`` read history through it.
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,16 +125,23 @@ class Registration:
         return self.commit[:10]
 
 
+@functools.lru_cache(maxsize=4096)
+def _keys_at(repo: Path, sha: str, short: str, predictions_path: str) -> tuple[str, ...]:
+    """The entry keys of the predictions file at commit ``sha`` (none when that version does not parse). A commit's
+    content never changes, so each version is read and parsed once per process (verify, grading and the history
+    read the whole file history several times)."""
+    try:
+        return tuple(entries_by_id(file_at(repo, sha, predictions_path), f"{predictions_path}@{short}"))
+    except UnreadableVersion:
+        return ()
+
+
 def registrations(repo: Path | str, predictions_path: str = str(DEFAULT_PREDICTIONS_PATH)) -> dict[str, Registration]:
     """``{id: Registration}``: the first commit whose predictions file holds each id."""
     repo = repository_root(repo)
     found: dict[str, Registration] = {}
     for commit in commits_touching(repo, predictions_path):
-        try:
-            ids = entries_by_id(file_at(repo, commit.sha, predictions_path), f"{predictions_path}@{commit.short}")
-        except UnreadableVersion:
-            continue
-        for entry_id in ids:
+        for entry_id in _keys_at(repo, commit.sha, commit.short, predictions_path):
             if not is_amendment(entry_id):
                 found.setdefault(entry_id, Registration(commit.sha, commit.date))
     return found
@@ -145,11 +153,7 @@ def amendment_registrations(repo: Path | str,
     repo = repository_root(repo)
     found: dict[str, Registration] = {}
     for commit in commits_touching(repo, predictions_path):
-        try:
-            keys = entries_by_id(file_at(repo, commit.sha, predictions_path), f"{predictions_path}@{commit.short}")
-        except UnreadableVersion:
-            continue
-        for key in keys:
+        for key in _keys_at(repo, commit.sha, commit.short, predictions_path):
             if is_amendment(key):
                 found.setdefault(key, Registration(commit.sha, commit.date))
     return found

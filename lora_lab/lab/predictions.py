@@ -139,8 +139,14 @@ def describe_yaml_error(error: yaml.YAMLError) -> str:
 
 
 def _load_and_compose(text: str, loader_class: type) -> tuple[Any, Any]:
-    data = yaml.load(text, Loader=loader_class)  # noqa: S506 - SafeLoader subclasses
-    return data, yaml.compose(text, Loader=loader_class)
+    """The document's data and its node tree (for line numbers), from one parse: what ``yaml.load`` does, keeping
+    the node."""
+    loader = loader_class(text)  # SafeLoader subclasses
+    try:
+        root = loader.get_single_node()
+        return (loader.construct_document(root) if root is not None else None), root
+    finally:
+        loader.dispose()
 
 
 def parse_predictions_yaml(text: str, source: str = "predictions.yaml") -> tuple[list[Any], list[int | None]]:

@@ -2,7 +2,8 @@
 
 Why: every claim in the notebooks was registered before its run and every result is recorded by the run; a
 number typed into markdown goes stale when the run changes, or contradicts it from the start. So every number
-in the markdown cells of ``notebooks/NN_*.ipynb``, in ``README.md`` and in ``benchmarks/README.md`` must be
+in the markdown cells of ``notebooks/NN_*.ipynb``, in ``README.md``, in ``benchmarks/README.md`` and in the pages
+``docs/*.md`` must be
 
 (a) **recorded**: rounding some value of the notebook (any number in its ``outputs/*/NN_*.metrics.json``
     metrics and parameters, the thresholds of its entries in ``predictions/predictions.yaml``, the literals of
@@ -370,7 +371,8 @@ def check_prose(repo: Path) -> ProseReport:
                  if cell.get("cell_type") == "markdown"]
         _check_file(report, path.relative_to(repo).as_posix(), cells, Values(numbers))
     everything = Values(union)
-    for name in READMES:
+    pages = sorted(path.relative_to(repo).as_posix() for path in (repo / "docs").glob("*.md"))
+    for name in (*READMES, *pages):
         if (repo / name).is_file():
             _check_file(report, name, [(None, (repo / name).read_text(encoding="utf-8"))], everything)
     return report

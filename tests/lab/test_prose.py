@@ -169,6 +169,14 @@ def test_readmes_use_the_union_of_all_notebooks(tmp_path):
         ("README.md", None, 3, "4.56"), ("benchmarks/README.md", None, 3, "9.99×")]
 
 
+def test_docs_pages_are_checked_like_the_readmes(tmp_path):
+    repo = make_repo(tmp_path, "Nothing here.")
+    (repo / "docs").mkdir()
+    (repo / "docs" / "kernels.md").write_text("# Kernels\n\nThe op runs at 2.41× PEFT, or 7.77× by hand.\n")
+    report = check_prose(repo)
+    assert [(v.path, v.line, v.number) for v in report.violations] == [("docs/kernels.md", 3, "7.77×")]
+
+
 def test_report_names_file_cell_line_and_number(tmp_path):
     repo = make_repo(tmp_path, "Fine: 2.41×.", "Intro.\nPEFT's layer costs about 1.6× at $M=32768$.\n")
     report = check_prose(repo)

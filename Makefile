@@ -17,7 +17,9 @@ PROFILE ?= cpu
 ONLY ?=
 NBVAL ?= 1
 WHEELS ?=
-TEST_WORKERS ?= 2
+# pytest workers: one more than the CI machine's two cores, since a worker often waits on a subprocess of its test
+# (a benchmark's smoke run, a papermill kernel, a two-process FSDP job) while the other two keep the cores busy
+TEST_WORKERS ?= 3
 
 ifeq ($(PROFILE),cpu)
 VENV  ?= .venv

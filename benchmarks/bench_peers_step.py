@@ -70,7 +70,7 @@ class PeerModel(whole.Variant):
         from lora_lab.layer import fill_lora_B
 
         cfg = whole.model_config(family, args.layers, args.smoke)
-        path = write_checkpoint(cfg, Path(args.checkpoint_dir) / f"{family}_{args.layers}", dtype)
+        path = write_checkpoint(cfg, Path(args.checkpoint_dir) / f"{family}_{args.layers}", dtype, device)
         self.model = peer.fn(path, r=16, max_seq_length=args.seq, dtype=dtype,
                              gradient_checkpointing=args.checkpointing_now == "on").train()
         fill_lora_B(self.model, 0.02)
@@ -81,8 +81,9 @@ class PeerModel(whole.Variant):
         self.losses, self.head = [], (cfg.hidden_size, cfg.vocab_size)
 
 
-def write_checkpoint(cfg, path: Path, dtype) -> Path:
-    """A random-init checkpoint of ``cfg`` (seed 0) and a word-level tokenizer of its vocabulary, written once."""
+def write_checkpoint(cfg, path: Path, dtype, device=None) -> Path:
+    """A random-init checkpoint of ``cfg`` (seed 0, drawn on ``device``: an 8B model's init takes minutes on a CPU)
+    and a word-level tokenizer of its vocabulary, written once."""
     if (path / "config.json").is_file():
         return path
     from tokenizers import Tokenizer
@@ -90,8 +91,11 @@ def write_checkpoint(cfg, path: Path, dtype) -> Path:
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    with torch.device(device or "cpu"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.save_pretrained(path)
+    del model
+    whole.free_memory()
     vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")),
                                         unk_token="t0", pad_token="t1", eos_token="t2", bos_token="t3")
@@ -99,11 +103,26 @@ def write_checkpoint(cfg, path: Path, dtype) -> Path:
     return path
 
 
-def run_model(model_name, args, device, dtype) -> list[dict]:
-    """Rows of one model at one checkpointing setting: build each implementation, then the rotated loops."""
+def run_model(model_name, args, device, dtype, done=()) -> list[dict]:
+    """Rows of one model at one checkpointing setting: build each implementation, then the rotated loops; with
+    ``args.sequential`` each implementation is built, timed and freed before the next (full-depth models: five
+    copies of an 8B model's weights, each with its activations, do not fit one GPU at once). ``done``: the rows
+    of earlier models, written with these after every implementation."""
     base = dict(model=model_name, checkpointing=args.checkpointing_now, layers=args.layers, batch=args.batch,
-                seq=args.seq, dtype=str(dtype).removeprefix("torch."), smoke=args.smoke)
+                seq=args.seq, dtype=str(dtype).removeprefix("torch."), smoke=args.smoke,
+                order="sequential" if args.sequential else "rotated")
     built, once, rows = {}, {}, []
+    tokens = args.batch * args.seq
+
+    def time_loops(impls, rep_range):
+        for rep in rep_range:
+            for impl in measure.rotation(impls, rep):
+                times = measure.loop_ms(built[impl].step, calls=args.steps, warmup=1)
+                ms = statistics.median(times)
+                rows.append(dict(base, impl=impl, rep=rep, status="ok", step_ms=ms, tokens_per_s=tokens / ms * 1e3,
+                                 step_ms_each=" ".join(f"{t:.3f}" for t in times), timing="loop",
+                                 loss_last=float(built[impl].losses[-1]), **once[impl]))
+
     for impl in args.impls:
         peer = None
         if impl in ("axolotl", "unsloth"):
@@ -118,22 +137,25 @@ def run_model(model_name, args, device, dtype) -> list[dict]:
             peak = measure.peak_bytes(model.step)[0] if device.type == "cuda" else None
             built[impl] = model
             once[impl] = dict(peak_bytes=peak, source=peer.source if peer else "", version=peer.version if peer else "")
+            print(f"   {model_name}: {impl} built, peak {peak / 2**30 if peak else 0:.1f} GiB", flush=True)
         except Exception as err:  # a peer that loads but cannot train this model is a recorded row
-            if impl == "ours":
+            model = None
+            if impl == "ours" and not args.sequential:
                 raise
             rows.append(dict(base, impl=impl, rep=0, tokens_per_s=None, status="oom" if is_oom(err) else "error",
                              error=error_text(err)))
             print(f"   {model_name}: {impl} failed: {rows[-1]['error'][:200]}", flush=True)
             whole.free_memory()
-    tokens = args.batch * args.seq
-    for rep in range(args.repetitions):
-        for impl in measure.rotation(list(built), rep):
-            times = measure.loop_ms(built[impl].step, calls=args.steps, warmup=1)
-            ms = statistics.median(times)
-            rows.append(dict(base, impl=impl, rep=rep, status="ok", step_ms=ms, tokens_per_s=tokens / ms * 1e3,
-                             step_ms_each=" ".join(f"{t:.3f}" for t in times), timing="loop",
-                             loss_last=float(built[impl].losses[-1]), **once[impl]))
-    del built
+            continue
+        if args.sequential:
+            time_loops([impl], range(args.repetitions))
+            del model
+            built.clear()
+            whole.free_memory()
+            measure.write_csv([*done, *rows], Path(args.out) / CSV)  # after every implementation
+    if not args.sequential:
+        time_loops(list(built), range(args.repetitions))
+    built.clear()
     whole.free_memory()
     return rows
 
@@ -153,6 +175,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sessions", type=int, default=1, help="separate processes (this script again, one after "
                                                            "another), their CSVs pooled: speed ratios are graded "
                                                            f"on >= {measure.MIN_SESSIONS}")
+    ap.add_argument("--sequential", action="store_true", help="build, time and free one implementation after "
+                                                                 "another (default: all built, loops rotated)")
     ap.add_argument("--checkpoint-dir", default=None, help="where unsloth's random-init checkpoints go "
                                                            "(default: OUT/checkpoints)")
     ap.add_argument("--smoke", action="store_true", help="CPU, TRITON_INTERPRET=1: tiny configs, fp32, 1 layer")
@@ -180,7 +204,7 @@ def main(argv=None) -> None:
             run.checkpointing_now = ckpt
             run.layers = 1 if args.smoke else (args.layers or MODELS[model_name][1])
             print(f"{model_name}, {run.layers} layers, checkpointing {ckpt}", flush=True)
-            rows += run_model(model_name, run, device, dtype)
+            rows += run_model(model_name, run, device, dtype, rows)
             measure.write_csv(rows, Path(args.out) / CSV)  # after every model and setting
     print(f"wrote {Path(args.out) / CSV}: {len(rows)} rows", flush=True)
 

@@ -174,9 +174,34 @@ def _fast_lora(module_path: str, op: str):
     raise LookupError(f"{module_path} has no {op} op")
 
 
+# Loggers a peer's module imports at its top although its kernels never call them: where one is not installed, an
+# empty module stands in for it, and the op's ``source`` says so. axolotl's LoRA-kernel patch imports
+# ``axolotl.utils.callbacks`` (for one helper), which imports wandb (20 MB with its service binary).
+IMPORT_STUBS = {"axolotl": ("wandb",)}
+
+
+def stub_missing(names) -> list[str]:
+    """Put an empty module in ``sys.modules`` for each of ``names`` that is neither imported nor installed; the names
+    stubbed (an installed module is never replaced)."""
+    import importlib.machinery
+    import importlib.util
+    import types
+
+    stubbed = []
+    for name in names:
+        if name in sys.modules or importlib.util.find_spec(name) is not None:
+            continue
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        sys.modules[name] = module
+        stubbed.append(name)
+    return stubbed
+
+
 def _axolotl(op: str):
     if op != "model":
         return _fast_lora("axolotl.kernels.lora", op)
+    stubbed = stub_missing(IMPORT_STUBS["axolotl"])
     patches = importlib.import_module("axolotl.monkeypatch.lora_kernels")
     DictDefault = importlib.import_module("axolotl.utils.dict").DictDefault
 
@@ -205,8 +230,9 @@ def _axolotl(op: str):
                 module.forward = rewritten.__get__(module)
         return model
 
+    stub_note = f" (empty stand-in modules for {', '.join(stubbed)}: not installed)" if stubbed else ""
     return patch, ("axolotl.monkeypatch.lora_kernels.patch_self_attn_lora + apply_lora_kernel_patches "
-                   "(lora_qkv_kernel, lora_o_kernel, lora_mlp_kernel)")
+                   "(lora_qkv_kernel, lora_o_kernel, lora_mlp_kernel)" + stub_note)
 
 
 def _unsloth(op: str):

@@ -108,19 +108,25 @@ def step_bench(monkeypatch):
 
 def _step_args(tmp_path, **kw):
     args = argparse.Namespace(smoke=True, layers=1, batch=2, seq=16, steps=1, repetitions=2, checkpointing_now="off",
-                              checkpoint_dir=str(tmp_path / "ckpt"), impls=["ours", "peft", "axolotl", "unsloth"])
+                              checkpoint_dir=str(tmp_path / "ckpt"), impls=["ours", "peft", "axolotl", "unsloth"],
+                              sequential=False, out=str(tmp_path))
     for k, v in kw.items():
         setattr(args, k, v)
     return args
 
 
 @pytest.mark.slow
-def test_full_depth_smoke_rows_feed_the_step_metrics(step_bench, monkeypatch, tmp_path):
+@pytest.mark.parametrize("sequential", [False, True])
+def test_full_depth_smoke_rows_feed_the_step_metrics(step_bench, monkeypatch, tmp_path, sequential):
     from lora_lab.experiments import peer_comparison
 
     for name in ("axolotl", "unsloth"):
         monkeypatch.setitem(sys.modules, name, None)  # missing, whether or not installed
-    rows = step_bench.run_model("llama3_8b", _step_args(tmp_path), torch.device("cpu"), torch.float32)
+    args = _step_args(tmp_path, sequential=sequential)
+    rows = step_bench.run_model("llama3_8b", args, torch.device("cpu"), torch.float32)
+    assert {r["order"] for r in rows} == {"sequential" if sequential else "rotated"}
+    if sequential:  # written after every implementation
+        assert (tmp_path / step_bench.CSV).is_file()
     skipped = {r["impl"]: r for r in rows if r["status"] == "skipped"}
     assert set(skipped) == {"axolotl", "unsloth"} and all("ModuleNotFoundError" in r["error"] for r in skipped.values())
     ok = {(r["impl"], r["rep"]) for r in rows if r["status"] == "ok"}
@@ -175,3 +181,17 @@ def test_sessions_run_as_separate_processes_and_pool(tmp_path):
     rows = [r for r in measure.read_csv(tmp_path / "peers_ops.csv") if r["impl"] == "ours"]
     assert {(r["session"], r["rep"]) for r in rows} == {(0, 0), (0, 1), (1, 2), (1, 3)}
     assert measure.sessions_in(rows) == 2
+
+
+def test_stub_missing_stands_in_for_absent_loggers_only(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import peers
+
+    absent = "lora_lab_absent_logger_xyz"
+    monkeypatch.delitem(sys.modules, absent, raising=False)
+    try:
+        assert peers.stub_missing([absent, "json"]) == [absent]  # json is installed: never replaced
+        assert sys.modules[absent].__spec__.name == absent and not hasattr(sys.modules[absent], "__path__")
+        assert peers.stub_missing([absent]) == []  # already there
+    finally:
+        sys.modules.pop(absent, None)

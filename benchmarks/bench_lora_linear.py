@@ -4,7 +4,8 @@ What a LoRA layer costs over the frozen one it adapts, on the issue's grid: toke
 (K, N) ∈ {4096×4096, 4096×12288, 12288×4096}, rank r ∈ {16, 64}. One step = forward, then
 ``torch.autograd.grad`` of a fixed dY for X and the trainable parameters (nothing accumulates between calls).
 
-Variants, on the same X, dY and frozen weight (default: base, peft, fused; ``--variants all`` for every one):
+Variants, on the same X, dY and frozen weight (default: DEFAULT_VARIANTS below; ``--variants`` names others, base,
+peft and fused always; ``all`` for every one, ``routes`` for ROUTES):
   base          frozen nn.Linear (Y = X Wᵀ, dX = dY W: two GEMMs)
   peft          PEFT lora.Linear, default settings (fp32 adapters: X cast bf16 → fp32 for the adapter)
   peft_nocast   PEFT lora.Linear with bf16 adapters (no input cast)
@@ -21,7 +22,8 @@ Variants, on the same X, dY and frozen weight (default: base, peft, fused; ``--v
 Repetitions: ``--repetitions N`` (default measure.MIN_REPETITIONS) complete side-by-side loops per cell; each
 times every variant once, the order rotating from one repetition to the next. Peak memory
 (``measure.peak_bytes`` of one step, everything the step needs already allocated) is measured once per cell and
-variant. ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
+variant (not for a graphed one: its memory is the graph's pool, allocated at capture). ``--sessions N`` runs the
+script N times, one process after another, and pools the rows (intervals then span processes). ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
 synchronised after it, so host time counts); ``host_ms``: the host's own time per call (``measure.host_ms``:
 from the call to its return, synchronised outside; a step is host-bound where it exceeds the GPU time);
 ``back_to_back_ms``: ``measure.kernel_loop_ms`` (``do_bench``, calls

@@ -16,8 +16,7 @@ A graph replays fixed addresses and shapes, so:
   incoming gradient likewise: a graphed frozen layer pays the same copies, so it is the fair reference.
 
 In the other training mode than the captured one (``eval()`` after capturing in train mode) the module runs
-eagerly. A wider GEMM ``[X | s·X Aᵀ] · [W | B]ᵀ`` would fold the rank-r term into the base GEMM's K loop, but
-building ``[X | P]`` copies X (M×K) every step: there is no copy-free arrangement, so none is offered.
+eagerly.
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ Repetitions: ``--repetitions N`` (default measure.MIN_REPETITIONS) complete side
 times every variant once, the order rotating from one repetition to the next. Peak memory
 (``measure.peak_bytes`` of one step, everything the step needs already allocated) is measured once per cell and
 variant (not for a graphed one: its memory is the graph's pool, allocated at capture). ``--sessions N`` runs the
-script N times, one process after another, and pools the rows (intervals then span processes). ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
+script N times, one process after another, and pools the rows (intervals then span processes).
+``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
 synchronised after it, so host time counts); ``host_ms``: the host's own time per call (``measure.host_ms``:
 from the call to its return, synchronised outside; a step is host-bound where it exceeds the GPU time);
 ``back_to_back_ms``: ``measure.kernel_loop_ms`` (``do_bench``, calls

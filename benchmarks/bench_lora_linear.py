@@ -38,7 +38,7 @@ next to cuBLAS for the same GEMMs), 05_lora_linear_ratio.png and 05_lora_linear_
 
     python benchmarks/bench_lora_linear.py --out DIR                      # the 12-cell grid, base/peft/fused
     python benchmarks/bench_lora_linear.py --out DIR --variants all --components target
-    python benchmarks/bench_lora_linear.py --out DIR --variants routes --sessions 2 --repetitions 3 \
+    python benchmarks/bench_lora_linear.py --out DIR --variants routes --sessions 2 --repetitions 3 --calls 6 \
         --no-back-to-back --ledger FILE    # the cuBLAS and graphed routes (ROUTES) beside base, peft and fused
     TRITON_INTERPRET=1 python benchmarks/bench_lora_linear.py --out DIR --smoke    # CPU: the grid at tiny size
 """
@@ -271,15 +271,18 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
             for name, message in failed.items()]
     rows += [{**base, "variant": name, "rep": 0, "fwd_bwd_ms": None, "status": "skipped", "error": skip}
              for name in args.variants if name not in names]
+    loop = dict(LOOP[smoke])
+    if getattr(args, "calls", None) and not smoke:
+        loop["calls"] = args.calls
     for rep in range(args.repetitions):
         for name in measure.rotation(variants, rep):
             row = {**base, "variant": name, "rep": rep, "status": "ok",
-                   "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **LOOP[smoke])),
-                   "host_ms": statistics.median(measure.host_ms(steps[name], **LOOP[smoke])),
+                   "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **loop)),
+                   "host_ms": statistics.median(measure.host_ms(steps[name], **loop)),
                    "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms)
                    if cuda and getattr(args, "back_to_back", True) else None}
             if args.forward:
-                row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], **LOOP[smoke]))
+                row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], **loop))
             row.update(peak_bytes=peaks[name][0], resident_bytes=peaks[name][1], config=variants[name][2])
             rows.append(row)
     comp_rows = []
@@ -422,14 +425,17 @@ def parse_args(argv=None):
     ap.add_argument("--ranks", type=int, nargs="+", help=f"LoRA ranks (default {GRID['ranks']})")
     ap.add_argument("--rep-ms", type=float, default=50.0, help="back_to_back_ms: do_bench milliseconds of timed calls")
     ap.add_argument("--warmup-ms", type=float, default=10.0, help="back_to_back_ms: do_bench milliseconds of warm-up")
+    ap.add_argument("--calls", type=int, default=LOOP[False]["calls"],
+                    help="timed calls per variant and repetition, in the loop and again for host_ms (their medians "
+                         "are the figures; %(default)s by default; --smoke makes two)")
     ap.add_argument("--no-back-to-back", dest="back_to_back", action="store_false",
                     help="leave the back_to_back_ms column empty (no do_bench loop: a third or more of a cell's time)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone")
     ap.add_argument("--components", choices=["none", "target", "all"], default="none",
                     help="per-kernel breakdown of the target cell (M=32768, 4096x4096, r=16), of every cell, or none")
     args = ap.parse_args(argv)
-    if args.sessions < 1:
-        ap.error(f"--sessions must be >= 1, got {args.sessions}")
+    if args.sessions < 1 or args.calls < 1:
+        ap.error(f"--sessions and --calls must be >= 1, got {args.sessions} and {args.calls}")
     # commas separate names too; a preset (routes) stands for its variants; base, peft and fused are always timed
     args.variants = [PRESETS.get(v, [v]) for item in args.variants for v in item.split(",") if v]
     args.variants = [v for names in args.variants for v in names]

@@ -127,3 +127,21 @@ def test_sessions_run_one_process_each_then_summarise_the_pooled_rows(bench, mon
     summary = measure.read_csv(tmp_path / bench.SUMMARY_CSV)
     assert {(s["variant"], s["n"]) for s in summary} == {("base", 4), ("peft", 4), ("fused", 4)}
     assert ledger.read_text().count("\n") > 1 and (tmp_path / "05_lora_linear_ratio.png").stat().st_size > 0
+
+
+def test_calls_sets_the_timed_calls_of_both_loops(bench, monkeypatch):
+    seen = []
+
+    def loop(fn, calls, warmup):
+        seen.append(calls)
+        return [1.0] * calls
+
+    monkeypatch.setattr(bench.measure, "loop_ms", loop)
+    monkeypatch.setattr(bench.measure, "host_ms", loop)
+    args = bench.parse_args(["--out", "o", "--calls", "4", "--variants", "base,peft"])
+    args.variants = ["base", "peft"]
+    bench.measure_cell("c", (8, 16, 16, 2), args, None, torch.float32, torch.device("cpu"), False)
+    assert seen and set(seen) == {4}
+    seen.clear()
+    bench.measure_cell("c", (8, 16, 16, 2), args, None, torch.float32, torch.device("cpu"), True)
+    assert set(seen) == {bench.LOOP[True]["calls"]}  # --smoke: the code path, in as few calls as it takes

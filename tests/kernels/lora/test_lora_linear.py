@@ -421,12 +421,15 @@ def test_cublas_base_gemm_option(dtype, case):
 ROUTE_CASES = [(37, 45, 53, 8, True), (29, 40, 36, 16, False), (9, 33, 70, 64, True)]
 
 
-@pytest.mark.parametrize("M,K,N,r,bias", ROUTE_CASES, ids=lambda c: str(c))
-def test_cublas_base_gemm_with_one_pass_q_and_db(M, K, N, r, bias):
-    # base_gemm="cublas" and fuse_q_db: the rank-r terms by Triton, Q and dB in one pass, the GEMMs added by cuBLAS
+@pytest.mark.parametrize("case,qdb", [*((c, True) for c in ROUTE_CASES), (ROUTE_CASES[2], False)],
+                         ids=lambda v: str(v))
+def test_cublas_base_gemm_with_one_pass_q_and_db(case, qdb):
+    # base_gemm="cublas" with fuse_q_db (and without it at r = 64, beyond CPU_CASES): the rank-r terms by Triton,
+    # Q and dB in one pass, the GEMMs added by cuBLAS
+    M, K, N, r, bias = case
     x, w, b, A, B = make_case(M, K, N, r, torch.float32, bias=bias)
     run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32],
-                    config=TRITON.replace(base_gemm="cublas", fuse_q_db=True))
+                    config=TRITON.replace(base_gemm="cublas", fuse_q_db=qdb))
 
 
 @pytest.mark.parametrize("M,K,N,r,bias", ROUTE_CASES, ids=lambda c: str(c))

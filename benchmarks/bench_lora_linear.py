@@ -356,11 +356,14 @@ def plot(summary, rows, out: Path):
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
         xs = [j + i * width for j in range(len(cells))]
-        med = [next(s["time_vs_base"] for s in summary if s["cell"] == c and s["variant"] == v) for c in cells]
+        # no bar where the variant failed in that cell
+        med = [next((s["time_vs_base"] for s in summary if s["cell"] == c and s["variant"] == v), float("nan"))
+               for c in cells]
         ax.bar(xs, med, width, label=v, alpha=0.8)
-        for x, c in zip(xs, cells):  # every repetition's ratio as a point: the spread the median hides
-            repetition_dots(ax, x, measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": v},
-                                                             {"cell": c, "variant": "base"}))
+        for x, c, m in zip(xs, cells, med):  # every repetition's ratio as a point: the spread the median hides
+            if m == m:
+                repetition_dots(ax, x, measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": v},
+                                                                 {"cell": c, "variant": "base"}))
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.05, color="r", lw=0.8, ls="--", label="target 1.05× base")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))])
@@ -400,7 +403,8 @@ def print_table(summary):
         by = {s["variant"]: s for s in summary if s["cell"] == cell}
         f = by.get("fused", {})
         peak = f.get("peak_vs_base")
-        print(f"{cell:>20} | " + " ".join(f"{by[v]['fwd_bwd_ms']:10.3f} ms" for v in variants)
+        print(f"{cell:>20} | " + " ".join(f"{by[v]['fwd_bwd_ms']:10.3f} ms" if v in by else f"{'-':>13}"
+                                          for v in variants)  # "-": the variant failed in this cell
               + f" | {f.get('time_vs_base', float('nan')):10.3f} {f.get('time_vs_peft', float('nan')):9.3f} "
               + (f"{peak:9.3f}" if peak is not None else "        -"))
     print("(medians over the repetitions; ratios: median of the per-repetition ratios)")

@@ -145,3 +145,14 @@ def test_calls_sets_the_timed_calls_of_both_loops(bench, monkeypatch):
     seen.clear()
     bench.measure_cell("c", (8, 16, 16, 2), args, None, torch.float32, torch.device("cpu"), True)
     assert set(seen) == {bench.LOOP[True]["calls"]}  # --smoke: the code path, in as few calls as it takes
+
+
+def test_a_variant_missing_from_one_cell_is_a_dash_in_the_table_and_no_bar(bench, capsys, tmp_path):
+    rows = [_row(cell, v, 0, 1.0) for cell in ("8k_4096x4096_r16", "32k_4096x4096_r16") for v in ("base", "peft")]
+    rows.append(_row("8k_4096x4096_r16", "fused_graphed", 0, 1.1))  # failed (no row) in the other cell
+    summary = bench.summary_rows(rows)
+    bench.print_table(summary)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split("|")[1].split()[-1] == "-"
+    bench.plot(summary, rows, tmp_path)
+    assert (tmp_path / "05_lora_linear_ratio.png").stat().st_size > 0

@@ -9,6 +9,8 @@ A graph replays fixed addresses and shapes, so:
 
 * one graph serves one input shape: another shape is refused with an error (capture another layer for it);
 * the output and the gradients are the graph's own buffers, overwritten by the next call (``clone`` what you keep);
+  a parameter's ``.grad`` set by ``backward`` may be that buffer too, so clear gradients with
+  ``optimizer.zero_grad(set_to_none=True)`` (torch's default) between steps rather than accumulating over several;
 * the module's parameters must keep their storage (in-place optimizer updates are fine, reassigning ``.data`` not);
 * whatever the forward draws on the host is frozen into the graph: the fused op's dropout seed, for one, would give
   every replay the same mask, so graph a layer with dropout 0;

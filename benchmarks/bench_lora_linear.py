@@ -4,7 +4,8 @@ What a LoRA layer costs over the frozen one it adapts, on the issue's grid: toke
 (K, N) ∈ {4096×4096, 4096×12288, 12288×4096}, rank r ∈ {16, 64}. One step = forward, then
 ``torch.autograd.grad`` of a fixed dY for X and the trainable parameters (nothing accumulates between calls).
 
-Variants, on the same X, dY and frozen weight (default: base, peft, fused; ``--variants all`` for every one):
+Variants, on the same X, dY and frozen weight (default: DEFAULT_VARIANTS below; ``--variants`` names others, base,
+peft and fused always; ``all`` for every one, ``routes`` for ROUTES):
   base          frozen nn.Linear (Y = X Wᵀ, dX = dY W: two GEMMs)
   peft          PEFT lora.Linear, default settings (fp32 adapters: X cast bf16 → fp32 for the adapter)
   peft_nocast   PEFT lora.Linear with bf16 adapters (no input cast)
@@ -12,12 +13,18 @@ Variants, on the same X, dY and frozen weight (default: base, peft, fused; ``--v
   fused         lora_lab.kernels.fused_lora_linear with the shipped KernelConfig (Triton, rank-r term folded
                 into the GEMMs; the same formulas as cuBLAS calls below a GEMM volume, see kernels/lora/dispatch)
   fused_*       the same op with one KernelConfig field changed (FUSED_CONFIGS below): Triton at every shape,
-                dA/dB on a side stream, Q and dB in one pass, the big GEMM by cuBLAS onto a Triton rank-r term
+                dA/dB on a side stream, Q and dB in one pass, the big GEMM by cuBLAS onto a Triton rank-r term,
+                every GEMM by cuBLAS (fused_pure_cublas: the rank-r terms first, the big GEMMs added with β = 1)
+  *_graphed     the variant's forward and backward captured as two CUDA graphs (lora_lab.kernels.graphed_lora_linear):
+                the host launches two graphs per step; base_graphed is their fair reference (the incoming dY is
+                copied into the graph's buffer, by every graphed variant alike). CUDA only: skipped rows on a CPU
 
 Repetitions: ``--repetitions N`` (default measure.MIN_REPETITIONS) complete side-by-side loops per cell; each
 times every variant once, the order rotating from one repetition to the next. Peak memory
 (``measure.peak_bytes`` of one step, everything the step needs already allocated) is measured once per cell and
-variant. ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
+variant (not for a graphed one: its memory is the graph's pool, allocated at capture). ``--sessions N`` runs the
+script N times, one process after another, and pools the rows (intervals then span processes).
+``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
 synchronised after it, so host time counts); ``host_ms``: the host's own time per call (``measure.host_ms``:
 from the call to its return, synchronised outside; a step is host-bound where it exceeds the GPU time);
 ``back_to_back_ms``: ``measure.kernel_loop_ms`` (``do_bench``, calls
@@ -31,12 +38,15 @@ next to cuBLAS for the same GEMMs), 05_lora_linear_ratio.png and 05_lora_linear_
 
     python benchmarks/bench_lora_linear.py --out DIR                      # the 12-cell grid, base/peft/fused
     python benchmarks/bench_lora_linear.py --out DIR --variants all --components target
+    python benchmarks/bench_lora_linear.py --out DIR --variants routes --sessions 2 --repetitions 3 --calls 6 \
+        --no-back-to-back --ledger FILE    # the cuBLAS and graphed routes (ROUTES) beside base, peft and fused
     TRITON_INTERPRET=1 python benchmarks/bench_lora_linear.py --out DIR --smoke    # CPU: the grid at tiny size
 """
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -48,6 +58,7 @@ from bench_common import (
     device_line,
     error_text,
     repetition_dots,
+    without_options,
     write_summary,
 )
 from torch import nn
@@ -61,7 +72,7 @@ TARGET = (32768, 4096, 4096, 16)  # the issue's target cell (M, K, N, r)
 # core next to them (the persistent TMA GEMM, and with P / Q folded into its K loops; no warp-specialised forms:
 # they failed to compile on the H200)
 DEFAULT_VARIANTS = ["base", "peft", "fused", "fused_torch_rank", "fused_persistent", "fused_fold"]
-REQUIRED_VARIANTS = ("base", "peft", "fused")  # a failure of one of these fails the benchmark
+REQUIRED_VARIANTS = ("base", "peft", "fused")  # a failure of one of these fails the benchmark; always timed
 # the fused op with one KernelConfig field changed from the shipped settings
 FUSED_CONFIGS = {
     "fused": {},
@@ -73,11 +84,21 @@ FUSED_CONFIGS = {
     "fused_qdb_overlap": {"fuse_q_db": True, "overlap": "on"},
     "fused_cublas_base": {"base_gemm": "cublas"},
     "fused_cublas_base_overlap": {"base_gemm": "cublas", "overlap": "on"},
+    "fused_cublas_base_qdb": {"base_gemm": "cublas", "fuse_q_db": True},
+    # no Triton launch at all: P, Q, dA, dB and the rank-r terms by cuBLAS, the big GEMMs added onto them (β = 1)
+    "fused_pure_cublas": {"base_gemm": "cublas", "rank_ops": "torch"},
     # the GEMM core: the persistent TMA GEMM, and P / Q folded into its K loops
     "fused_persistent": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent"},
     "fused_fold": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent", "fold_projection": True},
 }
-ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS]
+# a variant's forward and backward as CUDA graphs: {graphed variant: the variant it captures}
+GRAPHED = {"base_graphed": "base", "fused_graphed": "fused", "fused_cublas_base_graphed": "fused_cublas_base",
+           "fused_pure_cublas_graphed": "fused_pure_cublas"}
+ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS, *GRAPHED]
+# --variants routes: the big GEMMs by cuBLAS and the graphed steps, beside the frozen layer (graphed too)
+ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "base_graphed", "fused_graphed",
+          "fused_cublas_base_graphed"]
+PRESETS = {"routes": ROUTES}
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}
 # --smoke: two cells of the grid with every dimension divided (M / 512, K and N / 128, r / 4): the Triton
 # interpreter runs the whole code path in seconds
@@ -112,6 +133,40 @@ def peft_projection(weight: torch.Tensor, r: int, fp32_adapters: bool):
     return model, [p for p in model.parameters() if p.requires_grad]
 
 
+class FusedLinear(nn.Module):
+    """fused_lora_linear with one KernelConfig as a module (frozen weight, trainable A and B): what a graph captures."""
+
+    def __init__(self, weight, A, B, cfg):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.A, self.B, self.cfg = A, B, cfg
+
+    def forward(self, x):
+        from lora_lab.kernels import fused_lora_linear
+
+        return fused_lora_linear(x, self.weight, None, self.A, self.B, 2.0, config=self.cfg)
+
+
+class LazyGraph:
+    """``module`` captured as CUDA graphs at its first call's input (lora_lab.kernels.graphed_lora_linear), then
+    replayed: the capture happens where the benchmark makes its untimed first call, so a failure is a recorded row."""
+
+    def __init__(self, module):
+        self.module, self.graphed = module, None
+
+    def __call__(self, x):
+        if self.graphed is None:
+            from lora_lab.kernels import graphed_lora_linear
+
+            self.graphed = graphed_lora_linear(self.module, x)
+        return self.graphed(x)
+
+
+def graph_skip_reason(device) -> str | None:
+    """Why the graphed variants cannot run here (None: they can)."""
+    return None if device.type == "cuda" else "CUDA graphs need a CUDA device (this run is on the CPU)"
+
+
 def build_variants(names, K, N, r, dtype, device, shipped):
     """{name: (forward fn, trainable parameters, config text)} over one shared frozen weight and factors."""
     from lora_lab.kernels import chained_lora_linear, fused_lora_linear
@@ -129,6 +184,15 @@ def build_variants(names, K, N, r, dtype, device, shipped):
             variants[name] = (model, params, f"adapters {params[0].dtype}")
         elif name == "chained":
             variants[name] = (lambda x: chained_lora_linear(x, lin.weight, None, A, B, 2.0), [A, B], "")
+        elif name in GRAPHED:
+            inner = GRAPHED[name]
+            if inner == "base":  # its own module over the shared weight: the capture must not change ``lin``
+                module, params, text = nn.Linear(K, N, bias=False, device="meta"), [], "graphed"
+                module.weight = lin.weight
+            else:
+                cfg = shipped.replace(**FUSED_CONFIGS[inner])
+                module, params, text = FusedLinear(lin.weight, A, B, cfg), [A, B], f"graphed {cfg!r}"
+            variants[name] = (LazyGraph(module), params, text)
         else:
             cfg = shipped.replace(**FUSED_CONFIGS[name])
             variants[name] = (lambda x, cfg=cfg: fused_lora_linear(x, lin.weight, None, A, B, 2.0, config=cfg),
@@ -182,14 +246,17 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
     cuda = device.type == "cuda"
     x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(M, N, device=device, dtype=dtype)
-    variants, (weight, A, B) = build_variants(args.variants, K, N, r, dtype, device, shipped)
+    skip = graph_skip_reason(device)
+    names = [v for v in args.variants if not (v in GRAPHED and skip)]
+    variants, (weight, A, B) = build_variants(names, K, N, r, dtype, device, shipped)
     steps, forwards, peaks, failed = {}, {}, {}, {}
     for name, (fn, params, _) in list(variants.items()):
         steps[name] = lambda fn=fn, params=params: torch.autograd.grad(fn(x), [x, *params], dy)
         forwards[name] = torch.no_grad()(lambda fn=fn: fn(x))  # the forward alone (--forward)
         try:
-            steps[name]()  # compile / autotune outside the timed loops
-            peaks[name] = measure.peak_bytes(steps[name]) if cuda else (None, None)  # CUDA only: None in smoke
+            steps[name]()  # compile / autotune (and capture a graph) outside the timed loops
+            # CUDA only: None in smoke; a graph's memory is its pool, allocated at capture: no per-step peak
+            peaks[name] = measure.peak_bytes(steps[name]) if cuda and name not in GRAPHED else (None, None)
         except Exception as err:  # an optional variant this build cannot run is a recorded result, not a crash
             if name in REQUIRED_VARIANTS:
                 raise
@@ -202,15 +269,20 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
             "smoke": smoke}
     rows = [{**base, "variant": name, "rep": 0, "fwd_bwd_ms": None, "status": "error", "error": message}
             for name, message in failed.items()]
+    rows += [{**base, "variant": name, "rep": 0, "fwd_bwd_ms": None, "status": "skipped", "error": skip}
+             for name in args.variants if name not in names]
+    loop = dict(LOOP[smoke])
+    if getattr(args, "calls", None) and not smoke:
+        loop["calls"] = args.calls
     for rep in range(args.repetitions):
         for name in measure.rotation(variants, rep):
             row = {**base, "variant": name, "rep": rep, "status": "ok",
-                   "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **LOOP[smoke])),
-                   "host_ms": statistics.median(measure.host_ms(steps[name], **LOOP[smoke])),
-                   "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms) if cuda
-                   else None}
+                   "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **loop)),
+                   "host_ms": statistics.median(measure.host_ms(steps[name], **loop)),
+                   "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms)
+                   if cuda and getattr(args, "back_to_back", True) else None}
             if args.forward:
-                row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], **LOOP[smoke]))
+                row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], **loop))
             row.update(peak_bytes=peaks[name][0], resident_bytes=peaks[name][1], config=variants[name][2])
             rows.append(row)
     comp_rows = []
@@ -256,14 +328,18 @@ def summary_rows(rows):
                    host_ms=statistics.median(r["host_ms"] for r in mine if r.get("host_ms") is not None)
                    if any(r.get("host_ms") is not None for r in mine) else None,
                    tflops=4.0 * first["M"] * first["K"] * first["N"] / (ms["median"] * 1e-3) / 1e12)
-        for ref, key in (("base", "time_vs_base"), ("peft", "time_vs_peft")):
+        refs = [("base", "time_vs_base"), ("peft", "time_vs_peft")]
+        if any(r["cell"] == cell and r["variant"] == "base_graphed" for r in rows):
+            refs.append(("base_graphed", "time_vs_base_graphed"))  # the graphed steps' fair reference
+        for ref, key in refs:
             ratio = measure.summarize(measure.repetition_ratios(
                 rows, "fwd_bwd_ms", {"cell": cell, "variant": variant}, {"cell": cell, "variant": ref}))
             row.update({key: ratio["median"], f"{key}_ci95_low": ratio["ci95"][0],
                         f"{key}_ci95_high": ratio["ci95"][1]})
         base_peak = next(r["peak_bytes"] for r in rows if r["cell"] == cell and r["variant"] == "base")
         row["peak_bytes"] = first["peak_bytes"]
-        row["peak_vs_base"] = None if base_peak is None else first["peak_bytes"] / base_peak
+        peak = first["peak_bytes"]  # None for a graphed variant and without CUDA
+        row["peak_vs_base"] = None if base_peak is None or peak is None else peak / base_peak
         out.append(row)
     return out
 
@@ -280,11 +356,14 @@ def plot(summary, rows, out: Path):
     width = 0.8 / len(variants)
     for i, v in enumerate(variants):
         xs = [j + i * width for j in range(len(cells))]
-        med = [next(s["time_vs_base"] for s in summary if s["cell"] == c and s["variant"] == v) for c in cells]
+        # no bar where the variant failed in that cell
+        med = [next((s["time_vs_base"] for s in summary if s["cell"] == c and s["variant"] == v), float("nan"))
+               for c in cells]
         ax.bar(xs, med, width, label=v, alpha=0.8)
-        for x, c in zip(xs, cells):  # every repetition's ratio as a point: the spread the median hides
-            repetition_dots(ax, x, measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": v},
-                                                             {"cell": c, "variant": "base"}))
+        for x, c, m in zip(xs, cells, med):  # every repetition's ratio as a point: the spread the median hides
+            if m == m:
+                repetition_dots(ax, x, measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": v},
+                                                                 {"cell": c, "variant": "base"}))
     ax.axhline(1.0, color="k", lw=0.8)
     ax.axhline(1.05, color="r", lw=0.8, ls="--", label="target 1.05× base")
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cells))])
@@ -324,7 +403,8 @@ def print_table(summary):
         by = {s["variant"]: s for s in summary if s["cell"] == cell}
         f = by.get("fused", {})
         peak = f.get("peak_vs_base")
-        print(f"{cell:>20} | " + " ".join(f"{by[v]['fwd_bwd_ms']:10.3f} ms" for v in variants)
+        print(f"{cell:>20} | " + " ".join(f"{by[v]['fwd_bwd_ms']:10.3f} ms" if v in by else f"{'-':>13}"
+                                          for v in variants)  # "-": the variant failed in this cell
               + f" | {f.get('time_vs_base', float('nan')):10.3f} {f.get('time_vs_peft', float('nan')):9.3f} "
               + (f"{peak:9.3f}" if peak is not None else "        -"))
     print("(medians over the repetitions; ratios: median of the per-repetition ratios)")
@@ -334,55 +414,103 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(ap, ALL_VARIANTS, DEFAULT_VARIANTS,
                          "the whole code path on tiny stand-ins of the cells (default: two of them), fp32")
+    ap._option_string_actions["--variants"].help = (
+        f"what to time (default: {' '.join(DEFAULT_VARIANTS)}); {', '.join(REQUIRED_VARIANTS)} always; names "
+        f"separated by spaces or commas; 'all' for every one, 'routes' for {' '.join(ROUTES)}; known: "
+        + " ".join(ALL_VARIANTS))
+    ap.add_argument("--sessions", type=int, default=1,
+                    help="separate processes (this script again, one after another), their CSVs pooled: speed "
+                         f"ratios are graded on >= {measure.MIN_SESSIONS}")
+    ap.add_argument("--cells", nargs="+", default=None,
+                    help="only these cells of the grid, by label (e.g. 32k_4096x4096_r16 8k_4096x12288_r64; "
+                         "commas also separate them)")
     ap.add_argument("--tokens", type=int, nargs="+", help=f"values of M (default {GRID['tokens']})")
     ap.add_argument("--shapes", nargs="+", help=f"K x N (default {GRID['shapes']})")
     ap.add_argument("--ranks", type=int, nargs="+", help=f"LoRA ranks (default {GRID['ranks']})")
     ap.add_argument("--rep-ms", type=float, default=50.0, help="back_to_back_ms: do_bench milliseconds of timed calls")
     ap.add_argument("--warmup-ms", type=float, default=10.0, help="back_to_back_ms: do_bench milliseconds of warm-up")
+    ap.add_argument("--calls", type=int, default=LOOP[False]["calls"],
+                    help="timed calls per variant and repetition, in the loop and again for host_ms (their medians "
+                         "are the figures; %(default)s by default; --smoke makes two)")
+    ap.add_argument("--no-back-to-back", dest="back_to_back", action="store_false",
+                    help="leave the back_to_back_ms column empty (no do_bench loop: a third or more of a cell's time)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone")
     ap.add_argument("--components", choices=["none", "target", "all"], default="none",
                     help="per-kernel breakdown of the target cell (M=32768, 4096x4096, r=16), of every cell, or none")
     args = ap.parse_args(argv)
-    args.variants = chosen_variants(ap, args, ALL_VARIANTS, DEFAULT_VARIANTS)
+    if args.sessions < 1 or args.calls < 1:
+        ap.error(f"--sessions and --calls must be >= 1, got {args.sessions} and {args.calls}")
+    # commas separate names too; a preset (routes) stands for its variants; base, peft and fused are always timed
+    args.variants = [PRESETS.get(v, [v]) for item in args.variants for v in item.split(",") if v]
+    args.variants = [v for names in args.variants for v in names]
+    args.variants = chosen_variants(ap, args, ALL_VARIANTS, REQUIRED_VARIANTS)
     for key, value in (SMOKE_GRID if args.smoke else GRID).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.cells = None if args.cells is None else [c for item in args.cells for c in item.split(",") if c]
+    if args.cells is not None:
+        grid = grid_cells(args)
+        unknown = [c for c in args.cells if c not in grid]
+        if unknown:
+            ap.error(f"--cells: {', '.join(unknown)} not in the grid (--tokens, --shapes, --ranks give "
+                     f"{' '.join(grid)})")
     return args
+
+
+def grid_cells(args) -> dict:
+    """{cell label: (M, K, N, r)} of the grid that --tokens, --shapes and --ranks span, in the order they run."""
+    cells = {}
+    for M in args.tokens:
+        for shape in args.shapes:
+            K, N = (int(v) for v in shape.lower().split("x"))
+            for r in args.ranks:
+                cells[cell_label(M, K, N, r)] = (M, K, N, r)
+    return cells
 
 
 def main(argv=None):
     start = time.perf_counter()
     args = parse_args(argv)
+    out = Path(args.out)
+    if args.sessions > 1:  # this script once per session, then the pooled rows summarised (and put in the ledger)
+        raw = sys.argv[1:] if argv is None else list(argv)
+        measure.run_script_sessions(Path(__file__), without_options(raw, ("--out", "--sessions", "--ledger")), out,
+                                    [CSV, COMPONENTS_CSV], sessions=args.sessions)
+        rows = measure.read_csv(out / CSV)
+        finish(rows, args, out, start)
+        return
     device = check_device(args.smoke)
     from lora_lab.kernels import KernelConfig
 
     shipped = KernelConfig.from_env()
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(device_line(device, dtype, args.repetitions, f"variants {' '.join(args.variants)}, shipped {shipped}"),
           flush=True)
     rows, comp_rows = [], []
-    for M in args.tokens:
-        for shape in args.shapes:
-            K, N = (int(v) for v in shape.lower().split("x"))
-            for r in args.ranks:
-                t0 = time.perf_counter()
-                label = cell_label(M, K, N, r)
-                dims = scaled((M, K, N, r), args.smoke)
-                cell_rows, cell_comps = measure_cell(label, dims, args, shipped, dtype, device, args.smoke)
-                rows += cell_rows
-                comp_rows += cell_comps
-                medians = {s["variant"]: s["fwd_bwd_ms"] for s in summary_rows(cell_rows)}
-                print(f"{label}{' (smoke ' + 'x'.join(map(str, dims)) + ')' if args.smoke else ''}: "
-                      + "  ".join(f"{v} {ms:.3f} ms" for v, ms in medians.items())
-                      + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
-                measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
-    summary = summary_rows(rows)
-    write_summary(summary, out / SUMMARY_CSV, args)
+    for label, cell in grid_cells(args).items():
+        if args.cells is not None and label not in args.cells:
+            continue
+        t0 = time.perf_counter()
+        dims = scaled(cell, args.smoke)
+        cell_rows, cell_comps = measure_cell(label, dims, args, shipped, dtype, device, args.smoke)
+        rows += cell_rows
+        comp_rows += cell_comps
+        medians = {s["variant"]: s["fwd_bwd_ms"] for s in summary_rows(cell_rows)}
+        print(f"{label}{' (smoke ' + 'x'.join(map(str, dims)) + ')' if args.smoke else ''}: "
+              + "  ".join(f"{v} {ms:.3f} ms" for v, ms in medians.items())
+              + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+        measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
     if comp_rows:
         measure.write_csv(comp_rows, out / COMPONENTS_CSV)
-    plot(summary, rows, out)
+    finish(rows, args, out, start)
+
+
+def finish(rows, args, out: Path, start: float):
+    """The summary CSV (and with --ledger its figures in the ledger), the figures and the table of ``rows``."""
+    summary = summary_rows(rows)
+    write_summary(summary, out / SUMMARY_CSV, args)
+    plot(summary, timed(rows), out)
     print_table(summary)
     print(f"wrote {out / CSV} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s", flush=True)
 

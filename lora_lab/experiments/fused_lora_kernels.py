@@ -157,6 +157,11 @@ CORE_VARIANTS = ("fused_persistent", "fused_fold")
 # the shipped op with its four rank-r passes as cuBLAS calls (KernelConfig(rank_ops="torch"))
 RANK_OPS_VARIANT = "fused_torch_rank"
 TRAIN_MODELS = {"qwen3-4096": "qwen3_4096", "qwen2.5-0.5b": "qwen2_5_0_5b"}
+# the routes to the frozen layer's cost (bench_lora_linear --variants routes): {variant: the frozen layer it is
+# compared with}; a graphed step is compared with the frozen layer graphed (the same dY copy into the graph)
+ROUTE_VARIANTS = {"fused_cublas_base": "base", "fused_cublas_base_qdb": "base", "fused_pure_cublas": "base",
+                  "fused_graphed": "base_graphed", "fused_cublas_base_graphed": "base_graphed",
+                  "fused_pure_cublas_graphed": "base_graphed"}
 
 
 def _rows(path: Path, allow_smoke: bool) -> list[dict]:
@@ -244,6 +249,68 @@ def rank_ops_metrics(rows, cells) -> dict:
     return out
 
 
+def _worst_host_ms(rows, cells, variant: str) -> dict:
+    """Per repetition, the largest host time per call of ``variant`` across ``cells``."""
+    per_cell = [measure.by_repetition(rows, "host_ms", cell=c, variant=variant) for c in cells]
+    reps = sorted(set.intersection(*(set(p) for p in per_cell)))
+    if not reps:
+        raise ValueError(f"host_ms of {variant}: no repetition holds every cell")
+    return measure.summarize((max(p[k] for p in per_cell) for k in reps), sessions=measure.sessions_in(rows))
+
+
+def route_metrics(rows, cells) -> dict:
+    """The routes to the frozen layer's cost (:data:`ROUTE_VARIANTS`), each where the benchmark timed it and its
+    reference in every cell: time over the reference at the target cell, in the worst cell, and (graphed steps)
+    over the ungraphed frozen layer at the target cell; host time per call at the target cell and in the worst
+    cell. ``lora_linear_routes_best_worst_time_vs_base``: per repetition, the smallest worst-cell ratio among the
+    routes (each over its own reference). The frozen layer graphed: its host time and its time over the ungraphed
+    one at the target cell. A route that failed somewhere gets ``lora_linear_<variant>_failed_cells``."""
+    out: dict = {}
+    t = TARGET_CELL
+    ran = {c: {r["variant"] for r in rows if r["cell"] == c and r.get("status", "ok") == "ok"} for c in cells}
+    if "base_graphed" in ran.get(t, ()):
+        out[f"lora_linear_base_graphed_time_vs_base_{t}"] = _ratio(
+            rows, "fwd_bwd_ms", {"cell": t, "variant": "base_graphed"}, {"cell": t, "variant": "base"})
+        out.update(_host_ms(rows, t, "base_graphed"))
+    worst = {}
+    for variant, ref in ROUTE_VARIANTS.items():
+        mine = [r for r in rows if r["variant"] == variant]
+        failed = sorted({r["cell"] for r in mine if r.get("status", "ok") == "error"})
+        if failed:
+            out[f"lora_linear_{variant}_failed_cells"] = len(failed)
+            continue
+        if not cells or not all({variant, ref} <= ran[c] for c in cells):
+            continue
+        per_cell = [measure.repetition_ratios(rows, "fwd_bwd_ms", {"cell": c, "variant": variant},
+                                              {"cell": c, "variant": ref}) for c in cells]
+        worst[variant] = [max(reps) for reps in zip(*per_cell)]
+        suffix = "time_vs_base" if ref == "base" else "time_vs_base_graphed"
+        out[f"lora_linear_{variant}_worst_{suffix}"] = measure.summarize(worst[variant],
+                                                                         sessions=measure.sessions_in(rows))
+        if t in cells:
+            out[f"lora_linear_{variant}_{suffix}_{t}"] = _ratio(rows, "fwd_bwd_ms", {"cell": t, "variant": variant},
+                                                                 {"cell": t, "variant": ref})
+            if ref != "base":
+                out[f"lora_linear_{variant}_time_vs_base_{t}"] = _ratio(
+                    rows, "fwd_bwd_ms", {"cell": t, "variant": variant}, {"cell": t, "variant": "base"})
+            out.update(_host_ms(rows, t, variant))
+        if all(r.get("host_ms") is not None for r in mine):
+            out[f"lora_linear_{variant}_worst_host_ms"] = _worst_host_ms(rows, cells, variant)
+    if worst:
+        out["lora_linear_routes_best_worst_time_vs_base"] = measure.summarize(
+            (min(reps) for reps in zip(*worst.values())), sessions=measure.sessions_in(rows))
+    return out
+
+
+def _host_ms(rows, cell: str, variant: str) -> dict:
+    """``{lora_linear_<variant>_host_ms_<cell>: summary}`` where every repetition has a host time, else {}."""
+    host = measure.by_repetition(rows, "host_ms", cell=cell, variant=variant)
+    if not host:
+        return {}
+    return {f"lora_linear_{variant}_host_ms_{cell}": measure.summarize(
+        (v for _, v in sorted(host.items())), sessions=measure.sessions_in(rows))}
+
+
 def plot_pooled(root: Path | str, directory: Path | str) -> list[str]:
     """Redraw the benchmark scripts' figures and summary CSVs from the pooled per-repetition CSVs in ``directory``
     (each script's own ``summary_rows`` and ``plot``, imported from ``root/benchmarks``), so the published figures
@@ -305,6 +372,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         out["lora_linear_cells"] = len(cells)
         out.update(core_variant_metrics(rows, cells))
         out.update(rank_ops_metrics(rows, cells))
+        out.update(route_metrics(rows, cells))
     if (d / GDN_CSV).exists():
         rows = _rows(d / GDN_CSV, allow_smoke)
         out["gdn_time_vs_base"] = _ratio(rows, "fwd_bwd_ms", {"variant": "fused"}, {"variant": "base"})

@@ -2,7 +2,7 @@
 
 * :mod:`.lora`      — one LoRA linear (:func:`fused_lora_linear`), several projections of one input
                       (:func:`fused_shared_input_lora`), DoRA (:func:`fused_dora_linear`, :func:`dora_row_norm`),
-                      and the chained-cuBLAS baseline
+                      the chained-cuBLAS baseline, and one layer as CUDA graphs (:func:`graphed_lora_linear`)
 * :mod:`.moe`       — MoE experts with optional LoRA on them (:func:`fused_moe_experts`)
 * :mod:`.loss`      — cross-entropy from hidden states without logits (:func:`linear_cross_entropy`)
 * :mod:`.patching`  — :func:`patch_model` / :func:`unpatch_model` for PEFT and lora_lab models
@@ -14,6 +14,7 @@ Triton's interpreter.
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.lora.chained import ChainedLoRALinearFunction, chained_lora_linear
 from lora_lab.kernels.lora.dora import dora_row_norm, fused_dora_linear
+from lora_lab.kernels.lora.graphs import GraphedLayer, graphed_lora_linear
 from lora_lab.kernels.lora.linear import (
     FusedLoRALinearFunction,
     fused_lora_linear,
@@ -41,6 +42,7 @@ __all__ = [
     "ChainedLoRALinearFunction",
     "ExpertLoRA",
     "FusedLoRALinearFunction",
+    "GraphedLayer",
     "KernelConfig",
     "LossKernelConfig",
     "SharedInputLoRAFunction",
@@ -52,6 +54,7 @@ __all__ = [
     "fused_lora_linear",
     "fused_moe_experts",
     "fused_shared_input_lora",
+    "graphed_lora_linear",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "lora_linear_reference",

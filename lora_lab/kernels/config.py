@@ -16,8 +16,9 @@ field              variable                meaning
                                            ``triton`` / ``cublas``: always that engine
 ``base_gemm``      ``LORA_LAB_BASE_GEMM``  who runs the big GEMM on the Triton engine: ``triton`` (one
                                            GEMM, rank-r term in its loop), ``cublas`` (Triton writes the
-                                           rank-r term, cuBLAS adds the GEMM with β = 1), ``auto``: each
-                                           op's default
+                                           rank-r term, cuBLAS adds the GEMM with β = 1; with
+                                           ``rank_ops="torch"`` cuBLAS writes the rank-r term too: no
+                                           Triton launch), ``auto``: each op's default
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
                                            ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
@@ -33,7 +34,7 @@ field              variable                meaning
                                            engine (P = s·X Aᵀ, Q = s·dY B, dA, dB): ``triton`` (its own
                                            kernels), or ``torch`` (cuBLAS calls: each launch costs the host
                                            a C++ call instead of Triton's Python launch path; the big GEMMs
-                                           stay Triton with the rank-r step in their loop; dropout keeps
+                                           stay as ``base_gemm`` says; dropout keeps
                                            ``triton``, whose kernels regenerate the mask)
 ``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first
                                            one that fits, for quick test runs)

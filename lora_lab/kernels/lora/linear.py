@@ -105,6 +105,15 @@ def _scaled_mm(inp: torch.Tensor, mat: torch.Tensor, scale: float) -> torch.Tens
     return torch.addmm(out, inp, mat, beta=0.0, alpha=scale, out=out)
 
 
+def _low_rank_fill(out: torch.Tensor, low: torch.Tensor, rt: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """``out = low @ rt (+ bias)`` in one cuBLAS call: the rank-r term the base GEMM is then added onto (β = 1).
+    With ``base_gemm="cublas"`` and ``rank_ops="torch"`` a step launches no Triton kernel at all."""
+    if bias is None:
+        torch.mm(low, rt, out=out)
+    else:
+        torch.addmm(bias, low, rt, out=out)
+
+
 def _wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` with an fp32 result for 16-bit operands where this torch build accumulates into one
     (:func:`~lora_lab.dtypes.addmm_fp32_out_works`: CUDA; one rounding, as the Triton reduction's fp32 output),
@@ -149,8 +158,11 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
             y = torch.empty((M, N), device=x.device, dtype=cdt)
             if base_gemm_engine(config) == "cublas":
-                # Y = P Bᵀ + b (Triton, one write), then Y += X Wᵀ (cuBLAS, β = 1)
-                lora_gemm(y, [(p, b.t())], bias=bias, config=config)
+                # Y = P Bᵀ + b (one write: Triton, or cuBLAS with rank_ops="torch"), then Y += X Wᵀ (cuBLAS, β = 1)
+                if _torch_rank_ops(config, dropout_p):
+                    _low_rank_fill(y, p, b.t(), bias)
+                else:
+                    lora_gemm(y, [(p, b.t())], bias=bias, config=config)
                 y.addmm_(x2, weight.t())
             else:
                 # Y = X Wᵀ + b + P Bᵀ     (one GEMM, rank-r step at the end of its K loop)
@@ -231,8 +243,11 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             # dX = dY W + (Q A) ⊙ keep/(1-p)
             out = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
             if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
-                # dX = Q A (Triton, one write), then dX += dY W (cuBLAS, β = 1)
-                lora_gemm(out, [(q, a)], config=config)
+                # dX = Q A (one write: Triton, or cuBLAS with rank_ops="torch"), then dX += dY W (cuBLAS, β = 1)
+                if _torch_rank_ops(config, ctx.dropout_p):
+                    _low_rank_fill(out, q, a)
+                else:
+                    lora_gemm(out, [(q, a)], config=config)
                 out.addmm_(dy2, weight)
             else:
                 lora_gemm(out, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed, config=config)

@@ -417,6 +417,38 @@ def test_cublas_base_gemm_option(dtype, case):
                     config=TRITON.replace(base_gemm="cublas"))
 
 
+# odd shapes at the ranks the benchmark's grid and common adapters use
+ROUTE_CASES = [(37, 45, 53, 8, True), (29, 40, 36, 16, False), (9, 33, 70, 64, True)]
+
+
+@pytest.mark.parametrize("case,qdb", [*((c, True) for c in ROUTE_CASES), (ROUTE_CASES[2], False)],
+                         ids=lambda v: str(v))
+def test_cublas_base_gemm_with_one_pass_q_and_db(case, qdb):
+    # base_gemm="cublas" with fuse_q_db (and without it at r = 64, beyond CPU_CASES): the rank-r terms by Triton,
+    # Q and dB in one pass, the GEMMs added by cuBLAS
+    M, K, N, r, bias = case
+    x, w, b, A, B = make_case(M, K, N, r, torch.float32, bias=bias)
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32],
+                    config=TRITON.replace(base_gemm="cublas", fuse_q_db=qdb))
+
+
+@pytest.mark.parametrize("M,K,N,r,bias", ROUTE_CASES, ids=lambda c: str(c))
+def test_every_gemm_by_cublas_launches_no_triton_kernel(M, K, N, r, bias, monkeypatch):
+    # base_gemm="cublas" with rank_ops="torch": the rank-r terms written by cuBLAS calls too, then the base GEMMs
+    # added onto them (beta = 1); no Triton kernel runs in forward or backward
+    from lora_lab.kernels.lora import linear
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Triton kernel ran on the pure cuBLAS route")
+
+    for name in ("lora_gemm", "rank_projection", "rank_reduction", "q_and_db"):
+        monkeypatch.setattr(linear, name, refuse)
+    x, w, b, A, B = make_case(M, K, N, r, torch.float32, bias=bias)
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32],
+                               config=TRITON.replace(base_gemm="cublas", rank_ops="torch"))
+    assert cosine(y, yr) >= 0.99999
+
+
 def test_environment_seeds_the_defaults_and_bad_values_are_named(monkeypatch):
     monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cutlass")
     x, w, b, A, B = make_case(8, 16, 16, 4, torch.float32)
@@ -425,6 +457,15 @@ def test_environment_seeds_the_defaults_and_bad_values_are_named(monkeypatch):
     monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
     monkeypatch.setenv("LORA_LAB_DISPATCH", "triton")
     run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32], config=None)  # env-seeded defaults
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fields", [{"fuse_q_db": True}, {"rank_ops": "torch"}], ids=["qdb", "pure-cublas"])
+def test_gpu_cublas_base_gemm_routes_bf16(fields):
+    x, w, b, A, B = make_case(4097, 1030, 2051, 16, torch.bfloat16, device="cuda")
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16],
+                               config=TRITON.replace(base_gemm="cublas", **fields))
+    assert cosine(y, yr) >= 0.99999
 
 
 @pytest.mark.gpu

@@ -1,0 +1,158 @@
+"""bench_lora_linear's routes to the frozen layer's cost (the big GEMMs by cuBLAS, the graphed steps), in process:
+the command line, a CPU pass over the variants (graphed ones recorded as skipped), and notebook 05's metrics of
+them from a fixture CSV."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+import torch
+
+from lora_lab.experiments import fused_lora_kernels
+from lora_lab.lab import measure
+
+ROUTES_COMMAND = ["--out", "OUT", "--variants", "base,peft,fused,fused_cublas_base,fused_cublas_base_qdb,base_graphed,"
+                  "fused_graphed,fused_cublas_base_graphed", "--sessions", "2", "--ledger", "FILE"]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    return importlib.import_module("bench_lora_linear")
+
+
+def test_the_routes_command_line_parses(bench):
+    args = bench.parse_args(ROUTES_COMMAND)
+    assert args.variants == ["base", "peft", "fused", "fused_cublas_base", "fused_cublas_base_qdb", "base_graphed",
+                             "fused_graphed", "fused_cublas_base_graphed"]  # only what was asked for
+    assert (args.sessions, args.ledger, args.cells, args.back_to_back) == (2, "FILE", None, True)
+    assert bench.parse_args([*ROUTES_COMMAND, "--no-back-to-back"]).back_to_back is False
+    assert bench.parse_args(["--out", "o", "--variants", "routes"]).variants == [
+        "base", "peft", "fused", *bench.ROUTES]
+    assert bench.parse_args(["--out", "o"]).variants == bench.DEFAULT_VARIANTS  # the notebook's run is unchanged
+    cells = bench.parse_args(["--out", "o", "--cells", "32k_4096x4096_r16,8k_12288x4096_r64"]).cells
+    assert cells == ["32k_4096x4096_r16", "8k_12288x4096_r64"]
+
+
+def test_an_unknown_cell_or_variant_is_named(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "o", "--cells", "32k_4096x4096_r32"])
+    assert "32k_4096x4096_r32 not in the grid" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--out", "o", "--variants", "base,fused_grafed"])
+    assert "unknown variants: fused_grafed" in capsys.readouterr().err
+
+
+def test_routes_time_the_cublas_forms_and_graph_where_cuda_is(bench):
+    """On a CPU the graphed variants are ``skipped`` rows naming why; on a GPU they run (no per-step peak: a graph's
+    memory is its pool)."""
+    cuda = torch.cuda.is_available()
+    # one repetition and no autotuning keep the interpreter's time short (the shipped op has its own smoke run)
+    args = argparse.Namespace(variants=["base", "peft", *bench.ROUTES], repetitions=1, warmup_ms=1.0,
+                              rep_ms=2.0, forward=True, components="none")
+    from lora_lab.kernels import KernelConfig
+
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), torch.float32)
+    rows, _ = bench.measure_cell("c", (16, 32, 32, 4), args, KernelConfig(autotune=False), dtype, device, not cuda)
+    graphed = {"base_graphed", "fused_graphed", "fused_cublas_base_graphed"}
+    skipped = {r["variant"]: r["error"] for r in rows if r["status"] == "skipped"}
+    assert set(skipped) == (set() if cuda else graphed)
+    assert all("CUDA graphs need a CUDA device" in reason for reason in skipped.values())
+    ok = {r["variant"] for r in rows if r["status"] == "ok"}
+    assert ok == {"base", "peft", "fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas"} | (
+        graphed if cuda else set())
+    assert all(r["host_ms"] > 0 and r["fwd_ms"] > 0 for r in rows if r["status"] == "ok")
+    assert all((r["peak_bytes"] is None) == (r["variant"] in graphed or not cuda) for r in rows if r["status"] == "ok")
+    summary = bench.summary_rows(rows)
+    assert {s["variant"] for s in summary} == ok
+
+
+def _row(cell, variant, rep, ms, host=0.1, session=None, status="ok"):
+    M = 32768 if cell.startswith("32k") else 8192
+    row = {"cell": cell, "M": M, "K": 4096, "N": 4096, "r": 16, "dtype": "bfloat16", "smoke": False,
+           "variant": variant, "rep": rep, "status": status, "fwd_bwd_ms": ms if status == "ok" else None,
+           "host_ms": host if status == "ok" else None, "peak_bytes": None}
+    return row
+
+
+def test_route_metrics_from_a_fixture_csv(tmp_path):
+    t, small = fused_lora_kernels.TARGET_CELL, "8k_4096x4096_r16"
+    times = {  # {variant: ({cell: ms per repetition}), host ms}
+        "base": ({t: [3.0, 3.0], small: [1.0, 1.0]}, 0.4),
+        "peft": ({t: [7.0, 7.0], small: [2.0, 2.0]}, 1.2),
+        "fused": ({t: [3.6, 3.6], small: [1.5, 1.5]}, 1.7),
+        "fused_cublas_base": ({t: [3.3, 3.6], small: [1.4, 1.2]}, 1.6),
+        "base_graphed": ({t: [3.2, 3.2], small: [0.8, 0.8]}, 0.05),
+        "fused_graphed": ({t: [3.52, 3.84], small: [0.96, 1.0]}, 0.07),
+    }
+    rows = [_row(cell, v, rep, ms[rep], host=host * (1 + (cell == small)))
+            for v, (cells, host) in times.items() for cell, ms in cells.items() for rep in range(2)]
+    rows += [_row(t, "fused_pure_cublas", 0, None, status="error")]  # failed: named, not graded
+    measure.write_csv(rows, tmp_path / fused_lora_kernels.LINEAR_CSV)
+    m = fused_lora_kernels.benchmark_metrics(tmp_path)
+    assert m[f"lora_linear_fused_cublas_base_time_vs_base_{t}"]["samples"] == pytest.approx([1.1, 1.2])
+    assert m["lora_linear_fused_cublas_base_worst_time_vs_base"]["samples"] == pytest.approx([1.4, 1.2])
+    # graphed: over the frozen layer graphed, and over the plain one at the target cell
+    assert m[f"lora_linear_fused_graphed_time_vs_base_graphed_{t}"]["samples"] == pytest.approx([1.1, 1.2])
+    assert m[f"lora_linear_fused_graphed_time_vs_base_{t}"]["samples"] == pytest.approx([3.52 / 3, 1.28])
+    assert m["lora_linear_fused_graphed_worst_time_vs_base_graphed"]["samples"] == pytest.approx([1.2, 1.25])
+    # per repetition the better route's worst cell: min(1.4, 1.2) then min(1.2, 1.25)
+    assert m["lora_linear_routes_best_worst_time_vs_base"]["samples"] == pytest.approx([1.2, 1.2])
+    assert m["lora_linear_fused_graphed_worst_host_ms"]["samples"] == pytest.approx([0.14, 0.14])
+    assert m[f"lora_linear_fused_graphed_host_ms_{t}"]["samples"] == pytest.approx([0.07, 0.07])
+    assert m[f"lora_linear_base_graphed_time_vs_base_{t}"]["median"] == pytest.approx(3.2 / 3)
+    assert m["lora_linear_fused_pure_cublas_failed_cells"] == 1
+    assert "lora_linear_fused_cublas_base_qdb_worst_time_vs_base" not in m  # not timed: no metric
+
+
+def test_sessions_run_one_process_each_then_summarise_the_pooled_rows(bench, monkeypatch, tmp_path):
+    """--sessions N: the script once per session (--out, --sessions and --ledger left to the parent), then the
+    pooled rows' summary, figures and ledger figures once."""
+    calls = []
+
+    def sessions(script, args, out, names, sessions):
+        calls.append((list(args), list(names), sessions))
+        rows = [_row(cell, v, rep, ms, session=None) for cell in ("8k_4096x4096_r16", fused_lora_kernels.TARGET_CELL)
+                for v, ms in (("base", 1.0), ("peft", 2.0), ("fused", 1.2)) for rep in range(4)]
+        measure.write_csv(rows, out / bench.CSV)
+
+    monkeypatch.setattr(bench.measure, "run_script_sessions", sessions)
+    ledger = tmp_path / "ledger.csv"
+    bench.main(["--out", str(tmp_path), "--variants", "base,peft,fused", "--sessions", "2", "--ledger", str(ledger),
+                "--repetitions", "2"])
+    assert calls == [(["--variants", "base,peft,fused", "--repetitions", "2"], [bench.CSV, bench.COMPONENTS_CSV], 2)]
+    summary = measure.read_csv(tmp_path / bench.SUMMARY_CSV)
+    assert {(s["variant"], s["n"]) for s in summary} == {("base", 4), ("peft", 4), ("fused", 4)}
+    assert ledger.read_text().count("\n") > 1 and (tmp_path / "05_lora_linear_ratio.png").stat().st_size > 0
+
+
+def test_calls_sets_the_timed_calls_of_both_loops(bench, monkeypatch):
+    seen = []
+
+    def loop(fn, calls, warmup):
+        seen.append(calls)
+        return [1.0] * calls
+
+    monkeypatch.setattr(bench.measure, "loop_ms", loop)
+    monkeypatch.setattr(bench.measure, "host_ms", loop)
+    args = bench.parse_args(["--out", "o", "--calls", "4", "--variants", "base,peft"])
+    args.variants = ["base", "peft"]
+    bench.measure_cell("c", (8, 16, 16, 2), args, None, torch.float32, torch.device("cpu"), False)
+    assert seen and set(seen) == {4}
+    seen.clear()
+    bench.measure_cell("c", (8, 16, 16, 2), args, None, torch.float32, torch.device("cpu"), True)
+    assert set(seen) == {bench.LOOP[True]["calls"]}  # --smoke: the code path, in as few calls as it takes
+
+
+def test_a_variant_missing_from_one_cell_is_a_dash_in_the_table_and_no_bar(bench, capsys, tmp_path):
+    rows = [_row(cell, v, 0, 1.0) for cell in ("8k_4096x4096_r16", "32k_4096x4096_r16") for v in ("base", "peft")]
+    rows.append(_row("8k_4096x4096_r16", "fused_graphed", 0, 1.1))  # failed (no row) in the other cell
+    summary = bench.summary_rows(rows)
+    bench.print_table(summary)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].split("|")[1].split()[-1] == "-"
+    bench.plot(summary, rows, tmp_path)
+    assert (tmp_path / "05_lora_linear_ratio.png").stat().st_size > 0

@@ -175,14 +175,18 @@ def code_cells_hash(text: str) -> str:
 
 def git_state(root: Path | None = None) -> dict[str, Any]:
     """``{"git_commit", "git_dirty", "git_source"}``: from git when the code sits in a repository; else the commit
-    declared by ``$LORA_LAB_SOURCE_COMMIT`` (a copy of a committed tree sent to another machine), dirty unknown."""
+    declared by ``$LORA_LAB_SOURCE_COMMIT`` (a copy of a committed tree sent to another machine), dirty unknown. A
+    declaration that disagrees with the repository's HEAD wins: the copy's .git is then a stale one."""
     root = root or find_repo_root(_package_dir())
     commit = _git(root, "rev-parse", "HEAD") if root is not None else None
+    declared = os.environ.get(DECLARED_COMMIT_ENV, "").strip() or None
+    if commit and declared and commit != declared:
+        # a copied tree whose .git came along from an older checkout: the declaration names the tree's commit
+        return {"git_commit": declared, "git_dirty": None, "git_source": f"declared (the copy's .git is at {commit})"}
     if commit:
         porcelain = _git(root, "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
         return {"git_commit": commit, "git_dirty": bool(porcelain) if porcelain is not None else None,
                 "git_source": "repository"}
-    declared = os.environ.get(DECLARED_COMMIT_ENV, "").strip() or None
     return {"git_commit": declared, "git_dirty": None, "git_source": "declared" if declared else None}
 
 

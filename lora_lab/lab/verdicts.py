@@ -9,6 +9,7 @@ either is typed by hand: it is :mod:`lora_lab.lab.grading` applied to the metric
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from lora_lab.lab.grading import (
@@ -101,8 +102,10 @@ def verdicts_markdown(rows: list[GradedRow], notes: list[str], profile: str) -> 
 
 
 def scoreboard_link(profile: str) -> str:
-    """A markdown link to the profile's scoreboard, relative to ``notebooks/`` (where the published notebooks are)."""
-    return f"[outputs/{profile}/{SCOREBOARD_MD}](../outputs/{profile}/{SCOREBOARD_MD})"
+    """A markdown link to the profile's scoreboard, relative to where the profile's executed notebooks are published:
+    ``notebooks/`` for the gpu profile, ``outputs/<profile>/`` (beside the scoreboard) for the others."""
+    target = f"../outputs/{profile}/{SCOREBOARD_MD}" if profile == "gpu" else SCOREBOARD_MD
+    return f"[outputs/{profile}/{SCOREBOARD_MD}]({target})"
 
 
 def reader_measured(row: GradedRow) -> str:
@@ -126,7 +129,7 @@ def reader_markdown(shown: list[tuple[str, GradedRow]], rest: list[GradedRow], n
     for claim, row in shown:
         verdict = f"**{row.outcome}**" if row.outcome == "miss" else row.outcome
         if row.outcome == "void" and row.why:
-            verdict += f": {row.why}"
+            verdict += ": " + re.sub(r"metric '[^']*'", "the measurement", row.why)
         lines.append("| " + " | ".join(_cell(c) for c in (claim, reader_measured(row), row.predicted, verdict)) + " |")
     void = sum(row.outcome == "void" for row in rest)
     lines.append("")

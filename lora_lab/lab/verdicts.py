@@ -29,6 +29,7 @@ from lora_lab.lab.recording import last_run
 __all__ = ["notebook_verdicts", "reader_verdicts", "show_verdicts", "verdicts_markdown", "reader_markdown"]
 
 _ORDER = {"miss": 0, "inconclusive": 1, "void": 2, "hit": 3}
+_OTHER_PROFILES = "apply to other profiles"  # the note the full table adds and the reader's table leaves out
 
 
 def _predictions_path(predictions_path: Path | str | None) -> tuple[Path, Path]:
@@ -60,7 +61,7 @@ def _graded(notebook: str, profile: str, metrics_file: Path | str,
             for p in predictions if p.notebook == notebook and p.applies_to(profile) and p.id not in replaced]
     others = sum(p.notebook == notebook and not p.applies_to(profile) and p.id not in replaced for p in predictions)
     if others:
-        notes.append(f"{others} more prediction(s) of this notebook apply to other profiles")
+        notes.append(f"{others} more prediction(s) of this notebook {_OTHER_PROFILES}")
     rows.sort(key=lambda row: _ORDER.get(row.outcome, 9))
     return rows, notes, predictions
 
@@ -138,7 +139,7 @@ def reader_markdown(shown: list[tuple[str, GradedRow]], rest: list[GradedRow], n
                      f"{scoreboard_link(profile)}, each with its claim as registered, its runs and its provenance.")
     else:
         lines.append(f"No more predictions; each one's runs and provenance are in {scoreboard_link(profile)}.")
-    lines += [f"\n*{note}*" for note in notes if "apply to other profiles" not in note]
+    lines += [f"\n*{note}*" for note in notes if _OTHER_PROFILES not in note]
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ A notebook calls, in this order::
     lora_lab.lab.record("fwd_cosine_bf16", cosine)                   # or lora_lab.lab.record({"a": 1, "b": 2})
     lora_lab.lab.record("time_vs_base", summarize(samples))          # a repeated measurement: median + interval
     lora_lab.lab.finish_run()
-    lora_lab.lab.show_verdicts()                                      # this notebook's predictions, graded
+    lora_lab.lab.show_verdicts()                                      # the predictions that answer its question
 
 and the run lands in ``<output folder>/<notebook>.metrics.json``::
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from lora_lab.lab.profiles import profile_applies
 from lora_lab.lab.recording import PROFILES, find_repo_root
 
 DEFAULT_PREDICTIONS_PATH = Path("predictions") / "predictions.yaml"
@@ -205,7 +206,8 @@ class Prediction:
         return self.kind == "speed_ratio" or bool(SPEED_RATIO_METRIC.search(self.metric))
 
     def applies_to(self, profile: str) -> bool:
-        return profile in self.profiles
+        """Registered for ``profile``, or for ``gpu`` when ``profile`` is a capped gpu profile."""
+        return profile_applies(self.profiles, profile)
 
     @property
     def blind(self) -> bool:

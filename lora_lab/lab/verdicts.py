@@ -64,8 +64,8 @@ def verdicts_markdown(rows: list[GradedRow], notes: list[str], profile: str) -> 
 def show_verdicts(run=None) -> list[GradedRow]:
     """Grade and display this notebook's predictions for the run (default: the run finished last)."""
     run = run or last_run()
-    rows, notes = notebook_verdicts(run.notebook, run.profile, run.path)
-    text = verdicts_markdown(rows, notes, run.profile)
+    rows, notes = notebook_verdicts(run.notebook, run.name, run.path)
+    text = verdicts_markdown(rows, notes, run.name)
     try:
         from IPython import get_ipython
         from IPython.display import Markdown, display

@@ -12,6 +12,7 @@ import inspect
 import triton
 import triton.testing
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.triton_helpers import autotune_cache_kwargs, running_in_interpreter
 
 __all__ = ["gemm_configs", "skinny_configs", "autotune"]
@@ -43,7 +44,7 @@ def _tuning_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
-_SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per program; Hopper allows 227 KiB
+_SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per program on Hopper (227 KiB allowed); lora_lab.gpu_arch: other classes
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -55,6 +56,7 @@ def _prune_configs(configs, named_args, **kwargs):
     if ref is None:  # the TMA GEMM: its operands arrive as descriptors over a tensor (``base``)
         ref = getattr(named_args.get("in0_desc"), "base", None)
     elsize = ref.element_size() if hasattr(ref, "element_size") else 2
+    budget = gpu_arch.tile_shared_memory_budget(ref.device) if hasattr(ref, "device") else _SHARED_MEMORY_BUDGET
     block_r = kwargs.get("BLOCK_R", 16)
     kept = []
     for c in configs:
@@ -63,7 +65,7 @@ def _prune_configs(configs, named_args, **kwargs):
             tile = kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_K"] * kw["BLOCK_N"]
         else:  # the skinny kernels: In tile BM×BD and a rank tile BD×BR (or BR×BM) per stage
             tile = kw["BLOCK_M"] * kw["BLOCK_D"] + max(kw["BLOCK_D"], kw["BLOCK_M"]) * block_r
-        if tile * elsize * max(c.num_stages, 1) <= _SHARED_MEMORY_BUDGET:
+        if tile * elsize * max(c.num_stages, 1) <= budget:
             kept.append(c)
     if not kept:  # fp32 with wide tiles: a small safe tile
         first = dict(configs[0].kwargs)

@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import torch
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe.routing import free_saved, refuse_second_backward, sort_assignments
 from lora_lab.kernels.moe.silu_backward import (
@@ -170,7 +171,7 @@ def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_p
                config: KernelConfig, ranks: tuple[int, ...] = ()) -> str:
     """:func:`choose_engine` for one call's tensors and ``config`` (``ranks``: the LoRA factors' ranks)."""
     device = hidden_states.device
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    capability = gpu_arch.capability(device)  # honours $LORA_LAB_ARCH
     num_experts, two_i, hidden = gate_up_proj.shape
     return choose_engine(num_experts=num_experts, num_assignments=top_k_index.numel(), hidden=hidden,
                          intermediate=two_i // 2, dtype=hidden_states.dtype, capability=capability,

@@ -151,7 +151,12 @@ def environment_report() -> dict[str, Any]:
     report["platform"] = platform.platform()
     width = max(len(key) for key in report)
     for key, value in report.items():
-        print(f"{key:<{width}} : {value}")
+        if isinstance(value, dict):  # the kernels' dispatch rule for this GPU class: one line per setting
+            print(f"{key:<{width}} :")
+            for name, choice in value.items():
+                print(f"  {name:<{width + 14}} {choice}")
+        else:
+            print(f"{key:<{width}} : {value}")
     return report
 
 

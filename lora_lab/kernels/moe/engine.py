@@ -149,7 +149,7 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
         return "triton"
     coarse = (num_experts <= COARSE_MAX_EXPERTS and intermediate >= COARSE_MIN_INTERMEDIATE
               and num_assignments / max(num_experts, 1) >= COARSE_MIN_ROWS_PER_EXPERT)
-    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= gpu_arch.TMA_MIN
     return "grouped_mm" if (coarse or bool(ranks)) and hopper_bf16 else "triton"
 
 

@@ -120,7 +120,7 @@ def _piece_engine(field: str, requested: str, *, dtype: torch.dtype, capability:
         if blockers:
             raise ValueError(f"{field}='grouped_mm' cannot run this layer: " + "; ".join(blockers))
         return "grouped_mm"
-    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= gpu_arch.TMA_MIN
     return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
 
 

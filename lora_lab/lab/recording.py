@@ -311,9 +311,11 @@ class Run:
         settings: dict[str, Any] = {"profile": self.name}
         cap = get_memory_cap()
         expected = get_profile(self.name).memory_cap_gib
-        if expected is not None and cap is None:  # started outside the runner: cap this process and its children now
-            os.environ[budget.MEMORY_CAP_ENV] = f"{expected:g}"
-            cap = budget.apply_memory_cap(expected)
+        if expected is not None and cap is None:
+            raise RuntimeError(f"profile {self.name!r} caps GPU memory at {expected:g} GiB through "
+                               f"${budget.MEMORY_CAP_ENV}, which this process lacks: run it with lora-lab run "
+                               f"--profile {self.name}, or start Jupyter / papermill with "
+                               f"{budget.MEMORY_CAP_ENV}={expected:g}")
         if cap != expected:
             raise RuntimeError(f"profile {self.name!r} runs with a GPU memory cap of {expected!r} GiB, but this "
                                f"process has ${budget.MEMORY_CAP_ENV}={cap!r}: unset it, or use the profile of that "

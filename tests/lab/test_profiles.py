@@ -91,13 +91,11 @@ def test_a_capped_run_records_its_name_cap_and_gpu_class_and_computes_as_gpu(no_
                                                                                           "the cap"}
 
 
-def test_a_capped_run_outside_the_runner_caps_itself(no_cap, monkeypatch, tmp_path):
-    applied = []
-    monkeypatch.setattr(budget, "apply_memory_cap", lambda cap=None: applied.append(cap) or cap)
+def test_a_capped_run_without_its_cap_says_how_to_start_it(no_cap, monkeypatch, tmp_path):
     monkeypatch.setattr(recording, "arch_report", lambda: {"gpu_class": "hopper"})
-    run = recording.Run("01_records_metrics", "gpu-40g", {}, tmp_path)
-    assert applied == [39.0] and run.provenance["memory_cap_gib"] == 39.0
-    assert budget.memory_cap_gib() == 39.0  # the processes it starts (benchmarks) inherit it
+    with pytest.raises(RuntimeError, match="profile 'gpu-40g' caps GPU memory at 39 GiB.*lora-lab run --profile "
+                                           "gpu-40g, or start Jupyter / papermill with LORA_LAB_MEMORY_CAP_GIB=39"):
+        recording.Run("01_records_metrics", "gpu-40g", {}, tmp_path)
 
 
 def test_a_cap_that_does_not_match_the_profile_is_refused(no_cap, monkeypatch, tmp_path):

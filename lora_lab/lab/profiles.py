@@ -4,8 +4,8 @@
 profiles are the ``gpu`` profile on a smaller card: the same shapes and device, the caching allocator capped at
 ``memory_cap_gib`` in the notebook's kernel and every process it starts (``$LORA_LAB_MEMORY_CAP_GIB``, see
 :mod:`lora_lab.memory.budget`), and their own folder ``outputs/<name>/``. Their caps are the smallest card of the
-class less about half a GiB for the CUDA context: 24 GB cards report 22.5 (L4, A10) to 24.0 GiB (RTX 4090), the
-40 GB A100 39.6 GiB. Predictions registered for ``gpu`` apply to them too (:func:`profile_applies`).
+class less about half a GiB for the CUDA context: 24 GB cards report about 22.5 (L4, A10) to 24 GiB (RTX 4090), the
+40 GB A100 about 39.6 GiB. Predictions registered for ``gpu`` apply to them too (:func:`profile_applies`).
 """
 from __future__ import annotations
 

@@ -59,11 +59,19 @@ def _device_capability(device: torch.device) -> tuple[int, int]:
     return tuple(torch.cuda.get_device_capability(device))
 
 
-def capability(device: torch.device | str | None) -> tuple[int, int] | None:
-    """The (major, minor) the kernels write for on ``device``: the device's own, or ``$LORA_LAB_ARCH``'s when that is
-    older; None off CUDA (the CPU, Triton's interpreter). Forcing a newer class than the device's is a ValueError."""
-    device = torch.device(device) if device is not None else None
-    if device is None or device.type != "cuda":
+def _resolve(device: torch.device | str | None) -> torch.device:
+    """``device`` as a torch.device; None: the current CUDA device, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(device)
+
+
+def capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """The (major, minor) the kernels write for on ``device`` (None: the current device): the device's own, or
+    ``$LORA_LAB_ARCH``'s when that is older; None off CUDA (the CPU, Triton's interpreter). Forcing a newer class
+    than the device's is a ValueError."""
+    device = _resolve(device)
+    if device.type != "cuda":
         return None
     real = _device_capability(device)
     forced = arch_override()
@@ -93,8 +101,6 @@ def _class_of(cap: tuple[int, int] | None) -> str:
 def gpu_class(device: torch.device | str | None = None) -> str:
     """'cpu', 'pre-ampere', 'ampere', 'ada', 'hopper' or 'blackwell' for ``device`` (default: the current CUDA
     device, else 'cpu'), after ``$LORA_LAB_ARCH``."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     return _class_of(capability(device))
 
 
@@ -126,6 +132,7 @@ def tile_shared_memory_budget(device: torch.device | str | None) -> int:
 
 def dispatch_rule(device: torch.device | str | None = None) -> dict[str, str]:
     """The kernels' generation-dependent choices on ``device``, in words: {setting: what ``auto`` takes}."""
+    device = _resolve(device)
     tma, cutlass = has_tma(device), grouped_mm_fast(device)
     budget = tile_shared_memory_budget(device) // 1024
     return {
@@ -143,9 +150,7 @@ def dispatch_rule(device: torch.device | str | None = None) -> dict[str, str]:
 def describe(device: torch.device | str | None = None) -> dict[str, Any]:
     """What the kernels write for here: {'gpu_class', 'capability', 'device_capability', 'arch_override'} (the
     override as given, '' when unset)."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = _resolve(device)
     cap = capability(device)
     real = _device_capability(device) if device.type == "cuda" else None
     return {

@@ -136,3 +136,42 @@ def test_skipped_cell_matches_whole_name_parts_and_prefers_the_longest():
     assert skipped_cell_of("gpu_bf16_b4_l4096_lora_peak_gib", payload) == ("bf16_b4_l4096_lora", "b")
     assert skipped_cell_of("gpu_fp32_b4_l4096_loraplus", {"skipped_cells": {"lora": "a"}}) is None
     assert skipped_cell_of("anything", {}) is None
+
+
+def fake_h200(monkeypatch):
+    import torch
+
+    from lora_lab import gpu_arch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(gpu_arch, "_device_capability", lambda device: (9, 0))
+
+
+def test_the_device_names_what_the_process_forces(no_cap, monkeypatch):
+    from lora_lab.lab.provenance import device_name
+
+    fake_h200(monkeypatch)
+    monkeypatch.setenv("LORA_LAB_ARCH", "")
+    assert device_name("gpu") == "NVIDIA H200"  # ledger rows and runs of the plain gpu profile: as before
+    monkeypatch.setenv("LORA_LAB_ARCH", "sm80")
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    assert device_name("gpu-24g") == "NVIDIA H200 [class ampere forced by LORA_LAB_ARCH=sm80; memory cap 22 GiB]"
+
+
+def test_the_environment_report_prints_the_class_and_its_dispatch_rule(no_cap, monkeypatch, capsys):
+    import torch
+
+    fake_h200(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setenv("LORA_LAB_ARCH", "sm80")
+    report = recording.environment_report()
+    printed = capsys.readouterr().out
+    assert report["gpu_class"] == "ampere" and report["compute_capability"] == "9.0"
+    assert report["arch_override"] == "LORA_LAB_ARCH=sm80 (kernels write for 8.0)"
+    assert report["dispatch"]["gemm_loads auto"] == "pointer loads (no TMA)"
+    assert "pointer loads (no TMA)" in printed and "ampere" in printed
+    monkeypatch.setenv("LORA_LAB_ARCH", "")
+    assert recording.environment_report()["dispatch"]["gemm_loads auto"] == "TMA descriptors (16-bit)"

@@ -8,7 +8,7 @@ The file is an append-only YAML list. One entry::
       metric: fwd_cosine_bf16          # a key the notebook records with lora_lab.lab.record
       comparator: ">="                 # < <= > >= == in_range   (quote it: a bare > starts a YAML block)
       threshold: 0.99999               # a number; [lo, hi] for in_range; true/false allowed for ==
-      profiles: [gpu]                  # non-empty subset of [cpu, gpu, gpu-24g, gpu-40g]; gpu covers the capped ones
+      profiles: [gpu]                  # non-empty subset of lab.profiles.PROFILES (gpu covers gpu-24g, ...)
       confidence: 0.9                  # probability of a hit, in [0, 1]
       rationale: "why"
       supersedes: p05-old-id           # optional: an id (or list of ids) defined earlier in the file

@@ -1,6 +1,8 @@
-"""The run profiles: where a run computes, with what shapes, under what GPU memory cap.
+"""The run profiles: where a run computes, with what shapes, under what GPU memory cap, on which GPU class's path.
 
-``cpu`` and ``gpu`` are the two shape sets the notebooks know (their code asks ``run.profile == "gpu"``). The capped
+``cpu`` and ``gpu`` are the two shape sets the notebooks know (their code asks ``run.profile == "gpu"``). The other
+profiles are the ``gpu`` profile with one thing forced, each with its own folder ``outputs/<name>/``: ``gpu-sm80``
+takes the Ampere code path (``$LORA_LAB_ARCH``, :mod:`lora_lab.gpu_arch`). The capped
 profiles are the ``gpu`` profile on a smaller card: the same shapes and device, the caching allocator capped at
 ``memory_cap_gib`` in the notebook's kernel and every process it starts (``$LORA_LAB_MEMORY_CAP_GIB``, see
 :mod:`lora_lab.memory.budget`), and their own folder ``outputs/<name>/``. Their caps are the smallest card of the
@@ -20,6 +22,7 @@ class Profile:
     base: str  # "cpu" or "gpu": the shapes and device the notebooks compute with
     memory_cap_gib: float | None = None  # what PyTorch's allocator may hold per GPU (None: the whole card)
     about: str = ""
+    arch: str | None = None  # the GPU class's path the kernels take ($LORA_LAB_ARCH; None: the device's own)
 
 
 PROFILE_TABLE: dict[str, Profile] = {
@@ -27,6 +30,8 @@ PROFILE_TABLE: dict[str, Profile] = {
     "gpu": Profile("gpu", "gpu", None, "one CUDA GPU, real shapes (published runs: H200)"),
     "gpu-24g": Profile("gpu-24g", "gpu", 22.0, "the gpu profile capped as a 24 GB card (RTX 4090, L4, A10)"),
     "gpu-40g": Profile("gpu-40g", "gpu", 39.0, "the gpu profile capped as a 40 GB card (A100 40GB)"),
+    "gpu-sm80": Profile("gpu-sm80", "gpu", None, "the gpu profile on the Ampere code path (no TMA, no CUTLASS "
+                        "grouped GEMM)", arch="sm80"),
 }
 PROFILES = tuple(PROFILE_TABLE)
 

@@ -323,11 +323,23 @@ class Run:
         if cap is not None:
             settings["memory_cap_gib"] = cap
         if self.profile == "gpu":
+            self._check_arch(get_profile(self.name).arch)
             arch = arch_report()
             settings["gpu_class"] = arch["gpu_class"]
             if "arch_override" in arch:
                 settings["arch_override"] = arch["arch_override"]
         return settings
+
+    def _check_arch(self, wanted: str | None) -> None:
+        """``$LORA_LAB_ARCH`` must be what the profile forces (nothing, or ``gpu-sm80``'s sm80)."""
+        from lora_lab import gpu_arch
+
+        forced = gpu_arch.arch_override()
+        if forced != (gpu_arch.ARCH_CHOICES[wanted] if wanted else None):
+            shown = os.environ.get(gpu_arch.ARCH_ENV, "").strip() or "nothing"
+            path = f"the {wanted} path" if wanted else "the device's own path"
+            raise RuntimeError(f"profile {self.name!r} takes {path}, but ${gpu_arch.ARCH_ENV} is {shown}: run it with "
+                               f"lora-lab run --profile {self.name}, or pick the profile of that path (gpu-sm80)")
 
     @property
     def device(self) -> str:

@@ -268,17 +268,33 @@ class NotebookResult:
 
 def profile_environment(profile: str) -> dict[str, str]:
     """What the notebook's kernel (and every process it starts) gets from ``profile``: a capped profile's
-    ``$LORA_LAB_MEMORY_CAP_GIB``, read by ``import lora_lab`` (:mod:`lora_lab.memory.budget`). A cap already set in
-    this process's environment must agree with the profile's (a RunnerError otherwise)."""
+    ``$LORA_LAB_MEMORY_CAP_GIB``, read by ``import lora_lab`` (:mod:`lora_lab.memory.budget`), and a forced GPU
+    class's ``$LORA_LAB_ARCH`` (:mod:`lora_lab.gpu_arch`). Either one already set in this process's environment must
+    agree with the profile's (a RunnerError otherwise), so a run's folder always names what it forced."""
+    from lora_lab import gpu_arch
     from lora_lab.memory.budget import MEMORY_CAP_ENV, memory_cap_gib
 
-    cap = get_profile(profile).memory_cap_gib
+    chosen = get_profile(profile)
+    cap = chosen.memory_cap_gib
     inherited = memory_cap_gib()
     if inherited is not None and inherited != cap:
         raise RunnerError(f"${MEMORY_CAP_ENV}={inherited:g} is set, but profile {profile!r} runs with "
                           f"{'no cap' if cap is None else f'a {cap:g} GiB cap'}: unset it, or pick the profile of "
                           "that cap (--profile gpu-24g, gpu-40g)")
-    return {} if cap is None else {MEMORY_CAP_ENV: f"{cap:g}"}
+    env = {} if cap is None else {MEMORY_CAP_ENV: f"{cap:g}"}
+    if chosen.base != "gpu":
+        return env
+    try:
+        forced = gpu_arch.arch_override()
+    except ValueError as error:
+        raise RunnerError(str(error)) from None
+    wanted = gpu_arch.ARCH_CHOICES[chosen.arch] if chosen.arch else None
+    if forced is not None and forced != wanted:
+        path = "the device's own path" if wanted is None else f"the {chosen.arch} path"
+        raise RunnerError(f"${gpu_arch.ARCH_ENV}={os.environ[gpu_arch.ARCH_ENV].strip()} is set, but profile "
+                          f"{profile!r} takes {path}: unset it, or run the profile of that path (--profile gpu-sm80)")
+    env[gpu_arch.ARCH_ENV] = chosen.arch or ""
+    return env
 
 
 def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), log_path: Path | None = None):

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_lab import gpu_arch
 from lora_lab.lab import recording, runner
 from lora_lab.lab.grading import grade_predictions
 from lora_lab.lab.notebooks import parameter_problem
@@ -20,6 +21,7 @@ CAPPED = FIXTURES / "predictions" / "capped_profile.yaml"
 @pytest.fixture
 def no_cap(monkeypatch):
     monkeypatch.setenv(budget.MEMORY_CAP_ENV, "")  # restored (unset) after the test, whatever the code sets
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "")
     monkeypatch.delenv(recording.RUN_CONTEXT_ENV, raising=False)
     monkeypatch.setattr(recording, "_current", None)
     budget.clear_skipped()
@@ -28,8 +30,10 @@ def no_cap(monkeypatch):
 
 
 def test_capped_profiles_inherit_gpu_and_unknown_names_are_refused():
-    assert {"cpu", "gpu", "gpu-24g", "gpu-40g"} <= set(PROFILES)
-    assert base_profile("gpu-24g") == base_profile("gpu-40g") == "gpu" and base_profile("cpu") == "cpu"
+    assert {"cpu", "gpu", "gpu-24g", "gpu-40g", "gpu-sm80"} <= set(PROFILES)
+    assert base_profile("gpu-24g") == base_profile("gpu-40g") == base_profile("gpu-sm80") == "gpu"
+    assert base_profile("cpu") == "cpu"
+    assert get_profile("gpu-sm80").arch == "sm80" and get_profile("gpu-sm80").memory_cap_gib is None
     assert get_profile("gpu-24g").memory_cap_gib < 24 <= get_profile("gpu-40g").memory_cap_gib < 40
     assert get_profile("gpu").memory_cap_gib is None
     with pytest.raises(ValueError, match="unknown profile 'gpu-8g'.*gpu-24g"):
@@ -54,14 +58,31 @@ def test_predictions_for_gpu_apply_to_the_capped_profiles_not_the_reverse():
 
 
 def test_runner_passes_the_profile_cap_to_the_kernel_and_refuses_a_conflicting_one(no_cap, monkeypatch):
-    assert runner.profile_environment("gpu-24g") == {budget.MEMORY_CAP_ENV: "22"}
-    assert runner.profile_environment("gpu-40g") == {budget.MEMORY_CAP_ENV: "39"}
-    assert runner.profile_environment("gpu") == {} and runner.profile_environment("cpu") == {}
+    cap, arch = budget.MEMORY_CAP_ENV, gpu_arch.ARCH_ENV
+    assert runner.profile_environment("gpu-24g") == {cap: "22", arch: ""}
+    assert runner.profile_environment("gpu-40g") == {cap: "39", arch: ""}
+    assert runner.profile_environment("gpu") == {arch: ""} and runner.profile_environment("cpu") == {}
+    assert runner.profile_environment("gpu-sm80") == {arch: "sm80"}
     monkeypatch.setenv(budget.MEMORY_CAP_ENV, "30")
     with pytest.raises(runner.RunnerError, match="LORA_LAB_MEMORY_CAP_GIB=30 is set, but profile 'gpu-24g' runs "
                                                  "with a 22 GiB cap"):
         runner.profile_environment("gpu-24g")
     with pytest.raises(runner.RunnerError, match="profile 'gpu' runs with no cap"):
+        runner.profile_environment("gpu")
+
+
+def test_runner_passes_the_forced_class_and_refuses_one_the_profile_does_not_name(no_cap, monkeypatch):
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "ampere")
+    assert runner.profile_environment("gpu-sm80") == {gpu_arch.ARCH_ENV: "sm80"}  # the same class, named otherwise
+    with pytest.raises(runner.RunnerError, match="LORA_LAB_ARCH=ampere is set, but profile 'gpu' takes the device's "
+                                                 "own path.*--profile gpu-sm80"):
+        runner.profile_environment("gpu")
+    assert runner.profile_environment("cpu") == {}  # no GPU: nothing to force
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "sm89")
+    with pytest.raises(runner.RunnerError, match="profile 'gpu-sm80' takes the sm80 path"):
+        runner.profile_environment("gpu-sm80")
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "volta")
+    with pytest.raises(runner.RunnerError, match="LORA_LAB_ARCH='volta' is not a GPU class"):
         runner.profile_environment("gpu")
 
 
@@ -76,19 +97,31 @@ def test_gpu_profiles_use_the_gpu_device_and_skip_by_their_base(monkeypatch, tmp
 
 def test_a_capped_run_records_its_name_cap_and_gpu_class_and_computes_as_gpu(no_cap, monkeypatch, tmp_path):
     monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
-    forced = {"gpu_class": "ampere", "arch_override": "LORA_LAB_ARCH=sm80 (kernels write for 8.0)"}
-    monkeypatch.setattr(recording, "arch_report", lambda: forced)
+    monkeypatch.setattr(recording, "arch_report", lambda: {"gpu_class": "hopper"})
     run = recording.Run("01_records_metrics", "gpu-24g", {}, tmp_path)
     assert (run.name, run.profile, run.device) == ("gpu-24g", "gpu", "cuda")  # notebooks' code asks profile == "gpu"
     payload = json.loads(run.save().read_text())
     assert payload["profile"] == "gpu-24g"
     prov = payload["provenance"]
-    assert prov["profile"] == "gpu-24g" and prov["memory_cap_gib"] == 22
-    assert prov["gpu_class"] == "ampere" and prov["arch_override"].startswith("LORA_LAB_ARCH=sm80")
-    assert "skipped_cells" not in payload
+    assert prov["profile"] == "gpu-24g" and prov["memory_cap_gib"] == 22 and prov["gpu_class"] == "hopper"
+    assert "arch_override" not in prov and "skipped_cells" not in payload
     budget.note_skipped("bf16_b4_l4096_full", "skipped: needs more than the cap")
     assert json.loads(run.save().read_text())["skipped_cells"] == {"bf16_b4_l4096_full": "skipped: needs more than "
                                                                                           "the cap"}
+
+
+def test_a_forced_class_run_records_the_class_and_the_switch(no_cap, monkeypatch, tmp_path):
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "sm80")
+    forced = {"gpu_class": "ampere", "arch_override": "LORA_LAB_ARCH=sm80 (kernels write for 8.0)"}
+    monkeypatch.setattr(recording, "arch_report", lambda: forced)
+    prov = recording.Run("05_x", "gpu-sm80", {}, tmp_path).provenance
+    assert prov["profile"] == "gpu-sm80" and prov["gpu_class"] == "ampere"
+    assert prov["arch_override"].startswith("LORA_LAB_ARCH=sm80") and "memory_cap_gib" not in prov
+    with pytest.raises(RuntimeError, match="profile 'gpu' takes the device's own path, but \\$LORA_LAB_ARCH is sm80"):
+        recording.Run("05_x", "gpu", {}, tmp_path)
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "")
+    with pytest.raises(RuntimeError, match="profile 'gpu-sm80' takes the sm80 path, but \\$LORA_LAB_ARCH is nothing"):
+        recording.Run("05_x", "gpu-sm80", {}, tmp_path)
 
 
 def test_a_capped_run_without_its_cap_says_how_to_start_it(no_cap, monkeypatch, tmp_path):

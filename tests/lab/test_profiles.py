@@ -208,3 +208,22 @@ def test_the_environment_report_prints_the_class_and_its_dispatch_rule(no_cap, m
     assert "pointer loads (no TMA)" in printed and "ampere" in printed
     monkeypatch.setenv("LORA_LAB_ARCH", "")
     assert recording.environment_report()["dispatch"]["gemm_loads auto"] == "TMA descriptors (16-bit)"
+
+
+def test_the_runner_runs_a_capped_profile_end_to_end(no_cap, monkeypatch, tmp_path):
+    """The runner process believes in a GPU; the notebook's kernel (no CUDA here) records under gpu-24g with the
+    cap it received, into its own folder, and predictions for gpu grade there."""
+    monkeypatch.setattr(recording, "cuda_available", lambda: True)
+    monkeypatch.setattr(runner, "gpus_available", lambda profile: 1)
+    outputs = tmp_path / "runs"
+    with open(tmp_path / "log.txt", "w") as log:
+        code = runner.run(profile="gpu-24g", only=["1"], notebooks_dir=FIXTURES / "notebooks", outputs_root=outputs,
+                          disable_progress=True, stream=log)
+    assert code == 0, (tmp_path / "log.txt").read_text()
+    payload = json.loads((outputs / "gpu-24g" / "01_records_metrics.metrics.json").read_text())
+    prov = payload["provenance"]
+    assert payload["profile"] == prov["profile"] == "gpu-24g" and prov["memory_cap_gib"] == 22
+    assert prov["status"] == "completed" and not (outputs / "gpu").exists()
+    predictions = load_predictions(CAPPED, notebooks_dir=FIXTURES / "notebooks")
+    rows = {row.id: row for row in grade_predictions(predictions, "gpu-24g", outputs / "gpu-24g").rows}
+    assert rows["p01-gpu-answer"].outcome == "hit"

@@ -110,3 +110,15 @@ def test_no_code_reads_the_capability_around_the_switch():
                 if direct.search(line.split("#")[0]):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "capability read directly:\n" + "\n".join(found)
+
+
+def test_the_benchmarks_header_names_the_class_the_switch_and_the_cap(h200, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench_common
+
+    monkeypatch.setenv("LORA_LAB_MEMORY_CAP_GIB", "")
+    assert bench_common.gpu_arch_text(CUDA) == "class hopper"
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "sm80")
+    monkeypatch.setenv("LORA_LAB_MEMORY_CAP_GIB", "22")
+    assert bench_common.gpu_arch_text(CUDA) == ("class ampere, forced by LORA_LAB_ARCH=sm80 (device 9.0); "
+                                                "memory cap 22 GiB")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 __all__ = ["MEMORY_CAP_ENV", "memory_cap_gib", "apply_memory_cap", "capacity_bytes", "fits", "Decision",
-           "skip_or_shrink", "note_skipped", "skipped_cells", "clear_skipped"]
+           "skip_or_shrink", "note_skipped", "note_out_of_memory", "skipped_cells", "clear_skipped"]
 
 MEMORY_CAP_ENV = "LORA_LAB_MEMORY_CAP_GIB"
 GIB = 1024 ** 3
@@ -150,6 +150,21 @@ def note_skipped(cell: str, reason: str) -> None:
     if not isinstance(cell, str) or not cell:
         raise ValueError(f"cell must be a non-empty name; got {cell!r}")
     _skipped[cell] = str(reason)
+
+
+def note_out_of_memory(cell: str, what: str) -> None:
+    """Under a memory cap, keep that ``what`` (an implementation, a variant) ran out of memory in ``cell``; the names
+    of one cell gather in one reason. Without a cap nothing is kept: an OOM on the whole card is the measurement's
+    own result."""
+    cap = memory_cap_gib()
+    if cap is None:
+        return
+    prefix = f"ran out of memory under the {cap:g} GiB memory cap (${MEMORY_CAP_ENV}): "
+    earlier = _skipped.get(cell, "")
+    names = earlier[len(prefix):].split(", ") if earlier.startswith(prefix) else []
+    if what not in names:
+        names.append(what)
+    note_skipped(cell, prefix + ", ".join(names))
 
 
 def skipped_cells() -> dict[str, str]:

@@ -61,3 +61,25 @@ def test_benchmark_metrics_compare_ours_with_liger(tmp_path):
     assert metrics["qwen3_30b_a3b_t32768_full_ours_tflops"]["median"] > metrics[
         "qwen3_30b_a3b_t32768_full_grouped_mm_tflops"]["median"]
     assert "qwen1_5_moe_a2_7b_t8192_full_speedup_vs_liger" not in metrics  # a cell that did not run
+
+
+def test_an_oom_under_a_memory_cap_names_its_cell_for_grading(tmp_path, monkeypatch):
+    from lora_lab.memory import budget
+
+    rows = []
+    for rep in range(5):
+        for impl, status in (("ours", "ok"), ("grouped_mm", "oom"), ("liger", "oom")):
+            rows.append(dict(cell="mixtral_8x22b_t32768_full", shape="mixtral_8x22b", tokens=32768,
+                             label_tokens=32768, mode="full", impl=impl, rep=rep, ms=2.0 if status == "ok" else None,
+                             gemm_flops=4e12, status=status, peak_bytes=None, resident_bytes=None, smoke=False))
+    measure.write_csv(rows, tmp_path / fm.LAYER_CSV)
+    budget.clear_skipped()
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "")
+    fm.benchmark_metrics(tmp_path)
+    assert budget.skipped_cells() == {}  # on the whole card an OOM is the measurement's own result
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    metrics = fm.benchmark_metrics(tmp_path)
+    assert "mixtral_8x22b_t32768_full_speedup_vs_grouped_mm" not in metrics
+    assert budget.skipped_cells() == {"mixtral_8x22b_t32768_full": "ran out of memory under the 22 GiB memory cap "
+                                                                  "($LORA_LAB_MEMORY_CAP_GIB): grouped_mm, liger"}
+    budget.clear_skipped()

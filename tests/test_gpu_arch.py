@@ -122,3 +122,17 @@ def test_the_benchmarks_header_names_the_class_the_switch_and_the_cap(h200, monk
     monkeypatch.setenv("LORA_LAB_MEMORY_CAP_GIB", "22")
     assert bench_common.gpu_arch_text(CUDA) == ("class ampere, forced by LORA_LAB_ARCH=sm80 (device 9.0); "
                                                 "memory cap 22 GiB")
+
+
+@pytest.mark.parametrize("cap, tiles", [((9, 0), [(128, 256, 64, 3), (256, 128, 64, 3), (128, 128, 64, 4),
+                                                  (128, 128, 64, 4)]),
+                                        ((8, 0), [(128, 256, 64, 3), (256, 128, 64, 3), (128, 128, 64, 4),
+                                                  (128, 128, 64, 4)]),
+                                        ((8, 9), [(128, 128, 32, 3), (128, 128, 64, 2), (64, 128, 64, 3)])])
+def test_the_lora_tile_table_follows_the_class(monkeypatch, cap, tiles):
+    from lora_lab.kernels.lora import tuning
+
+    monkeypatch.setattr(tuning, "running_in_interpreter", lambda: False)  # the GPU's table, pruned as on a GPU
+    monkeypatch.setattr(gpu_arch, "capability", lambda device: cap)
+    kept = tuning._prune_configs(tuning.gemm_configs(), {"in0_ptr": torch.zeros(1, dtype=torch.bfloat16), "TUNE": 1})
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_stages) for c in kept] == tiles

@@ -309,6 +309,8 @@ class Run:
         from lora_lab.memory import budget
 
         settings: dict[str, Any] = {"profile": self.name}
+        if self.profile != "gpu":
+            return settings  # no GPU: nothing capped, no class forced
         cap = get_memory_cap()
         expected = get_profile(self.name).memory_cap_gib
         if expected is not None and cap is None:
@@ -317,17 +319,17 @@ class Run:
                                f"--profile {self.name}, or start Jupyter / papermill with "
                                f"{budget.MEMORY_CAP_ENV}={expected:g}")
         if cap != expected:
-            raise RuntimeError(f"profile {self.name!r} runs with a GPU memory cap of {expected!r} GiB, but this "
-                               f"process has ${budget.MEMORY_CAP_ENV}={cap!r}: unset it, or use the profile of that "
-                               "cap")
+            runs = "no GPU memory cap" if expected is None else f"a GPU memory cap of {expected:g} GiB"
+            raise RuntimeError(f"profile {self.name!r} runs with {runs}, but this process has "
+                               f"${budget.MEMORY_CAP_ENV}={cap:g}: unset it, or use the profile of that cap "
+                               "(gpu-24g, gpu-40g)")
         if cap is not None:
             settings["memory_cap_gib"] = cap
-        if self.profile == "gpu":
-            self._check_arch(get_profile(self.name).arch)
-            arch = arch_report()
-            settings["gpu_class"] = arch["gpu_class"]
-            if "arch_override" in arch:
-                settings["arch_override"] = arch["arch_override"]
+        self._check_arch(get_profile(self.name).arch)
+        arch = arch_report()
+        settings["gpu_class"] = arch["gpu_class"]
+        if "arch_override" in arch:
+            settings["arch_override"] = arch["arch_override"]
         return settings
 
     def _check_arch(self, wanted: str | None) -> None:

@@ -275,6 +275,8 @@ def profile_environment(profile: str) -> dict[str, str]:
     from lora_lab.memory.budget import MEMORY_CAP_ENV, memory_cap_gib
 
     chosen = get_profile(profile)
+    if chosen.base != "gpu":
+        return {}  # no GPU: nothing to cap or force
     cap = chosen.memory_cap_gib
     inherited = memory_cap_gib()
     if inherited is not None and inherited != cap:
@@ -282,8 +284,6 @@ def profile_environment(profile: str) -> dict[str, str]:
                           f"{'no cap' if cap is None else f'a {cap:g} GiB cap'}: unset it, or pick the profile of "
                           "that cap (--profile gpu-24g, gpu-40g)")
     env = {} if cap is None else {MEMORY_CAP_ENV: f"{cap:g}"}
-    if chosen.base != "gpu":
-        return env
     try:
         forced = gpu_arch.arch_override()
     except ValueError as error:

@@ -69,6 +69,7 @@ def test_runner_passes_the_profile_cap_to_the_kernel_and_refuses_a_conflicting_o
         runner.profile_environment("gpu-24g")
     with pytest.raises(runner.RunnerError, match="profile 'gpu' runs with no cap"):
         runner.profile_environment("gpu")
+    assert runner.profile_environment("cpu") == {}
 
 
 def test_runner_passes_the_forced_class_and_refuses_one_the_profile_does_not_name(no_cap, monkeypatch):
@@ -134,8 +135,11 @@ def test_a_capped_run_without_its_cap_says_how_to_start_it(no_cap, monkeypatch, 
 def test_a_cap_that_does_not_match_the_profile_is_refused(no_cap, monkeypatch, tmp_path):
     monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
     monkeypatch.setattr(recording, "arch_report", lambda: {"gpu_class": "hopper"})
-    with pytest.raises(RuntimeError, match="profile 'gpu' runs with a GPU memory cap of None GiB.*=22"):
+    with pytest.raises(RuntimeError, match="profile 'gpu' runs with no GPU memory cap, but this process has "
+                                           "\\$LORA_LAB_MEMORY_CAP_GIB=22"):
         recording.Run("01_records_metrics", "gpu", {}, tmp_path)
+    payload = recording.Run("01_records_metrics", "cpu", {}, tmp_path).as_dict()  # no GPU: the cap means nothing
+    assert "memory_cap_gib" not in payload["provenance"] and payload["provenance"]["profile"] == "cpu"
 
 
 def write_capped_run(directory: Path) -> None:

@@ -175,6 +175,8 @@ def layer_table(rows: list[dict]) -> list[dict]:
         times = [r["ms"] for r in mine if r["ms"] is not None]
         first = mine[0]
         entry = {k: first[k] for k in ("cell", "shape", "tokens", "label_tokens", "mode", "impl", "status")}
+        if impl == "ours" and first.get("engine"):  # the engine the rule gave ours here (bench_moe records it)
+            entry["engine"] = first["engine"]
         if times:
             summary = measure.summarize(times)
             entry.update(ms=summary["median"], ms_ci95=summary["ci95"], n=summary["n"],

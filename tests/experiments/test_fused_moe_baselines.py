@@ -83,3 +83,17 @@ def test_an_oom_under_a_memory_cap_names_its_cell_for_grading(tmp_path, monkeypa
     assert budget.skipped_cells() == {"mixtral_8x22b_t32768_full": "ran out of memory under the 22 GiB memory cap "
                                                                   "($LORA_LAB_MEMORY_CAP_GIB): grouped_mm, liger"}
     budget.clear_skipped()
+
+
+def test_the_engine_table_gives_ours_engine_by_the_gpu_class(monkeypatch):
+    from lora_lab import gpu_arch
+
+    shape = fm.LAYER_SHAPES["mixtral_8x7b"]
+    monkeypatch.setattr(gpu_arch, "capability", lambda device: (9, 0))
+    assert fm.ours_engine(shape, 8192, "lora", "cuda", torch.bfloat16) == "grouped_mm"
+    monkeypatch.setattr(gpu_arch, "capability", lambda device: (8, 0))  # the Ampere path, e.g. LORA_LAB_ARCH=sm80
+    assert fm.ours_engine(shape, 8192, "lora", "cuda", torch.bfloat16) == "triton"
+    rows = [dict(cell="c", shape="s", tokens=1, label_tokens=1, mode="lora", impl=impl, status="ok", ms=1.0,
+                 gemm_flops=1e9, peak_bytes=None, engine="triton") for impl in ("ours", "grouped_mm")]
+    table = fm.layer_table(rows)
+    assert table[0]["engine"] == "triton" and "engine" not in table[1]  # the rule concerns ours only

@@ -1,5 +1,7 @@
 # Entry points; each bootstraps its own environment first:
 #   make run     [PROFILE=cpu|gpu] [ONLY=01,03]  every notebook on PROFILE into build/runs/<profile>/, graded
+#                                                (PROFILE=gpu-24g, gpu-40g, gpu-sm80: the gpu profile capped or on
+#                                                the Ampere path, docs/gpu.md)
 #   make publish [PROFILE=cpu|gpu] [ONLY=01,03]  a checked run -> outputs/<profile>/ (gpu: and notebooks/), graded
 #   make test    [PROFILE=cpu|gpu] [NBVAL=0]     lint, prose check, unit tests (GPU ones when CUDA is there),
 #                                                the cpu notebook batch, grading, verify, nbval
@@ -27,7 +29,7 @@ PINS  := -c requirements-cpu.txt
 CHAIN := 0
 REAL  := ,real
 else
-VENV  ?= .venv-$(PROFILE)
+VENV  ?= .venv-$(firstword $(subst -, ,$(PROFILE)))
 PINS  :=
 CHAIN := 1
 REAL  :=

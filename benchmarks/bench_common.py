@@ -38,10 +38,26 @@ def check_device(smoke: bool) -> torch.device:
     return torch.device("cpu")
 
 
+def gpu_arch_text(device: torch.device) -> str:
+    """The GPU class the kernels write for, whether ``$LORA_LAB_ARCH`` forced it, and the memory cap if one is set:
+    e.g. ``class ampere, forced by LORA_LAB_ARCH=sm80 (device 9.0); memory cap 22 GiB``."""
+    from lora_lab import gpu_arch
+    from lora_lab.memory import budget
+
+    about = gpu_arch.describe(device)
+    text = f"class {about['gpu_class']}"
+    if about["arch_override"]:
+        text += f", forced by {gpu_arch.ARCH_ENV}={about['arch_override']} (device {about['device_capability']})"
+    cap = budget.memory_cap_gib()
+    return text + (f"; memory cap {cap:g} GiB" if cap is not None else "")
+
+
 def device_line(device: torch.device, dtype, repetitions: int, extra: str = "") -> str:
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)"
+    if device.type == "cuda":
+        name += f" ({gpu_arch_text(device)})"
     return (f"torch {torch.__version__}, triton {triton.__version__}, {name}, {str(dtype).removeprefix('torch.')}, "
             f"{repetitions} repetitions{', ' + extra if extra else ''}")
 

@@ -90,6 +90,7 @@ from bench_common import (
     write_summary,
 )
 
+from lora_lab import gpu_arch
 from lora_lab.experiments.fused_moe import (
     H200_DENSE_BF16_TFLOPS,
     IMPLEMENTATIONS,
@@ -106,6 +107,7 @@ from lora_lab.experiments.fused_moe import (
     layer_holder,
     liger_available,
     ours_config,
+    ours_engine,
     random_routing,
     register_liger,
     set_implementation,
@@ -238,7 +240,8 @@ def bench_layer_cell(shape, num_tokens, label_tokens, mode, impls, args, cfg, de
     flops = expert_gemm_flops(num_tokens, shape, mode)
     base = dict(cell=cell, shape=shape.name, tokens=num_tokens, label_tokens=label_tokens, hidden=shape.hidden,
                 experts=shape.num_experts, top_k=shape.top_k, intermediate=shape.intermediate, mode=mode,
-                smoke=args.smoke, gemm_flops=flops)
+                smoke=args.smoke, gemm_flops=flops,
+                engine=ours_engine(shape, num_tokens, mode, device, dtype, cfg))  # what the rule gives ours here
     once = {}
 
     def budget_skip(impl):  # the reason an implementation's first call does not fit the budget, else None
@@ -662,11 +665,13 @@ def main(argv=None):
     table = layer_table(rows)
     write_summary(table, out / SUMMARY_CSV, args)
     plot_layer(table, out)
-    print(f"{'cell':>34} {'impl':>12} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9}")
+    print(f"ours' engine per cell: the rule on GPU class {gpu_arch.gpu_class()} "
+          f"(moe_engine auto: {gpu_arch.dispatch_rule()['moe_engine auto']})")
+    print(f"{'cell':>34} {'impl':>12} {'ms':>10} {'TFLOP/s':>8} {'peak GiB':>9} {'engine':>10}")
     for t in table:
         peak = f"{t['peak_extra_gib']:9.2f}" if t.get("peak_extra_gib") is not None else "        -"
         print(f"{t['cell']:>34} {t['impl']:>12} {t.get('ms', float('nan')):10.3f} "
-              f"{t.get('tflops', float('nan')):8.1f} {peak}")
+              f"{t.get('tflops', float('nan')):8.1f} {peak} {t.get('engine', '-'):>10}")
     print(f"wrote {out / LAYER_CSV} ({len(rows)} rows, {measure.sessions_in(rows)} session(s)) in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
 

@@ -35,6 +35,8 @@ from types import SimpleNamespace
 
 import torch
 
+from lora_lab import gpu_arch
+
 OPS = ("lora_linear", "lora_qkv", "lora_mlp", "moe_full", "moe_lora", "loss", "model")
 IGNORE_INDEX = -100
 
@@ -374,10 +376,11 @@ def device_problem(peer: Peer, device: torch.device | None) -> str | None:
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return f"{peer.name} runs CUDA kernels only; the device here is {device if device is not None else 'none'}"
     if peer.min_capability is not None:
-        found = torch.cuda.get_device_capability(device)
+        found = gpu_arch.capability(device)  # the device's, or an older one forced by $LORA_LAB_ARCH
         if tuple(found) < peer.min_capability:
             need = ".".join(map(str, peer.min_capability))
-            return f"{peer.name} targets compute capability >= {need}; this GPU is {found[0]}.{found[1]}"
+            forced = f" (${gpu_arch.ARCH_ENV} forces it)" if gpu_arch.arch_override() is not None else ""
+            return f"{peer.name} targets compute capability >= {need}; this GPU is {found[0]}.{found[1]}{forced}"
     return None
 
 

@@ -35,6 +35,7 @@ from lora_lab.layer import (
     replace_module,
 )
 from lora_lab.loss import causal_lm_loss, chunked_cross_entropy
+from lora_lab.memory.budget import apply_memory_cap as _apply_memory_cap
 from lora_lab.models import (
     ENGLISH_SENTENCES,
     SAMPLE_SENTENCES,
@@ -55,6 +56,8 @@ from lora_lab.variants import loraplus_optimizer, loraplus_param_groups
 from lora_lab.vera import VeRALinear, add_vera, vera_layers
 
 __version__ = "0.1.0"
+
+_apply_memory_cap()  # $LORA_LAB_MEMORY_CAP_GIB (the capped gpu profiles): before this process's first CUDA allocation
 
 __all__ = [
     "train_steps",

@@ -2,13 +2,15 @@
 # Run notebooks or a benchmark on a remote GPU host that received a copy of this working tree (with the wheels in
 # .whl/), and pack what they wrote into $OUT, so that the run can be published or its figures added here.
 #
-#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] notebooks ONLY
-#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] command -- CMD [ARG ...]
+#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] notebooks ONLY
+#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] command -- CMD ...
 #
 # COMMIT   the full 40-digit commit of the copied tree (`git rev-parse HEAD` here). The copy's own .git, if any,
 #          names another commit: it is moved aside and COMMIT declared through $LORA_LAB_SOURCE_COMMIT
 #          (lora_lab.lab.provenance.git_state), so a run records the commit that `lora-lab publish` checks.
 # notebooks ONLY   `make run PROFILE=gpu ONLY=ONLY` (e.g. 07 or 05,09) into build/runs/gpu/.
+# --profile P      a gpu profile other than gpu (gpu-24g, gpu-40g, gpu-sm80: docs/gpu.md): `make run PROFILE=P` into
+#                  build/runs/P/, packed instead of build/runs/gpu (the environment is .venv-gpu all the same).
 # command -- CMD   any command, e.g. `.venv-gpu/bin/python benchmarks/bench_loss.py --out build/runs/gpu/loss
 #                  --ledger $OUT/measurements.csv --quick` (--ledger FILE: the figures come back in that file).
 # --limit S        seconds the run may take before it is stopped (default 450; the install is not counted).
@@ -18,7 +20,7 @@
 #                  (which keeps that session) in the next with build/runs/gpu and build/triton-cache carried back.
 #
 # $OUT (required) receives: declared.log, install.log, run.log (the run's output), summary.txt (seconds and exit
-# codes) and results.tgz (build/runs/gpu without model weights, plus build/triton-cache with --triton-cache).
+# codes) and results.tgz (build/runs/<profile> without model weights, plus build/triton-cache with --triton-cache).
 # Back here: `tar xzf results.tgz -C .`, then `make publish PROFILE=gpu ONLY=..` for notebooks (it publishes and
 # grades; commit the scoreboard with the run), or `python -m lora_lab ledger add --profile gpu measurements.csv`.
 # Exit status: the run's (124 when --limit stopped it), 2 for bad arguments.
@@ -26,10 +28,11 @@ set -u
 usage() { sed -n '5,6p' "$0" | sed 's/^# *//' >&2; exit 2; }
 [ $# -ge 2 ] || usage
 COMMIT=$1; shift
-LIMIT=450 INSTALL=1 CACHE=0
+LIMIT=450 INSTALL=1 CACHE=0 PROFILE=gpu
 while [ $# -gt 0 ]; do
   case $1 in
     --limit) LIMIT=${2:-}; shift 2 ;;
+    --profile) PROFILE=${2:-}; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
     --triton-cache) CACHE=1; shift ;;
     *) break ;;
@@ -40,10 +43,13 @@ if ! [[ "$COMMIT" =~ ^[0-9a-f]{40}$ ]]; then
   echo "remote_gpu_run.sh: give the full 40-digit commit (git rev-parse HEAD here), not '$COMMIT'" >&2; exit 2
 fi
 if ! [[ "$LIMIT" =~ ^[0-9]+$ ]]; then echo "remote_gpu_run.sh: --limit takes whole seconds, not '$LIMIT'" >&2; exit 2; fi
+if ! [[ "$PROFILE" =~ ^gpu(-[a-z0-9]+)?$ ]]; then
+  echo "remote_gpu_run.sh: --profile takes a gpu profile (gpu, gpu-24g, gpu-40g, gpu-sm80), not '$PROFILE'" >&2; exit 2
+fi
 if [ -z "${OUT:-}" ] || [ ! -d "$OUT" ]; then echo "remote_gpu_run.sh: \$OUT must name an existing folder" >&2; exit 2; fi
 case $MODE in
   notebooks) [ $# -eq 1 ] || { echo "remote_gpu_run.sh: notebooks takes one ONLY list, e.g. 07 or 05,09" >&2; exit 2; }
-             RUN=(make run PROFILE=gpu "ONLY=$1") ;;
+             RUN=(make run "PROFILE=$PROFILE" "ONLY=$1") ;;
   command)   [ "${1:-}" = -- ] && shift
              [ $# -ge 1 ] || { echo "remote_gpu_run.sh: command needs the command after --" >&2; exit 2; }
              RUN=("$@") ;;
@@ -78,7 +84,7 @@ RUN_S=$(( $(date +%s) - T1 ))
 
 # 4. the results
 PACK=()
-[ -d build/runs/gpu ] && PACK+=(build/runs/gpu)
+[ -d "build/runs/$PROFILE" ] && PACK+=("build/runs/$PROFILE")
 [ "$CACHE" = 1 ] && PACK+=(build/triton-cache)
 if [ ${#PACK[@]} -gt 0 ]; then
   tar czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' "${PACK[@]}"

@@ -266,6 +266,20 @@ def ours_config(impl: str, config: KernelConfig | None) -> KernelConfig | None:
     return (config if config is not None else KernelConfig.from_env()).replace(**OURS_VARIANTS[impl])
 
 
+def ours_engine(shape: MoeLayerShape, num_tokens: int, mode: str, device, dtype, config: KernelConfig | None = None,
+                rank: int = 16) -> str:
+    """The engine the rule (:func:`lora_lab.kernels.moe.engine.choose_engine`) gives ``ours`` at a layer cell, on
+    ``device``'s GPU class as :mod:`lora_lab.gpu_arch` reports it (``$LORA_LAB_ARCH`` included): 'grouped_mm' or
+    'triton'. ``mode`` 'lora' puts rank-``rank`` LoRA on the experts, as :func:`layer_holder` does."""
+    from lora_lab import gpu_arch
+    from lora_lab.kernels.moe.engine import choose_engine, grouped_mm_available
+
+    return choose_engine(num_experts=shape.num_experts, num_assignments=num_tokens * shape.top_k, hidden=shape.hidden,
+                         intermediate=shape.intermediate, dtype=dtype, capability=gpu_arch.capability(device),
+                         requested=(config or KernelConfig.from_env()).moe_engine, available=grouped_mm_available(),
+                         ranks=(rank, rank) if mode == "lora" else ())
+
+
 def random_routing(num_tokens: int, shape: MoeLayerShape, device, dtype, seed: int = 0):
     """Softmax router over random logits → (top_k_index, top_k_weights leaf with grad)."""
     gen = torch.Generator(device="cpu").manual_seed(seed + 1)

@@ -11,7 +11,16 @@ import torch
 from torch import nn
 
 from lora_lab.layer import add_lora, remove_lora
-from lora_lab.memory import GIB, AnalyticMemory, ModelShape, TrainingSetup, analytic_memory, dtype_of, peak_memory
+from lora_lab.memory import (
+    GIB,
+    AnalyticMemory,
+    ModelShape,
+    TrainingSetup,
+    analytic_memory,
+    budget,
+    dtype_of,
+    peak_memory,
+)
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,20 @@ def _loss_fn_for(config: MemoryConfig):
     return chunked
 
 
+def over_memory_cap(model: nn.Module, config: MemoryConfig, device: torch.device, **lora) -> str | None:
+    """Under a GPU memory cap (:mod:`lora_lab.memory.budget`, the capped gpu profiles): why ``config`` is skipped,
+    when the byte model's peak for it does not fit (kept as a skipped cell under ``config.name``); else None.
+    Without a cap, or off CUDA: None (the sweep runs, and an OOM is its result)."""
+    if budget.memory_cap_gib() is None or device.type != "cuda":
+        return None
+    attention = "flash" if config.dtype in ("bf16", "fp16") else "efficient"  # what SDPA picks on CUDA
+    setup = config.setup(attention, lora_r=lora.get("lora_r", 8),
+                         lora_targets=lora.get("lora_targets", ("q_proj", "v_proj")))
+    predicted = analytic_memory(ModelShape.from_config(model.config), setup).peak
+    decision = budget.skip_or_shrink(config.name, [config.name], lambda _: predicted, device=device)
+    return decision.reason if decision.skipped else None
+
+
 def run_memory_config(model: nn.Module, config: MemoryConfig, steps: int = 3, seed: int = 0,
                       account: bool = True, **lora) -> dict:
     """Measure one configuration on a prepared-in-place model; an out-of-memory error becomes a result.
@@ -91,6 +114,10 @@ def run_memory_config(model: nn.Module, config: MemoryConfig, steps: int = 3, se
     """
     row: dict = {"name": config.name, **asdict(config), "mode": config.mode, "oom": False, "error": None}
     device = next(model.parameters()).device
+    skip = over_memory_cap(model, config, device, **lora)
+    if skip is not None:  # under a capped profile: named as skipped, never run into an OOM
+        row["oom"], row["error"] = True, skip
+        return row
     prepare_model(model, config, **lora)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     vocab = model.config.vocab_size
@@ -109,6 +136,9 @@ def run_memory_config(model: nn.Module, config: MemoryConfig, steps: int = 3, se
             raise
         row["oom"] = True
         row["error"] = text.strip().splitlines()[0][:300]
+    if row["oom"] and budget.memory_cap_gib() is not None:
+        budget.note_skipped(config.name, f"ran out of memory under the {budget.memory_cap_gib():g} GiB memory cap "
+                                         f"(${budget.MEMORY_CAP_ENV}): {row['error']}")
     # outside the except block: the traceback (and the tensors its frames hold) is gone
     model.zero_grad(set_to_none=True)
     del batch, ids

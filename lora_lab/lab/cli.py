@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     _paths(validate, outputs=False, predictions=True)
 
     publish = commands.add_parser("publish", help="copy a checked run into outputs/<profile>/ (gpu: and notebooks/)")
-    publish.add_argument("--profile", choices=("cpu", "gpu"), required=True)
+    publish.add_argument("--profile", choices=PROFILE_CHOICES[1:], required=True)
     publish.add_argument("--only", default=None, help="comma-separated notebook numbers or stems")
     publish.add_argument("--from", dest="runs_dir", type=Path, default=None,
                          help="runs root holding <profile>/ (default: <repo>/build/runs)")
@@ -232,7 +232,7 @@ def command_grade(args: argparse.Namespace) -> int:
 
     try:
         # grading reads recorded metrics, so a named profile needs no device; only "auto" is resolved
-        profile = args.profile if args.profile in ("cpu", "gpu") else resolve_profile(args.profile)
+        profile = args.profile if args.profile != "auto" else resolve_profile(args.profile)
         profile_dir = (args.outputs_dir or repo_root() / "outputs") / profile
         if not any(profile_dir.glob("*.metrics.json")):
             raise ValueError(f"no *.metrics.json in {profile_dir}: nothing to grade (lora-lab run writes a run's "

@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from lora_lab.lab.profiles import PROFILES  # noqa: F401 - a ledger per profile, the capped ones' too
+
 __all__ = [
     "COLUMNS",
     "LEDGER_NAME",
@@ -48,7 +50,6 @@ COLUMNS = ("date", "commit", "code_hash", "device", "benchmark", "cell", "method
            "n", "sessions", "published", "source")
 LEDGER_NAME = "measurements.csv"
 REQUIRED = ("benchmark", "cell", "method", "statistic", "value", "unit", "source")
-PROFILES = ("cpu", "gpu")
 
 _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _HEX = re.compile(r"^[0-9a-f]+$")

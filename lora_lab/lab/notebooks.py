@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_lab.lab.profiles import PROFILES
+
 __all__ = [
     "NOTEBOOK_NAME",
     "NotebookError",
@@ -206,7 +208,7 @@ _RATE = _above(0, "a learning rate")
 #: declares a new parameter adds its rule here (a test checks that every declared parameter has one and that
 #: every registered default passes it). PROFILE is set with ``--profile``, not ``-p``.
 PARAMETER_RULES: dict[str, Rule] = {
-    "PROFILE": _one_of(("auto", "cpu", "gpu")),
+    "PROFILE": _one_of(("auto", *PROFILES)),
     "MODEL": Rule(f'"" (the model of the profile) or {_MODEL_TEXT}', lambda value: _model_spec(value, empty_ok=True)),
     "MODEL_CPU": Rule(_MODEL_TEXT, lambda value: _model_spec(value, empty_ok=False)),
     "MODEL_GPU": Rule(_MODEL_TEXT, lambda value: _model_spec(value, empty_ok=False)),

@@ -8,7 +8,7 @@ The file is an append-only YAML list. One entry::
       metric: fwd_cosine_bf16          # a key the notebook records with lora_lab.lab.record
       comparator: ">="                 # < <= > >= == in_range   (quote it: a bare > starts a YAML block)
       threshold: 0.99999               # a number; [lo, hi] for in_range; true/false allowed for ==
-      profiles: [gpu]                  # non-empty subset of [cpu, gpu]
+      profiles: [gpu]                  # non-empty subset of lab.profiles.PROFILES (gpu covers gpu-24g, ...)
       confidence: 0.9                  # probability of a hit, in [0, 1]
       rationale: "why"
       supersedes: p05-old-id           # optional: an id (or list of ids) defined earlier in the file
@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from lora_lab.lab.profiles import profile_applies
 from lora_lab.lab.recording import PROFILES, find_repo_root
 
 DEFAULT_PREDICTIONS_PATH = Path("predictions") / "predictions.yaml"
@@ -205,7 +206,8 @@ class Prediction:
         return self.kind == "speed_ratio" or bool(SPEED_RATIO_METRIC.search(self.metric))
 
     def applies_to(self, profile: str) -> bool:
-        return profile in self.profiles
+        """Registered for ``profile``, or for ``gpu`` when ``profile`` is a capped gpu profile."""
+        return profile_applies(self.profiles, profile)
 
     @property
     def blind(self) -> bool:

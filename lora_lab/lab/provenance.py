@@ -216,12 +216,33 @@ def cpu_name() -> str:
     return f"{model} ({os.cpu_count()} cores)"
 
 
+def forced_settings() -> str:
+    """What this process forces on the GPU, in words ('' for nothing): the GPU class of ``$LORA_LAB_ARCH`` and the
+    memory cap of ``$LORA_LAB_MEMORY_CAP_GIB``, e.g. ``class ampere forced by LORA_LAB_ARCH=sm80; memory cap 22
+    GiB``."""
+    from lora_lab import gpu_arch
+    from lora_lab.memory.budget import memory_cap_gib
+
+    parts = []
+    if gpu_arch.arch_override() is not None:
+        parts.append(f"class {gpu_arch.gpu_class()} forced by {gpu_arch.ARCH_ENV}="
+                     f"{os.environ[gpu_arch.ARCH_ENV].strip()}")
+    cap = memory_cap_gib()
+    if cap is not None:
+        parts.append(f"memory cap {cap:g} GiB")
+    return "; ".join(parts)
+
+
 def device_name(profile: str) -> str:
+    """The GPU's name on a gpu profile (with :func:`forced_settings` in brackets when there are any, so a ledger row
+    or a run names them), else the CPU's."""
     if profile != "cpu":
         import torch
 
         if torch.cuda.is_available():
-            return torch.cuda.get_device_name(torch.cuda.current_device())
+            name = torch.cuda.get_device_name(torch.cuda.current_device())
+            forced = forced_settings()
+            return f"{name} [{forced}]" if forced else name
         return "no CUDA device"
     return cpu_name()
 

@@ -40,9 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from lora_lab.lab.notebooks import NotebookError, declared_parameters
+from lora_lab.lab.profiles import PROFILES, base_profile, get_profile
 from lora_lab.lab.provenance import cpu_name, find_repo_root, package_versions, provenance
 
-PROFILES = ("cpu", "gpu")
 PROFILE_CHOICES = ("auto",) + PROFILES
 RUN_CONTEXT_ENV = "LORA_LAB_RUN"  # set by the runner for the notebook's kernel: JSON, see RunContext
 SCRATCH_DIR = Path("build") / "scratch"
@@ -67,9 +67,10 @@ def cuda_available() -> bool:
 
 
 def resolve_profile(profile: str = "auto") -> str:
-    """Map ``"auto" | "cpu" | "gpu"`` to ``"cpu"`` or ``"gpu"``.
+    """Map ``"auto"`` or a profile's name (:data:`PROFILES`: ``cpu``, ``gpu``, the capped ``gpu-24g``, ``gpu-40g``)
+    to a profile's name.
 
-    ``auto`` is ``gpu`` iff CUDA is available. Asking for ``gpu`` without a CUDA device is an
+    ``auto`` is ``gpu`` iff CUDA is available. Asking for a gpu profile without a CUDA device is an
     error rather than a silent fall back: the gpu profile's sizes do not fit a CPU run.
     """
     if not isinstance(profile, str):
@@ -79,8 +80,8 @@ def resolve_profile(profile: str = "auto") -> str:
         raise ValueError(f"unknown profile {profile!r}: expected one of {', '.join(PROFILE_CHOICES)}")
     if name == "auto":
         return "gpu" if cuda_available() else "cpu"
-    if name == "gpu" and not cuda_available():
-        raise RuntimeError("profile 'gpu' needs a CUDA device, and torch sees none (use 'cpu' or 'auto')")
+    if base_profile(name) == "gpu" and not cuda_available():
+        raise RuntimeError(f"profile {name!r} needs a CUDA device, and torch sees none (use 'cpu' or 'auto')")
     return name
 
 
@@ -143,10 +144,44 @@ def environment_report() -> dict[str, Any]:
         report["device_count"] = torch.cuda.device_count()
     else:
         report["device"] = cpu_name()
+    report.update(arch_report())
+    cap = get_memory_cap()
+    if cap is not None:
+        report["memory_cap_gib"] = cap
     report["platform"] = platform.platform()
     width = max(len(key) for key in report)
     for key, value in report.items():
-        print(f"{key:<{width}} : {value}")
+        if isinstance(value, dict):  # the kernels' dispatch rule for this GPU class: one line per setting
+            print(f"{key:<{width}} :")
+            for name, choice in value.items():
+                print(f"  {name:<{width + 14}} {choice}")
+        else:
+            print(f"{key:<{width}} : {value}")
+    return report
+
+
+def get_memory_cap() -> float | None:
+    """The GPU memory cap this process runs under (GiB; ``$LORA_LAB_MEMORY_CAP_GIB``), or None."""
+    from lora_lab.memory.budget import memory_cap_gib
+
+    return memory_cap_gib()
+
+
+def arch_report() -> dict[str, Any]:
+    """The GPU class the kernels write for (after ``$LORA_LAB_ARCH``) and their generation-dependent rule
+    (:func:`lora_lab.gpu_arch.dispatch_rule`), as provenance records and :func:`environment_report` prints them."""
+    import torch
+
+    from lora_lab import gpu_arch
+
+    if not torch.cuda.is_available():
+        return {"gpu_class": "cpu"}
+    about = gpu_arch.describe()
+    report: dict[str, Any] = {"gpu_class": about["gpu_class"], "compute_capability": about["device_capability"]}
+    if about["arch_override"]:
+        report["arch_override"] = (f"{gpu_arch.ARCH_ENV}={about['arch_override']} "
+                                   f"(kernels write for {about['capability']})")
+    report["dispatch"] = gpu_arch.dispatch_rule()
     return report
 
 
@@ -239,12 +274,19 @@ def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
 
 
 class Run:
-    """One notebook run being recorded: what ``start_run`` returns."""
+    """One notebook run being recorded: what ``start_run`` returns.
+
+    ``name``: the profile the run belongs to (its folder, its metrics file, its grading: ``gpu-24g``);
+    ``profile``: that profile's shape set, ``cpu`` or ``gpu``, which the notebook's code asks for."""
 
     def __init__(self, notebook: str, profile: str, parameters: dict[str, Any], directory: Path,
                  overrides: dict[str, Any] | None = None, runner: bool = False, notebook_path: Path | None = None):
+        from lora_lab.memory import budget
+
         self.notebook = notebook
-        self.profile = profile
+        self.name = get_profile(profile).name
+        self.profile = base_profile(profile)
+        budget.clear_skipped()  # what an earlier run of this process skipped is not this run's
         self.directory = directory
         self.path = metrics_path(directory, notebook)
         self.notes: dict[str, str] = {}
@@ -256,10 +298,50 @@ class Run:
             **provenance(profile, notebook_path),
             "parameter_overrides": {k: to_json_value(v, f"override {k}") for k, v in (overrides or {}).items()},
             "runner": runner,
+            **self._machine_settings(),
             "started": _now(),
             "finished": None,
             "status": STATUS_RUNNING,
         }
+
+    def _machine_settings(self) -> dict[str, Any]:
+        """The profile's name, its GPU memory cap and the GPU class the kernels wrote for (``$LORA_LAB_ARCH``)."""
+        from lora_lab.memory import budget
+
+        settings: dict[str, Any] = {"profile": self.name}
+        if self.profile != "gpu":
+            return settings  # no GPU: nothing capped, no class forced
+        cap = get_memory_cap()
+        expected = get_profile(self.name).memory_cap_gib
+        if expected is not None and cap is None:
+            raise RuntimeError(f"profile {self.name!r} caps GPU memory at {expected:g} GiB through "
+                               f"${budget.MEMORY_CAP_ENV}, which this process lacks: run it with lora-lab run "
+                               f"--profile {self.name}, or start Jupyter / papermill with "
+                               f"{budget.MEMORY_CAP_ENV}={expected:g}")
+        if cap != expected:
+            runs = "no GPU memory cap" if expected is None else f"a GPU memory cap of {expected:g} GiB"
+            raise RuntimeError(f"profile {self.name!r} runs with {runs}, but this process has "
+                               f"${budget.MEMORY_CAP_ENV}={cap:g}: unset it, or use the profile of that cap "
+                               "(gpu-24g, gpu-40g)")
+        if cap is not None:
+            settings["memory_cap_gib"] = cap
+        self._check_arch(get_profile(self.name).arch)
+        arch = arch_report()
+        settings["gpu_class"] = arch["gpu_class"]
+        if "arch_override" in arch:
+            settings["arch_override"] = arch["arch_override"]
+        return settings
+
+    def _check_arch(self, wanted: str | None) -> None:
+        """``$LORA_LAB_ARCH`` must be what the profile forces (nothing, or ``gpu-sm80``'s sm80)."""
+        from lora_lab import gpu_arch
+
+        forced = gpu_arch.arch_override()
+        if forced != (gpu_arch.ARCH_CHOICES[wanted] if wanted else None):
+            shown = os.environ.get(gpu_arch.ARCH_ENV, "").strip() or "nothing"
+            path = f"the {wanted} path" if wanted else "the device's own path"
+            raise RuntimeError(f"profile {self.name!r} takes {path}, but ${gpu_arch.ARCH_ENV} is {shown}: run it with "
+                               f"lora-lab run --profile {self.name}, or pick the profile of that path (gpu-sm80)")
 
     @property
     def device(self) -> str:
@@ -267,21 +349,27 @@ class Run:
         return "cuda" if self.profile == "gpu" else "cpu"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        payload = {
             "notebook": self.notebook,
-            "profile": self.profile,
+            "profile": self.name,
             "parameters": self.parameters,
             "metrics": self.metrics,
             "notes": self.notes,
             "provenance": self.provenance,
         }
+        from lora_lab.memory import budget
+
+        skipped = budget.skipped_cells()
+        if skipped:
+            payload["skipped_cells"] = skipped
+        return payload
 
     def save(self) -> Path:
         write_json_atomically(self.path, self.as_dict())
         return self.path
 
     def __repr__(self) -> str:
-        return f"Run({self.notebook!r}, profile={self.profile!r}, path={str(self.path)!r})"
+        return f"Run({self.notebook!r}, profile={self.name!r}, path={str(self.path)!r})"
 
 
 _current: Run | None = None
@@ -422,7 +510,7 @@ def output_dir(profile: str | None = None) -> Path:
 
     Without a run in progress: the scratch folder a run on ``profile`` (default ``auto``) would use.
     """
-    if _current is not None and profile in (None, _current.profile):
+    if _current is not None and profile in (None, _current.profile, _current.name):
         directory = _current.directory
     else:
         directory = scratch_dir(resolve_profile(profile or "auto"))

@@ -127,6 +127,20 @@ def describe_error(error: dict[str, Any] | None) -> str:
     return f"{error.get('ename', 'error')}{message_text}{where}"
 
 
+def skipped_cell_of(metric: str, payload: dict[str, Any]) -> tuple[str, str] | None:
+    """(cell, why) of the cell the run skipped or shrank (its ``skipped_cells``, :mod:`lora_lab.memory.budget`) whose
+    name is part of ``metric``'s key (between underscores, or the whole key), the longest such name; else None."""
+    skipped = payload.get("skipped_cells")
+    if not isinstance(skipped, dict):
+        return None
+    padded = f"_{metric}_"
+    named = [cell for cell in skipped if isinstance(cell, str) and cell and f"_{cell}_" in padded]
+    if not named:
+        return None
+    cell = max(named, key=len)
+    return cell, str(skipped[cell])
+
+
 def why_void_payload(
     prediction: Prediction, profile: str, payload: dict[str, Any], summary_entry: dict[str, Any] | None = None,
     version: int = CURRENT,
@@ -151,9 +165,14 @@ def why_void_payload(
     if status != STATUS_COMPLETED:
         return f"run status {status!r} is not {STATUS_COMPLETED!r}", value
     if not isinstance(metrics, dict) or prediction.metric not in metrics:
+        skipped = skipped_cell_of(prediction.metric, payload)
+        if skipped is not None:
+            return f"metric {prediction.metric!r} not recorded: cell {skipped[0]!r} {skipped[1]}", None
         recorded = sorted(metrics) if isinstance(metrics, dict) else []
         shown = ", ".join(recorded[:6]) + (", …" if len(recorded) > 6 else "")
-        return f"metric {prediction.metric!r} not recorded (recorded: {shown or 'nothing'})", None
+        cap = provenance.get("memory_cap_gib")
+        under = f"; the run capped GPU memory at {cap:g} GiB" if isinstance(cap, (int, float)) else ""
+        return f"metric {prediction.metric!r} not recorded (recorded: {shown or 'nothing'}){under}", None
     overrides = provenance.get("parameter_overrides") or {}
     if overrides and version >= INTERVALS:
         shown = ", ".join(f"{name}={value!r}" for name, value in sorted(overrides.items()))

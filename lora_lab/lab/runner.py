@@ -48,6 +48,7 @@ from lora_lab.lab.executed_notebooks import (  # noqa: F401 - INJECTED_TAG, fail
 )
 from lora_lab.lab.notebooks import NOTEBOOK_NAME, NotebookError, discover_notebooks, parameter_problem, required_gpus
 from lora_lab.lab.notebooks import declared_parameters as _declared_parameters
+from lora_lab.lab.profiles import base_profile, get_profile
 from lora_lab.lab.recording import (
     RUN_CONTEXT_ENV,
     STATUS_FAILED,
@@ -211,8 +212,8 @@ def plan_parameters(notebooks: list[Path], overrides: dict[str, Any], profile: s
 
 
 def gpus_available(profile: str) -> int:
-    """GPUs a notebook may use on ``profile``: every CUDA device on the gpu profile, none on the cpu profile."""
-    if profile != "gpu":
+    """GPUs a notebook may use on ``profile``: every CUDA device on a gpu profile, none on the cpu profile."""
+    if base_profile(profile) != "gpu":
         return 0
     import torch
 
@@ -228,13 +229,13 @@ def skip_reason(path: Path, profile: str) -> str | None:
         needed = required_gpus(path)
     except NotebookError as error:
         raise RunnerError(str(error)) from None
-    if profile != "gpu":
+    if base_profile(profile) != "gpu":
         return None
     have = gpus_available(profile)
     if needed <= have:
         return None
     return (f"needs {needed} GPUs (notebook metadata lora_lab.gpus); profile {profile} here has {have}: "
-            f"run it with --profile gpu on a machine with {needed} or more")
+            f"run it with --profile {profile} on a machine with {needed} or more")
 
 
 @dataclass
@@ -263,6 +264,37 @@ class NotebookResult:
             where += f" (In [{self.error['exec_count']}])"
         evalue = str(self.error.get("evalue") or "").strip().splitlines()
         return f"{where}: {self.error.get('ename')}: {evalue[0] if evalue else ''}".rstrip(": ")
+
+
+def profile_environment(profile: str) -> dict[str, str]:
+    """What the notebook's kernel (and every process it starts) gets from ``profile``: a capped profile's
+    ``$LORA_LAB_MEMORY_CAP_GIB``, read by ``import lora_lab`` (:mod:`lora_lab.memory.budget`), and a forced GPU
+    class's ``$LORA_LAB_ARCH`` (:mod:`lora_lab.gpu_arch`). Either one already set in this process's environment must
+    agree with the profile's (a RunnerError otherwise), so a run's folder always names what it forced."""
+    from lora_lab import gpu_arch
+    from lora_lab.memory.budget import MEMORY_CAP_ENV, memory_cap_gib
+
+    chosen = get_profile(profile)
+    if chosen.base != "gpu":
+        return {}  # no GPU: nothing to cap or force
+    cap = chosen.memory_cap_gib
+    inherited = memory_cap_gib()
+    if inherited is not None and inherited != cap:
+        raise RunnerError(f"${MEMORY_CAP_ENV}={inherited:g} is set, but profile {profile!r} runs with "
+                          f"{'no cap' if cap is None else f'a {cap:g} GiB cap'}: unset it, or pick the profile of "
+                          "that cap (--profile gpu-24g, gpu-40g)")
+    env = {} if cap is None else {MEMORY_CAP_ENV: f"{cap:g}"}
+    try:
+        forced = gpu_arch.arch_override()
+    except ValueError as error:
+        raise RunnerError(str(error)) from None
+    wanted = gpu_arch.ARCH_CHOICES[chosen.arch] if chosen.arch else None
+    if forced is not None and forced != wanted:
+        path = "the device's own path" if wanted is None else f"the {chosen.arch} path"
+        raise RunnerError(f"${gpu_arch.ARCH_ENV}={os.environ[gpu_arch.ARCH_ENV].strip()} is set, but profile "
+                          f"{profile!r} takes {path}: unset it, or run the profile of that path (--profile gpu-sm80)")
+    env[gpu_arch.ARCH_ENV] = chosen.arch or ""
+    return env
 
 
 def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), log_path: Path | None = None):
@@ -399,6 +431,7 @@ def run_notebook(
     env = {RUN_CONTEXT_ENV: json.dumps(context)}
     if profile == "cpu":
         env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET") or "1"
+    env.update(profile_environment(profile))
     # MPLBACKEND=Agg (set for headless CI) would keep every figure out of the executed notebook;
     # without it ipykernel uses the inline backend.
     unset = ("MPLBACKEND",) if os.environ.get("MPLBACKEND", "").lower() == "agg" else ()
@@ -500,6 +533,7 @@ def run(
         print(f"no NN_*.ipynb notebooks in {notebooks_dir}: nothing to run", file=stream)
         return 0
     plans = plan_parameters(notebooks, dict(overrides or {}), resolved)
+    profile_environment(resolved)  # a conflicting cap is refused before anything runs
     skipped = {path: reason for path in notebooks if (reason := skip_reason(path, resolved)) is not None}
     output_dir = Path(outputs_root).resolve() / resolved
     check_writable(output_dir, "--outputs-dir")

@@ -148,13 +148,14 @@ def show_verdicts(run=None, full: bool = False) -> list[GradedRow]:
     table (``full=False``, see :func:`reader_markdown`) or every live prediction (``full=True``). Returns the graded
     rows of every live prediction either way."""
     run = run or last_run()
-    shown, rest, notes, table = reader_verdicts(run.notebook, run.profile, run.path)
+    # run.name: the profile's full name (a capped profile grades and links under its own name)
+    shown, rest, notes, table = reader_verdicts(run.notebook, run.name, run.path)
     rows = [row for _, row in shown] + rest
     if full or table is None:
         rows.sort(key=lambda row: _ORDER.get(row.outcome, 9))
-        text = verdicts_markdown(rows, notes, run.profile)
+        text = verdicts_markdown(rows, notes, run.name)
     else:
-        text = reader_markdown(shown, rest, notes, run.profile)
+        text = reader_markdown(shown, rest, notes, run.name)
     try:
         from IPython import get_ipython
         from IPython.display import Markdown, display

@@ -65,6 +65,7 @@ from lora_lab.lab.git_history import (  # noqa: F401 - the git helpers: public h
     repository_root,
 )
 from lora_lab.lab.predictions import DEFAULT_PREDICTIONS_PATH
+from lora_lab.lab.profiles import profile_applies
 from lora_lab.lab.provenance import code_cells_hash, code_hash_at, code_hash_scope_of, notebook_text_hash
 
 DEFAULT_OUTPUTS = Path("outputs")
@@ -215,7 +216,8 @@ def check_predicted_before_measured(repo: Path, predictions_path: str, outputs: 
     for profile in profiles:
         for entry_id, entry in current.items():
             profiles_of_entry = entry.get("profiles") or []
-            if entry_id in superseded or not isinstance(profiles_of_entry, list) or profile not in profiles_of_entry:
+            if (entry_id in superseded or not isinstance(profiles_of_entry, list)
+                    or not profile_applies(profiles_of_entry, profile)):
                 continue
             notebook, metric = entry.get("notebook"), entry.get("metric")
             if not isinstance(notebook, str) or not isinstance(metric, str):

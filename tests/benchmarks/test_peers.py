@@ -312,3 +312,16 @@ def test_the_peer_extras_pin_what_the_loader_expects_and_ci_installs_none(peers)
     for path in ("Makefile", "environment.yml"):
         installs = [line for line in (ROOT / path).read_text().splitlines() if re.search(r"\.\[[^\]]*\]", line)]
         assert installs and not any("peers" in line for line in installs), (path, installs)
+
+
+def test_a_peer_that_needs_hopper_is_skipped_on_a_forced_older_class(peers, monkeypatch):
+    from lora_lab import gpu_arch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_arch, "_device_capability", lambda device: (9, 0))
+    quack, cuda = peers.PEERS["quack"], torch.device("cuda", 0)
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "")
+    assert peers.device_problem(quack, cuda) is None
+    monkeypatch.setenv(gpu_arch.ARCH_ENV, "sm80")
+    assert peers.device_problem(quack, cuda) == ("quack targets compute capability >= 9.0; this GPU is 8.0 "
+                                                 "($LORA_LAB_ARCH forces it)")

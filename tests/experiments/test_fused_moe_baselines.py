@@ -61,3 +61,39 @@ def test_benchmark_metrics_compare_ours_with_liger(tmp_path):
     assert metrics["qwen3_30b_a3b_t32768_full_ours_tflops"]["median"] > metrics[
         "qwen3_30b_a3b_t32768_full_grouped_mm_tflops"]["median"]
     assert "qwen1_5_moe_a2_7b_t8192_full_speedup_vs_liger" not in metrics  # a cell that did not run
+
+
+def test_an_oom_under_a_memory_cap_names_its_cell_for_grading(tmp_path, monkeypatch):
+    from lora_lab.memory import budget
+
+    rows = []
+    for rep in range(5):
+        for impl, status in (("ours", "ok"), ("grouped_mm", "oom"), ("liger", "oom")):
+            rows.append(dict(cell="mixtral_8x22b_t32768_full", shape="mixtral_8x22b", tokens=32768,
+                             label_tokens=32768, mode="full", impl=impl, rep=rep, ms=2.0 if status == "ok" else None,
+                             gemm_flops=4e12, status=status, peak_bytes=None, resident_bytes=None, smoke=False))
+    measure.write_csv(rows, tmp_path / fm.LAYER_CSV)
+    budget.clear_skipped()
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "")
+    fm.benchmark_metrics(tmp_path)
+    assert budget.skipped_cells() == {}  # on the whole card an OOM is the measurement's own result
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    metrics = fm.benchmark_metrics(tmp_path)
+    assert "mixtral_8x22b_t32768_full_speedup_vs_grouped_mm" not in metrics
+    assert budget.skipped_cells() == {"mixtral_8x22b_t32768_full": "ran out of memory under the 22 GiB memory cap "
+                                                                  "($LORA_LAB_MEMORY_CAP_GIB): grouped_mm, liger"}
+    budget.clear_skipped()
+
+
+def test_the_engine_table_gives_ours_engine_by_the_gpu_class(monkeypatch):
+    from lora_lab import gpu_arch
+
+    shape = fm.LAYER_SHAPES["mixtral_8x7b"]
+    monkeypatch.setattr(gpu_arch, "capability", lambda device: (9, 0))
+    assert fm.ours_engine(shape, 8192, "lora", "cuda", torch.bfloat16) == "grouped_mm"
+    monkeypatch.setattr(gpu_arch, "capability", lambda device: (8, 0))  # the Ampere path, e.g. LORA_LAB_ARCH=sm80
+    assert fm.ours_engine(shape, 8192, "lora", "cuda", torch.bfloat16) == "triton"
+    rows = [dict(cell="c", shape="s", tokens=1, label_tokens=1, mode="lora", impl=impl, status="ok", ms=1.0,
+                 gemm_flops=1e9, peak_bytes=None, engine="triton") for impl in ("ours", "grouped_mm")]
+    table = fm.layer_table(rows)
+    assert table[0]["engine"] == "triton" and "engine" not in table[1]  # the rule concerns ours only

@@ -125,9 +125,11 @@ def test_exponent_without_a_dot_is_a_number():
          "earlier in the file)"),
         (second_entry(supersedes="p01-b"), "field 'supersedes': an entry cannot supersede itself ('p01-b')"),
         (second_entry(supersedes="[p01-a, 3]"), "field 'supersedes': must be an id or a list of ids"),
-        (second_entry(profiles="[cpu, tpu]"), "field 'profiles': unknown profile(s) ['tpu'] (allowed: cpu, gpu)"),
+        (second_entry(profiles="[cpu, tpu]"),
+         "field 'profiles': unknown profile(s) ['tpu'] (allowed: cpu, gpu, gpu-24g, gpu-40g, gpu-sm80)"),
         (second_entry(profiles="gpu"),
-         "field 'profiles': must be a non-empty list, a subset of [cpu, gpu]; got str 'gpu'"),
+         "field 'profiles': must be a non-empty list, a subset of [cpu, gpu, gpu-24g, gpu-40g, gpu-sm80]; "
+         "got str 'gpu'"),
         (second_entry(profiles="[]"), "field 'profiles': must be a non-empty list"),
         (second_entry(confidence="1.5"), "field 'confidence': must be a probability between 0 and 1; got float 1.5"),
         (second_entry(confidence='"high"'),

@@ -52,6 +52,16 @@ def test_declares_the_commit_runs_and_packs(copy):
     assert "exit 0" in (out / "summary.txt").read_text()
 
 
+def test_another_gpu_profile_packs_its_own_folder(copy):
+    probe = ("from pathlib import Path; Path('build/runs/gpu-24g').mkdir(parents=True); "
+             "Path('build/runs/gpu-24g/y.csv').write_text('1'); Path('build/runs/gpu').mkdir(); "
+             "Path('build/runs/gpu/x.csv').write_text('1')")
+    done = run(copy, COMMIT, "--no-install", "--profile", "gpu-24g", "command", "--", sys.executable, "-c", probe)
+    assert done.returncode == 0, done.stderr
+    with tarfile.open(copy.parent / "out" / "results.tgz") as packed:
+        assert packed.getnames() == ["build/runs/gpu-24g", "build/runs/gpu-24g/y.csv"]
+
+
 def test_the_run_s_exit_status_and_the_limit(copy):
     assert run(copy, COMMIT, "--no-install", "command", "--", "bash", "-c", "exit 3").returncode == 3
     stopped = run(copy, COMMIT, "--no-install", "--limit", "1", "command", "--", "sleep", "30")
@@ -64,6 +74,7 @@ def test_the_run_s_exit_status_and_the_limit(copy):
     ([COMMIT, "benchmarks", "07"], "the mode is 'notebooks' or 'command'"),
     ([COMMIT, "notebooks"], "notebooks takes one ONLY list"),
     ([COMMIT, "command", "--"], "command needs the command"),
+    ([COMMIT, "--profile", "cpu", "notebooks", "07"], "--profile takes a gpu profile"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(copy, args, message):
     done = run(copy, *args)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora.rank_ops import dropout_args, rank_projection
 from lora_lab.kernels.lora.tuning import autotune, gemm_configs
@@ -331,6 +332,19 @@ def _tma_layout(segments):
     return layouts.pop() if len(layouts) == 1 else None
 
 
+def gemm_loads_for(requested: str, device) -> str:
+    """``KernelConfig.gemm_loads`` as ``device``'s GPU class runs it (:mod:`lora_lab.gpu_arch`, which honours
+    ``$LORA_LAB_ARCH``): unchanged where TMA exists; before Hopper 'auto' reads through pointers and 'tma' /
+    'persistent' are refused with a ValueError naming the class."""
+    if gpu_arch.has_tma(device):
+        return requested
+    if requested in ("tma", "persistent"):
+        raise ValueError(f"lora_gemm: gemm_loads={requested!r} reads through TMA descriptors, which GPU class "
+                         f"{gpu_arch.gpu_class(device)!r} on {device} lacks (${gpu_arch.ARCH_ENV} may force it); use "
+                         "'auto' or 'pointer'")
+    return "pointer"
+
+
 def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, rank_lo: torch.Tensor | None = None,
               rank_hi: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
@@ -384,7 +398,7 @@ def lora_gemm(out: torch.Tensor, segments, low: torch.Tensor | None = None, rt: 
         return (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)
 
     config = resolve_config(config)
-    impl = config.gemm_loads
+    impl = gemm_loads_for(config.gemm_loads, out.device)
     if project is not None and impl != "persistent":
         raise ValueError(f"lora_gemm: project= needs gemm_loads='persistent', got {impl!r}")
     if impl == "persistent":

@@ -1,6 +1,9 @@
 """Tile configurations and autotuning shared by the LoRA kernels (:mod:`.rank_ops`, :mod:`.gemm`).
 
-A handful of Hopper-friendly tiles on the GPU, one tiny tile in the interpreter (correctness, not speed).
+A handful of Hopper-friendly tiles on the GPU, one tiny tile in the interpreter (correctness, not speed). The
+pruner keeps the tiles that fit the GPU class's shared memory (:func:`lora_lab.gpu_arch.tile_shared_memory_budget`);
+on a GPU with about 99 KiB per block (sm86, sm89, sm120), where none of those fits, it tries three smaller GEMM tiles
+instead, which every other class drops.
 Each autotuned kernel takes an integer argument ``TUNE`` (part of the autotune key): with ``TUNE=0``
 (``KernelConfig(autotune=False)``) the pruner keeps only the first tile that fits, so quick runs skip the
 tuning sweep without touching the tuned entries.
@@ -12,9 +15,27 @@ import inspect
 import triton
 import triton.testing
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.triton_helpers import autotune_cache_kwargs, running_in_interpreter
 
 __all__ = ["gemm_configs", "skinny_configs", "autotune"]
+
+
+# GEMM tiles for GPUs with about 99 KiB of shared memory per block (bf16 operand buffers: 48, 64 and 72 KiB); the
+# pruner keeps them only where the budget is below SMALL_SM_BELOW (they are untimed guesses, not a tuned table)
+_SMALL_SM_GEMM = (
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8}, 4, 3),
+    ({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 8, 2),
+    ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, 4, 3),
+)
+SMALL_SM_BELOW = 100 * 1024
+
+
+def _config_key(kwargs: dict, num_warps: int, num_stages: int) -> tuple:
+    return tuple(sorted(kwargs.items())), num_warps, num_stages
+
+
+_SMALL_SM_KEYS = frozenset(_config_key(*tile) for tile in _SMALL_SM_GEMM)
 
 
 def gemm_configs():
@@ -25,6 +46,7 @@ def gemm_configs():
         triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=4),
         triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=4, num_stages=4),
+        *(triton.Config(dict(kw), num_warps=warps, num_stages=stages) for kw, warps, stages in _SMALL_SM_GEMM),
     ]
 
 
@@ -43,7 +65,7 @@ def _tuning_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
 
-_SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per program; Hopper allows 227 KiB
+_SHARED_MEMORY_BUDGET = 200 * 1024  # bytes per program on Hopper (227 KiB allowed); lora_lab.gpu_arch: other classes
 
 
 def _prune_configs(configs, named_args, **kwargs):
@@ -55,15 +77,19 @@ def _prune_configs(configs, named_args, **kwargs):
     if ref is None:  # the TMA GEMM: its operands arrive as descriptors over a tensor (``base``)
         ref = getattr(named_args.get("in0_desc"), "base", None)
     elsize = ref.element_size() if hasattr(ref, "element_size") else 2
+    budget = gpu_arch.tile_shared_memory_budget(ref.device) if hasattr(ref, "device") else _SHARED_MEMORY_BUDGET
     block_r = kwargs.get("BLOCK_R", 16)
+    small_sm = budget < SMALL_SM_BELOW
     kept = []
     for c in configs:
         kw = c.kwargs
+        if not small_sm and _config_key(kw, c.num_warps, c.num_stages) in _SMALL_SM_KEYS:
+            continue  # the small-SM tiles: tried only where the class's own tiles cannot fit
         if "BLOCK_N" in kw:  # the GEMM: In tile BM×BK and Mat tile BK×BN per stage
             tile = kw["BLOCK_M"] * kw["BLOCK_K"] + kw["BLOCK_K"] * kw["BLOCK_N"]
         else:  # the skinny kernels: In tile BM×BD and a rank tile BD×BR (or BR×BM) per stage
             tile = kw["BLOCK_M"] * kw["BLOCK_D"] + max(kw["BLOCK_D"], kw["BLOCK_M"]) * block_r
-        if tile * elsize * max(c.num_stages, 1) <= _SHARED_MEMORY_BUDGET:
+        if tile * elsize * max(c.num_stages, 1) <= budget:
             kept.append(c)
     if not kept:  # fp32 with wide tiles: a small safe tile
         first = dict(configs[0].kwargs)

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.loss.checks import LabelCheck, check_inputs
 from lora_lab.kernels.loss.fwdgrad import FwdGradLinearCrossEntropyFunction, fitting_plan, free_bytes, plan_error
 from lora_lab.kernels.loss.kernels import grad_kernel, lse_partials_kernel
@@ -223,7 +224,7 @@ def _tma_possible(t: torch.Tensor) -> bool:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401  (triton >= 3.4)
     except ImportError:
         return False
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return gpu_arch.has_tma(t.device)  # compute capability >= 9, after $LORA_LAB_ARCH
 
 
 def _accumulate_mode(cfg: LossKernelConfig, h: torch.Tensor) -> str:

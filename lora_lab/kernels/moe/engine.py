@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import torch
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe.routing import free_saved, refuse_second_backward, sort_assignments
 from lora_lab.kernels.moe.silu_backward import (
@@ -148,7 +149,7 @@ def choose_engine(*, num_experts: int, num_assignments: int, hidden: int, interm
         return "triton"
     coarse = (num_experts <= COARSE_MAX_EXPERTS and intermediate >= COARSE_MIN_INTERMEDIATE
               and num_assignments / max(num_experts, 1) >= COARSE_MIN_ROWS_PER_EXPERT)
-    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= gpu_arch.TMA_MIN
     return "grouped_mm" if (coarse or bool(ranks)) and hopper_bf16 else "triton"
 
 
@@ -170,7 +171,7 @@ def engine_for(hidden_states: torch.Tensor, top_k_index: torch.Tensor, gate_up_p
                config: KernelConfig, ranks: tuple[int, ...] = ()) -> str:
     """:func:`choose_engine` for one call's tensors and ``config`` (``ranks``: the LoRA factors' ranks)."""
     device = hidden_states.device
-    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    capability = gpu_arch.capability(device)  # honours $LORA_LAB_ARCH
     num_experts, two_i, hidden = gate_up_proj.shape
     return choose_engine(num_experts=num_experts, num_assignments=top_k_index.numel(), hidden=hidden,
                          intermediate=two_i // 2, dtype=hidden_states.dtype, capability=capability,

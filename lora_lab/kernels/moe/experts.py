@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import torch
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.moe.down_backward import down_backward_silu
 from lora_lab.kernels.moe.engine import (
@@ -119,7 +120,7 @@ def _piece_engine(field: str, requested: str, *, dtype: torch.dtype, capability:
         if blockers:
             raise ValueError(f"{field}='grouped_mm' cannot run this layer: " + "; ".join(blockers))
         return "grouped_mm"
-    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= (9, 0)
+    hopper_bf16 = dtype == torch.bfloat16 and capability is not None and capability >= gpu_arch.TMA_MIN
     return "grouped_mm" if requested == "auto" and not blockers and hopper_bf16 else "triton"
 
 
@@ -160,7 +161,7 @@ def down_backward_engine(*, requested: str, dtype: torch.dtype, capability: tupl
 def _layer_rules(x: torch.Tensor, w1: torch.Tensor, has_lora: bool, config: KernelConfig) -> tuple[str, bool, str]:
     """(:func:`scatter_engine`, :func:`dw1_on_grouped_mm`, :func:`down_backward_engine`) for one call's tensors
     and ``config``."""
-    capability = torch.cuda.get_device_capability(x.device) if x.device.type == "cuda" else None
+    capability = gpu_arch.capability(x.device)  # honours $LORA_LAB_ARCH
     shape = dict(dtype=x.dtype, capability=capability, hidden=w1.shape[2], intermediate=w1.shape[1] // 2,
                  has_lora=has_lora, available=grouped_mm_available())
     return (scatter_engine(requested=config.moe_scatter, **shape),

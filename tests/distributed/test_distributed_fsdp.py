@@ -1,6 +1,9 @@
 """Two processes with gloo on random:tiny-qwen2 in fp32 (notebook 08's CPU check): FSDP2-sharded LoRA training gives
 the one-process losses (same global batch) within 1e-6, and the adapter saved from the two processes reloads on one
 process, in lora_lab and in PEFT, with the two-process model's logits bit for bit."""
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from lora_lab.distributed.jobs import train_lora
 
 JOB = "lora_lab.distributed.jobs:train_lora"
 TOLERANCE = 1e-6
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _losses(results):
@@ -34,10 +38,43 @@ def reference():
             "sgd-peft": train_lora({"shard": False, "peft": True, **SGD})["losses"]}
 
 
-def test_two_processes_meta_built_give_the_one_process_losses_and_a_reloadable_adapter(reference, tmp_path):
-    adapter, logits_file = tmp_path / "adapter", tmp_path / "logits.pt"
-    results = launch(JOB, {"meta_init": True, "save_adapter": str(adapter), "save_logits": str(logits_file)},
-                     nproc=2, out_dir=tmp_path / "run", timeout=300)
+THROUGHPUT_VARIANTS = {"plain": {"patch_kernels": False, "loss": "standard"},
+                       "chunked": {"patch_kernels": False, "loss": "chunked"}}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Every two-process job of this file, run one after another in one launch (tests/distributed/jobs_in_order.py:
+    one torchrun start and one import per rank for all of them); ``two_ranks(label)`` is that job's result per rank,
+    rank 0 first (its error, when it raised, fails the test that asks for it). Triton's interpreter is on for every
+    job (the fused kernels' job needs it on a CPU; the others run no Triton kernel)."""
+    folder = tmp_path_factory.mktemp("two_ranks")
+    jobs = [["meta", JOB, {"meta_init": True, "save_adapter": str(folder / "adapter"),
+                           "save_logits": str(folder / "logits.pt")}],
+            ["peft", JOB, {"peft": True, "activation_checkpointing": True, "reshard_after_forward": False,
+                           "loss": "standard", **SGD}],
+            ["bf16", JOB, {"param_dtype": "bf16"}],
+            ["throughput", "lora_lab.distributed.jobs:step_throughput",
+             {"steps": 1, "seq": 32, "variants": THROUGHPUT_VARIANTS, "rounds": 2}],
+            ["fused", JOB, {"patch_kernels": True, "loss": "fused", **SGD}]]
+    path = os.pathsep.join(p for p in (str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    results = launch("jobs_in_order:run_in_order", {"jobs": jobs}, nproc=2, out_dir=folder / "run", timeout=600,
+                     env={"TRITON_INTERPRET": "1", "PYTHONPATH": path})
+    assert [r["world_size"] for r in results] == [2, 2]
+
+    def job(label):
+        per_rank = [{"world_size": r["world_size"], "metrics": r["metrics"][label]} for r in results]
+        for r in per_rank:
+            assert "error" not in r["metrics"], f"the {label} job failed:\n{r['metrics']['error']}"
+        return per_rank
+
+    job.folder = folder
+    return job
+
+
+def test_two_processes_meta_built_give_the_one_process_losses_and_a_reloadable_adapter(reference, two_ranks):
+    adapter, logits_file = two_ranks.folder / "adapter", two_ranks.folder / "logits.pt"
+    results = two_ranks("meta")
     assert [r["world_size"] for r in results] == [2, 2]
     _close(_losses(results), reference["adamw"])
     sharded_logits = torch.load(logits_file)
@@ -50,37 +87,32 @@ def test_two_processes_meta_built_give_the_one_process_losses_and_a_reloadable_a
     assert torch.equal(lora_lab.model_logits(theirs, batch), sharded_logits)
 
 
-def test_two_processes_peft_checkpointed_kept_unsharded_standard_loss(reference, tmp_path):
-    results = launch(JOB, {"peft": True, "activation_checkpointing": True, "reshard_after_forward": False,
-                           "loss": "standard", **SGD}, nproc=2, out_dir=tmp_path, timeout=300)
+def test_two_processes_peft_checkpointed_kept_unsharded_standard_loss(reference, two_ranks):
+    results = two_ranks("peft")
     _close(_losses(results), reference["sgd-peft"])
 
 
-def test_two_processes_with_the_fused_lora_kernels_and_fused_loss(reference, tmp_path):
+def test_two_processes_with_the_fused_lora_kernels_and_fused_loss(reference, two_ranks):
     """The fused LoRA Function reads the weights inside its FSDP unit's forward, the fused loss reads the lm_head
     inside the root's loss method (Triton's interpreter on CPU)."""
-    results = launch(JOB, {"patch_kernels": True, "loss": "fused", **SGD}, nproc=2, out_dir=tmp_path, timeout=300,
-                     env={"TRITON_INTERPRET": "1"})
+    results = two_ranks("fused")
     assert results[0]["metrics"]["patched"]["lora_layers"] == 4
     _close(_losses(results), reference["sgd"])
 
 
-def test_two_processes_bf16_compute_fp32_reduce(reference, tmp_path):
+def test_two_processes_bf16_compute_fp32_reduce(reference, two_ranks):
     """FSDP's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) runs on gloo: close to fp32, not equal."""
-    results = launch(JOB, {"param_dtype": "bf16"}, nproc=2, out_dir=tmp_path, timeout=300)
+    results = two_ranks("bf16")
     losses = _losses(results)
     assert losses != reference["adamw"]
     assert max(abs(g - w) for g, w in zip(losses, reference["adamw"])) < 1e-2
 
 
-def test_step_throughput_job_on_two_processes(tmp_path):
+def test_step_throughput_job_on_two_processes(two_ranks):
     from lora_lab.distributed.jobs import step_throughput
 
-    variants = {"plain": {"patch_kernels": False, "loss": "standard"},
-                "chunked": {"patch_kernels": False, "loss": "chunked"}}
-    results = launch("lora_lab.distributed.jobs:step_throughput",
-                     {"steps": 1, "seq": 32, "variants": variants, "rounds": 2}, nproc=2,
-                     out_dir=tmp_path / "run", timeout=300)
+    variants = THROUGHPUT_VARIANTS
+    results = two_ranks("throughput")
     metrics = [r["metrics"] for r in results]
     for name in variants:
         mine = [m["variants"][name] for m in metrics]

@@ -5,6 +5,8 @@
 * ``TRITON_INTERPRET=1`` set after ``lora_lab.kernels`` was imported: the kernels were built for a GPU driver; the
   ops and ``patch_model`` name the fix instead of failing inside Triton with "0 active drivers" (subprocess tests).
 * ``fused_dora_linear`` (named in the README) is exported from ``lora_lab.kernels``.
+* The interpreter's integer overflow checks, which it computes and then drops, are not computed once the kernels are
+  imported; an overflowing kernel gives the same result either way.
 """
 import os
 import subprocess
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import lora_lab
 from lora_lab.experiments.fused_moe import make_moe_problem
@@ -28,7 +32,7 @@ from lora_lab.kernels.moe.experts import fused_moe_experts, moe_experts_referenc
 from lora_lab.kernels.moe.gate_up_silu import gate_up_silu
 from lora_lab.kernels.moe.grouped_gemm import grouped_rows_gemm
 from lora_lab.kernels.moe.routing import route_experts
-from lora_lab.kernels.triton_helpers import InterpreterDtypeError, kernels_interpreted
+from lora_lab.kernels.triton_helpers import InterpreterDtypeError, kernels_interpreted, skip_dropped_overflow_checks
 
 interpreter = pytest.mark.skipif(not kernels_interpreted(), reason="runs the kernels in Triton's CPU interpreter")
 REPO = Path(__file__).resolve().parents[2]
@@ -345,3 +349,33 @@ def test_autotune_picks_are_cached_on_disk_unless_turned_off(monkeypatch):
     monkeypatch.setenv("LORA_LAB_AUTOTUNE_CACHE", "0")
     tuning.autotune(tuning.gemm_configs(), key=["N"])
     assert seen == {"cache_results": False}
+
+
+@triton.jit
+def _int32_product_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offsets, tl.load(x_ptr + offsets) * tl.load(y_ptr + offsets))
+
+
+@interpreter
+def test_the_interpreter_computes_no_overflow_check_and_would_drop_it_anyway():
+    """Importing lora_lab.kernels switched the check off; with it on (Triton's default) an int32 product that
+    overflows gives the same wrapped result and no error, since the interpreter drops the check: skipping it changes
+    nothing (if a Triton release starts reporting it, this test fails and the skip must go)."""
+    import dataclasses
+
+    from triton.runtime.interpreter import interpreter_builder
+
+    assert interpreter_builder.options.sanitize_overflow is False and not interpreter_builder.options.debug
+    assert skip_dropped_overflow_checks() is True
+    skipped = interpreter_builder.options
+    results = {}
+    try:
+        for check in (True, False):
+            interpreter_builder.options = dataclasses.replace(skipped, sanitize_overflow=check)
+            x, y = torch.full((4,), 2**30, dtype=torch.int32), torch.full((4,), 4, dtype=torch.int32)
+            _int32_product_kernel[(1,)](x, y, BLOCK=4)
+            results[check] = x.tolist()
+    finally:
+        interpreter_builder.options = skipped
+    assert results == {True: [0, 0, 0, 0], False: [0, 0, 0, 0]}

@@ -75,6 +75,7 @@ from lora_lab.lab.scoreboard_files import (  # noqa: F401 - SCOREBOARD_MD/PNG an
 RUN_SUMMARY_NAME = "run_summary.json"
 OUTCOMES = ("hit", "miss", "inconclusive", "void", "superseded")
 GRADED_OUTCOMES = ("hit", "miss", "inconclusive")
+AWAITING_WHY = "its test is the next run"  # the end of a void's why: registered after the latest run began
 
 
 @dataclass
@@ -169,8 +170,10 @@ class Scoreboard:
         rate, brier = self._hit_rate(graded), self._brier(graded)
         rate_text = "n/a" if rate is None else f"{rate:.1%} ({self.count('hit', rows)}/{len(graded)})"
         brier_text = "n/a" if brier is None else f"{brier:.4f}"
+        awaiting = sum(row.outcome == "void" and row.why.endswith(AWAITING_WHY) for row in rows)
+        waiting = f" ({awaiting} of them awaiting their first run)" if awaiting else ""
         return (f"{label}: {self.count('hit', rows)} hit, {self.count('miss', rows)} miss, "
-                f"{self.count('inconclusive', rows)} inconclusive, {self.count('void', rows)} void; "
+                f"{self.count('inconclusive', rows)} inconclusive, {self.count('void', rows)} void{waiting}; "
                 f"hit rate {rate_text}; Brier score {brier_text}; "
                 f"{sum(row.unstable for row in rows)} unstable across runs")
 
@@ -351,7 +354,7 @@ def registered_after_run(registered_at: str | None, metrics_file: Path) -> str:
     if when is None or started is None or when <= started:
         return ""
     return (f"registered {when.isoformat(timespec='minutes')}, after this run started "
-            f"({started.isoformat(timespec='minutes')}): its test is the next run")
+            f"({started.isoformat(timespec='minutes')}): {AWAITING_WHY}")
 
 
 def grade_row(prediction: Prediction, profile: str, metrics_file: Path, run_summary: dict[str, Any],
@@ -434,6 +437,8 @@ def grade_predictions(
                 late = "" if tested else registered_after_run((registered_at or {}).get(prediction.id), metrics_file)
                 if late and row.outcome in GRADED_OUTCOMES:
                     row.outcome, row.why, row.one_session_outcome = "void", late, ""
+                elif late and row.outcome == "void":  # not graded anyway: say that no run has tested it yet
+                    row.why, row.one_session_outcome = late, ""
             board.rows.append(row)
     return board
 

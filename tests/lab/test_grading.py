@@ -363,3 +363,18 @@ def test_scoreboard_plot_has_a_colour_for_every_outcome_in_order():
     from lora_lab.lab.scoreboard_files import OUTCOME_COLOURS
 
     assert tuple(OUTCOME_COLOURS) == OUTCOMES
+
+
+def test_a_prediction_registered_after_the_latest_run_awaits_its_first_run(tmp_path):
+    """Registered after the run began and its metric absent: void, saying its test is the next run (not 'metric not
+    recorded'), and the summary line counts it apart from the other voids."""
+    from lora_lab.lab.grading import AWAITING_WHY, grade_predictions
+
+    _write_metrics(tmp_path, "01_records_metrics", {"answer": 2.0}, started="2026-12-01T10:00:00+00:00")
+    late, early = _ratio(metric="absent", pid="late"), _ratio(metric="absent_too", pid="early")
+    board = grade_predictions([late, early], "cpu", tmp_path, history=[],
+                              registered_at={"late": "2026-12-02T10:00:00+00:00", "early": "2026-11-30T10:00:00+00:00"})
+    rows = {row.id: row for row in board.rows}
+    assert rows["late"].outcome == "void" and rows["late"].why.endswith(AWAITING_WHY)
+    assert rows["early"].outcome == "void" and "not recorded" in rows["early"].why
+    assert "2 void (1 of them awaiting their first run)" in board.summary_line()

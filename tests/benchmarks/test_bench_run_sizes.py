@@ -1,5 +1,6 @@
-"""What the GPU notebooks' benchmark runs cost by default: bench_loss.py's timed calls per repetition, and
-bench_whole_step.py's sessions sharing Triton's disk cache of autotuning results (as bench_moe.py's do)."""
+"""What the GPU notebooks' benchmark runs cost by default: bench_loss.py's timed calls per repetition,
+bench_gated_deltanet.py's secondary columns (none unless asked for), and bench_whole_step.py's sessions sharing
+Triton's disk cache of autotuning results (as bench_moe.py's do)."""
 from __future__ import annotations
 
 import importlib
@@ -24,6 +25,14 @@ def test_bench_loss_times_five_calls_per_repetition_by_default(scripts):
     assert (args.min_calls, args.max_calls) == (5, 5)
     args = bench.build_parser().parse_args(["--out", "o", "--min-calls", "10", "--max-calls", "10"])
     assert (args.min_calls, args.max_calls) == (10, 10)
+
+
+def test_gated_deltanet_times_no_secondary_column_unless_asked(scripts):
+    """Notebook 05 passes no --secondary and reads only the loop's figure: no profiler or do_bench pass by default."""
+    bench = scripts("bench_gated_deltanet")
+    assert bench.build_parser().parse_args(["--out", "o"]).secondary == []
+    args = bench.build_parser().parse_args(["--out", "o", "--secondary", "kernel", "back_to_back"])
+    assert args.secondary == ["kernel", "back_to_back"]
 
 
 def test_whole_step_sessions_keep_autotuning_results_on_disk(scripts, monkeypatch, tmp_path):

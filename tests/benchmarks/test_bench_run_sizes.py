@@ -1,6 +1,6 @@
 """What the GPU notebooks' benchmark runs cost by default: bench_loss.py's timed calls per repetition,
-bench_gated_deltanet.py's secondary columns (none unless asked for), and bench_whole_step.py's sessions sharing
-Triton's disk cache of autotuning results (as bench_moe.py's do)."""
+bench_gated_deltanet.py's secondary columns (none unless asked for), bench_moe.py's warm-up calls per loop, and
+bench_whole_step.py's sessions sharing Triton's disk cache of autotuning results (as bench_moe.py's do)."""
 from __future__ import annotations
 
 import importlib
@@ -33,6 +33,14 @@ def test_gated_deltanet_times_no_secondary_column_unless_asked(scripts):
     assert bench.build_parser().parse_args(["--out", "o"]).secondary == []
     args = bench.build_parser().parse_args(["--out", "o", "--secondary", "kernel", "back_to_back"])
     assert args.secondary == ["kernel", "back_to_back"]
+
+
+def test_moe_layer_loops_warm_up_once(scripts):
+    """Notebook 06 passes no --warmup: each implementation's loop starts with one untimed call (its first calls and
+    peak-memory call ran before the repetitions); the timed calls per loop stay 10 at most."""
+    args = scripts("bench_moe").build_parser().parse_args(["--out", "o"])
+    assert (args.warmup, args.calls) == (1, 10)
+    assert scripts("bench_moe").build_parser().parse_args(["--out", "o", "--warmup", "3"]).warmup == 3
 
 
 def test_whole_step_sessions_keep_autotuning_results_on_disk(scripts, monkeypatch, tmp_path):

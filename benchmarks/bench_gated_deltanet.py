@@ -19,9 +19,9 @@ Repetitions: ``--repetitions N`` complete side-by-side loops, each timing every 
 ``fwd_bwd_ms`` is the primary figure, the median of ``--calls`` calls of the step in the user's loop
 (``measure.loop_ms``: CUDA events around each call, synchronised after it, so host time counts); ``kernel_ms``
 (profiler device time per call) and ``back_to_back_ms`` (``do_bench``) stand beside it as labelled secondary columns
-(``--secondary``). Peak memory (``measure.peak_bytes``) and the bytes saved for backward (deduplicated by storage,
-parameters excluded) are measured once per variant. ``--check-seq N`` also compares the whole patched layer
-(core included) with the unpatched PEFT layer at sequence N.
+where ``--secondary`` asks for them (none by default). Peak memory (``measure.peak_bytes``) and the bytes saved for
+backward (deduplicated by storage, parameters excluded) are measured once per variant. ``--check-seq N`` also
+compares the whole patched layer (core included) with the unpatched PEFT layer at sequence N.
 
 Writes into --out: 05_gated_deltanet.csv (one row per variant and repetition), 05_gated_deltanet_summary.csv,
 05_gated_deltanet_layer_check.csv (with --check-seq) and 05_gated_deltanet.png.
@@ -204,16 +204,21 @@ def plot(summary, rows, out: Path, seq: int):
     plt.close(fig)
 
 
-def main(argv=None):
-    start = time.perf_counter()
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(ap, ALL_VARIANTS, DEFAULT_VARIANTS,
                          "the whole code path on a hidden-32 layer, seq / 1024, fp32")
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--rank", type=int, default=16)
-    add_timing_arguments(ap)
+    add_timing_arguments(ap, secondary=())  # no metric reads the secondary columns: opt in with --secondary
     ap.add_argument("--check-seq", type=int, default=0, help="sequence of the whole-layer check (0: none)")
+    return ap
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    ap = build_parser()
     args = ap.parse_args(argv)
     names = chosen_variants(ap, args, ALL_VARIANTS, DEFAULT_VARIANTS)
     device = check_device(args.smoke)

@@ -574,8 +574,7 @@ def _fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
-def main(argv=None):
-    start = time.perf_counter()
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output directory for the CSVs and plots")
     ap.add_argument("--repetitions", type=int, default=measure.MIN_REPETITIONS,
@@ -591,8 +590,10 @@ def main(argv=None):
     ap.add_argument("--heads", nargs="+", default=HEADS, choices=HEADS)
     ap.add_argument("--call-budget-ms", type=float, default=80.0,
                     help="timed calls per method and repetition fill about this many ms (default %(default)s)")
-    ap.add_argument("--max-calls", type=int, default=10, help="at most this many timed calls (default %(default)s)")
-    ap.add_argument("--min-calls", type=int, default=10,
+    # 5 calls: each repetition's median is one sample; the repetitions (and sessions) give the intervals, and a
+    # call here takes 14-310 ms on an H200, far above the event timer's resolution
+    ap.add_argument("--max-calls", type=int, default=5, help="at most this many timed calls (default %(default)s)")
+    ap.add_argument("--min-calls", type=int, default=5,
                     help="at least this many timed calls per method and repetition (default %(default)s)")
     ap.add_argument("--check-tokens", type=int, default=4096,
                     help="loss / dH / dW errors against the fp32 reference only in cells of at most this many "
@@ -603,6 +604,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="the llama3-8b head at 16,384 tokens, both heads, the panel's methods (a few minutes)")
     add_ledger_argument(ap)
+    return ap
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.shapes, args.tokens = ["llama3-8b"], [16384]

@@ -568,8 +568,7 @@ def _child_argv(argv: list[str], out: Path, index: int) -> list[str]:
     return [*session_argv(argv, out), "--session-index", str(index)]
 
 
-def main(argv=None):
-    start = time.perf_counter()
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(ap, ALL_IMPLS, ["grouped_mm", "ours"],
                          "the whole code path on tiny stand-ins of the layers (T / 1024) and of the model, fp32")
@@ -590,7 +589,9 @@ def main(argv=None):
                          ", so one timing session's budget holds at most one)")
     ap.add_argument("--persistent-shapes", nargs="*", default=["qwen3_30b_a3b"], choices=list(LAYER_SHAPES),
                     help="shapes whose cells also run the persistent form when --variants asks for it")
-    add_timing_arguments(ap)
+    # one warm-up call per loop: each implementation's first call, a second one and its peak-memory call already ran
+    # in the cell before the repetitions; the warm-up only re-primes it after the other implementations' loops
+    add_timing_arguments(ap, warmup=1)
     ap.add_argument("--budget-s", type=float, nargs="+", default=None,
                     help="seconds the layer cells of one session may take, first calls (compile, autotuning) "
                          "included: one value, or one per session (the last repeats). Each cell's timed calls are cut "
@@ -615,6 +616,12 @@ def main(argv=None):
     ap.add_argument("--e2e-eager-modes", nargs="*", default=["lora"], choices=["full", "lora"],
                     help="modes whose end-to-end comparison includes the eager loop")
     ap.set_defaults(variants=DEFAULT_RUN)  # eager is limited by --eager-tokens / --eager-shapes
+    return ap
+
+
+def main(argv=None):
+    start = time.perf_counter()
+    ap = build_parser()
     args = ap.parse_args(argv)
     if args.sessions < 1 or (args.budget_s is not None and min(args.budget_s) <= 0):
         ap.error("--sessions must be >= 1 and --budget-s > 0")

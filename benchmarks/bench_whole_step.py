@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import subprocess
 import sys
@@ -364,11 +365,12 @@ def main(argv=None) -> None:
     else:
         raw = list(sys.argv[1:] if raw is None else raw)
         parts = []
+        env = session_environment()
         for k in range(args.sessions):
             part = out / f"session{k}"
             cmd = [sys.executable, str(Path(__file__).resolve()), *_replace_out(raw, part), "--session-index", str(k)]
             print(f"--- session {k + 1}/{args.sessions}: {' '.join(cmd[1:])}", flush=True)
-            done = subprocess.run(cmd)
+            done = subprocess.run(cmd, env=env)
             if done.returncode != 0 and not (part / CSV).exists():
                 raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / CSV}")
             parts.append(part)
@@ -387,6 +389,15 @@ def main(argv=None) -> None:
         print("LOSS_TABLE" + (" (smoke: the interpreter's times, not a measurement)" if args.smoke else "") + ":", line)
     print(f"wrote {out / CSV} ({len(rows)} rows), {out / SUMMARY_CSV} in {time.perf_counter() - start:.0f} s")
     print_table(summary)
+
+
+def session_environment() -> dict[str, str]:
+    """The sessions' environment: this one with Triton's disk cache of autotuning results on
+    (``TRITON_CACHE_AUTOTUNING=1`` unless set otherwise), as bench_moe.py sets it for its sessions. Liger's fused MoE
+    autotunes for minutes at a cold (hidden, intermediate) key; with the cache a later session, or this benchmark after
+    bench_moe.py tuned the same layer shape, reuses the picks. Only timed steps after warm-up are measured here, so
+    the cache changes how long a session takes, not what it measures."""
+    return {**os.environ, "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1")}
 
 
 def _replace_out(argv: list[str], new: Path) -> list[str]:

@@ -28,13 +28,28 @@ def test_the_routes_command_line_parses(bench):
     args = bench.parse_args(ROUTES_COMMAND)
     assert args.variants == ["base", "peft", "fused", "fused_cublas_base", "fused_cublas_base_qdb", "base_graphed",
                              "fused_graphed", "fused_cublas_base_graphed"]  # only what was asked for
-    assert (args.sessions, args.ledger, args.cells, args.back_to_back) == (2, "FILE", None, True)
+    assert (args.sessions, args.ledger, args.cells, args.back_to_back) == (2, "FILE", None, False)
     assert bench.parse_args([*ROUTES_COMMAND, "--no-back-to-back"]).back_to_back is False
+    assert bench.parse_args([*ROUTES_COMMAND, "--back-to-back"]).back_to_back is True
     assert bench.parse_args(["--out", "o", "--variants", "routes"]).variants == [
         "base", "peft", "fused", *bench.ROUTES]
     assert bench.parse_args(["--out", "o"]).variants == bench.DEFAULT_VARIANTS  # the notebook's run is unchanged
     cells = bench.parse_args(["--out", "o", "--cells", "32k_4096x4096_r16,8k_12288x4096_r64"]).cells
     assert cells == ["32k_4096x4096_r16", "8k_12288x4096_r64"]
+
+
+def test_the_default_run_times_what_notebook_05_grades_and_no_more(bench):
+    """The notebook passes no --variants: its default run must time every variant a graded metric reads (the
+    routes and their references, the rank-r passes by cuBLAS, the folded GEMM core), leave out the persistent GEMM
+    alone (graded by no prediction), and skip the do_bench column (read by no metric)."""
+    args = bench.parse_args(["--out", "o"])
+    routes = {v for v in fused_lora_kernels.ROUTE_VARIANTS if v in bench.ROUTES}  # the --variants routes preset
+    assert {"fused_cublas_base", "fused_graphed"} <= routes  # p05-cublas-base-target, p05-graphed-host-ms
+    references = {fused_lora_kernels.ROUTE_VARIANTS[v] for v in routes}
+    assert routes | references | {"base", "peft", "fused", "fused_torch_rank", "fused_fold"} <= set(args.variants)
+    assert "fused_persistent" not in args.variants
+    assert args.back_to_back is False
+    assert args.calls == bench.LOOP[False]["calls"] == 6
 
 
 def test_an_unknown_cell_or_variant_is_named(bench, capsys):

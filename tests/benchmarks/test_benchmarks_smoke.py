@@ -35,7 +35,7 @@ SCRIPTS = {
     "bench_loss.py": ["--methods", *LOSS_METHODS, "--shapes", *LOSS_SHAPES],
     "bench_lora_linear.py": ["--components", "target"],
     "bench_loss_train_step.py": ["--variants", "all"],
-    "bench_gated_deltanet.py": ["--check-seq", "32"],
+    "bench_gated_deltanet.py": ["--check-seq", "32", "--secondary", "kernel", "back_to_back"],
     "bench_gemm_core.py": ["--variants", "all", "--tokens", "8192", "--shapes", "4096x4096", "4096x12288"],
     "profile_kernels.py": ["--variants", "base", "fused", "ours", "grouped_mm"],
 }

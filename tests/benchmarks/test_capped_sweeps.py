@@ -1,0 +1,149 @@
+"""Under a GPU memory cap (the gpu-24g / gpu-40g profiles), the sweeps of notebooks 05, 07 and 10 skip by name what
+their byte models say cannot fit, keep an OOM as a skipped cell, and leave the affected metrics out so they grade
+void with the reason. CPU only: the device is a torch.device object, the GPU's size a fixture."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lora_lab.lab import measure, rules
+from lora_lab.memory import budget
+
+ROOT = Path(__file__).resolve().parents[2]
+GIB = 2**30
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
+
+
+@pytest.fixture(autouse=True)
+def no_cap(monkeypatch):
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "")
+    budget.clear_skipped()
+    yield
+    budget.clear_skipped()
+
+
+@pytest.fixture
+def h200(monkeypatch):
+    """cuda:0 has 141 GiB, as an H200: the cap, when set, is what limits."""
+    card = SimpleNamespace(total_memory=141 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: card)
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+
+    def load(name):
+        import importlib
+
+        return importlib.import_module(name)
+    return load
+
+
+def void_reason(metric: str) -> str | None:
+    """Why a prediction on ``metric`` would grade void, from the skipped cells kept so far."""
+    found = rules.skipped_cell_of(metric, {"skipped_cells": budget.skipped_cells()})
+    return None if found is None else f"{found[0]}: {found[1]}"
+
+
+# ---- notebook 10: bench_whole_step -------------------------------------------------------------------------------
+
+def _whole_step_args(bench):
+    args, _ = bench("bench_whole_step").parse_args(["--out", "x"])  # the gpu profile's shapes: 2 x 4096, 2 layers
+    return args
+
+
+@pytest.mark.parametrize("cap, alone, timing", [("22", set(), True), ("39", set(), False),
+                                                ("12", {"peft", "peft_patch"}, True)])
+def test_whole_step_skips_what_the_byte_model_says_cannot_fit(bench, h200, monkeypatch, cap, alone, timing):
+    ws = bench("bench_whole_step")
+    args = _whole_step_args(bench)
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, cap)
+    skip_alone, skip_timing = ws.over_memory_cap("llama", args.variants, args, CUDA)
+    assert set(skip_alone) == alone  # the standard loss's logits: the two variants without a fused loss
+    assert (skip_timing is not None) == timing
+    if timing:
+        assert skip_timing.startswith("timing pass skipped: needs more than the memory cap")
+        assert "6 variants built at once, batch 2 x 4096" in skip_timing
+    for reason in skip_alone.values():
+        assert reason.startswith("memory pass skipped") and "byte model" in reason
+
+
+def test_whole_step_estimates_the_timing_pass_from_every_variant_built(bench):
+    ws = bench("bench_whole_step")
+    args = _whole_step_args(bench)
+    est = ws.estimated_bytes("llama", args.variants, args)
+    fixed = {f for f, _ in est.values()}
+    assert len(fixed) == 1  # the same weights and adapters in every variant
+    assert est["peft"][1] > est["peft_patch_fused_loss"][1]  # the standard loss's logits
+    assert ws.timing_bytes(est) == 6 * fixed.pop() + est["peft"][1] - est["peft"][0]
+    assert ws.estimated_bytes("qwen3_moe", args.variants, args) is None  # no byte model: an OOM is caught instead
+
+
+def test_whole_step_runs_everything_without_a_cap_or_off_cuda(bench, h200, monkeypatch):
+    ws = bench("bench_whole_step")
+    args = _whole_step_args(bench)
+    assert ws.over_memory_cap("llama", args.variants, args, CUDA) == ({}, None)
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "1")
+    assert ws.over_memory_cap("llama", args.variants, args, torch.device("cpu")) == ({}, None)
+    assert ws.over_memory_cap("qwen3_moe", args.variants, args, CUDA) == ({}, None)
+
+
+def test_whole_step_passes_write_skipped_rows(bench, monkeypatch):
+    ws = bench("bench_whole_step")
+
+    class Fake:
+        def __init__(self, *a):
+            self.losses = []
+
+        def step(self):
+            self.losses.append(torch.tensor(2.0))
+
+        def describe(self):
+            return {"loss_impl": "torch"}
+
+    monkeypatch.setattr(ws, "Variant", Fake)
+    args, _ = ws.parse_args(["--out", "x", "--smoke", "--repetitions", "2", "--variants", "peft", "peft_patch"])
+    cpu = torch.device("cpu")
+    memory = ws.memory_pass("llama", args.variants, args, cpu, torch.float32, {"peft_patch": "memory pass skipped: x"})
+    assert {r["variant"]: r["status"] for r in memory} == {"peft": "ok", "peft_patch": "skipped"}
+    rows = ws.timing_pass("llama", args.variants, args, cpu, torch.float32, "timing pass skipped: y")
+    assert [(r["variant"], r["status"]) for r in rows] == [("peft", "skipped")] * 2 + [("peft_patch", "skipped")] * 2
+    summary = {s["variant"]: s for s in ws.summarize(rows, memory)}
+    assert summary["peft_patch"]["status"] == "skipped" and summary["peft"]["status"] == "skipped"
+
+
+def _whole_step_csvs(tmp_path):
+    ok = {"batch": 2, "seq": 4096, "layers": 2, "dtype": "bfloat16", "smoke": False, "session": 0}
+    rows = [{**ok, "model": "llama", "variant": v, "rep": rep, "status": "ok", "step_ms": ms}
+            for rep in range(2) for v, ms in (("peft", 10.0 + rep), ("peft_liger_patch", 8.0))]
+    rows += [{**ok, "model": "qwen2", "variant": v, "rep": rep, "status": "skipped",
+              "error": "timing pass skipped: needs more than the memory cap"} for rep in range(2)
+             for v in ("peft", "peft_liger_patch")]
+    memory = [{**ok, "model": "llama", "variant": "peft", "status": "oom", "error": "CUDA out of memory"},
+              {**ok, "model": "llama", "variant": "peft_liger_patch", "status": "ok", "peak_gib": 5.0,
+               "losses_first": "2.0 1.9 1.8"},
+              {**ok, "model": "qwen2", "variant": "peft", "status": "ok", "peak_gib": 19.0,
+               "losses_first": "2.0 1.9 1.8"}]
+    measure.write_csv(rows, tmp_path / "whole_step.csv")
+    measure.write_csv(memory, tmp_path / "whole_step_memory.csv")
+
+
+def test_whole_step_metrics_name_the_skipped_model_under_a_cap(tmp_path, monkeypatch):
+    from lora_lab.experiments import whole_step
+
+    _whole_step_csvs(tmp_path)
+    plain = whole_step.benchmark_metrics(tmp_path)
+    assert budget.skipped_cells() == {}  # without a cap an OOM is the measurement's own result
+    assert plain["llama_peft_peak_gib"] is None
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    metrics = whole_step.benchmark_metrics(tmp_path)
+    assert metrics["llama_recipe_speedup_vs_peft"]["median"] > 1  # what ran is still graded
+    assert "llama_peft_peak_gib" not in metrics and "qwen2_recipe_speedup_vs_peft" not in metrics
+    assert metrics["qwen2_peft_peak_gib"] == 19.0
+    assert "peft oom: CUDA out of memory" in void_reason("llama_peft_peak_gib")
+    why = void_reason("qwen2_recipe_speedup_vs_peft")
+    assert why.startswith("qwen2: under the 22 GiB memory cap") and "timing pass skipped" in why

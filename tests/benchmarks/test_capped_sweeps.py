@@ -147,3 +147,39 @@ def test_whole_step_metrics_name_the_skipped_model_under_a_cap(tmp_path, monkeyp
     assert "peft oom: CUDA out of memory" in void_reason("llama_peft_peak_gib")
     why = void_reason("qwen2_recipe_speedup_vs_peft")
     assert why.startswith("qwen2: under the 22 GiB memory cap") and "timing pass skipped" in why
+
+
+# ---- notebook 07: bench_loss -------------------------------------------------------------------------------------
+
+def _loss_csv(tmp_path):
+    rows = []
+    for shape in ("qwen2.5-0.5b", "llama3-8b"):
+        for head in ("trainable", "frozen"):
+            for method, ms in (("lora_lab", 5.0), ("torch_bf16", 9.0), ("liger", 7.0), ("gemm_floor", 4.0),
+                               ("gemm_floor_recompute", 4.5)):
+                oom = (shape, head, method) == ("llama3-8b", "trainable", "torch_bf16")
+                for rep in range(2):
+                    rows.append({"shape": shape, "tokens": 16384, "head": head, "method": method, "rep": rep,
+                                 "status": "oom" if oom else "ok", "ms": None if oom else ms + rep,
+                                 "peak_vs_floor": None if oom else 2.0, "peak_extra_gib": None if oom else 1.0,
+                                 "loss_rel_err": None, "note": "predicted: 3 [N x V] buffers" if oom else ""})
+    measure.write_csv(rows, tmp_path / "07_loss_block.csv")
+
+
+def test_loss_metrics_over_a_cell_where_a_method_ran_out_of_memory_are_void_under_a_cap(tmp_path, monkeypatch):
+    from lora_lab.experiments import loss_block
+
+    _loss_csv(tmp_path)
+    plain = loss_block.benchmark_metrics(tmp_path)
+    assert "time_vs_torch_bf16_max" in plain and budget.skipped_cells() == {}  # uncapped: over the cells that ran
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    metrics = loss_block.benchmark_metrics(tmp_path)
+    assert "time_vs_torch_bf16_max" not in metrics
+    assert void_reason("time_vs_torch_bf16_max") == (
+        "time_vs_torch_bf16_max: ran out of memory under the 22 GiB memory cap ($LORA_LAB_MEMORY_CAP_GIB): "
+        "torch_bf16 in llama3-8b_16384_trainable")
+    for kept in ("time_vs_liger_max", "time_vs_three_gemm_floor_max", "time_vs_fastest_baseline_max",
+                 "peak_vs_liger_max", "frozen_peak_over_floor_max", "lora_lab_ms_llama3-8b_16384_trainable"):
+        assert metrics[kept] == plain[kept], kept  # what the OOM does not touch is graded as before
+    assert budget.skipped_cells()["llama3-8b_16384_trainable"].endswith("memory cap ($LORA_LAB_MEMORY_CAP_GIB): "
+                                                                        "torch_bf16")

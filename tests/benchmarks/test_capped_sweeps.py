@@ -183,3 +183,70 @@ def test_loss_metrics_over_a_cell_where_a_method_ran_out_of_memory_are_void_unde
         assert metrics[kept] == plain[kept], kept  # what the OOM does not touch is graded as before
     assert budget.skipped_cells()["llama3-8b_16384_trainable"].endswith("memory cap ($LORA_LAB_MEMORY_CAP_GIB): "
                                                                         "torch_bf16")
+
+
+# ---- notebook 05: bench_lora_train_step ----------------------------------------------------------------------------
+
+def _train_args(bench, *extra):
+    ts = bench("bench_lora_train_step")
+    ap_args = ["--out", "x", *extra]
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ts.add_common_arguments(ap, list(ts.VARIANTS), ts.DEFAULT_VARIANTS, "smoke")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    args = ap.parse_args(ap_args)
+    args.variants = ts.DEFAULT_VARIANTS
+    return ts, args
+
+
+def _qwen3_4096_config():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=4, num_attention_heads=32,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("cap, skipped", [("22", True), ("39", False)])
+def test_train_step_skips_a_model_the_byte_model_says_cannot_fit(bench, h200, monkeypatch, cap, skipped):
+    ts, args = _train_args(bench)
+    config = _qwen3_4096_config()
+    peak = ts.estimated_peak_bytes(config, args.batch, args.seq)
+    assert 22 * GIB < peak < 39 * GIB  # the standard loss's fp32 logits at 4 x 2048 tokens, vocab 151936
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, cap)
+    why = ts.over_memory_cap("qwen3-4096", config, args, CUDA)
+    assert (why is not None) == skipped
+    if skipped:
+        assert why.startswith("skipped: needs more than the memory cap ($LORA_LAB_MEMORY_CAP_GIB=22)")
+        assert "'batch 4 x 2048' about" in why and why.endswith("(lora_lab's byte model)")
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "")
+    assert ts.over_memory_cap("qwen3-4096", config, args, CUDA) is None  # no cap: it runs
+
+
+def test_train_step_rows_of_a_model_that_did_not_run(bench):
+    ts, args = _train_args(bench, "--repetitions", "2")
+    rows = ts.not_run_rows("qwen3-4096", args, "oom", "OutOfMemoryError: CUDA out of memory")
+    assert [(r["variant"], r["rep"], r["status"]) for r in rows] == [
+        ("peft", 0, "oom"), ("fused", 0, "oom"), ("peft", 1, "oom"), ("fused", 1, "oom")]
+
+
+def test_notebook_05_train_metrics_name_the_skipped_model_under_a_cap(tmp_path, monkeypatch):
+    from lora_lab.experiments import fused_lora_kernels as fk
+
+    ok = {"batch": 4, "seq": 2048, "smoke": False, "status": "ok", "peak_bytes": 10 * GIB}
+    rows = [{**ok, "model": "qwen2.5-0.5b", "variant": v, "rep": rep, "tokens_per_s": tps}
+            for rep in range(2) for v, tps in (("peft", 100.0 + rep), ("fused", 130.0))]
+    rows += [{"model": "qwen3-4096", "variant": v, "rep": rep, "batch": 4, "seq": 2048, "smoke": False,
+              "status": "skipped", "error": "skipped: needs more than the memory cap"}
+             for rep in range(2) for v in ("peft", "fused")]
+    measure.write_csv(rows, tmp_path / fk.TRAIN_CSV)
+    plain = fk.benchmark_metrics(tmp_path)
+    assert "train_speedup_vs_peft_qwen2_5_0_5b" in plain and budget.skipped_cells() == {}
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    metrics = fk.benchmark_metrics(tmp_path)
+    assert metrics["train_speedup_vs_peft_qwen2_5_0_5b"] == plain["train_speedup_vs_peft_qwen2_5_0_5b"]
+    assert "train_speedup_vs_peft_qwen3_4096" not in metrics
+    assert void_reason("train_speedup_vs_peft_qwen3_4096") == (
+        "qwen3_4096: skipped under the 22 GiB memory cap ($LORA_LAB_MEMORY_CAP_GIB): skipped: needs more than the "
+        "memory cap")

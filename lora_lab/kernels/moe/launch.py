@@ -7,7 +7,10 @@ Every MoE kernel is launched either
 * through ``triton.autotune`` over the configs that fit the shape (:func:`prune_configs`: the table's own pick
   plus at most two neighbours, so the tuned launch is never slower than the untuned one by more than timing
   noise), each timed briefly (:func:`tuning_bench`), the result kept on disk across processes where the
-  installed Triton can (``cache_results``, Triton >= 3.4; :func:`make_tuned`).
+  installed Triton can (``cache_results``, Triton >= 3.4; :func:`make_tuned`). The pruner also drops the tiles whose
+  pipelined operand tiles overflow the GPU class's shared memory (:func:`shared_memory_bytes` against
+  :func:`lora_lab.gpu_arch.tile_shared_memory_budget`); on 99 KiB classes (sm86, sm89, sm120) it adds
+  :data:`SMALL_SM_METAS`, which every other class drops. The untuned launch takes the table's pick as it is.
 
 The table (a pure function of the per-expert row count and the GEMM's N and K; thresholds are reasoned Hopper
 choices, not yet measured per cell):

@@ -307,6 +307,14 @@ def reference(h, w, y, trainable: bool):
     return float(loss.detach()), hf.grad, wf.grad if trainable else None
 
 
+def memory_limit(device) -> tuple[int | None, str]:
+    """(bytes a method's [N x V] buffers must fit, whose limit that is in words): the GPU's memory, or the memory
+    cap's where one is set ($LORA_LAB_MEMORY_CAP_GIB, the capped gpu profiles); (None, "") off CUDA."""
+    if device.type != "cuda":
+        return None, ""
+    return budget.capacity_bytes(device), "the memory cap's" if budget.memory_cap_gib() is not None else "the GPU's"
+
+
 def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, device, dtype, seed):
     """Rows of one cell: every method once per repetition (order rotating), plus the per-method facts of rep 0."""
     trainable = head == "trainable"
@@ -317,9 +325,7 @@ def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, devi
         ref_loss, ref_dh, ref_dw = reference(h, w, y, trainable)
     else:
         ref_loss = ref_dh = ref_dw = None
-    # the GPU's memory, or the memory cap's where that is smaller ($LORA_LAB_MEMORY_CAP_GIB, the capped gpu profiles)
-    capacity = budget.capacity_bytes(device) if device.type == "cuda" else None
-    limit = "the memory cap's" if budget.memory_cap_gib() is not None else "the GPU's"
+    capacity, limit = memory_limit(device)
     flops_per_gemm = 2 * tokens * vocab * hidden
     loss_flops = (2 + int(trainable)) * flops_per_gemm
     floor_bytes = h.numel() * h.element_size() + (w.numel() * w.element_size() if trainable else 0)

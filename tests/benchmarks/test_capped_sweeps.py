@@ -250,3 +250,31 @@ def test_notebook_05_train_metrics_name_the_skipped_model_under_a_cap(tmp_path, 
     assert void_reason("train_speedup_vs_peft_qwen3_4096") == (
         "qwen3_4096: skipped under the 22 GiB memory cap ($LORA_LAB_MEMORY_CAP_GIB): skipped: needs more than the "
         "memory cap")
+
+
+def test_train_step_records_an_oom_under_a_cap_and_crashes_without_one(bench, monkeypatch, tmp_path):
+    ts = bench("bench_lora_train_step")
+
+    def out_of_memory(name, *a):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12 GiB")
+
+    monkeypatch.setattr(ts, "bench_model", out_of_memory)
+    argv = ["--out", str(tmp_path), "--smoke", "--repetitions", "1"]
+    with pytest.raises(torch.OutOfMemoryError):  # on the whole card an OOM stays what it was
+        ts.main(argv)
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    ts.main(argv)
+    rows = measure.read_csv(tmp_path / ts.CSV)
+    assert {(r["model"], r["status"]) for r in rows} == {("qwen3-4096", "oom"), ("qwen2.5-0.5b", "oom")}
+    assert all("CUDA out of memory" in r["error"] for r in rows)
+
+
+def test_bench_loss_predicts_the_standard_losses_oom_against_the_cap(bench, h200, monkeypatch):
+    bl = bench("bench_loss")
+    assert bl.memory_limit(CUDA) == (141 * GIB, "the GPU's")
+    assert bl.memory_limit(torch.device("cpu")) == (None, "")
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    capacity, limit = bl.memory_limit(CUDA)
+    assert (capacity, limit) == (22 * GIB, "the memory cap's")
+    # torch_fp32 at qwen2.5-0.5b, 16,384 tokens: 5 [N x V] buffers, about 23 GiB: predicted, not tried, under 22 GiB
+    assert bl.LOGIT_BUFFERS["torch_fp32"] * 16384 * 151936 * 2 > capacity

@@ -20,6 +20,11 @@ adapters reset, a fresh optimizer, one untimed warm-up step, then ``--steps`` wh
 median step's. Peak memory (``measure.peak_bytes`` of one more
 untimed step) is measured in the first repetition.
 
+Under a GPU memory cap (``$LORA_LAB_MEMORY_CAP_GIB``, the capped gpu profiles) a model whose step lora_lab's byte model
+says cannot fit is not run (its rows: status ``skipped``, with the estimate), and one that runs out of memory anyway
+gets ``oom`` rows; neither is shrunk (a smaller batch changes the head's and the loss's share of the step, which is
+what the comparison is about).
+
 Writes into --out: 05_train_step.csv (one row per model, variant and repetition), 05_train_step_summary.csv and
 05_train_step.png.
 
@@ -40,11 +45,14 @@ from bench_common import (
     check_device,
     chosen_variants,
     device_line,
+    error_text,
+    is_oom,
     repetition_dots,
     write_summary,
 )
 
 from lora_lab.lab import measure
+from lora_lab.memory import budget
 
 CSV, SUMMARY_CSV = "05_train_step.csv", "05_train_step_summary.csv"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -83,6 +91,33 @@ def build_model(name: str, layers: int, device, dtype, smoke: bool):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
 
 
+def estimated_peak_bytes(config, batch: int, seq: int) -> int:
+    """Peak bytes of one training step of the model with ``config`` (its own loss, LoRA r=16 on TARGETS, fp32
+    adapters, bf16, flash attention), from lora_lab's byte model (``lora_lab.memory.byte_model``): an estimate."""
+    from lora_lab.memory.byte_model import ModelShape, TrainingSetup, analytic_memory
+
+    setup = TrainingSetup(batch, seq, "bf16", "lora", lora_r=16, lora_targets=tuple(TARGETS), attention="flash",
+                          loss="standard")
+    return analytic_memory(ModelShape.from_config(config), setup).peak
+
+
+def over_memory_cap(name: str, config, args, device) -> str | None:
+    """Under a GPU memory cap on CUDA: why model ``name`` is skipped when :func:`estimated_peak_bytes` does not fit
+    the cap, else None (and None without a cap, or off CUDA)."""
+    if budget.memory_cap_gib() is None or device.type != "cuda":
+        return None
+    peak = estimated_peak_bytes(config, args.batch, args.seq)
+    decision = budget.skip_or_shrink(name, [f"batch {args.batch} x {args.seq}"], lambda _: peak, device=device)
+    return f"{decision.reason} (lora_lab's byte model)" if decision.skipped else None
+
+
+def not_run_rows(name: str, args, status: str, reason: str) -> list[dict]:
+    """One row per variant and repetition of a model that did not run: ``status`` (skipped, oom) and why."""
+    return [{"model": name, "variant": variant, "rep": rep, "batch": args.batch, "seq": args.seq,
+             "smoke": args.smoke, "status": status, "error": reason}
+            for rep in range(args.repetitions) for variant in args.variants]
+
+
 def run_variant(model, ids, steps: int, measure_peak: bool):
     """(step milliseconds, losses, peak bytes or None): ``measure.training_step_ms`` with the model's own loss."""
     return measure.training_step_ms(model, lambda m: m(input_ids=ids, labels=ids).loss, steps,
@@ -96,9 +131,13 @@ def bench_model(name, args, shipped, device, dtype):
     from lora_lab.kernels import patch_model, unpatch_model
     from lora_lab.layer import fill_lora_B
 
+    base = build_model(name, args.layers, device, dtype, args.smoke)
+    skip = over_memory_cap(name, base.config, args, device)
+    if skip is not None:
+        print(f"   {name}: {skip}", flush=True)
+        return not_run_rows(name, args, "skipped", skip)
     torch.manual_seed(1)
-    model = get_peft_model(build_model(name, args.layers, device, dtype, args.smoke),
-                           LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules=TARGETS, lora_dropout=0.0))
     fill_lora_B(model, 0.02)
     model.train()
     init = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -124,7 +163,7 @@ def bench_model(name, args, shipped, device, dtype):
                 unpatch_model(model)
             ms = statistics.median(times)
             rows.append({"model": name, "layers": model.config.num_hidden_layers, "variant": variant, "rep": rep,
-                         "batch": args.batch, "seq": args.seq, "smoke": args.smoke, "step_ms": ms,
+                         "status": "ok", "batch": args.batch, "seq": args.seq, "smoke": args.smoke, "step_ms": ms,
                          "step_ms_each": " ".join(f"{t:.3f}" for t in times), "tokens_per_s": tokens / ms * 1e3,
                          "peak_bytes": peaks[variant], "adapter_dtype": str(adapter_dtype).removeprefix("torch."),
                          "losses": " ".join(f"{v:.5f}" for v in losses), "config": "" if cfg is None else repr(cfg)})
@@ -204,15 +243,28 @@ def main(argv=None):
     rows = []
     for name in args.models:
         t0 = time.perf_counter()
-        rows += bench_model(name, args, shipped, device, dtype)
+        failure = None
+        try:
+            rows += bench_model(name, args, shipped, device, dtype)
+        except Exception as err:  # under a memory cap an OOM is a recorded result (on the whole card: a crash)
+            if budget.memory_cap_gib() is None or not is_oom(err):
+                raise
+            failure = error_text(err)
+        if failure is not None:  # outside the except block: the traceback's frames (and tensors) are gone
+            print(f"   {name}: out of memory under the memory cap: {failure[:200]}", flush=True)
+            rows += not_run_rows(name, args, "oom", failure)
         gc.collect()  # the model goes before the next one is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
         measure.write_csv(rows, out / CSV)
         print(f"{name}: done in {time.perf_counter() - t0:.0f} s", flush=True)
-    summary = summary_rows(rows)
+    ran = [r for r in rows if r["status"] == "ok"]
+    summary = summary_rows(ran)
     write_summary(summary, out / SUMMARY_CSV, args)
-    plot(summary, rows, out)
+    if summary:
+        plot(summary, ran, out)
+    for r in {(r["model"], r["status"], r["error"]): r for r in rows if r["status"] != "ok"}.values():
+        print(f"{r['model']}: {r['status']}: {r['error'][:200]}", flush=True)
     print(f"{'model':>13} {'variant':>18} {'tokens/s':>10} {'/ peft':>7} {'peak/peft':>9} {'loss diff':>9}")
     for s in summary:
         peak = f"{s['peak_vs_peft']:9.3f}" if s["peak_vs_peft"] is not None else "        -"

@@ -40,7 +40,8 @@ Methods (all by default; ``--methods`` picks some):
 Cells: shapes qwen2.5-0.5b (d 896, V 151936), gemma2-2b (d 2304, V 256000), llama3-8b (d 4096, V 128256) and
 qwen2.5-14b (d 5120, V 152064) x tokens N in {4096, 16384, 65536} x head {trainable, frozen} (notebook 07's panel).
 A method whose [N x V] buffers cannot fit the GPU (torch_fp32: about 5 N V bf16-sized buffers, torch_bf16: 3) gets
-"oom" rows without being tried; ``--quick`` runs the llama3-8b head at 16,384 tokens only, with the panel's methods.
+"oom" rows without being tried (under a GPU memory cap, ``$LORA_LAB_MEMORY_CAP_GIB``: cannot fit the cap); ``--quick``
+runs the llama3-8b head at 16,384 tokens only, with the panel's methods.
 
 Per cell and method:
   ms          milliseconds per call (CUDA events, ``measure.event_ms``): the median of the calls of one repetition.
@@ -90,6 +91,7 @@ import torch.nn.functional as F
 from bench_common import add_ledger_argument, check_device, device_line, is_oom, repetition_dots, write_summary
 
 from lora_lab.lab import measure
+from lora_lab.memory import budget
 
 CSV, SUMMARY_CSV = "07_loss_block.csv", "07_loss_block_summary.csv"
 TIME_PNG, MEMORY_PNG = "07_loss_time.png", "07_loss_memory.png"
@@ -305,6 +307,14 @@ def reference(h, w, y, trainable: bool):
     return float(loss.detach()), hf.grad, wf.grad if trainable else None
 
 
+def memory_limit(device) -> tuple[int | None, str]:
+    """(bytes a method's [N x V] buffers must fit, whose limit that is in words): the GPU's memory, or the memory
+    cap's where one is set ($LORA_LAB_MEMORY_CAP_GIB, the capped gpu profiles); (None, "") off CUDA."""
+    if device.type != "cuda":
+        return None, ""
+    return budget.capacity_bytes(device), "the memory cap's" if budget.memory_cap_gib() is not None else "the GPU's"
+
+
 def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, device, dtype, seed):
     """Rows of one cell: every method once per repetition (order rotating), plus the per-method facts of rep 0."""
     trainable = head == "trainable"
@@ -315,7 +325,7 @@ def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, devi
         ref_loss, ref_dh, ref_dw = reference(h, w, y, trainable)
     else:
         ref_loss = ref_dh = ref_dw = None
-    capacity = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    capacity, limit = memory_limit(device)
     flops_per_gemm = 2 * tokens * vocab * hidden
     loss_flops = (2 + int(trainable)) * flops_per_gemm
     floor_bytes = h.numel() * h.element_size() + (w.numel() * w.element_size() if trainable else 0)
@@ -347,7 +357,7 @@ def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, devi
             need = LOGIT_BUFFERS.get(method, 0) * tokens * vocab * 2
             if capacity is not None and need > capacity:  # never tried: the allocation alone would not fit
                 first[method] = {"status": "oom", "note": f"predicted: {LOGIT_BUFFERS[method]} [N x V] buffers "
-                                 f"need {need / GIB:.0f} GiB > the GPU's {capacity / GIB:.0f} GiB (not tried)"}
+                                 f"need {need / GIB:.0f} GiB > {limit} {capacity / GIB:.0f} GiB (not tried)"}
                 row.update(first[method])
                 rows.append(row)
                 line.append(f"{method} oom")

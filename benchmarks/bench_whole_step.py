@@ -28,7 +28,9 @@ step, zero_grad) after one untimed step, each step between CUDA events and synch
 processes (this script again, one after another) and are pooled (``measure.pool_sessions``): every summary interval
 spans sessions. Peak memory and the first steps' losses come from a separate pass in which each variant is built
 alone (``torch.cuda.max_memory_allocated`` of its second step, nothing else resident). A variant that fails or runs
-out of memory is an ``error`` / ``oom`` row, not a crash.
+out of memory is an ``error`` / ``oom`` row, not a crash. Under a GPU memory cap (``$LORA_LAB_MEMORY_CAP_GIB``, the
+capped gpu profiles) the dense models' passes that lora_lab's byte model says cannot fit are not run: a variant's
+memory pass, or a model's whole timing pass (every variant built at once), gets ``skipped`` rows with the estimate.
 
 Writes into --out: whole_step.csv (one row per model, variant, session and repetition), whole_step_memory.csv (one
 row per model, variant and session), whole_step_summary.csv; the summary table is printed last.
@@ -68,6 +70,10 @@ DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 FIRST_LOSSES = 3  # losses of the first steps recorded per variant (the memory pass)
+# the loss each variant's step computes, as lora_lab's byte model names it (Liger's fused linear CE: chunked)
+BYTE_MODEL_LOSS = {"peft": "standard", "peft_liger": "chunked", "peft_patch": "standard",
+                   "peft_patch_fused_loss": "fused", "peft_liger_patch": "chunked",
+                   "peft_liger_patch_lora_lab_loss": "fused"}
 SMOKE_LIGER = {"rms_norm": False, "swiglu": False}  # Liger's RMSNorm / SiLU·mul kernels do not run in the interpreter
 
 
@@ -172,11 +178,64 @@ def _row_base(model_name, variant, args, dtype) -> dict:
             "dtype": str(dtype).removeprefix("torch."), "smoke": args.smoke}
 
 
-def memory_pass(model_name, variants, args, device, dtype) -> list[dict]:
-    """Each variant alone: build, first steps (their losses), the peak of its second step."""
+def estimated_bytes(model_name: str, variants, args) -> dict[str, tuple[int, int]] | None:
+    """{variant: (fixed bytes, peak bytes)} of one step of each variant built alone, from lora_lab's byte model
+    (``lora_lab.memory.byte_model``: a dense Llama / Qwen2 decoder, flash attention, bf16); None for a model it does
+    not describe (qwen3_moe). An estimate: PEFT's and Liger's own buffers are not modelled one by one."""
+    from lora_lab.memory.byte_model import ModelShape, TrainingSetup, analytic_memory
+
+    if model_name == "qwen3_moe":
+        return None
+    shape = ModelShape.from_config(model_config(model_name, args.layers, args.smoke))
+    out = {}
+    for variant in variants:
+        setup = TrainingSetup(args.batch, args.seq, "bf16", "lora", lora_r=16, lora_targets=tuple(DENSE_TARGETS),
+                              attention="flash", loss=BYTE_MODEL_LOSS[variant])
+        predicted = analytic_memory(shape, setup)
+        out[variant] = (predicted.fixed, predicted.peak)
+    return out
+
+
+def timing_bytes(estimates: dict[str, tuple[int, int]]) -> int:
+    """The timing pass's peak from :func:`estimated_bytes`: every variant's fixed memory at once, plus the largest
+    step's working memory above its own."""
+    return sum(fixed for fixed, _ in estimates.values()) + max(peak - fixed for fixed, peak in estimates.values())
+
+
+def over_memory_cap(model_name: str, variants, args, device) -> tuple[dict[str, str], str | None]:
+    """Under a GPU memory cap on CUDA: ({variant: why its memory pass is skipped}, why the model's timing pass is
+    skipped, or None), from :func:`estimated_bytes`; without a cap, off CUDA or for a model without a byte model:
+    ({}, None) (what runs out of memory is then recorded as ``oom``)."""
+    from lora_lab.memory import budget
+
+    if budget.memory_cap_gib() is None or device.type != "cuda":
+        return {}, None
+    estimates = estimated_bytes(model_name, variants, args)
+    if estimates is None:
+        return {}, None
+    tokens = f"batch {args.batch} x {args.seq}"
+    alone = {}
+    for variant, (_, peak) in estimates.items():
+        decision = budget.skip_or_shrink(f"{model_name}_{variant}", [f"{variant} alone, {tokens}"],
+                                         lambda _, peak=peak: peak, device=device)
+        if decision.skipped:
+            alone[variant] = f"memory pass {decision.reason} (lora_lab's byte model)"
+    together = budget.skip_or_shrink(model_name, [f"{len(estimates)} variants built at once, {tokens}"],
+                                     lambda _: timing_bytes(estimates), device=device)
+    timing = f"timing pass {together.reason} (lora_lab's byte model)" if together.skipped else None
+    return alone, timing
+
+
+def memory_pass(model_name, variants, args, device, dtype, skip: dict[str, str] | None = None) -> list[dict]:
+    """Each variant alone: build, first steps (their losses), the peak of its second step; a variant in ``skip``
+    gets a ``skipped`` row with the reason instead."""
     rows = []
     for variant in variants:
         row = _row_base(model_name, variant, args, dtype)
+        if skip and variant in skip:
+            rows.append({**row, "status": "skipped", "error": skip[variant]})
+            print(f"   {model_name} {variant}: skipped: {skip[variant]}", flush=True)
+            continue
         built = None
         try:
             built = Variant(model_name, variant, args, device, dtype)
@@ -196,8 +255,13 @@ def memory_pass(model_name, variants, args, device, dtype) -> list[dict]:
     return rows
 
 
-def timing_pass(model_name, variants, args, device, dtype) -> list[dict]:
-    """Every variant built (fresh, once), then ``--repetitions`` rotated side-by-side loops of whole steps."""
+def timing_pass(model_name, variants, args, device, dtype, skip: str | None = None) -> list[dict]:
+    """Every variant built (fresh, once), then ``--repetitions`` rotated side-by-side loops of whole steps; with
+    ``skip`` (why), ``skipped`` rows instead."""
+    if skip is not None:
+        print(f"   {model_name}: {skip}", flush=True)
+        return [{**_row_base(model_name, variant, args, dtype), "rep": rep, "status": "skipped", "error": skip}
+                for variant in variants for rep in range(args.repetitions)]
     built, failed = {}, {}
     for variant in variants:
         try:
@@ -317,9 +381,10 @@ def run_session(args, out: Path) -> None:
     rows, memory = [], []
     for model_name in args.models:
         started = time.perf_counter()
-        memory += memory_pass(model_name, args.variants, args, device, dtype)
+        skip_alone, skip_timing = over_memory_cap(model_name, args.variants, args, device)
+        memory += memory_pass(model_name, args.variants, args, device, dtype, skip_alone)
         measure.write_csv(memory, out / MEMORY_CSV)
-        rows += timing_pass(model_name, args.variants, args, device, dtype)
+        rows += timing_pass(model_name, args.variants, args, device, dtype, skip_timing)
         measure.write_csv(rows, out / CSV)  # after every model: a run cut short keeps what it measured
         print(f"{model_name}: session done in {time.perf_counter() - started:.0f} s", flush=True)
 

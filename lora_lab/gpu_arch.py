@@ -7,7 +7,8 @@ Every kernel choice that depends on the GPU generation asks this module, never
   the loss kernels' ``accumulate='tma'``): Hopper and newer (:func:`has_tma`);
 * the CUTLASS path of ``torch._grouped_mm`` (the MoE grouped-GEMM engine and its pieces): bf16 on Hopper and newer
   (:func:`grouped_mm_fast`);
-* the shared memory a tile may use when the LoRA kernels prune their tile table (:func:`tile_shared_memory_budget`).
+* the shared memory a tile may use when the LoRA, MoE and loss kernels prune their tile tables
+  (:func:`tile_shared_memory_budget`).
 
 ``LORA_LAB_ARCH`` (``sm80``, ``sm86``, ``sm89``, ``sm90``, or ``ampere`` = sm80, ``ada`` = sm89, ``hopper`` = sm90;
 empty or ``native``: the device's own) makes every one of these choices as on that GPU. It only goes down: it cannot
@@ -118,7 +119,7 @@ def grouped_mm_fast(device: torch.device | str | None) -> bool:
 
 
 def tile_shared_memory_budget(device: torch.device | str | None) -> int:
-    """Bytes of shared memory the LoRA kernels let one program's pipelined tiles take on ``device``."""
+    """Bytes of shared memory the LoRA, MoE and loss kernels let one program's pipelined tiles take on ``device``."""
     cap = capability(device)
     if cap is None:
         return _TILE_BUDGETS[0][1]

@@ -28,7 +28,7 @@ from lora_lab.kernels import (
 )
 from lora_lab.lab import measure
 from lora_lab.layer import SingleChild
-from lora_lab.memory import saved_bytes_excluding
+from lora_lab.memory import budget, saved_bytes_excluding
 from lora_lab.numerics import cosine, rel_l2
 from lora_lab.training import train_steps
 
@@ -328,6 +328,8 @@ def plot_pooled(root: Path | str, directory: Path | str) -> list[str]:
         module = importlib.import_module(Path(script).stem)
         rows = measure.read_csv(d / csvs[0])
         ok = [r for r in rows if r.get("status", "ok") == "ok"]
+        if not ok:  # nothing ran (under a memory cap, every cell skipped): no figure to draw
+            continue
         summary = module.summary_rows(ok)
         measure.write_csv(summary, d / module.SUMMARY_CSV)
         if script == "bench_gated_deltanet.py":
@@ -336,6 +338,24 @@ def plot_pooled(root: Path | str, directory: Path | str) -> list[str]:
             module.plot(summary, ok, d)
         done.append(script)
     return done
+
+
+def note_capped_train_models(rows: list[dict]) -> dict[str, str]:
+    """Under a GPU memory cap (:mod:`lora_lab.memory.budget`): each model of ``bench_lora_train_step`` that was skipped
+    as not fitting, or ran out of memory, kept as a skipped cell under its metrics' suffix (``qwen3_4096``), so its
+    missing ``train_*`` metrics grade void with the reason. Returns {suffix: reason}; without a cap, nothing."""
+    cap = budget.memory_cap_gib()
+    if cap is None:
+        return {}
+    noted = {}
+    for r in rows:
+        key = TRAIN_MODELS.get(r["model"])
+        if key is None or r.get("status", "ok") not in ("skipped", "oom") or key in noted:
+            continue
+        noted[key] = (f"{r['status']} under the {cap:g} GiB memory cap (${budget.MEMORY_CAP_ENV}): "
+                      f"{str(r.get('error') or '')[:240]}")
+        budget.note_skipped(key, noted[key])
+    return noted
 
 
 def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
@@ -381,7 +401,9 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
         saved = {v: next(r["saved_activation_bytes"] for r in rows if r["variant"] == v) for v in ("peft", "fused")}
         out["gdn_saved_gib_less_than_peft"] = (saved["peft"] - saved["fused"]) / 2**30
     if (d / TRAIN_CSV).exists():
-        rows = _rows(d / TRAIN_CSV, allow_smoke)
+        every = _rows(d / TRAIN_CSV, allow_smoke)
+        rows = [r for r in every if r.get("status", "ok") == "ok"]
+        note_capped_train_models(every)
         for model, key in TRAIN_MODELS.items():
             if not any(r["model"] == model for r in rows):
                 continue

@@ -16,6 +16,7 @@ import torch
 
 from lora_lab.kernels.loss import linear_cross_entropy, linear_cross_entropy_reference
 from lora_lab.lab import measure
+from lora_lab.memory import budget
 from lora_lab.numerics import rel_l2
 
 __all__ = ["GIB", "OPTIONS", "loss_inputs", "logits_bytes", "option_errors", "real_head_errors", "model_loss_check",
@@ -156,12 +157,43 @@ def _max_ratio_over_cells(rows, cells, method, others) -> dict | None:
     return measure.summarize((per_rep[k] for k in sorted(per_rep)), sessions=measure.sessions_in(rows))
 
 
+def _cell_name(cell) -> str:
+    shape, tokens, head = cell
+    return f"{shape}_{tokens}_{head}"
+
+
+def void_capped_metrics(out: dict, rows: list[dict], scope: dict[str, tuple[list, tuple]]) -> dict[str, str]:
+    """Under a GPU memory cap (:mod:`lora_lab.memory.budget`): each cell where a method ran out of memory (or was
+    predicted to) is kept as a skipped cell (``<shape>_<tokens>_<head>``, the suffix of the per-cell metrics), and
+    each metric of ``scope`` ({key: (its cells, the methods it compares)}) that one of those touches is taken out of
+    ``out`` and kept as skipped under its own key, with the method and cell: over fewer cells it would answer another
+    question. Returns {key: reason} of the metrics taken out; without a cap nothing changes (an OOM on the whole
+    card is the measurement's own result)."""
+    cap = budget.memory_cap_gib()
+    if cap is None:
+        return {}
+    oom = {((r["shape"], int(r["tokens"]), r["head"]), r["method"]) for r in rows if r["status"] == "oom"}
+    for cell, method in sorted(oom):
+        budget.note_out_of_memory(_cell_name(cell), method)
+    voided = {}
+    for key, (cells, methods) in scope.items():
+        hit = sorted(f"{method} in {_cell_name(cell)}" for cell, method in oom if cell in cells and method in methods)
+        if hit:
+            out.pop(key, None)
+            voided[key] = f"ran out of memory under the {cap:g} GiB memory cap (${budget.MEMORY_CAP_ENV}): " \
+                          + ", ".join(hit)
+            budget.note_skipped(key, voided[key])
+    return voided
+
+
 def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
     """The graded numbers of notebook 07 from the benchmark CSVs this run wrote (refused if written by other code).
 
     Loss block (``07_loss_block.csv``), over the cells with at least ``min_tokens`` tokens: time ratios as the
     largest over cells per repetition (median and interval over repetitions), peak / gradient floor as the largest
     over cells (measured once per cell). Whole step (``07_train_step.csv``): tokens/s ratios per repetition, peaks.
+    Under a GPU memory cap, a metric over cells where one of its methods ran out of memory is left out, with the
+    reason kept (:func:`void_capped_metrics`).
     """
     bench_dir = Path(bench_dir)
     rows = measure.read_csv(bench_dir / "07_loss_block.csv")
@@ -220,6 +252,15 @@ def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
             peak_ratios.append(peaks["lora_lab"] / peaks["liger"])
     if peak_ratios:
         out["peak_vs_liger_max"] = max(peak_ratios)
+    scope = {key: (cells, ("lora_lab",) if key == "time_vs_fastest_baseline_max" else ("lora_lab", *others))
+             for key, (cells, others) in ratios.items()}  # the fastest baseline: of those that fit, as uncapped
+    scope.update({"frozen_peak_over_floor_max": (frozen, ("lora_lab",)),
+                  "trainable_one_pass_peak_over_floor_max": ([c for c in big if c[2] == "trainable"], ("lora_lab",)),
+                  "trainable_two_pass_peak_over_floor_max": ([c for c in big if c[2] == "trainable"],
+                                                             ("lora_lab_two_pass",)),
+                  "peak_vs_liger_max": (big, ("lora_lab", "liger")),
+                  "torch_fp32_peak_gib_qwen_16k_trainable": ([("qwen2.5-0.5b", 16384, "trainable")], ("torch_fp32",))})
+    void_capped_metrics(out, rows, scope)
     errors = [float(r["loss_rel_err"]) for r in rows if r["method"] == "lora_lab" and r.get("loss_rel_err")
               is not None]
     if errors:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from lora_lab.lab import measure
+from lora_lab.memory import budget
 
 __all__ = ["RECIPE", "tiny_llama", "build_variant", "train_losses", "benchmark_metrics", "MODELS"]
 
@@ -101,6 +102,27 @@ def _first_losses(memory: list[dict], variant: str) -> list[float] | None:
     return None
 
 
+def note_capped_models(rows: list[dict]) -> dict[str, str]:
+    """Under a GPU memory cap (:mod:`lora_lab.memory.budget`): each model with a variant that ran out of memory, or
+    whose pass was skipped as not fitting, kept as a skipped cell under the model's name (the prefix of its metrics),
+    so its missing metrics grade void with the reason. Returns {model: reason}; without a cap nothing is kept (an
+    OOM on the whole card is the measurement's own result)."""
+    cap = budget.memory_cap_gib()
+    if cap is None:
+        return {}
+    found: dict[str, dict[str, None]] = {}
+    for r in rows:
+        if r.get("status") in ("oom", "skipped"):
+            error = str(r.get("error") or "")[:240]
+            found.setdefault(str(r["model"]), {})[f"{r['variant']} {r['status']}" + (f": {error}" if error else "")] \
+                = None
+    noted = {}
+    for model, reasons in found.items():
+        noted[model] = f"under the {cap:g} GiB memory cap (${budget.MEMORY_CAP_ENV}): " + "; ".join(reasons)
+        budget.note_skipped(model, noted[model])
+    return noted
+
+
 def benchmark_metrics(bench_dir: Path | str) -> dict:
     """Metrics of one run of ``bench_whole_step.py`` (its CSVs in ``bench_dir``), per model ``m``:
 
@@ -115,10 +137,15 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
     * ``{m}_losses_max_rel_diff_vs_peft``: the largest relative difference of the first steps' losses of any variant
       from PEFT's;
     * ``{m}_{variant}_step_ms`` (median, pooled) and ``{m}_{variant}_peak_gib``.
+
+    Under a GPU memory cap a variant that ran out of memory or was skipped leaves its metrics out, and its model is
+    kept as a skipped cell with the reason (:func:`note_capped_models`).
     """
     bench_dir = Path(bench_dir)
-    rows = [r for r in measure.read_csv(bench_dir / "whole_step.csv") if r.get("status") == "ok"]
+    every = measure.read_csv(bench_dir / "whole_step.csv")
+    rows = [r for r in every if r.get("status") == "ok"]
     memory = measure.read_csv(bench_dir / "whole_step_memory.csv")
+    capped = note_capped_models(every + memory)
     metrics: dict = {}
     for m in dict.fromkeys(r["model"] for r in rows + memory):
         mine = [r for r in rows if r["model"] == m]
@@ -127,7 +154,9 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
             times = [float(r["step_ms"]) for r in mine if r["variant"] == variant]
             metrics[f"{m}_{variant}_step_ms"] = statistics.median(times)
         for variant in dict.fromkeys(r["variant"] for r in mem):
-            metrics[f"{m}_{variant}_peak_gib"] = _peak(mem, variant)
+            peak = _peak(mem, variant)
+            if peak is not None or m not in capped:  # under a cap: no peak, no metric (it grades void, with why)
+                metrics[f"{m}_{variant}_peak_gib"] = peak
         for key, (num, den) in {"recipe_speedup_vs_peft": ("peft", RECIPE),
                                 "recipe_speedup_vs_peft_liger": ("peft_liger", RECIPE),
                                 "fused_loss_speedup_vs_patch": ("peft_patch", "peft_patch_fused_loss"),

@@ -175,11 +175,43 @@ _FP32_CONFIG = LossKernelConfig(fwd_block_v=128, fwd_block_k=32, fwd_stages=2, b
                                 bwd_block_k=32, bwd_block_d=32, bwd_warps=4, bwd_stages=2)
 
 
-def _config(config: LossKernelConfig | None, dtype: torch.dtype = torch.bfloat16) -> LossKernelConfig:
+# 16-bit tiles for GPUs with about 99 KiB of shared memory per block (sm86, sm89, sm120; lora_lab.gpu_arch), where
+# the default's 144 KiB of pipelined operand tiles overflow: 72 KiB (untimed guesses, not a tuned table); only classes
+# whose budget is below SMALL_SM_BELOW take them
+_SMALL_SM_CONFIG = LossKernelConfig(fwd_block_m=64, fwd_block_v=128, fwd_block_k=64, fwd_warps=4, fwd_stages=3,
+                                    bwd_block_m=64, bwd_block_v=128, bwd_block_k=64, bwd_block_d=64, bwd_warps=4,
+                                    bwd_stages=3)
+SMALL_SM_BELOW = 100 * 1024
+
+
+def tile_shared_memory_bytes(cfg: LossKernelConfig, element_size: int) -> int:
+    """Bytes of shared memory the pipelined operand tiles of the forward or the backward kernel (the larger) take
+    with ``cfg``: per stage a BLOCK_M x BLOCK_K tile of H and a BLOCK_V x BLOCK_K tile of W (an estimate: the
+    epilogue's buffers are not counted)."""
+    fwd = (cfg.fwd_block_m + cfg.fwd_block_v) * cfg.fwd_block_k * cfg.fwd_stages
+    bwd = (cfg.bwd_block_m + cfg.bwd_block_v) * cfg.bwd_block_k * cfg.bwd_stages
+    return max(fwd, bwd) * element_size
+
+
+def default_configs(dtype: torch.dtype, device: torch.device | str | None) -> list[LossKernelConfig]:
+    """The tile configs the default may take for ``dtype`` on ``device``'s GPU class, best first: those whose tiles
+    fit the class's shared memory (:func:`lora_lab.gpu_arch.tile_shared_memory_budget`); the small-SM tiles only on
+    a class below ``SMALL_SM_BELOW``. Never empty: the smallest one when none fits."""
+    size = torch.empty((), dtype=dtype).element_size()
+    budget = gpu_arch.tile_shared_memory_budget(device)
+    table = [_FP32_CONFIG] if dtype == torch.float32 else [LossKernelConfig()]
+    if budget < SMALL_SM_BELOW:
+        table.append(_SMALL_SM_CONFIG)
+    kept = [cfg for cfg in table if tile_shared_memory_bytes(cfg, size) <= budget]
+    return kept or [min(table, key=lambda cfg: tile_shared_memory_bytes(cfg, size))]
+
+
+def _config(config: LossKernelConfig | None, dtype: torch.dtype = torch.bfloat16,
+            device: torch.device | str | None = None) -> LossKernelConfig:
     if config is None:
         if running_in_interpreter():
             return _INTERPRETER_CONFIG
-        return _FP32_CONFIG if dtype == torch.float32 else LossKernelConfig()
+        return default_configs(dtype, device)[0]
     if not isinstance(config, LossKernelConfig):
         raise TypeError(f"config must be a LossKernelConfig or None; got {type(config).__name__}")
     return config
@@ -336,7 +368,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, reduction, label_smoothing, z_loss, softcap, config):
-        cfg = _config(config, hidden.dtype)
+        cfg = _config(config, hidden.dtype, hidden.device)
         n = hidden.shape[0]
         vocab = weight.shape[0]
         valid = labels != ignore_index
@@ -489,7 +521,7 @@ def linear_cross_entropy(
 def _fwdgrad_plan(hidden: torch.Tensor, weight: torch.Tensor, reduction: str, config):
     """(config, chunk plan) when :func:`choose_impl` picks the fwdgrad path for this call, else None; a forced
     fwdgrad whose plan cannot fit raises torch.OutOfMemoryError before allocating anything."""
-    cfg = _config(config, hidden.dtype)
+    cfg = _config(config, hidden.dtype, hidden.device)
     impl = requested_impl(cfg)
     n, d = hidden.shape
     vocab = weight.shape[0]

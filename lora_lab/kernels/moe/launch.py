@@ -7,7 +7,10 @@ Every MoE kernel is launched either
 * through ``triton.autotune`` over the configs that fit the shape (:func:`prune_configs`: the table's own pick
   plus at most two neighbours, so the tuned launch is never slower than the untuned one by more than timing
   noise), each timed briefly (:func:`tuning_bench`), the result kept on disk across processes where the
-  installed Triton can (``cache_results``, Triton >= 3.4; :func:`make_tuned`).
+  installed Triton can (``cache_results``, Triton >= 3.4; :func:`make_tuned`). The pruner also drops the tiles whose
+  pipelined operand tiles overflow the GPU class's shared memory (:func:`shared_memory_bytes` against
+  :func:`lora_lab.gpu_arch.tile_shared_memory_budget`); on 99 KiB classes (sm86, sm89, sm120) it adds
+  :data:`SMALL_SM_METAS`, which every other class drops. The untuned launch takes the table's pick as it is.
 
 The table (a pure function of the per-expert row count and the GEMM's N and K; thresholds are reasoned Hopper
 choices, not yet measured per cell):
@@ -49,6 +52,7 @@ import os
 
 import triton
 
+from lora_lab import gpu_arch
 from lora_lab.kernels.config import KernelConfig
 from lora_lab.kernels.triton_helpers import next_power_of_2, rank_block, running_in_interpreter
 
@@ -221,6 +225,46 @@ def candidate_metas(kind: str) -> list[dict]:
     return list(unique.values())
 
 
+# Tiles for GPUs with about 99 KiB of shared memory per block (sm86, sm89, sm120; :mod:`lora_lab.gpu_arch`), where the
+# table's wide tiles overflow: the pruner offers them only where the class's budget is below SMALL_SM_BELOW (untimed
+# guesses, not a tuned table); every other class drops them
+SMALL_SM_METAS = {
+    "rows": ({"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+             {"BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3}),
+    "gate_up": ({"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+                {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
+    "down_backward": ({"BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+                      {"BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}),
+    "weight_grad": ({"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+                    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 2}),
+}
+SMALL_SM_BELOW = 100 * 1024
+_OPERANDS = ("a_ptr", "x_ptr", "dout_ptr", "w_ptr", "b_ptr")  # the GEMM operand whose element size the tiles take
+
+
+def shared_memory_bytes(kind: str, meta: dict, *, block_m: int, element_size: int = 2) -> int:
+    """Bytes of shared memory the pipelined operand tiles of one program take with tile ``meta`` (an estimate: the
+    epilogue's buffers are not counted): per stage a BLOCK_M x BLOCK_K row tile (``block_m`` for the row kernels; a
+    BLOCK_K x BLOCK_M one for weight_grad) and a BLOCK_K x BLOCK_N weight tile (two for gate_up: gate and up)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown MoE kernel kind {kind!r}; expected one of {', '.join(KINDS)}")
+    bm = meta["BLOCK_M"] if kind == "weight_grad" else block_m
+    weights = 2 if kind == "gate_up" else 1
+    tile = bm * meta["BLOCK_K"] + weights * meta["BLOCK_K"] * meta["BLOCK_N"]
+    return tile * element_size * max(int(meta.get("num_stages", 1)), 1)
+
+
+def _budget_and_element_size(nargs: dict) -> tuple[int, int]:
+    """(bytes of shared memory the GPU class lets a program take, the GEMM operand's element size) of a launch."""
+    operand = next((nargs[name] for name in _OPERANDS if name in nargs), None)
+    operand = getattr(operand, "base", operand)  # a TMA descriptor: the tensor under it
+    device = getattr(operand, "device", None)
+    budget = gpu_arch.tile_shared_memory_budget(device) if device is not None else \
+        gpu_arch.tile_shared_memory_budget("cpu")
+    size = operand.element_size() if hasattr(operand, "element_size") else 2
+    return budget, size
+
+
 def shape_candidates(kind: str, *, block_m: int, n_dim: int, k_dim: int, rows_per_expert: float,
                      lora: bool = False) -> list[dict]:
     """The tiles worth timing at one shape, best guess first: the table's pick, then up to two neighbours (one with
@@ -265,10 +309,21 @@ def prune_configs(kind: str):
             shape = dict(block_m=int(kwargs.get("BLOCK_M", 64)), n_dim=int(nargs[n_name]), k_dim=int(nargs["K"]),
                          rows_per_expert=_rows_per_expert(nargs, kwargs),
                          lora=bool(kwargs.get("HAS_LORA", nargs.get("HAS_LORA", False))))
-        wanted = [_meta_key(m) for m in shape_candidates(kind, **shape)]
+        budget, size = _budget_and_element_size(nargs)
+        block_m = int(shape["block_m"])
+
+        def fits(meta):
+            return shared_memory_bytes(kind, meta, block_m=block_m, element_size=size) <= budget
+
+        metas = [m for m in shape_candidates(kind, **shape) if fits(m)]
+        if budget < SMALL_SM_BELOW:  # a small-SM class: its own tiles join (or replace) the table's that fit
+            metas += [m for m in SMALL_SM_METAS[kind] if fits(m)]
         by_key = {_meta_key(_config_meta(c)): c for c in configs}
-        kept = [by_key[key] for key in wanted if key in by_key]
-        return kept or list(configs[:1])
+        kept = [by_key[key] for key in dict.fromkeys(_meta_key(m) for m in metas) if key in by_key]
+        if kept:
+            return kept
+        return [min(configs, key=lambda c: shared_memory_bytes(kind, _config_meta(c), block_m=block_m,
+                                                               element_size=size))]
     return prune
 
 
@@ -290,15 +345,17 @@ def autotune_options(environ=None) -> dict:
 
 
 def autotune_configs(kind: str, *, persistent: bool = False) -> list:
-    """The configs of :func:`candidate_metas` (pruned per shape at launch). Only the persistent form's carry the
-    TMA pre-hook: Triton's disk cache refuses configs with a pre-hook, so the pointer form's have none."""
+    """The configs of :func:`candidate_metas` and :data:`SMALL_SM_METAS` (pruned per shape and GPU class at launch).
+    Only the persistent form's carry the TMA pre-hook: Triton's disk cache refuses configs with a pre-hook, so the
+    pointer form's have none."""
     hook = set_expert_block_shape if persistent else None
     if running_in_interpreter():
         meta = heuristic_meta(kind, block_m=16, n_dim=0, k_dim=0, rows_per_expert=0)
         warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
         return [triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=hook)]
     configs = []
-    for meta in candidate_metas(kind):
+    known = {_meta_key(m) for m in candidate_metas(kind)}
+    for meta in [*candidate_metas(kind), *(m for m in SMALL_SM_METAS[kind] if _meta_key(m) not in known)]:
         meta = dict(meta)
         warps, stages = meta.pop("num_warps"), meta.pop("num_stages")
         configs.append(triton.Config(meta, num_warps=warps, num_stages=stages, pre_hook=hook))

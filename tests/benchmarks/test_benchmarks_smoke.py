@@ -33,7 +33,10 @@ SCRIPTS = {
                      "qwen1_5_moe_a2_7b"],
     "bench_lora_train_step.py": [],
     "bench_loss.py": ["--methods", *LOSS_METHODS, "--shapes", *LOSS_SHAPES],
-    "bench_lora_linear.py": ["--components", "target"],
+    # the GEMM-core variants by name (the default leaves the persistent GEMM alone out; the interpreter checks its
+    # code path here); the default set, routes included, is test_bench_lora_linear_routes'
+    "bench_lora_linear.py": ["--components", "target", "--variants", "fused_torch_rank", "fused_persistent",
+                             "fused_fold"],
     "bench_loss_train_step.py": ["--variants", "all"],
     "bench_gated_deltanet.py": ["--check-seq", "32", "--secondary", "kernel", "back_to_back"],
     "bench_gemm_core.py": ["--variants", "all", "--tokens", "8192", "--shapes", "4096x4096", "4096x12288"],

@@ -90,11 +90,9 @@ def _check_row(notebook: str, number: int, row, by_id: dict[str, Prediction], re
         problems.append(f"{where}: 'id' is missing")
         return None
     where = f"{notebook}, shown row {number} ({prediction_id})"
-    prediction = by_id.get(prediction_id)
-    if prediction is None:
-        problems.append(f"{where}: unknown prediction id {prediction_id!r}")
-    elif prediction.notebook != notebook:
-        problems.append(f"{where}: a prediction of notebook {prediction.notebook}, not of {notebook}")
+    problem = _prediction_problem(prediction_id, notebook, by_id)
+    if problem:
+        problems.append(f"{where}: {problem}")
     elif prediction_id in replaced:
         problems.append(f"{where}: superseded by {replaced[prediction_id]!r}, which is the one to show")
     if not isinstance(claim, str) or not claim.strip():
@@ -107,6 +105,16 @@ def _check_row(notebook: str, number: int, row, by_id: dict[str, Prediction], re
         problems.append(f"{where}: 'ungraded' must be text (why it is shown though no run graded it)")
         ungraded = ""
     return ReaderRow(prediction_id, " ".join(claim.split()), ungraded.strip())
+
+
+def _prediction_problem(prediction_id, notebook: str, by_id: dict[str, Prediction]) -> str:
+    """Why ``prediction_id`` cannot stand in ``notebook``'s table (unknown, or another notebook's), or ""."""
+    prediction = by_id.get(prediction_id)
+    if prediction is None:
+        return f"unknown prediction id {prediction_id!r}"
+    if prediction.notebook != notebook:
+        return f"a prediction of notebook {prediction.notebook}, not of {notebook}"
+    return ""
 
 
 def _check_table(notebook: str, entry, by_id: dict[str, Prediction], replaced: dict[str, str],
@@ -135,11 +143,9 @@ def _check_table(notebook: str, entry, by_id: dict[str, Prediction], replaced: d
         not_shown = {}
     for prediction_id, reason in not_shown.items():
         where = f"{notebook}, not_shown {prediction_id!r}"
-        prediction = by_id.get(prediction_id)
-        if prediction is None:
-            problems.append(f"{where}: unknown prediction id")
-        elif prediction.notebook != notebook:
-            problems.append(f"{where}: a prediction of notebook {prediction.notebook}, not of {notebook}")
+        problem = _prediction_problem(prediction_id, notebook, by_id)
+        if problem:
+            problems.append(f"{where}: {problem}")
         if prediction_id in ids:
             problems.append(f"{where}: it is also shown")
         if not isinstance(reason, str) or not reason.strip():

@@ -25,11 +25,17 @@ def bench(monkeypatch):
     return bench_peers
 
 
-@pytest.mark.slow
-def test_smoke_run_times_ours_and_peft_and_records_every_other_peer_as_skipped(tmp_path):
+def _smoke_env() -> dict:
+    """The benchmark subprocess's environment: no display, no progress bars, Triton's interpreter without CUDA."""
     env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
+    return env
+
+
+@pytest.mark.slow
+def test_smoke_run_times_ours_and_peft_and_records_every_other_peer_as_skipped(tmp_path):
+    env = _smoke_env()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--out", str(tmp_path), "--smoke",
            "--repetitions", "2", "--ops", "lora_linear", "lora_qkv", "lora_mlp", "moe_full", "loss", "--moe-shapes",
            "qwen3_30b_a3b"]
@@ -171,9 +177,7 @@ def test_unsloth_path_loads_the_random_checkpoint_it_writes_offline(step_bench, 
 
 @pytest.mark.slow
 def test_sessions_run_as_separate_processes_and_pool(tmp_path):
-    env = {**os.environ, "MPLBACKEND": "Agg", "TQDM_DISABLE": "1"}
-    if not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"
+    env = _smoke_env()
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_peers.py"), "--out", str(tmp_path), "--smoke",
            "--repetitions", "2", "--sessions", "2", "--ops", "loss", "--peers", "quack"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

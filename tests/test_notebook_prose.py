@@ -29,7 +29,8 @@ MAX_WORDS = 400
 APPENDIX = re.compile(r"^\s*#+\s*appendix\b", re.I)
 INTERNAL = {
     # 7-40 hex characters with at least one digit and one letter: an abbreviated or full commit hash
-    "a commit hash": re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b"),
+    # (not the digits of a float in e-notation: 1.0095290678e-05)
+    "a commit hash": re.compile(r"(?<![.0-9])\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b(?![-+][0-9])"),
     "a numbered session": re.compile(r"\bsessions?\s*#?\s*[0-9]+", re.I),
     "a session log folder": re.compile(r"session" + "_logs", re.I),
     "an issue number": re.compile(r"\bissues?\s*(?:#\s*[0-9]*|[0-9]+)", re.I),
@@ -86,7 +87,7 @@ def test_internal_references_are_found(text):
 
 @pytest.mark.parametrize("text", [
     "two sessions, pooled", "`SESSIONS` separate processes", "the GGUF file's sha256 is recorded",
-    "4096 tokens and 151936 entries", "arXiv 2106.09685", "a decade of effaced bits", "the issue at hand",
+    "4096 tokens and 151936 entries", "arXiv 2106.09685", "1.009529067887308e-05", "2.5158935620181787e+00", "a decade of effaced bits", "the issue at hand",
 ])
 def test_plain_prose_is_not_flagged(text):
     assert internal_references(text) == []
@@ -99,3 +100,24 @@ def test_plain_prose_is_not_flagged(text):
 ])
 def test_appendix_is_marked_by_the_first_line(text, appendix):
     assert is_appendix(text) is appendix
+
+
+def output_texts(path: Path) -> list[tuple[int, str]]:
+    """(code cell index, text) of every text output a notebook holds: streams, plain text, rendered markdown."""
+    notebook = json.loads(path.read_text(encoding="utf-8"))
+    found = []
+    for index, cell in enumerate(notebook["cells"]):
+        for output in cell.get("outputs", []) if cell["cell_type"] == "code" else []:
+            pieces = [output.get("text", "")] + [output.get("data", {}).get(kind, "")
+                                                 for kind in ("text/plain", "text/markdown")]
+            found += [(index, "".join(piece) if isinstance(piece, list) else piece) for piece in pieces if piece]
+    return found
+
+
+PUBLISHED = sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb")) + sorted(ROOT.glob("outputs/*/[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", PUBLISHED, ids=[str(p.relative_to(ROOT)) for p in PUBLISHED])
+def test_outputs_have_no_internal_references(path):
+    found = [(i, hit) for i, text in output_texts(path) for hit in internal_references(text)]
+    assert not found, f"{path.relative_to(ROOT)}: internal references in outputs (code cell index, what): {found}"

@@ -408,7 +408,7 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
                         sessions: int = MIN_SESSIONS, cwd: Path | str | None = None, tail: int = 14,
                         python: str | None = None) -> list[Path]:
     """Run the benchmark ``script`` once per session — separate processes, one after another — each into its own
-    folder ``out/<script stem>_sessions/session<k>`` (``--out`` is appended to ``args``), print each session's
+    folder ``out/<script stem>_processes/process<k>`` (``--out`` is appended to ``args``), print each session's
     last ``tail`` lines of output and time, then pool the CSVs ``csv_names`` into ``out``
     (:func:`pool_csv_sessions`). A failing session raises with its stderr; the sessions already written stay on
     disk. Returns the session folders."""
@@ -420,17 +420,17 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
     script, out = Path(script), Path(out)
     if not script.is_file():
         raise FileNotFoundError(f"{script}: no such benchmark script")
-    parts = [out / f"{script.stem}_sessions" / f"session{k}" for k in range(sessions)]
+    parts = [out / f"{script.stem}_processes" / f"process{k}" for k in range(sessions)]
     for k, part in enumerate(parts):
         started = time.monotonic()
         done = subprocess.run([python or sys.executable, str(script), *args, "--out", str(part)], cwd=cwd,
                               capture_output=True, text=True)
-        print(f"--- {script.name}, session {k + 1}/{sessions} ({time.monotonic() - started:.0f} s, "
+        print(f"--- {script.name}, process {k + 1} of {sessions} ({time.monotonic() - started:.0f} s, "
               f"exit {done.returncode})")
         if tail:
             print("\n".join(done.stdout.strip().splitlines()[-tail:]))
         if done.returncode != 0:
-            raise RuntimeError(f"{script.name} failed in session {k + 1}/{sessions} (exit {done.returncode}):\n"
+            raise RuntimeError(f"{script.name} failed in process {k + 1} of {sessions} (exit {done.returncode}):\n"
                                f"{done.stderr[-3000:]}")
     pool_csv_sessions(parts, out, csv_names)
     return parts

@@ -231,20 +231,20 @@ def test_run_script_sessions_runs_each_session_in_its_own_process_and_pools(tmp_
         "from pathlib import Path\n"
         "from lora_lab.lab import measure\n"
         "out = Path(sys.argv[sys.argv.index('--out') + 1])\n"
-        "fail = '--fail-second' in sys.argv and out.name == 'session1'\n"
+        "fail = '--fail-second' in sys.argv and out.name == 'process1'\n"
         "measure.write_csv([{'variant': v, 'rep': r, 'pid': os.getpid()} for r in range(2) for v in 'ab'],"
         " out / 'bench.csv')\n"
         "print('done', out.name)\n"
         "sys.exit(3 if fail else 0)\n")
     parts = measure.run_script_sessions(script, [], tmp_path / "out", ["bench.csv"], sessions=2)
-    assert [p.name for p in parts] == ["session0", "session1"]
+    assert [p.name for p in parts] == ["process0", "process1"]
     rows = measure.read_csv(tmp_path / "out" / "bench.csv")
     assert measure.sessions_in(rows) == 2 and sorted({r["rep"] for r in rows}) == [0, 1, 2, 3]
     assert len({r["pid"] for r in rows}) == 2  # two processes
     printed = capsys.readouterr().out
-    assert "session 1/2" in printed and "done session1" in printed
-    with pytest.raises(RuntimeError, match="failed in session 2/2"):
+    assert "process 1 of 2" in printed and "done process1" in printed
+    with pytest.raises(RuntimeError, match="failed in process 2 of 2"):
         measure.run_script_sessions(script, ["--fail-second"], tmp_path / "out2", ["bench.csv"], sessions=2)
-    assert (tmp_path / "out2" / "bench_fake_sessions" / "session0" / "bench.csv").is_file()  # kept
+    assert (tmp_path / "out2" / "bench_fake_processes" / "process0" / "bench.csv").is_file()  # kept
     with pytest.raises(FileNotFoundError, match="no such benchmark script"):
         measure.run_script_sessions(tmp_path / "missing.py", [], tmp_path, ["x.csv"])

@@ -43,8 +43,10 @@ __all__ = [
 
 
 def triton_everywhere() -> KernelConfig:
-    """The kernels' own numerics, whatever engine a shape would be dispatched to (other settings as configured)."""
-    return KernelConfig.from_env(dispatch="triton")
+    """The kernels' own numerics, whatever engine a shape would be dispatched to, each kernel with its first tile
+    configuration (no autotuning: tuning picks a tile for speed, and every tile accumulates in fp32; it would
+    compile and time every tile at each odd shape); other settings as configured."""
+    return KernelConfig.from_env(dispatch="triton", autotune=False)
 
 
 def _one_linear_case(M, K, N, r, dtype, device, bias, p, seed):

@@ -407,12 +407,13 @@ def _build_cost_model(base: nn.Module, family: str, variant: str, r: int, vera_r
 
 def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, seq: int, calls: int,
                       dtype: str = "bf16", r: int = 16, vera_r: int = 256, seed: int = 0,
-                      ratios: dict | None = None) -> Callable[[], dict]:
+                      ratios: dict | None = None, warmup: int = 2) -> Callable[[], dict]:
     """Build every ``(family, variant[, copy])`` of ``combos`` once on ``spec`` (a third element makes a second,
     identical model: the check that identical configurations time alike) and return ``measure_once``: one
     repetition of ``calls`` rounds, each round one whole training step (forward, backward, AdamW, zero_grad;
     synchronised after it) of every combination in turn (``measure.interleaved_loop_ms``; order rotated by
-    repetition), after two warm-up rounds; each combination's median. It returns
+    repetition), after ``warmup`` warm-up rounds in the session's first repetition and one in each later one (the
+    models are warm by then); each combination's median. It returns
     ``{"ms|family|variant[|copy]": median ms}`` and, for each ``ratios`` entry ``name: [numerator combo, denominator
     combo]``, ``name``: their ratio within the repetition."""
     from lora_lab.lab import measure
@@ -438,7 +439,8 @@ def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, se
 
     def measure_once() -> dict:
         order = measure.rotation(keys, counter["rep"])
-        times = measure.interleaved_loop_ms({key: steps[key] for key in order}, calls=calls, warmup=2)
+        times = measure.interleaved_loop_ms({key: steps[key] for key in order}, calls=calls,
+                                            warmup=warmup if counter["rep"] == 0 else min(warmup, 1))
         out = {f"ms|{key}": sorted(times[key])[len(times[key]) // 2] for key in keys}
         counter["rep"] += 1
         for name, (num, den) in (ratios or {}).items():

@@ -141,6 +141,23 @@ def test_step_cost_session_times_each_combination_and_pairs_ratios():
         lv.step_cost_session("random:tiny-qwen2", [["nope", "lora"]], batch=1, seq=8, calls=1, dtype="fp32")
 
 
+def test_step_cost_session_warms_up_fully_once_then_one_round(monkeypatch):
+    from lora_lab.lab import measure
+
+    seen = []
+
+    def fake_loop(fns, calls, warmup):
+        seen.append(warmup)
+        return {key: [1.0] * calls for key in fns}
+
+    monkeypatch.setattr(measure, "interleaved_loop_ms", fake_loop)
+    once = lv.step_cost_session("random:tiny-qwen2", [["lora_lab", "lora"]], batch=1, seq=8, calls=2, dtype="fp32",
+                                r=2)
+    for _ in range(3):
+        once()
+    assert seen == [2, 1, 1]
+
+
 def test_runs_spread_over_worker_processes_give_the_in_process_results():
     _, task = _tiny_task()
     base = lora_lab.load_model("random:tiny-qwen2", dtype="fp32", attn_implementation="sdpa")

@@ -297,7 +297,8 @@ def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, 
     """``{(variant, seed): finetune_variant(...)}`` for every pair of ``runs``. ``workers`` > 1 spreads them over
     that many worker processes (each loads ``spec`` in ``dtype`` on ``base``'s device once; the longest variants
     start first): a run's result does not depend on where it ran, and a small model's step is bound by the host's
-    kernel launches, which separate processes issue side by side."""
+    kernel launches, which separate processes issue side by side. If the worker processes fail, a warning says why
+    and the runs are made in this process."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     runs = list(runs)
@@ -312,10 +313,17 @@ def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, 
     plain = {split: {k: (t.tolist(), str(t.dtype).removeprefix("torch.")) for k, t in part.items()}
              for split, part in task.items()}
     order = sorted(runs, key=lambda run: -RUN_COST.get(run[0], 1))
-    with ProcessPoolExecutor(min(workers, len(runs)), mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_worker_start, initargs=(spec, dtype, device, plain)) as pool:
-        futures = {run: pool.submit(_worker_run, run[0], run[1], kwargs) for run in order}
-        done = {run: future.result() for run, future in futures.items()}
+    try:
+        with ProcessPoolExecutor(min(workers, len(runs)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_worker_start, initargs=(spec, dtype, device, plain)) as pool:
+            futures = {run: pool.submit(_worker_run, run[0], run[1], kwargs) for run in order}
+            done = {run: future.result() for run, future in futures.items()}
+    except Exception as error:  # the runs do not need the workers: say why, and run them here
+        import warnings
+
+        warnings.warn(f"finetune_runs: the {workers} worker processes failed ({type(error).__name__}: {error}); "
+                      "running every run in this process", RuntimeWarning, stacklevel=2)
+        return finetune_runs(base, runs, task, workers=1, **kwargs)
     return {run: done[run] for run in runs}
 
 

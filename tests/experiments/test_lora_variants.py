@@ -179,6 +179,23 @@ def test_runs_spread_over_worker_processes_give_the_in_process_results():
         lv.finetune_runs(base, runs, task, workers=2, **kw)
 
 
+def test_runs_fall_back_to_this_process_with_a_warning_when_the_workers_fail(monkeypatch):
+    import concurrent.futures
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            raise OSError("no processes here")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Broken)
+    _, task = _tiny_task()
+    base = lora_lab.load_model("random:tiny-qwen2", dtype="fp32", attn_implementation="sdpa")
+    kw = dict(r=4, alpha=8, lr=3e-3, targets=("q_proj", "v_proj"), vera_r=8, batch_size=4, max_steps=2, eval_every=2,
+              target_accuracy=1.0)
+    with pytest.warns(RuntimeWarning, match="no processes here"):
+        out = lv.finetune_runs(base, [("lora", 0), ("dora", 0)], task, workers=2, spec="random:tiny-qwen2", **kw)
+    assert list(out) == [("lora", 0), ("dora", 0)] and all(res["steps"] == 2 for res in out.values())
+
+
 def test_step_cost_is_skipped_by_metric_name_under_a_cap_it_does_not_fit():
     from lora_lab.lab.rules import skipped_cell_of
     from lora_lab.memory import budget

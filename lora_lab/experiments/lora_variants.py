@@ -5,8 +5,10 @@
 * :func:`evaluate`                — teacher-forced answer-digit loss and accuracy of a model on one split
 * :func:`train_to_target`         — AdamW until the stopping rule (validation accuracy at a target) or a step limit
 * :func:`finetune_variant`        — one variant from one seed, trained and scored on the test codes
+* :func:`finetune_runs`           — many (variant, seed) runs, in this process or spread over worker processes
 * :func:`swallowed_update_shares` — the share of optimizer updates that round to no change in the adapter's dtype
 * :func:`step_cost_session`       — one session (process) of the side-by-side step-cost loop
+* :func:`step_cost_decision`      — whether that loop fits the GPU memory cap; a skip is kept by metric name
 * :func:`interop_max_abs_diff`    — an adapter moved both ways between lora_lab and PEFT
 """
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 from torch import nn
 
 __all__ = ["VARIANTS", "digit_code_task", "evaluate", "train_to_target", "censored_steps", "finetune_variant",
-           "swallowed_update_shares", "step_cost_session", "interop_max_abs_diff"]
+           "finetune_runs", "swallowed_update_shares", "step_cost_session", "step_cost_bytes", "step_cost_decision",
+           "interop_max_abs_diff"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -272,6 +275,58 @@ def finetune_variant(base: nn.Module, variant: str, task: dict, seed: int, *, r:
     return res
 
 
+RUN_COST = {"vera": 3, "lora_fa": 2}  # rough steps to the target relative to LoRA's: the longest runs start first
+_worker: dict = {}
+
+
+def _worker_start(spec: str, dtype: str, device: str, task: dict) -> None:
+    from lora_lab.models import load_model
+
+    torch.set_num_threads(1)
+    _worker["task"] = {split: {k: torch.tensor(v[0], dtype=getattr(torch, v[1])) for k, v in part.items()}
+                       for split, part in task.items()}
+    _worker["base"] = load_model(spec, dtype=dtype, device=device, attn_implementation="sdpa")
+
+
+def _worker_run(variant: str, seed: int, kwargs: dict) -> dict:
+    return finetune_variant(_worker["base"], variant, _worker["task"], seed, **kwargs)
+
+
+def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, *, workers: int = 1,
+                  spec: str | None = None, dtype: str = "fp32", **kwargs) -> dict:
+    """``{(variant, seed): finetune_variant(...)}`` for every pair of ``runs``. ``workers`` > 1 spreads them over
+    that many worker processes (each loads ``spec`` in ``dtype`` on ``base``'s device once; the longest variants
+    start first): a run's result does not depend on where it ran, and a small model's step is bound by the host's
+    kernel launches, which separate processes issue side by side. If the worker processes fail, a warning says why
+    and the runs are made in this process."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
+    runs = list(runs)
+    if workers == 1 or len(runs) < 2:
+        return {(v, s): finetune_variant(base, v, task, s, **kwargs) for v, s in runs}
+    if spec is None:
+        raise ValueError("finetune_runs with workers > 1 needs spec: the model each worker process loads")
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    device = str(next(base.parameters()).device)
+    plain = {split: {k: (t.tolist(), str(t.dtype).removeprefix("torch.")) for k, t in part.items()}
+             for split, part in task.items()}
+    order = sorted(runs, key=lambda run: -RUN_COST.get(run[0], 1))
+    try:
+        with ProcessPoolExecutor(min(workers, len(runs)), mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_worker_start, initargs=(spec, dtype, device, plain)) as pool:
+            futures = {run: pool.submit(_worker_run, run[0], run[1], kwargs) for run in order}
+            done = {run: future.result() for run, future in futures.items()}
+    except Exception as error:  # the runs do not need the workers: say why, and run them here
+        import warnings
+
+        warnings.warn(f"finetune_runs: the {workers} worker processes failed ({type(error).__name__}: {error}); "
+                      "running every run in this process", RuntimeWarning, stacklevel=2)
+        return finetune_runs(base, runs, task, workers=1, **kwargs)
+    return {run: done[run] for run in runs}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Swallowed updates: how many optimizer updates round to no change in the adapter's stored dtype
 # ----------------------------------------------------------------------------------------------------------------
@@ -360,12 +415,13 @@ def _build_cost_model(base: nn.Module, family: str, variant: str, r: int, vera_r
 
 def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, seq: int, calls: int,
                       dtype: str = "bf16", r: int = 16, vera_r: int = 256, seed: int = 0,
-                      ratios: dict | None = None) -> Callable[[], dict]:
+                      ratios: dict | None = None, warmup: int = 2) -> Callable[[], dict]:
     """Build every ``(family, variant[, copy])`` of ``combos`` once on ``spec`` (a third element makes a second,
     identical model: the check that identical configurations time alike) and return ``measure_once``: one
     repetition of ``calls`` rounds, each round one whole training step (forward, backward, AdamW, zero_grad;
     synchronised after it) of every combination in turn (``measure.interleaved_loop_ms``; order rotated by
-    repetition), after two warm-up rounds; each combination's median. It returns
+    repetition), after ``warmup`` warm-up rounds in the session's first repetition and one in each later one (the
+    models are warm by then); each combination's median. It returns
     ``{"ms|family|variant[|copy]": median ms}`` and, for each ``ratios`` entry ``name: [numerator combo, denominator
     combo]``, ``name``: their ratio within the repetition."""
     from lora_lab.lab import measure
@@ -391,7 +447,8 @@ def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, se
 
     def measure_once() -> dict:
         order = measure.rotation(keys, counter["rep"])
-        times = measure.interleaved_loop_ms({key: steps[key] for key in order}, calls=calls, warmup=2)
+        times = measure.interleaved_loop_ms({key: steps[key] for key in order}, calls=calls,
+                                            warmup=warmup if counter["rep"] == 0 else min(warmup, 1))
         out = {f"ms|{key}": sorted(times[key])[len(times[key]) // 2] for key in keys}
         counter["rep"] += 1
         for name, (num, den) in (ratios or {}).items():
@@ -399,3 +456,34 @@ def step_cost_session(spec: str, combos: Sequence[Sequence[str]], batch: int, se
         return out
 
     return measure_once
+
+
+def step_cost_bytes(spec: str, batch: int, seq: int, dtype: str = "bf16", r: int = 16, n_models: int = 1) -> int:
+    """About the GPU memory :func:`step_cost_session` needs: the byte model's peak of one LoRA step (``r`` on every
+    projection, the standard loss) plus the weights and optimizer states of the ``n_models`` other models it holds
+    (the base and every other combination)."""
+    from lora_lab.memory.byte_model import ModelShape, TrainingSetup, analytic_memory
+    from lora_lab.models import model_config
+
+    if isinstance(n_models, bool) or not isinstance(n_models, int) or n_models < 1:
+        raise ValueError(f"n_models must be an integer >= 1, got {n_models!r}")
+    one = analytic_memory(ModelShape.from_config(model_config(spec)),
+                          TrainingSetup(batch=batch, seq_len=seq, dtype=dtype, method="lora", lora_r=r,
+                                        lora_targets=COST_TARGETS))
+    return one.peak + n_models * one.fixed
+
+
+def step_cost_decision(cost: dict, n_models: int, metrics: Sequence[str], capacity: int | None = None):
+    """:func:`lora_lab.memory.budget.skip_or_shrink` for the step-cost cell (``cost``: the keyword arguments of
+    :func:`step_cost_session` that set its shape) at its one shape: under a cap it cannot fit, the cell is skipped and
+    each of ``metrics`` is kept as skipped with the reason, so that grading names it."""
+    from lora_lab.memory import budget
+
+    need = step_cost_bytes(cost["spec"], cost["batch"], cost["seq"], cost.get("dtype", "bf16"), cost.get("r", 16),
+                           n_models)
+    decision = budget.skip_or_shrink("step_cost", [f"{cost['spec']} {cost['batch']}x{cost['seq']}"],
+                                     lambda _: need, capacity=capacity)
+    if decision.skipped:
+        for name in metrics:
+            budget.note_skipped(name, decision.reason)
+    return decision

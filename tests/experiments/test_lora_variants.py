@@ -139,3 +139,83 @@ def test_step_cost_session_times_each_combination_and_pairs_ratios():
     assert {p.dtype for p in default.parameters() if p.requires_grad} == {torch.float32}
     with pytest.raises(ValueError, match="unknown family"):
         lv.step_cost_session("random:tiny-qwen2", [["nope", "lora"]], batch=1, seq=8, calls=1, dtype="fp32")
+
+
+def test_step_cost_session_warms_up_fully_once_then_one_round(monkeypatch):
+    from lora_lab.lab import measure
+
+    seen = []
+
+    def fake_loop(fns, calls, warmup):
+        seen.append(warmup)
+        return {key: [1.0] * calls for key in fns}
+
+    monkeypatch.setattr(measure, "interleaved_loop_ms", fake_loop)
+    once = lv.step_cost_session("random:tiny-qwen2", [["lora_lab", "lora"]], batch=1, seq=8, calls=2, dtype="fp32",
+                                r=2)
+    for _ in range(3):
+        once()
+    assert seen == [2, 1, 1]
+
+
+def test_runs_spread_over_worker_processes_give_the_in_process_results():
+    _, task = _tiny_task()
+    base = lora_lab.load_model("random:tiny-qwen2", dtype="fp32", attn_implementation="sdpa")
+    kw = dict(r=4, alpha=8, lr=3e-3, targets=("q_proj", "v_proj"), vera_r=8, batch_size=4, max_steps=4, eval_every=2,
+              target_accuracy=1.0)
+    runs = [("lora", 0), ("vera", 1)]
+    here = lv.finetune_runs(base, runs, task, workers=1, **kw)
+    spread = lv.finetune_runs(base, runs, task, workers=2, spec="random:tiny-qwen2", dtype="fp32", **kw)
+    assert list(spread) == runs == list(here)
+    for run in runs:
+        assert spread[run]["steps"] == here[run]["steps"] == 4
+        assert spread[run]["trainable_params"] == here[run]["trainable_params"]
+        assert spread[run]["test_loss"] == pytest.approx(here[run]["test_loss"], rel=1e-4)
+        assert [p["val_loss"] for p in spread[run]["curve"]] == pytest.approx(
+            [p["val_loss"] for p in here[run]["curve"]], rel=1e-4)
+    with pytest.raises(ValueError, match="workers"):
+        lv.finetune_runs(base, runs, task, workers=0, **kw)
+    with pytest.raises(ValueError, match="needs spec"):
+        lv.finetune_runs(base, runs, task, workers=2, **kw)
+
+
+def test_runs_fall_back_to_this_process_with_a_warning_when_the_workers_fail(monkeypatch):
+    import concurrent.futures
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            raise OSError("no processes here")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Broken)
+    _, task = _tiny_task()
+    base = lora_lab.load_model("random:tiny-qwen2", dtype="fp32", attn_implementation="sdpa")
+    kw = dict(r=4, alpha=8, lr=3e-3, targets=("q_proj", "v_proj"), vera_r=8, batch_size=4, max_steps=2, eval_every=2,
+              target_accuracy=1.0)
+    with pytest.warns(RuntimeWarning, match="no processes here"):
+        out = lv.finetune_runs(base, [("lora", 0), ("dora", 0)], task, workers=2, spec="random:tiny-qwen2", **kw)
+    assert list(out) == [("lora", 0), ("dora", 0)] and all(res["steps"] == 2 for res in out.values())
+
+
+def test_step_cost_is_skipped_by_metric_name_under_a_cap_it_does_not_fit():
+    from lora_lab.lab.rules import skipped_cell_of
+    from lora_lab.memory import budget
+
+    cost = {"spec": "random:qwen2.5-0.5b", "batch": 4, "seq": 1024, "dtype": "bf16", "r": 16}
+    need = lv.step_cost_bytes("random:qwen2.5-0.5b", 4, 1024, "bf16", 16, n_models=7)
+    assert 20 * budget.GIB < need < 30 * budget.GIB  # seven 0.5B models in bf16 and one step's activations
+    assert lv.step_cost_bytes("random:qwen2.5-0.5b", 4, 1024, "bf16", 16, n_models=1) < need
+    names = ["peft_dora_over_lora_step", "identical_config_step_time_ratio"]
+    budget.clear_skipped()
+    try:
+        assert not lv.step_cost_decision(cost, 7, names, capacity=140 * budget.GIB).skipped
+        assert budget.skipped_cells() == {}
+        decision = lv.step_cost_decision(cost, 7, names, capacity=22 * budget.GIB)
+        assert decision.skipped and "skipped" in decision.reason
+        skipped = budget.skipped_cells()
+        assert set(skipped) == {"step_cost", *names}
+        for name in names:
+            assert skipped_cell_of(name, {"skipped_cells": skipped}) == (name, decision.reason)
+    finally:
+        budget.clear_skipped()
+    with pytest.raises(ValueError, match="n_models"):
+        lv.step_cost_bytes("random:qwen2.5-0.5b", 4, 1024, n_models=0)

@@ -128,7 +128,7 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
 
     * ``{m}_recipe_speedup_vs_peft`` / ``_vs_peft_liger``: PEFT's (PEFT + Liger's) step time over the recipe's,
       repetition by repetition, pooled over sessions (a repeated measurement with ``sessions``);
-    * ``{m}_recipe_peak_vs_peft_liger``: the recipe's peak over PEFT + Liger's (medians over sessions);
+    * ``{m}_recipe_peak_vs_peft_liger``: the recipe's peak over PEFT + Liger's (from the memory pass);
     * ``{m}_recipe_lora_lab_loss_*``: the same three for the recipe with lora_lab's loss (``RECIPE_LORA_LAB_LOSS``),
       what ``patch_model(fused_loss=True)`` runs where ``LOSS_TABLE`` names lora_lab's loss;
     * ``{m}_fused_loss_speedup_vs_patch``: step time with ``patch_model`` over that with

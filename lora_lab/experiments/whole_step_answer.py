@@ -104,8 +104,8 @@ def findings_markdown(fig: Figures) -> str:
     """'What this run found', from ``fig``: the table of the benchmark's ratios per model and what they say."""
     models = _models(fig)
     if not models:
-        return (_section1(fig) + " The whole-step times and peaks are measured on the gpu profile (section 2); "
-                "this profile did not run the benchmark.")
+        return (_section1(fig) + " The whole-step times and peaks come from section 2's benchmark, which runs on "
+                "the gpu profile; this run did not run it.")
     first = fig.raw(_key(models[0], "speedup_vs_peft"))
     n, sessions = int(first["n"]), int(first["sessions"])
     rows = [

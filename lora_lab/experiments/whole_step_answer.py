@@ -106,8 +106,8 @@ def findings_markdown(fig: Figures) -> str:
     if not models:
         return (_section1(fig) + " The whole-step times and peaks come from section 2's benchmark, which runs on "
                 "the gpu profile; this run did not run it.")
-    first = fig.raw(_key(models[0], "speedup_vs_peft"))
-    n, sessions = int(first["n"]), int(first["sessions"])
+    ratios = [fig.raw(_key(m, "speedup_vs_peft")) for m in models if fig.has(_key(m, "speedup_vs_peft"))]
+    n, sessions = (int(ratios[0]["n"]), int(ratios[0]["sessions"])) if ratios else (0, 0)
     rows = [
         ("recipe vs PEFT (speed)", lambda m: _cell(fig, _key(m, "speedup_vs_peft"))),
         ("recipe vs PEFT + Liger (speed)", lambda m: _cell(fig, _key(m, "speedup_vs_peft_liger"))),
@@ -123,9 +123,10 @@ def findings_markdown(fig: Figures) -> str:
         ("first losses: largest relative difference from PEFT's",
          lambda m: _cell(fig, f"{m}_losses_max_rel_diff_vs_peft", "sci")),
     ]
-    lines = [f"{len(models)} two-layer models; {sessions} separate processes of {n // max(sessions, 1)} repetitions "
-             f"each, {n} repetitions per ratio: median [95% interval]. A speed ratio is the other combination's step "
-             "time over the recipe's, taken repetition by repetition.", "",
+    counts = (f"{sessions} separate processes of {n // max(sessions, 1)} repetitions each, {n} repetitions per "
+              "ratio" if ratios else "no ratio of the recipe to PEFT recorded")
+    lines = [f"{len(models)} two-layer models; {counts}: median [95% interval]. A speed ratio is the other "
+             "combination's step time over the recipe's, taken repetition by repetition.", "",
              "| | " + " | ".join(LABELS[m] for m in models) + " |", "|---" * (len(models) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(cell(m) for m in models) + " |" for label, cell in rows]
     lines.append("")
@@ -186,11 +187,13 @@ def answer_markdown(fig: Figures, device: str | None = None) -> str:
     if others:
         text += " " + "; ".join(f"On the {LABELS[m]} model {VARIANT_LABELS[fastest[m]]} was faster" for m in others)
         text += "."
-    smallest = [m for m in models if fig.has(f"{m}_{recipe_variant(m)}_peak_gib") and
-                fig[f"{m}_{recipe_variant(m)}_peak_gib"] <= (1 + SAME_PEAK) * min(
-                    fig[f"{m}_{v}_peak_gib"] for v in VARIANT_LABELS if fig.has(f"{m}_{v}_peak_gib"))]
-    text += (f" Its peak is the smallest of the six combinations on {_names(smallest, len(models))}." if smallest
-             else " Another combination holds a smaller peak on every model.")
+    peaks = {m: [fig[f"{m}_{v}_peak_gib"] for v in VARIANT_LABELS if fig.has(f"{m}_{v}_peak_gib")] for m in models}
+    measured = [m for m in models if fig.has(f"{m}_{recipe_variant(m)}_peak_gib")]
+    smallest = [m for m in measured if fig[f"{m}_{recipe_variant(m)}_peak_gib"] <= (1 + SAME_PEAK) * min(peaks[m])]
+    if smallest:
+        text += f" Its peak is the smallest of the six combinations on {_names(smallest, len(models))}."
+    elif measured:
+        text += f" Another combination holds a smaller peak on {_names(measured, len(models))}."
     text += (" It composes because Liger replaces forwards while `patch_model` replaces the LoRA layers inside them; "
              + _section1(fig)[0].lower() + _section1(fig)[1:])
     where = f"one GPU ({device})" if device else "one GPU"

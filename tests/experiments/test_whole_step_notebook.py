@@ -113,6 +113,17 @@ def test_cpu_profile_text_says_where_the_speed_figures_come_from():
     assert "two-layer models" in wa.answer_markdown(Figures(cpu, "cpu"))
 
 
+def test_a_partial_run_is_written_from_what_it_recorded():
+    """A model whose recipe or peaks were not recorded (a failed or capped variant) leaves those cells empty."""
+    metrics = _metrics()
+    for key in [k for k in metrics if k.startswith("llama_") and ("recipe" in k or "peak" in k)]:
+        del metrics[key]
+    findings = wa.findings_markdown(Figures(metrics, "gpu"))
+    assert "| recipe vs PEFT (speed) | – | 1.570×" in findings and "6 repetitions" in findings
+    answer = wa.answer_markdown(Figures(metrics, "gpu"))
+    assert "smallest of the six combinations on the Qwen2-7B-like and Qwen3-30B-A3B-like models" in answer
+
+
 def test_a_figure_the_run_did_not_record_is_named():
     with pytest.raises(MissingFigure, match="recipe_losses_max_rel_diff_vs_peft"):
         wa.findings_markdown(Figures({}, "cpu"))

@@ -26,8 +26,9 @@ run in rotated order (``measure.rotation``), each ``--steps`` whole optimizer st
 step, zero_grad) after one untimed step, each step between CUDA events and synchronised after it
 (``measure.loop_ms``); a row's ``step_ms`` is the median step. The repetitions run in ``--sessions`` separate
 processes (this script again, one after another) and are pooled (``measure.pool_sessions``): every summary interval
-spans sessions. Peak memory and the first steps' losses come from a separate pass in which each variant is built
-alone (``torch.cuda.max_memory_allocated`` of its second step, nothing else resident). A variant that fails or runs
+spans sessions. Peak memory and the first steps' losses come from a separate pass, in the first session only (both
+are fixed by the code and the shapes), in which each variant is built alone (``torch.cuda.max_memory_allocated`` of
+its second step, nothing else resident). A variant that fails or runs
 out of memory is an ``error`` / ``oom`` row, not a crash. Under a GPU memory cap (``$LORA_LAB_MEMORY_CAP_GIB``, the
 capped gpu profiles) the dense models' passes that lora_lab's byte model says cannot fit are not run: a variant's
 memory pass, or a model's whole timing pass (every variant built at once), gets ``skipped`` rows with the estimate.
@@ -296,7 +297,7 @@ def timing_pass(model_name, variants, args, device, dtype, skip: str | None = No
 
 def summarize(rows, memory) -> list[dict]:
     """Per (model, variant): median step and interval (pooled sessions), speedups vs PEFT and vs PEFT + Liger,
-    peak GiB (median over sessions), the first losses against PEFT's."""
+    peak GiB (the memory pass's; a median where more than one session ran it), the first losses against PEFT's."""
     out = []
     for model_name in dict.fromkeys(r["model"] for r in rows + memory):
         mine = [r for r in rows if r["model"] == model_name]
@@ -374,16 +375,23 @@ def print_table(summary) -> None:
         print(f"{s['model']:>10} {s['variant']:>31} {ms} {ci:>17} {vp} {vl} {pk} {lo} {dl}  {status}")
 
 
+def runs_memory_pass(args) -> bool:
+    """Whether this process runs the memory pass: the first session (or the only one) does, later sessions only time
+    (a peak and the first losses are the same in every session)."""
+    return not args.session_index
+
+
 def run_session(args, out: Path) -> None:
-    """One process's share: the memory pass and the timing repetitions of every model."""
+    """One process's share: the memory pass (first session) and the timing repetitions of every model."""
     device = check_device(args.smoke)
     dtype = torch.float32 if args.smoke else torch.bfloat16
     rows, memory = [], []
     for model_name in args.models:
         started = time.perf_counter()
         skip_alone, skip_timing = over_memory_cap(model_name, args.variants, args, device)
-        memory += memory_pass(model_name, args.variants, args, device, dtype, skip_alone)
-        measure.write_csv(memory, out / MEMORY_CSV)
+        if runs_memory_pass(args):
+            memory += memory_pass(model_name, args.variants, args, device, dtype, skip_alone)
+            measure.write_csv(memory, out / MEMORY_CSV)
         rows += timing_pass(model_name, args.variants, args, device, dtype, skip_timing)
         measure.write_csv(rows, out / CSV)  # after every model: a run cut short keeps what it measured
         print(f"{model_name}: session done in {time.perf_counter() - started:.0f} s", flush=True)
@@ -440,7 +448,7 @@ def main(argv=None) -> None:
                 raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / CSV}")
             parts.append(part)
     rows = measure.pool_sessions([measure.read_csv(p / CSV) for p in parts])
-    memory = measure.pool_sessions([measure.read_csv(p / MEMORY_CSV) for p in parts])
+    memory = measure.pool_sessions([measure.read_csv(p / MEMORY_CSV) for p in parts if (p / MEMORY_CSV).is_file()])
     measure.write_csv(rows, out / CSV)
     measure.write_csv(memory, out / MEMORY_CSV)
     summary = summarize(rows, memory)

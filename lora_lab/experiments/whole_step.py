@@ -18,7 +18,8 @@ import torch
 from lora_lab.lab import measure
 from lora_lab.memory import budget
 
-__all__ = ["RECIPE", "tiny_llama", "build_variant", "train_losses", "benchmark_metrics", "MODELS"]
+__all__ = ["RECIPE", "tiny_llama", "save_tiny_llama", "lora_weights", "load_lora_weights", "train_losses",
+           "benchmark_metrics", "MODELS"]
 
 RECIPE = "peft_liger_patch"
 # the recipe once LOSS_TABLE names lora_lab's loss at the head (after notebook 10's first H200 run)
@@ -26,7 +27,7 @@ RECIPE_LORA_LAB_LOSS = "peft_liger_patch_lora_lab_loss"
 MODELS = ("llama", "qwen2", "qwen3_moe")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Liger's RMSNorm and SiLU·mul kernels do not run in Triton's interpreter: on the CPU the recipe applies Liger's RoPE
-# and fused linear cross-entropy only (the GPU applies all of it).
+# and fused linear cross-entropy only (the GPU applies all of it): apply_liger_kernel_to_llama(model=..., **CPU_LIGER)
 CPU_LIGER = {"rms_norm": False, "swiglu": False}
 
 
@@ -42,30 +43,39 @@ def tiny_llama(device, dtype, seed: int = 0, vocab: int = 512, hidden: int = 64,
     return LlamaForCausalLM(cfg).to(device=device, dtype=dtype).train()
 
 
-def build_variant(device, dtype, liger: bool, fused_loss, seed: int = 0, r: int = 8):
-    """The small model as a variant of the benchmark: (PEFT model, Liger patch or None, patch_model summary or None).
+def save_tiny_llama(folder: Path | str, seed: int = 0) -> Path:
+    """:func:`tiny_llama` (fp32) saved as a transformers checkpoint in ``folder``, which is returned: what
+    ``AutoModelForCausalLM.from_pretrained`` loads in the recipe's first line."""
+    folder = Path(folder)
+    tiny_llama("cpu", torch.float32, seed).save_pretrained(folder)
+    return folder
 
-    ``liger``: apply Liger-Kernel first; ``fused_loss``: None = no ``patch_model``, else its ``fused_loss`` argument.
-    """
-    from peft import LoraConfig, get_peft_model
 
-    from lora_lab.kernels import liger as liger_mod
-    from lora_lab.kernels import patch_model
-    from lora_lab.layer import fill_lora_B
+def lora_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every LoRA factor of ``model`` (parameters named ``lora_A`` / ``lora_B``), by parameter name."""
+    return {name: p.detach().clone() for name, p in _lora_parameters(model).items()}
 
-    base = tiny_llama(device, dtype, seed)
-    patch = None
-    if liger:
-        extra = CPU_LIGER if torch.device(device).type == "cpu" else {}
-        patch = liger_mod.apply_liger(base, keep_globals=False, **extra)
-    torch.manual_seed(seed + 1)
-    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS))
-    fill_lora_B(model, 0.02)
-    summary = None
-    if fused_loss is not None:
-        with patch.active() if patch is not None else torch.enable_grad():
-            summary = patch_model(model, fused_loss=fused_loss)
-    return model, patch, summary
+
+def load_lora_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> int:
+    """Copy ``weights`` (:func:`lora_weights` of a model with the same adapters) into ``model``'s LoRA factors, so
+    two models train from the same adapters; returns how many were copied. A factor missing on either side, or of
+    another shape, is an error that names it."""
+    mine = _lora_parameters(model)
+    if set(mine) != set(weights):
+        only_here, only_there = sorted(set(mine) - set(weights)), sorted(set(weights) - set(mine))
+        raise ValueError(f"the LoRA factors differ: only in the model {only_here[:4]}, only in the weights "
+                         f"{only_there[:4]}")
+    with torch.no_grad():
+        for name, p in mine.items():
+            if p.shape != weights[name].shape:
+                raise ValueError(f"LoRA factor {name}: shape {tuple(weights[name].shape)} given, the model's is "
+                                 f"{tuple(p.shape)}")
+            p.copy_(weights[name])
+    return len(mine)
+
+
+def _lora_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if "lora_A" in name or "lora_B" in name}
 
 
 def train_losses(model, patch, ids, steps: int = 3, lr: float = 1e-3) -> list[float]:
@@ -128,7 +138,7 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
 
     * ``{m}_recipe_speedup_vs_peft`` / ``_vs_peft_liger``: PEFT's (PEFT + Liger's) step time over the recipe's,
       repetition by repetition, pooled over sessions (a repeated measurement with ``sessions``);
-    * ``{m}_recipe_peak_vs_peft_liger``: the recipe's peak over PEFT + Liger's (medians over sessions);
+    * ``{m}_recipe_peak_vs_peft_liger``: the recipe's peak over PEFT + Liger's (from the memory pass);
     * ``{m}_recipe_lora_lab_loss_*``: the same three for the recipe with lora_lab's loss (``RECIPE_LORA_LAB_LOSS``),
       what ``patch_model(fused_loss=True)`` runs where ``LOSS_TABLE`` names lora_lab's loss;
     * ``{m}_fused_loss_speedup_vs_patch``: step time with ``patch_model`` over that with

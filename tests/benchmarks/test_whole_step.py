@@ -60,7 +60,7 @@ def test_smoke_rows_for_every_variant_pooled_over_two_sessions(smoke_run):
         # fp32, interpreter: the first steps' losses of every variant track PEFT's
         assert s["loss_max_rel_diff_vs_peft"] < 1e-4
     memory = measure.read_csv(out / "whole_step_memory.csv")
-    assert len(memory) == 2 * len(LOSS_IMPL)
+    assert len(memory) == len(LOSS_IMPL) and {r["session"] for r in memory} == {0}  # the first session's pass only
     # the summary table is printed last
     last = stdout.strip().splitlines()
     assert "variant" in last[-len(LOSS_IMPL) - 1] and last[-1].split()[1] == "peft_liger_patch_lora_lab_loss"
@@ -95,6 +95,36 @@ def test_failing_variants_are_rows_not_crashes(bench, monkeypatch):
     assert summary["peft_patch"]["status"] == "oom" and "out of memory" in summary["peft_patch"]["error"]
     assert summary["peft_liger"]["status"] == "error" and "not installed" in summary["peft_liger"]["error"]
     bench.print_table(list(summary.values()))  # prints error rows too
+
+
+class _FakeVariant:
+    built: list[str] = []
+
+    def __init__(self, model_name, variant, args, device, dtype):
+        type(self).built.append(variant)
+        self.losses = []
+
+    def step(self):
+        self.losses.append(torch.tensor(2.0))
+
+    def describe(self):
+        return {"loss_impl": "torch"}
+
+
+@pytest.mark.parametrize("session_index, memory_rows", [(None, 2), (0, 2), (1, 0)])
+def test_only_the_first_session_runs_the_memory_pass(bench, monkeypatch, tmp_path, session_index, memory_rows):
+    """Peaks and first losses come from the first session's memory pass; a later session only times (it builds
+    each variant once, for the timing pass)."""
+    monkeypatch.setattr(bench, "Variant", _FakeVariant)
+    monkeypatch.setattr(_FakeVariant, "built", [])
+    argv = ["--out", str(tmp_path), "--smoke", "--repetitions", "1", "--steps", "1", "--models", "llama",
+            "--variants", "peft", "peft_patch"]
+    args, _ = bench.parse_args(argv + ([] if session_index is None else ["--session-index", str(session_index)]))
+    bench.run_session(args, tmp_path)
+    assert len(measure.read_csv(tmp_path / bench.CSV)) == 2
+    memory = tmp_path / bench.MEMORY_CSV
+    assert (len(measure.read_csv(memory)) if memory.exists() else 0) == memory_rows
+    assert len(_FakeVariant.built) == 2 + memory_rows
 
 
 def test_child_sessions_get_their_own_out_and_one_session(bench):

@@ -59,7 +59,7 @@ variants only in the named cells (``ours_untuned`` runs wherever ours does).
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
 
-    python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 360 150 --repetitions 3 --secondary \
+    python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 400 150 --repetitions 3 --secondary \
         --variants eager liger ours_untuned ours_per_tile ours_down_triton ours_triton \
         --cells CELL ... --variant-cells CELL ...  # what notebook 06 records (fused_moe.NOTEBOOK_CELLS, VARIANT_CELLS)
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read

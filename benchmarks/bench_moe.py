@@ -53,11 +53,15 @@ form tunes per process). A session folder that this code already finished with t
 compile and any tuning) and ``ours_untuned`` (ours with ``moe_autotune=False``: the tile table alone) measure
 whether a first call or a missing tuning is a trap.
 
+``--cells`` runs only the named layer cells (``<shape>_t<T>_<mode>``); ``--variant-cells`` times ours' opt-in
+variants only in the named cells (``ours_untuned`` runs wherever ours does).
+
 Writes into --out: 06_moe_layer.csv, 06_moe_e2e.csv (one row per cell or mode, implementation and repetition),
 06_moe_layer_summary.csv, 06_moe_layer_speed.png and 06_moe_layer_memory.png.
 
-    python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 150 --repetitions 5 --secondary \
-        --variants eager liger ours_untuned ours_per_tile ours_down_triton ours_triton  # what notebook 06 records
+    python benchmarks/bench_moe.py --out DIR --sessions 2 --budget-s 400 150 --repetitions 3 --secondary \
+        --variants eager liger ours_untuned ours_per_tile ours_down_triton ours_triton \
+        --cells CELL ... --variant-cells CELL ...  # what notebook 06 records (fused_moe.NOTEBOOK_CELLS, VARIANT_CELLS)
     python benchmarks/bench_moe.py --out DIR --graded-only              # only the cells the metrics read
     python benchmarks/bench_moe.py --out DIR --tokens 4096 8192 32768 --no-e2e
     python benchmarks/bench_moe.py --out DIR --no-e2e --variants liger              # no eager, no persistent form
@@ -137,6 +141,9 @@ LIGER_SHAPES = ("qwen3_30b_a3b",)
 # there they would repeat ours)
 WEIGHT_GRAD_VARIANTS = (*OURS_KGROUPED, *OURS_SCATTER)
 OPTIONAL_IMPLS = (*OURS_VARIANTS, LIGER)  # their failure is a recorded result; the others' fails the run
+# the variants --variant-cells limits: ours' opt-in forms, not the untuned one (the panel's untuned maximum reads
+# every cell)
+CELL_LIMITED = tuple(impl for impl in OURS_VARIANTS if impl not in OURS_UNTUNED)
 # First calls known to be expensive with a cold cache (compile + autotuning), in seconds: what the H200 run of
 # notebook 06 at 14de7b6 measured at the 30B-A3B-like layer, 8,192 tokens, full fine-tuning (its layer CSV's
 # first_call_s; git history keeps that CSV). --budget-s charges an implementation this
@@ -467,13 +474,47 @@ def plot_layer(table, out: Path):
     plt.close(fig)
 
 
+def cell_name(name: str, tokens: int, mode: str) -> str:
+    """A layer cell's name, as the CSVs and the metrics spell it: ``<shape>_t<T>_<mode>``."""
+    return f"{name}_t{tokens}_{mode}"
+
+
 def layer_cells(args) -> list[tuple[str, int, str]]:
-    """(shape, T, mode) of every layer cell to run, the cells notebook 06's graded metrics read first (so a
-    budget that runs out leaves out panel cells, not graded ones)."""
+    """(shape, T, mode) of every layer cell to run (those ``--cells`` names, when given), the cells notebook 06's
+    graded metrics read first (so a budget that runs out leaves out panel cells, not graded ones)."""
     cells = [(name, tokens, mode) for name in args.shapes for tokens in args.tokens for mode in args.modes]
     if args.graded_only:
-        cells = [c for c in cells if f"{c[0]}_t{c[1]}_{c[2]}" in GRADED_CELLS]
-    return sorted(cells, key=lambda c: f"{c[0]}_t{c[1]}_{c[2]}" not in GRADED_CELLS)
+        cells = [c for c in cells if cell_name(*c) in GRADED_CELLS]
+    if getattr(args, "cells", None):
+        cells = [c for c in cells if cell_name(*c) in args.cells]
+    return sorted(cells, key=lambda c: cell_name(*c) not in GRADED_CELLS)
+
+
+def unknown_cells(args) -> list[str]:
+    """The names in ``--cells`` and ``--variant-cells`` that are no cell of ``--shapes`` x ``--tokens`` x
+    ``--modes``."""
+    known = {cell_name(n, t, m) for n in args.shapes for t in args.tokens for m in args.modes}
+    named = [*(args.cells or []), *(args.variant_cells or [])]
+    return [c for c in dict.fromkeys(named) if c not in known]
+
+
+def runs_variant_here(impl: str, cell: str, variant_cells) -> bool:
+    """Whether ``impl`` runs in ``cell`` as far as ``--variant-cells`` goes: ours' opt-in variants
+    (:data:`CELL_LIMITED`) only in the cells it names, when given; every other implementation anywhere."""
+    return impl not in CELL_LIMITED or not variant_cells or cell in variant_cells
+
+
+def cell_implementations(args, impls: list[str], name: str, label_tokens: int, mode: str) -> list[str]:
+    """The implementations of ``impls`` that one layer cell times: eager, Liger and the persistent form only where
+    their options put them, each variant only in its mode's cells, ours' opt-in variants only in --variant-cells."""
+    with_eager = ((not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
+                  and mode in args.eager_modes)
+    return [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
+            and (i not in OURS_PERSISTENT or (name in args.persistent_shapes and mode == "full"))
+            and (i not in WEIGHT_GRAD_VARIANTS or mode == "full")
+            and (i not in OURS_ENGINES or mode == "lora" or i == "ours_gmm_engine")
+            and runs_variant_here(i, cell_name(name, label_tokens, mode), args.variant_cells)
+            and runs_in(i, mode)]
 
 
 def session_budget(args) -> float | None:
@@ -509,13 +550,7 @@ def run_session(args, impls, out: Path) -> None:
             seconds = left / (len(cells) - k) / 2  # half of a cell's share for its timed loops (warm-ups, peaks)
         shape = LAYER_SHAPES[name].scaled(**SMOKE_SHAPES[name]) if args.smoke else LAYER_SHAPES[name]
         num_tokens = max(1, label_tokens // SMOKE_TOKEN_DIVISOR) if args.smoke else label_tokens
-        with_eager = ((not args.eager_tokens or label_tokens in args.eager_tokens) and name in args.eager_shapes
-                      and mode in args.eager_modes)
-        cell_impls = [i for i in impls if (i != "eager" or with_eager) and (i != LIGER or name in args.liger_shapes)
-                      and (i not in OURS_PERSISTENT or (name in args.persistent_shapes and mode == "full"))
-                      and (i not in WEIGHT_GRAD_VARIANTS or mode == "full")
-                      and (i not in OURS_ENGINES or mode == "lora" or i == "ours_gmm_engine")
-                      and runs_in(i, mode)]
+        cell_impls = cell_implementations(args, impls, name, label_tokens, mode)
         t0 = time.perf_counter()
         cell_rows = bench_layer_cell(shape, num_tokens, label_tokens, mode, cell_impls, args, cfg, device, dtype,
                                      seconds=seconds, first_calls=args.first_calls, deadline=deadline)
@@ -605,6 +640,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--first-call-ledger", default=None, help=argparse.SUPPRESS)  # set for the sessions
     ap.add_argument("--graded-only", action="store_true",
                     help="only the layer cells notebook 06's metrics read (" + ", ".join(GRADED_CELLS) + ")")
+    ap.add_argument("--cells", nargs="+", default=None, metavar="CELL",
+                    help="only these layer cells, named <shape>_t<T>_<mode> (each one of --shapes x --tokens x "
+                         "--modes; notebook 06 passes fused_moe.NOTEBOOK_CELLS)")
+    ap.add_argument("--variant-cells", nargs="+", default=None, metavar="CELL",
+                    help="the cells where ours' opt-in variants (" + " ".join(CELL_LIMITED) + ") run, each in its "
+                         "own mode's cells (default: every cell; notebook 06 passes fused_moe.VARIANT_CELLS); "
+                         "ours_untuned runs in every cell")
     ap.add_argument("--no-e2e", action="store_true", help="skip the end-to-end training steps")
     ap.add_argument("--e2e-steps", type=int, default=2, help="timed training steps per implementation and repetition")
     ap.add_argument("--e2e-layers", type=int, default=4)
@@ -626,6 +668,10 @@ def main(argv=None):
     if args.sessions < 1 or (args.budget_s is not None and min(args.budget_s) <= 0):
         ap.error("--sessions must be >= 1 and --budget-s > 0")
     impls = chosen_variants(ap, args, ALL_IMPLS, ["grouped_mm", "ours"])
+    unknown = unknown_cells(args)
+    if unknown:
+        ap.error(f"--cells / --variant-cells: {' '.join(unknown)} is no cell of --shapes x --tokens x --modes "
+                 "(a cell is named <shape>_t<T>_<mode>, e.g. qwen3_30b_a3b_t8192_full)")
     if LIGER in impls and not liger_available():
         print("liger: liger_kernel is not installed (pip install liger-kernel); its cells are skipped", flush=True)
         impls = [i for i in impls if i != LIGER]

@@ -38,10 +38,12 @@ from lora_lab.experiments.fused_moe_metrics import (
     GRADED_PEAKS,
     GRADED_SPEEDUPS,
     LAYER_CSV,
+    NOTEBOOK_CELLS,
     PANEL_CELLS,
     PANEL_TOKENS,
     PERSISTENT_CELLS,
     TFLOPS_CELLS,
+    VARIANT_CELLS,
     benchmark_metrics,
     layer_table,
 )
@@ -82,7 +84,7 @@ __all__ = [
     "expert_gemm_flops", "layer_numerics", "saved_bytes_by_implementation",
     # the benchmark's metrics (lora_lab.experiments.fused_moe_metrics)
     "LAYER_CSV", "E2E_CSV", "GRADED_SPEEDUPS", "TFLOPS_CELLS", "GRADED_PEAKS", "PERSISTENT_CELLS", "PANEL_TOKENS",
-    "PANEL_CELLS", "GRADED_CELLS", "benchmark_metrics", "layer_table",
+    "PANEL_CELLS", "GRADED_CELLS", "NOTEBOOK_CELLS", "VARIANT_CELLS", "benchmark_metrics", "layer_table",
 ]
 
 TENSOR_NAMES = ["out", "d_x", "d_weights", "d_gate_up_proj", "d_down_proj",

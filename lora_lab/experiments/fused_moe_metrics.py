@@ -20,7 +20,8 @@ from lora_lab.lab import measure
 from lora_lab.memory import budget
 
 __all__ = ["LAYER_CSV", "E2E_CSV", "GRADED_SPEEDUPS", "TFLOPS_CELLS", "GRADED_PEAKS", "PERSISTENT_CELLS",
-           "PANEL_TOKENS", "PANEL_CELLS", "ENGINE_CELLS", "GRADED_CELLS", "benchmark_metrics", "layer_table"]
+           "PANEL_TOKENS", "PANEL_CELLS", "ENGINE_CELLS", "GRADED_CELLS", "NOTEBOOK_CELLS", "VARIANT_CELLS",
+           "benchmark_metrics", "layer_table"]
 
 LAYER_CSV = "06_moe_layer.csv"
 E2E_CSV = "06_moe_e2e.csv"
@@ -54,6 +55,18 @@ PANEL_CELLS = [f"{shape}_t{tokens}_{mode}" for shape in LAYER_SHAPES for tokens 
 ENGINE_CELLS = ["mixtral_8x7b_t8192_full", "mixtral_8x7b_t8192_lora"]
 GRADED_CELLS = list(dict.fromkeys([cell for cell, _ in GRADED_SPEEDUPS] + GRADED_PEAKS + PERSISTENT_CELLS
                                   + ENGINE_CELLS))
+# the cells notebook 06 times (bench_moe --cells): the graded cells, then every other panel cell whose speedup or peak
+# one of the notebook's standing predictions reads (tests/benchmarks/test_bench_moe_panel.py checks this against
+# predictions/predictions.yaml); the panel's maxima (first call, peak, untuned form) are taken over these cells
+NOTEBOOK_CELLS = list(dict.fromkeys(GRADED_CELLS + [
+    "qwen3_30b_a3b_t32768_lora", "qwen1_5_moe_a2_7b_t8192_lora", "qwen1_5_moe_a2_7b_t32768_full",
+    "olmoe_1b_7b_t8192_full", "olmoe_1b_7b_t32768_full", "deepseek_v2_lite_t32768_full", "gpt_oss_20b_t8192_full",
+    "mixtral_8x22b_t8192_full"]))
+# the cells where notebook 06 times ours' opt-in variants (bench_moe --variant-cells), those the predictions compare
+# with ours: the weight-gradient and down-projection forms in the 30B-A3B-like layer's full cells, our Triton engine
+# with LoRA in two LoRA cells (each variant runs in its own mode's cells only)
+VARIANT_CELLS = ["qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t32768_full", "qwen3_30b_a3b_t8192_lora",
+                 "qwen1_5_moe_a2_7b_t8192_lora"]
 
 
 def _refuse_smoke(rows, path, allow_smoke):

@@ -194,3 +194,67 @@ def test_a_finished_session_is_kept_only_for_this_code_and_these_arguments(bench
     monkeypatch.undo()
     (part / bench.SESSION_COMPLETE).write_text("{not json")
     assert not bench.session_complete(part, argv, 0)
+
+
+NOTEBOOK_VARIANTS = ["eager", "liger", "ours_untuned", "ours_per_tile", "ours_down_triton", "ours_triton"]
+
+
+def _parse(bench, *extra):
+    return bench.build_parser().parse_args(["--out", "o", "--variants", *NOTEBOOK_VARIANTS, *extra])
+
+
+def test_cells_option_runs_only_the_named_cells_graded_ones_first(bench):
+    args = _parse(bench, "--cells", "olmoe_1b_7b_t8192_full", "qwen3_30b_a3b_t8192_lora")
+    assert bench.layer_cells(args) == [("qwen3_30b_a3b", 8192, "lora"), ("olmoe_1b_7b", 8192, "full")]
+    everything = bench.layer_cells(_parse(bench))
+    assert len(everything) == len(fused_moe.PANEL_CELLS)  # without --cells: the whole panel
+    notebook = bench.layer_cells(_parse(bench, "--cells", *fused_moe.NOTEBOOK_CELLS))
+    assert {bench.cell_name(*c) for c in notebook} == set(fused_moe.NOTEBOOK_CELLS) < set(fused_moe.PANEL_CELLS)
+
+
+def test_a_cell_name_outside_the_panel_is_refused_by_name(bench, tmp_path, capsys):
+    for option in ("--cells", "--variant-cells"):
+        with pytest.raises(SystemExit):
+            bench.main(["--out", str(tmp_path), option, "qwen3_30b_a3b_t8192_full", "qwen3_30b_a3b_t4096_full"])
+        err = capsys.readouterr().err
+        assert "qwen3_30b_a3b_t4096_full is no cell" in err and "qwen3_30b_a3b_t8192_full is" not in err
+    assert not any(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_variant_cells_limit_ours_variants_but_not_the_untuned_form(bench):
+    impls = bench.chosen_variants(bench.build_parser(), _parse(bench), bench.ALL_IMPLS, ["grouped_mm", "ours"])
+    limited = _parse(bench, "--variant-cells", *fused_moe.VARIANT_CELLS)
+    cells = {(n, t, m): bench.cell_implementations(limited, impls, n, t, m) for n, t, m in bench.layer_cells(limited)}
+    assert cells[("qwen3_30b_a3b", 8192, "full")] == ["eager", "grouped_mm", "ours", "ours_untuned", "ours_per_tile",
+                                                      "ours_down_triton", "liger"]
+    assert cells[("qwen3_30b_a3b", 8192, "lora")] == ["grouped_mm", "ours", "ours_untuned", "ours_triton"]
+    assert cells[("qwen1_5_moe_a2_7b", 8192, "full")] == ["grouped_mm", "ours", "ours_untuned"]
+    assert cells[("mixtral_8x7b", 8192, "lora")] == ["grouped_mm", "ours", "ours_untuned"]
+    every = _parse(bench)  # without --variant-cells: each variant in every cell of its mode
+    assert bench.cell_implementations(every, impls, "mixtral_8x7b", 8192, "lora") == [
+        "grouped_mm", "ours", "ours_untuned", "ours_triton"]
+    assert "ours_untuned" not in bench.CELL_LIMITED and "ours_per_tile" in bench.CELL_LIMITED
+
+
+def _standing_predictions():
+    from lora_lab.lab.predictions import load_predictions, superseded_ids
+
+    predictions = load_predictions(ROOT / "predictions" / "predictions.yaml", notebooks_dir=ROOT / "notebooks")
+    replaced = superseded_ids(predictions)
+    return [p for p in predictions if p.notebook == "06_fused_moe" and p.id not in replaced]
+
+
+def test_notebook_cells_hold_every_cell_a_standing_prediction_reads():
+    """Notebook 06 times only fused_moe.NOTEBOOK_CELLS, and ours' variants only in VARIANT_CELLS: every layer cell
+    that a prediction of the notebook (not superseded) names in its metric is among them, and so is every cell where
+    it compares one of the variants the notebook times with ours."""
+    standing = _standing_predictions()
+    assert standing
+    by_length = sorted(fused_moe.PANEL_CELLS, key=len, reverse=True)
+    read = {p.id: next((c for c in by_length if p.metric.startswith(c + "_")), None) for p in standing}
+    assert {c for c in read.values() if c} <= set(fused_moe.NOTEBOOK_CELLS)
+    for p in standing:
+        for variant in ("ours_per_tile", "ours_down_triton", "ours_triton"):
+            if read[p.id] and p.metric.startswith(f"{read[p.id]}_{variant}_"):
+                assert read[p.id] in fused_moe.VARIANT_CELLS, p.id
+    assert set(fused_moe.GRADED_CELLS) <= set(fused_moe.NOTEBOOK_CELLS)

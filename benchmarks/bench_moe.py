@@ -690,28 +690,29 @@ def main(argv=None):
 
         raw = list(sys.argv[1:] if argv is None else argv)
         parts = []
-        kept = [k for k in range(args.sessions) if session_complete(out / f"session{k}", raw, k)]
+        kept = [k for k in range(args.sessions) if session_complete(out / f"process{k}", raw, k)]
         ledger = out / FIRST_CALL_LEDGER  # which keys an earlier session tuned (and took how long): fresh per run
         if not kept:  # (a run that keeps sessions keeps their ledger: carry Triton's cache with them)
             ledger.unlink(missing_ok=True)
         # the sessions share Triton's disk cache of autotuning results: a later session reuses an earlier one's picks
         env = {**os.environ, "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1")}
         for k in range(args.sessions):
-            part = out / f"session{k}"
+            part = out / f"process{k}"
             if k in kept:
-                print(f"--- session {k + 1}/{args.sessions} kept: {part} holds it, complete, from this code and these "
-                      "arguments", flush=True)
+                print(f"--- process {k + 1} of {args.sessions} kept: {part} holds it, complete, from this code "
+                      "and these arguments", flush=True)
                 parts.append(part)
                 continue
             (part / SESSION_COMPLETE).unlink(missing_ok=True)
             cmd = [sys.executable, str(Path(__file__).resolve()), *_child_argv(raw, part, k),
                    "--first-call-ledger", str(ledger)]
-            print(f"--- session {k + 1}/{args.sessions}", flush=True)
+            print(f"--- process {k + 1} of {args.sessions}", flush=True)
             t0 = time.perf_counter()
             done = subprocess.run(cmd, env=env)
-            print(f"--- session {k + 1}/{args.sessions} done in {time.perf_counter() - t0:.0f} s", flush=True)
+            print(f"--- process {k + 1} of {args.sessions} done in {time.perf_counter() - t0:.0f} s", flush=True)
             if done.returncode != 0 and not (part / LAYER_CSV).exists():
-                raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / LAYER_CSV}")
+                raise SystemExit(f"process {k + 1} of {args.sessions} failed (exit {done.returncode}) "
+                                 f"before writing {part / LAYER_CSV}")
             parts.append(part)  # (a child that finished wrote its own session_complete.json)
         measure.pool_csv_sessions(parts, out, [LAYER_CSV, E2E_CSV])
     rows = measure.read_csv(out / LAYER_CSV)

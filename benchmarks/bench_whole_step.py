@@ -440,12 +440,13 @@ def main(argv=None) -> None:
         parts = []
         env = session_environment()
         for k in range(args.sessions):
-            part = out / f"session{k}"
+            part = out / f"process{k}"
             cmd = [sys.executable, str(Path(__file__).resolve()), *_replace_out(raw, part), "--session-index", str(k)]
-            print(f"--- session {k + 1}/{args.sessions}: {' '.join(cmd[1:])}", flush=True)
+            print(f"--- process {k + 1} of {args.sessions}: {' '.join(cmd[1:])}", flush=True)
             done = subprocess.run(cmd, env=env)
             if done.returncode != 0 and not (part / CSV).exists():
-                raise SystemExit(f"session {k} failed (exit {done.returncode}) before writing {part / CSV}")
+                raise SystemExit(f"process {k + 1} of {args.sessions} failed (exit {done.returncode}) "
+                                 f"before writing {part / CSV}")
             parts.append(part)
     rows = measure.pool_sessions([measure.read_csv(p / CSV) for p in parts])
     memory = measure.pool_sessions([measure.read_csv(p / MEMORY_CSV) for p in parts if (p / MEMORY_CSV).is_file()])

@@ -87,7 +87,8 @@ def test_internal_references_are_found(text):
 
 @pytest.mark.parametrize("text", [
     "two sessions, pooled", "`SESSIONS` separate processes", "the GGUF file's sha256 is recorded",
-    "4096 tokens and 151936 entries", "arXiv 2106.09685", "1.009529067887308e-05", "2.5158935620181787e+00", "a decade of effaced bits", "the issue at hand",
+    "4096 tokens and 151936 entries", "arXiv 2106.09685",
+    "1.009529067887308e-05", "2.5158935620181787e+00", "a decade of effaced bits", "the issue at hand",
 ])
 def test_plain_prose_is_not_flagged(text):
     assert internal_references(text) == []

@@ -155,14 +155,35 @@ def notebook_text_hash(text: str) -> str:
 
 def executed_tokens(source: str) -> str:
     """What of a code cell's ``source`` Python executes: its tokens without comments, blank lines and spacing inside
-    a line (a cell that does not tokenize, e.g. one with IPython magics, is taken whole)."""
-    skip = {tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER}
+    a line (a cell that does not tokenize, e.g. one with IPython magics, is taken whole).
+
+    The same on every Python the lab runs on: tokens are named (their numbers differ between versions), and an
+    f-string is one string token with its source text, as before Python 3.12 (which splits it into parts)."""
+    skip = {"COMMENT", "NL", "ENCODING", "ENDMARKER"}
+    lines = source.splitlines(keepends=True)
     try:
-        tokens = [(tok.type, tok.string) for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                  if tok.type not in skip]
+        tokens, depth, start = [], 0, None
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            name = tokenize.tok_name[tok.type]
+            if name in ("FSTRING_START", "TSTRING_START"):
+                depth, start = depth + 1, start if depth else tok.start
+            elif name in ("FSTRING_END", "TSTRING_END"):
+                depth -= 1
+                if depth == 0:
+                    tokens.append(("STRING", _source_slice(lines, start, tok.end)))
+            elif depth == 0 and name not in skip:
+                tokens.append((name, tok.string))
     except (tokenize.TokenError, IndentationError, SyntaxError):
         return source
     return json.dumps(tokens, ensure_ascii=False)
+
+
+def _source_slice(lines: list[str], start: tuple[int, int], end: tuple[int, int]) -> str:
+    """The text from ``start`` to ``end`` ((row from 1, column) positions, as tokenize gives them)."""
+    (row0, col0), (row1, col1) = start, end
+    if row0 == row1:
+        return lines[row0 - 1][col0:col1]
+    return lines[row0 - 1][col0:] + "".join(lines[row0:row1 - 1]) + lines[row1 - 1][:col1]
 
 
 def code_cells_hash(text: str) -> str:

@@ -355,15 +355,15 @@ STALE_RUNS = "predictions/stale_runs.yaml"
 
 
 def ran_code_cells(repo: Path, profile_dir: str, notebook: str, provenance: dict) -> str | None:
-    """The hash of the code cells a published run executed: recorded (``code_cells_hash``), else those of
-    ``notebooks/<notebook>.ipynb`` at the commit it ran from when that version's notebook hash is the recorded one;
-    None when neither tells."""
-    if provenance.get("code_cells_hash"):
-        return str(provenance["code_cells_hash"])
+    """The hash of the code cells a published run executed, computed here: those of ``notebooks/<notebook>.ipynb``
+    at the commit it ran from when that version's notebook hash is the recorded one (both sides hashed by this
+    Python), else the recorded ``code_cells_hash``; None when neither tells."""
     commit, recorded = provenance.get("git_commit"), provenance.get("notebook_hash")
     text = file_at(repo, str(commit), f"notebooks/{notebook}.ipynb") if commit and recorded else None
     if text is not None and notebook_text_hash(text) == recorded:
         return code_cells_hash(text)
+    if provenance.get("code_cells_hash"):
+        return str(provenance["code_cells_hash"])
     return None
 
 

@@ -130,3 +130,39 @@ def test_the_gpu_profile_copy_in_notebooks_is_checked_too(tmp_path):
     repo.commit("the published notebook's code edited")
     assert verify(repo.root).violations == [
         f"notebooks/01_demo.ipynb: code cells differ from the run (of {ran[:7]}); republish needed"]
+
+
+FSTRING_CELL = ('x = f"a{b!r:>{w}}c" + g(1)  # note\ny = f"""\n{z}\n"""\n'
+                'print(f"{fig.x(\'k\')} and {d[\'a\']:.3f}", rf"\\d{n}")\n')
+
+
+def test_the_code_cells_hash_is_the_same_on_every_python():
+    """Token names, not numbers (they shift between versions), and an f-string as one string token with its text
+    (Python 3.12 splits it into parts): a hash recorded on the GPU machine's Python is the one computed here."""
+    from lora_lab.lab.provenance import executed_tokens
+
+    tokens = json.loads(executed_tokens(FSTRING_CELL))
+    assert tokens[:4] == [["NAME", "x"], ["OP", "="], ["STRING", 'f"a{b!r:>{w}}c"'], ["OP", "+"]]
+    assert ["STRING", 'f"""\n{z}\n"""'] in tokens and ["STRING", 'rf"\\d{n}"'] in tokens
+    assert ["STRING", "f\"{fig.x('k')} and {d['a']:.3f}\""] in tokens
+    assert not any(kind.startswith("FSTRING") or kind == "COMMENT" for kind, _ in tokens)
+
+
+def test_verify_hashes_what_ran_from_the_notebook_at_its_commit_before_the_recorded_hash(tmp_path):
+    """A run recorded by another Python (another tokenizer): the notebook at the run's commit, matched by its
+    recorded notebook hash, is hashed here, like the published copy."""
+    repo = Repo(tmp_path / "repo")
+    repo.predictions()
+    repo.write("notebooks/01_demo.ipynb", _notebook(FSTRING_CELL))
+    ran = repo.commit("01: code")
+    repo.write("outputs/cpu/01_demo.ipynb", _notebook(FSTRING_CELL))
+    provenance = {"status": "completed", "git_commit": ran, "code_cells_hash": "0" * 64,  # another Python's
+                  "notebook_hash": notebook_hash(repo.root / "notebooks" / "01_demo.ipynb")}
+    repo.write("outputs/cpu/01_demo.metrics.json",
+               json.dumps({"notebook": "01_demo", "profile": "cpu", "metrics": {}, "provenance": provenance}))
+    repo.commit("published")
+    assert verify(repo.root).ok
+    repo.write("outputs/cpu/01_demo.ipynb", _notebook(FSTRING_CELL.replace("g(1)", "g(2)")))
+    repo.commit("a value changed after the run")
+    assert verify(repo.root).violations == [
+        f"outputs/cpu/01_demo.ipynb: code cells differ from the run (of {ran[:7]}); republish needed"]

@@ -18,8 +18,8 @@ import torch
 from lora_lab.lab import measure
 from lora_lab.memory import budget
 
-__all__ = ["RECIPE", "tiny_llama", "save_tiny_llama", "lora_weights", "load_lora_weights", "train_losses",
-           "benchmark_metrics", "MODELS"]
+__all__ = ["RECIPE", "tiny_llama", "build_variant", "save_tiny_llama", "lora_weights", "load_lora_weights",
+           "train_losses", "benchmark_metrics", "MODELS"]
 
 RECIPE = "peft_liger_patch"
 # the recipe once LOSS_TABLE names lora_lab's loss at the head (after notebook 10's first H200 run)
@@ -76,6 +76,32 @@ def load_lora_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) 
 
 def _lora_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if "lora_A" in name or "lora_B" in name}
+
+
+def build_variant(device, dtype, liger: bool, fused_loss, seed: int = 0, r: int = 8):
+    """The small model as a variant of the benchmark: (PEFT model, Liger patch or None, patch_model summary or None).
+
+    ``liger``: apply Liger-Kernel first; ``fused_loss``: None = no ``patch_model``, else its ``fused_loss`` argument.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    from lora_lab.kernels import liger as liger_mod
+    from lora_lab.kernels import patch_model
+    from lora_lab.layer import fill_lora_B
+
+    base = tiny_llama(device, dtype, seed)
+    patch = None
+    if liger:
+        extra = CPU_LIGER if torch.device(device).type == "cpu" else {}
+        patch = liger_mod.apply_liger(base, keep_globals=False, **extra)
+    torch.manual_seed(seed + 1)
+    model = get_peft_model(base, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=TARGETS))
+    fill_lora_B(model, 0.02)
+    summary = None
+    if fused_loss is not None:
+        with patch.active() if patch is not None else torch.enable_grad():
+            summary = patch_model(model, fused_loss=fused_loss)
+    return model, patch, summary
 
 
 def train_losses(model, patch, ids, steps: int = 3, lr: float = 1e-3) -> list[float]:

@@ -690,14 +690,14 @@ def main(argv=None):
 
         raw = list(sys.argv[1:] if argv is None else argv)
         parts = []
-        kept = [k for k in range(args.sessions) if session_complete(out / f"process{k}", raw, k)]
+        kept = [k for k in range(args.sessions) if session_complete(measure.process_folder(out, k), raw, k)]
         ledger = out / FIRST_CALL_LEDGER  # which keys an earlier session tuned (and took how long): fresh per run
         if not kept:  # (a run that keeps sessions keeps their ledger: carry Triton's cache with them)
             ledger.unlink(missing_ok=True)
         # the sessions share Triton's disk cache of autotuning results: a later session reuses an earlier one's picks
         env = {**os.environ, "TRITON_CACHE_AUTOTUNING": os.environ.get("TRITON_CACHE_AUTOTUNING", "1")}
         for k in range(args.sessions):
-            part = out / f"process{k}"
+            part = measure.process_folder(out, k)
             if k in kept:
                 print(f"--- process {k + 1} of {args.sessions} kept: {part} holds it, complete, from this code "
                       "and these arguments", flush=True)

@@ -440,7 +440,7 @@ def main(argv=None) -> None:
         parts = []
         env = session_environment()
         for k in range(args.sessions):
-            part = out / f"process{k}"
+            part = measure.process_folder(out, k)
             cmd = [sys.executable, str(Path(__file__).resolve()), *_replace_out(raw, part), "--session-index", str(k)]
             print(f"--- process {k + 1} of {args.sessions}: {' '.join(cmd[1:])}", flush=True)
             done = subprocess.run(cmd, env=env)

@@ -46,6 +46,7 @@ __all__ = [
     "sessions_in",
     "pool_csv_sessions",
     "run_script_sessions",
+    "process_folder",
     "ratio_summary",
     "MIN_SESSIONS",
     "rotation",
@@ -404,6 +405,11 @@ def pool_csv_sessions(parts: Sequence[Path | str], out: Path | str, names: Seque
     return written
 
 
+def process_folder(out: Path | str, k: int) -> Path:
+    """The folder a benchmark's ``k``-th timing process (0-based) writes into, under ``out``."""
+    return Path(out) / f"process{k}"
+
+
 def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str, csv_names: Sequence[str],
                         sessions: int = MIN_SESSIONS, cwd: Path | str | None = None, tail: int = 14,
                         python: str | None = None) -> list[Path]:
@@ -420,7 +426,7 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
     script, out = Path(script), Path(out)
     if not script.is_file():
         raise FileNotFoundError(f"{script}: no such benchmark script")
-    parts = [out / f"{script.stem}_processes" / f"process{k}" for k in range(sessions)]
+    parts = [process_folder(out / f"{script.stem}_processes", k) for k in range(sessions)]
     for k, part in enumerate(parts):
         started = time.monotonic()
         done = subprocess.run([python or sys.executable, str(script), *args, "--out", str(part)], cwd=cwd,

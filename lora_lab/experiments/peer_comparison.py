@@ -259,6 +259,38 @@ def step_table(results: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def tables_text(results: dict[str, list[dict]]) -> str:
+    """The reader's tables as text: the full-depth steps (tokens/s, peak GiB or the status), per op and peer the
+    range over the cells of ours' time over the peer's, and every peer that did not run with its error."""
+    steps = step_table(results)
+    lines = []
+    if steps:
+        lines.append(f"{'model':14s} {'ckpt':4s} {'implementation':16s} {'tokens/s':>9s} {'peak GiB':>9s}")
+        for row in steps:
+            what = (f"{_num(row['tokens_per_s'], '9.0f')} {_num(row['peak_gib'], '9.1f')}" if row["status"] == "ok"
+                    else row["status"])
+            lines.append(f"{row['model']:14s} {row['checkpointing']:4s} {row['impl']:16s} {what}")
+        lines.append("")
+    ops = ops_table(results)
+    if ops:
+        lines.append(f"{'op':12s} {'peer':13s} {'cells':>5s}  ours' time / the peer's (per cell, medians)")
+        lines += [f"{r['op']:12s} {r['peer']:13s} {r['cells']:5d}  {r['ours_over_peer_min']:.3f} to "
+                  f"{r['ours_over_peer_max']:.3f}" for r in ops]
+        lines.append("")
+    for row in not_run(results):
+        lines.append(f"did not run: {row['peer']} ({row['op']}, {row['cells_not_run']} of {row['cells']} cells): "
+                     f"{row['status']}: {row['error']}")
+    for row in steps:
+        if row["status"] != "ok":
+            lines.append(f"did not run: {row['impl']} ({row['model']} step, checkpointing {row['checkpointing']}): "
+                         f"{row['status']}: {row['error']}")
+    return "\n".join(lines).strip()
+
+
 def plot_steps(table: list[dict], ax_speed, ax_peak) -> None:
     """Tokens/s (``ax_speed``) and peak GiB (``ax_peak``) of each implementation, grouped by model and checkpointing;
     an implementation that did not run is an empty slot marked with its status."""

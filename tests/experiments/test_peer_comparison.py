@@ -133,6 +133,20 @@ def test_tables_and_answer_lines_come_from_the_rows(tmp_path):
     assert steps[("off", "peft")]["status"] == "oom" and steps[("off", "peft")]["error"].startswith("OutOfMemory")
     assert len(pc.merged_rows(results, pc.OPS_CSV)) == sum(len(results[f]) for f in ("ops", "ops_unsloth",
                                                                                      "ops_sonicmoe"))
+    tables = pc.tables_text(results)
+    assert "llama3_8b      off  ours                 12050      40.0" in tables
+    assert "lora_linear  unsloth           1  0.760 to 0.760" in tables
+    assert "did not run: quack (loss, 1 of 1 cells): skipped: ModuleNotFoundError" in tables
+    assert "did not run: peft (llama3_8b step, checkpointing off): oom: OutOfMemoryError" in tables
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_speed, ax_peak) = plt.subplots(1, 2)
+    pc.plot_steps(pc.step_table(results), ax_speed, ax_peak)
+    assert len(ax_speed.patches) == 4 and any(t.get_text() == "oom" for t in ax_speed.texts)  # peft: its status
+    plt.close(fig)
     text = "\n".join(pc.answer_lines(Figures(pc.results_metrics(results))))
     assert "checkpointing off:** the recipe's tokens/s are 1.199× [1.198, 1.200]" in text
     assert "the fastest peer that ran, unsloth;" in text

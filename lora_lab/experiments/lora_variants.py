@@ -297,8 +297,9 @@ def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, 
     """``{(variant, seed): finetune_variant(...)}`` for every pair of ``runs``. ``workers`` > 1 spreads them over
     that many worker processes (each loads ``spec`` in ``dtype`` on ``base``'s device once; the longest variants
     start first): a run's result does not depend on where it ran, and a small model's step is bound by the host's
-    kernel launches, which separate processes issue side by side. If the worker processes fail, a warning says why
-    and the runs are made in this process."""
+    kernel launches, which separate processes issue side by side. Under a memory cap the workers share what this
+    process leaves of it (:func:`lora_lab.memory.budget.shared_cap`). If the worker processes fail (out of memory
+    under their share, too), a warning says why and the runs are made in this process."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     runs = list(runs)
@@ -309,13 +310,18 @@ def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, 
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    from lora_lab.memory.budget import shared_cap
+
     device = str(next(base.parameters()).device)
     plain = {split: {k: (t.tolist(), str(t.dtype).removeprefix("torch.")) for k, t in part.items()}
              for split, part in task.items()}
     order = sorted(runs, key=lambda run: -RUN_COST.get(run[0], 1))
+    processes = min(workers, len(runs))
     try:
-        with ProcessPoolExecutor(min(workers, len(runs)), mp_context=multiprocessing.get_context("spawn"),
-                                 initializer=_worker_start, initargs=(spec, dtype, device, plain)) as pool:
+        # under a memory cap (gpu-24g, gpu-40g) the workers share it: together they must fit the card it stands for
+        with shared_cap(processes, device), ProcessPoolExecutor(
+                processes, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+                initargs=(spec, dtype, device, plain)) as pool:
             futures = {run: pool.submit(_worker_run, run[0], run[1], kwargs) for run in order}
             done = {run: future.result() for run, future in futures.items()}
     except Exception as error:  # the runs do not need the workers: say why, and run them here

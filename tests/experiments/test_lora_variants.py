@@ -1,5 +1,7 @@
 """Notebook 09's experiments: interop with PEFT, the digit-code task and its stopping rule (an accuracy target),
 swallowed updates and the step-cost session."""
+import os
+
 import pytest
 import torch
 
@@ -219,3 +221,27 @@ def test_step_cost_is_skipped_by_metric_name_under_a_cap_it_does_not_fit():
         budget.clear_skipped()
     with pytest.raises(ValueError, match="n_models"):
         lv.step_cost_bytes("random:qwen2.5-0.5b", 4, 1024, n_models=0)
+
+
+def test_worker_processes_share_the_memory_cap_and_the_variable_comes_back(monkeypatch):
+    import concurrent.futures
+
+    from lora_lab.memory.budget import MEMORY_CAP_ENV
+
+    seen = []
+
+    class Recording:  # what the worker processes would inherit, then no processes (the runs fall back)
+        def __init__(self, processes, *args, **kwargs):
+            seen.append((processes, os.environ[MEMORY_CAP_ENV]))
+            raise OSError("recorded")
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Recording)
+    monkeypatch.setenv(MEMORY_CAP_ENV, "22")
+    _, task = _tiny_task()
+    base = lora_lab.load_model("random:tiny-qwen2", dtype="fp32", attn_implementation="sdpa")
+    kw = dict(r=4, alpha=8, lr=3e-3, targets=("q_proj", "v_proj"), vera_r=8, batch_size=4, max_steps=2, eval_every=2,
+              target_accuracy=1.0)
+    with pytest.warns(RuntimeWarning, match="recorded"):
+        lv.finetune_runs(base, [("lora", 0), ("dora", 0), ("vera", 0)], task, workers=4, spec="random:tiny-qwen2", **kw)
+    assert seen == [(3, "7.3333")]  # three runs: three processes, 22 GiB shared (this process holds none on the CPU)
+    assert os.environ[MEMORY_CAP_ENV] == "22"

@@ -20,7 +20,8 @@ SCRIPT = ROOT / "tools" / "peers_bench.sh"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 SONIC = ["sonic_moe-0.1.2.post1", "quack_kernels-0.4.1", "nvidia_cutlass_dsl-4.4.2",
-         "nvidia_cutlass_dsl_libs_base-4.4.2", "apache_tvm_ffi-0.1.15", "torch_c_dlpack_ext-0.1.5", "einops-0.8.2"]
+         "nvidia_cutlass_dsl_libs_base-4.4.2", "apache_tvm_ffi-0.1.15", "torch_c_dlpack_ext-0.1.5", "einops-0.8.2",
+         "cuda_python-12.9.10", "cuda_bindings-12.9.10", "cuda_pathfinder-1.9.1"]
 
 
 def _wheel(folder: Path, stem: str) -> None:

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # lora_lab beside the peers on a GPU host, with the peers installed from carried wheels.
 #
-#   bash tools/peers_bench.sh install            peers' wheels (.whl/*.whl, --no-deps) into /tmp/site; SonicMoE and
-#                                                QuACK each with the CUTLASS DSL it pins into /tmp/site-sonicmoe and
-#                                                /tmp/site-quack (from .whl/ or build/assembled/: tools/parts.py)
+#   bash tools/peers_bench.sh install            peers' wheels ($WHEELS/*.whl, --no-deps) into $SITE; SonicMoE and
+#                                                QuACK each with the CUTLASS DSL it pins into $SITE-sonicmoe and
+#                                                $SITE-quack (from $WHEELS/ or build/assembled/: tools/parts.py)
 #   bash tools/peers_bench.sh load               what each peer's op loads to, or its exact error -> $RES/peers_load.txt
 #   bash tools/peers_bench.sh ops  [ARGS ...]    benchmarks/bench_peers.py into $RES/ops (unsloth, SonicMoE, QuACK:
 #                                                $RES/ops_unsloth, ops_sonicmoe, ops_quack, each its own process)
@@ -17,7 +17,9 @@
 # ops_unsloth, ops_sonicmoe, ops_quack, step_ckpt_off and step_ckpt_on.
 #
 # SonicMoE 0.1.2.post1 pins nvidia-cutlass-dsl 4.4.2 and takes quack-kernels >= 0.3.11 (0.4.1 is the newest that
-# accepts 4.4.2); QuACK 0.6.5's linear cross-entropy asks for the DSL >= 4.7 (4.7.1 needs its libs-cu12 wheel too).
+# accepts 4.4.2); QuACK 0.6.5's linear cross-entropy asks for the DSL >= 4.7 (4.7.1 needs its libs-core, libs-cu12
+# and nvidia-cuda-nvdisasm wheels too). Both need cuda-python (cuda-bindings, cuda-pathfinder), apache-tvm-ffi,
+# torch-c-dlpack-ext and einops.
 # One process holds one DSL version, so each runs in a process of its own with its own site folder.
 # Fetch the wheels where an index is reachable (python 3.12, --no-deps: the peers' torch pins disagree with the GPU
 # image's torch), e.g. axolotl==0.21.0 unsloth==2026.10.9 unsloth-zoo==2026.10.9 llamafactory==0.9.5 veomni==0.1.12
@@ -35,28 +37,31 @@ shift
 RES=${RES:-${OUT:?set RES or OUT to the folder that receives the results}}
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/site}  # where the peers install (SITE-sonicmoe, SITE-quack: the CUTLASS DSL peers)
+WHEELS=${WHEELS:-.whl}   # the folder of the peers' wheels (e.g. .whl-peers, carried beside .whl)
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg \
   HF_HUB_OFFLINE=1
 mkdir -p "$RES"
 case "$PART" in
   install)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
       > "$RES/peers_install.log" 2>&1
     echo "install exit $?" | tee -a "$RES/peers_install.log"
-    group() {  # group SITE PATTERN...: the wheels matching each pattern, from .whl/ or build/assembled/, into SITE
+    group() {  # group SITE PATTERN...: the wheels matching each pattern, from $WHEELS/ or build/assembled/, into SITE
       local site=$1 found=() p w; shift
       for p in "$@"; do
-        for w in .whl/$p build/assembled/$p; do [ -f "$w" ] && { found+=("$w"); break; }; done
+        for w in "$WHEELS"/$p build/assembled/$p; do [ -f "$w" ] && { found+=("$w"); break; }; done
       done
       [ ${#found[@]} -eq $# ] || { echo "$site: not installed, missing wheels among: $*"; return 0; }
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${found[@]}"
       echo "$site: install exit $?"
     }
-    { common=("apache_tvm_ffi-*.whl" "torch_c_dlpack_ext-*.whl" "einops-*.whl")
+    { common=("apache_tvm_ffi-*.whl" "torch_c_dlpack_ext-*.whl" "einops-*.whl" "cuda_python-12.9.*.whl"
+              "cuda_bindings-12.9.*.whl" "cuda_pathfinder-*.whl")
       group "$SITE-sonicmoe" "sonic_moe-0.1.2.post1-*.whl" "quack_kernels-0.4.1-*.whl" \
         "nvidia_cutlass_dsl-4.4.2-*.whl" "nvidia_cutlass_dsl_libs_base-4.4.2-*.whl" "${common[@]}"
       group "$SITE-quack" "quack_kernels-0.6.5-*.whl" "nvidia_cutlass_dsl-4.7.1-*.whl" \
-        "nvidia_cutlass_dsl_libs_base-4.7.1-*.whl" "nvidia_cutlass_dsl_libs_cu12-4.7.1-*.whl" "${common[@]}"
+        "nvidia_cutlass_dsl_libs_base-4.7.1-*.whl" "nvidia_cutlass_dsl_libs_core-4.7.1-*.whl" \
+        "nvidia_cutlass_dsl_libs_cu12-4.7.1-*.whl" "nvidia_cuda_nvdisasm-13.*.whl" "${common[@]}"
     } 2>&1 | tee -a "$RES/peers_install.log" ;;
   load)
     : > "$RES/peers_load.txt"

@@ -64,17 +64,22 @@ def split(files: list[Path], out: Path, part_mib: float, calls: int = 1) -> list
     folders = [out] if calls == 1 else [out / str(k + 1) for k in range(calls)]
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-    # parts are dealt to the call folders in order, filling the emptiest first, so each call carries about as much
-    loads = [0] * len(folders)
+    # the parts are dealt to the call folders largest first, each to the emptiest folder, so the calls carry about
+    # as much as one another
+    pieces = [(manifest, index, min(limit, manifest["size"] - index * limit))
+              for manifest in manifests for index in range(manifest["_count"])]
+    loads, slot_of = [0] * len(folders), {}
+    for manifest, index, size in sorted(pieces, key=lambda piece: -piece[2]):
+        slot = loads.index(min(loads))
+        slot_of[(manifest["name"], index)] = slot
+        loads[slot] += size
     for manifest in manifests:
+        count = manifest.pop("_count")
         with manifest.pop("_source").open("rb") as f:
-            count = manifest.pop("_count")
             for index in range(count):
                 data = f.read(limit)
-                slot = loads.index(min(loads))
                 name = _part_name(manifest["name"], index, count)
-                (folders[slot] / name).write_bytes(data)
-                loads[slot] += len(data)
+                (folders[slot_of[(manifest["name"], index)]] / name).write_bytes(data)
                 manifest["parts"].append({"file": name, "size": len(data),
                                           "sha256": hashlib.sha256(data).hexdigest()})
         for folder in folders:

@@ -36,6 +36,7 @@ from lora_lab.layer import (
 )
 from lora_lab.loss import causal_lm_loss, chunked_cross_entropy
 from lora_lab.memory.budget import apply_memory_cap as _apply_memory_cap
+from lora_lab.memory.peaks import install as _record_peak_at_exit
 from lora_lab.models import (
     ENGLISH_SENTENCES,
     SAMPLE_SENTENCES,
@@ -58,6 +59,7 @@ from lora_lab.vera import VeRALinear, add_vera, vera_layers
 __version__ = "0.1.0"
 
 _apply_memory_cap()  # $LORA_LAB_MEMORY_CAP_GIB (the capped gpu profiles): before this process's first CUDA allocation
+_record_peak_at_exit()  # $LORA_LAB_PEAK_DIR (set by lab.start_run): this process's GPU memory peak, written at exit
 
 __all__ = [
     "train_steps",

@@ -279,9 +279,12 @@ RUN_COST = {"vera": 3, "lora_fa": 2}  # rough steps to the target relative to Lo
 _worker: dict = {}
 
 
-def _worker_start(spec: str, dtype: str, device: str, task: dict) -> None:
+def _worker_start(spec: str, dtype: str, device: str, task: dict, cap_gib: float | None = None) -> None:
+    from lora_lab.memory.budget import apply_memory_cap
     from lora_lab.models import load_model
 
+    if cap_gib is not None:  # this worker's share of the run's cap, before its first CUDA allocation
+        apply_memory_cap(cap_gib)
     torch.set_num_threads(1)
     _worker["task"] = {split: {k: torch.tensor(v[0], dtype=getattr(torch, v[1])) for k, v in part.items()}
                        for split, part in task.items()}
@@ -298,7 +301,7 @@ def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, 
     that many worker processes (each loads ``spec`` in ``dtype`` on ``base``'s device once; the longest variants
     start first): a run's result does not depend on where it ran, and a small model's step is bound by the host's
     kernel launches, which separate processes issue side by side. Under a memory cap the workers share what this
-    process leaves of it (:func:`lora_lab.memory.budget.shared_cap`). If the worker processes fail (out of memory
+    process leaves of it (:func:`lora_lab.memory.budget.worker_cap_gib`). If the worker processes fail (out of memory
     under their share, too), a warning says why and the runs are made in this process."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
@@ -310,7 +313,7 @@ def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, 
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from lora_lab.memory.budget import shared_cap
+    from lora_lab.memory.budget import worker_cap_gib
 
     device = str(next(base.parameters()).device)
     plain = {split: {k: (t.tolist(), str(t.dtype).removeprefix("torch.")) for k, t in part.items()}
@@ -319,9 +322,9 @@ def finetune_runs(base: nn.Module, runs: Sequence[tuple[str, int]], task: dict, 
     processes = min(workers, len(runs))
     try:
         # under a memory cap (gpu-24g, gpu-40g) the workers share it: together they must fit the card it stands for
-        with shared_cap(processes, device), ProcessPoolExecutor(
-                processes, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
-                initargs=(spec, dtype, device, plain)) as pool:
+        share = worker_cap_gib(processes, device)
+        with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_worker_start, initargs=(spec, dtype, device, plain, share)) as pool:
             futures = {run: pool.submit(_worker_run, run[0], run[1], kwargs) for run in order}
             done = {run: future.result() for run, future in futures.items()}
     except Exception as error:  # the runs do not need the workers: say why, and run them here

@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="folder for config.json, rank<r>.json and torchrun.log (default: a new temporary one)")
     launch.add_argument("--timeout", type=float, default=None, help="seconds before the job is stopped")
     _ledger_parser(commands)
+    runs = commands.add_parser("runs", help="what each published run of a profile took: wall time, the largest GPU "
+                                            "process, device, cap, commit")
+    runs.add_argument("--profile", choices=PROFILE_CHOICES[1:], required=True)
+    _paths(runs, notebooks=False)
     return parser
 
 
@@ -300,6 +304,18 @@ def command_publish(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def command_runs(args: argparse.Namespace) -> int:
+    from lora_lab.lab.run_table import runs_table
+
+    out_dir = (args.outputs_dir or repo_root() / "outputs") / args.profile
+    try:
+        print(runs_table(out_dir))
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
 def command_check_prose(args: argparse.Namespace) -> int:
     from lora_lab.lab.prose import check_prose
 
@@ -317,6 +333,7 @@ COMMANDS = {
     "check-prose": command_check_prose,
     "launch": command_launch,
     "ledger": command_ledger,
+    "runs": command_runs,
 }
 
 

@@ -447,6 +447,22 @@ def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, A
     return run
 
 
+def _record_peaks(run: Run) -> None:
+    """The run's largest GPU process into its provenance, said in one line: this process and, under ``lora-lab run``,
+    every process the notebook started (each wrote its peak into ``$LORA_LAB_PEAK_DIR`` as it exited,
+    :mod:`lora_lab.memory.peaks`)."""
+    from lora_lab.memory import peaks
+
+    folder = os.environ.get(peaks.PEAK_DIR_ENV, "").strip()
+    found = [p for p in (peaks.collect(folder) if folder else []) if p["pid"] != os.getpid()]
+    own = peaks.process_peak()
+    gpu = peaks.summary(found + ([own] if own else []))
+    if gpu is not None:
+        run.provenance["gpu_memory"] = gpu
+        print(f"GPU memory: the largest of this run's {gpu['processes']} GPU process(es) reserved "
+              f"{gpu['largest_reserved_gib']:.2f} GiB ({gpu['largest_command']})")
+
+
 def current_run() -> Run:
     if _current is None:
         raise RuntimeError("no run in progress: call lora_lab.lab.start_run(notebook_stem, PROFILE) first")
@@ -490,6 +506,7 @@ def finish_run(status: str = STATUS_COMPLETED) -> Path:
     if status not in (STATUS_COMPLETED, STATUS_FAILED):
         raise ValueError(f"status must be {STATUS_COMPLETED!r} or {STATUS_FAILED!r}; got {status!r}")
     run = current_run()
+    _record_peaks(run)
     run.provenance["finished"] = _now()
     run.provenance["status"] = status
     path = run.save()

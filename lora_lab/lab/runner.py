@@ -32,6 +32,7 @@ import datetime as _dt
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -59,6 +60,7 @@ from lora_lab.lab.recording import (
     resolve_profile,
     write_json_atomically,
 )
+from lora_lab.memory.peaks import PEAK_DIR_ENV
 
 __all__ = [
     "DEFAULT_RUNS_DIR",
@@ -428,7 +430,10 @@ def run_notebook(
     started = _now()
     context = {"notebook": stem, "profile": profile, "output_dir": str(output_dir), "notebook_path": str(path),
                "parameters": plan.parameters, "overrides": plan.overrides}
-    env = {RUN_CONTEXT_ENV: json.dumps(context)}
+    peak_dir = output_dir / f".{stem}.peaks"  # each process of the run writes its GPU memory peak here at exit
+    shutil.rmtree(peak_dir, ignore_errors=True)
+    peak_dir.mkdir(parents=True)
+    env = {RUN_CONTEXT_ENV: json.dumps(context), PEAK_DIR_ENV: str(peak_dir)}
     if profile == "cpu":
         env["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET") or "1"
     env.update(profile_environment(profile))

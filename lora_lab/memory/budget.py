@@ -13,16 +13,15 @@ the run's metrics file (``skipped_cells``) and grading names it when a predictio
 """
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 __all__ = ["MEMORY_CAP_ENV", "memory_cap_gib", "apply_memory_cap", "capacity_bytes", "fits", "Decision",
-           "skip_or_shrink", "note_skipped", "note_out_of_memory", "skipped_cells", "clear_skipped", "shared_cap"]
+           "skip_or_shrink", "note_skipped", "note_out_of_memory", "skipped_cells", "clear_skipped", "worker_cap_gib"]
 
 MEMORY_CAP_ENV = "LORA_LAB_MEMORY_CAP_GIB"
 GIB = 1024 ** 3
@@ -70,30 +69,22 @@ def apply_memory_cap(cap_gib: float | None = None) -> float | None:
     return cap
 
 
-@contextlib.contextmanager
-def shared_cap(workers: int, device: torch.device | str | None = None) -> Iterator[float | None]:
-    """While open, ``$LORA_LAB_MEMORY_CAP_GIB`` is each of ``workers`` processes started now (they read it when they
-    import lora_lab) their share of the cap: what this process does not hold on ``device``, divided among them, so
-    together they stay under the cap as they would have to on a card of that size. Yields the share (None without a
-    cap); a ValueError when nothing is left to share. The variable is restored on leaving."""
+def worker_cap_gib(workers: int, device: torch.device | str | None = None) -> float | None:
+    """The cap each of ``workers`` processes started now should apply (:func:`apply_memory_cap`) so that, with what
+    this process holds on ``device``, together they stay under ``$LORA_LAB_MEMORY_CAP_GIB``, as they would have to
+    on a card of that size: None without a cap; a ValueError when nothing is left to share."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be an integer >= 1, got {workers!r}")
     cap = memory_cap_gib()
     if cap is None:
-        yield None
-        return
+        return None
     device = torch.device(device) if device is not None else torch.device("cpu")
     held = torch.cuda.memory_reserved(device) / GIB if device.type == "cuda" else 0.0
     share = (cap - held) / workers
     if share <= 0:
         raise ValueError(f"the {cap:g} GiB cap leaves nothing for {workers} worker processes: this process holds "
                          f"{held:.1f} GiB on {device}")
-    before = os.environ[MEMORY_CAP_ENV]
-    os.environ[MEMORY_CAP_ENV] = f"{share:.4f}"
-    try:
-        yield share
-    finally:
-        os.environ[MEMORY_CAP_ENV] = before
+    return share
 
 
 def capacity_bytes(device: torch.device | str | None = None) -> int | None:

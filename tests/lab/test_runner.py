@@ -41,6 +41,8 @@ def batch(tmp_path_factory):
     outputs = tmp_path_factory.mktemp("outputs")
     (outputs / "cpu").mkdir()
     (outputs / "cpu" / "02_fails_at_known_cell.metrics.json").write_text(json.dumps(STALE))
+    (outputs / "cpu" / ".01_records_metrics.peaks").mkdir()  # an earlier run's peaks: not this run's
+    (outputs / "cpu" / ".01_records_metrics.peaks" / "process-1.json").write_text("{}")
     printed = io.StringIO()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("MPLBACKEND", "Agg")  # as in CI: the runner must still keep figures in the notebooks
@@ -84,6 +86,13 @@ def test_a_failing_notebook_is_reported_and_the_others_survive(batch):
         assert (cpu / f"{stem}.ipynb").is_file()
     assert (cpu / "01_records_metrics.txt").read_text() == "profile=cpu\n"  # lab.output_dir() is the run folder
     assert (cpu / "01_line.png").is_file()
+
+
+def test_each_notebook_gets_a_fresh_hidden_folder_for_its_processes_gpu_peaks(batch):
+    _, out, _ = batch
+    for stem in ("01_records_metrics", "02_fails_at_known_cell", "03_records_after_failure"):
+        folder = out / f".{stem}.peaks"  # $LORA_LAB_PEAK_DIR of the notebook's kernel (lora_lab.memory.peaks)
+        assert folder.is_dir() and not list(folder.glob("process-*.json"))  # emptied; no process used a GPU here
 
 
 def test_a_failing_run_keeps_the_earlier_completed_result_aside(batch, tmp_path):

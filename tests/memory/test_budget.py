@@ -107,22 +107,15 @@ def test_the_memory_sweep_skips_a_configuration_over_the_cap_by_name(monkeypatch
     assert mb.over_memory_cap(model, config, cuda) is None and budget.skipped_cells() == {}
 
 
-def test_shared_cap_divides_what_this_process_leaves_and_restores_the_variable(monkeypatch):
-    import os
-
+def test_worker_cap_divides_what_this_process_leaves_of_the_cap(monkeypatch):
     monkeypatch.delenv(budget.MEMORY_CAP_ENV, raising=False)
-    with budget.shared_cap(4) as share:  # no cap: nothing to share, nothing set
-        assert share is None and budget.MEMORY_CAP_ENV not in os.environ
+    assert budget.worker_cap_gib(4) is None  # no cap: nothing to share
     monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    assert budget.worker_cap_gib(4) == pytest.approx(5.5)  # the CPU: this process holds no GPU memory
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 6 * budget.GIB)
-    with budget.shared_cap(4, "cuda") as share:
-        assert share == pytest.approx(4.0) and os.environ[budget.MEMORY_CAP_ENV] == "4.0000"
-    assert os.environ[budget.MEMORY_CAP_ENV] == "22"
+    assert budget.worker_cap_gib(4, "cuda") == pytest.approx(4.0)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 23 * budget.GIB)
     with pytest.raises(ValueError, match="leaves nothing for 2 worker processes: this process holds 23.0 GiB"):
-        with budget.shared_cap(2, "cuda"):
-            pass
+        budget.worker_cap_gib(2, "cuda")
     with pytest.raises(ValueError, match="workers must be an integer"):
-        with budget.shared_cap(0):
-            pass
-    assert os.environ[budget.MEMORY_CAP_ENV] == "22"
+        budget.worker_cap_gib(0)

@@ -1,0 +1,97 @@
+"""tools/gpu_queue.py: timing notebooks alone, the others side by side, only what fits the call's time, and the next
+call resumes from the state file (a fake `lora-lab` that sleeps stands in for the notebooks)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = ROOT / "tools" / "gpu_queue.py"
+
+FAKE = """
+import json, sys, time
+from pathlib import Path
+args = sys.argv[1:]
+job, out = args[args.index("--only") + 1], Path(args[args.index("--outputs-dir") + 1])
+plan = json.loads(Path(sys.argv[0]).with_name("plan.json").read_text())[job]
+start = time.time()
+time.sleep(plan["sleep"])
+out.mkdir(parents=True, exist_ok=True)
+(out / "done.txt").write_text("x")
+with open(Path(sys.argv[0]).with_name("spans.txt"), "a") as f:
+    f.write(f"{job} {start} {time.time()}\\n")
+sys.exit(plan.get("exit", 0))
+"""
+
+
+def _setup(tmp_path, plan, published):
+    fake = tmp_path / "fake_lora_lab.py"
+    fake.write_text(FAKE)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    outputs = tmp_path / "outputs" / "gpu"
+    outputs.mkdir(parents=True)
+    (outputs / "run_summary.json").write_text(json.dumps(
+        {"notebooks": {f"{job}_nb": {"seconds": seconds} for job, seconds in published.items()}}))
+    return fake
+
+
+def _queue(tmp_path, fake, *args):
+    common = ["--state", str(tmp_path / "state.json"), "--runs", str(tmp_path / "runs"),
+              "--outputs", str(tmp_path / "outputs")]
+    return subprocess.run([sys.executable, str(TOOL), *args, *common, "--lora-lab", sys.executable, str(fake)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def _spans(tmp_path):
+    spans = {}
+    for line in (tmp_path / "spans.txt").read_text().splitlines():
+        job, start, end = line.split()
+        spans[job] = (float(start), float(end))
+    return spans
+
+
+def _overlap(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def test_timing_notebooks_run_alone_the_others_side_by_side(tmp_path):
+    plan = {"05": {"sleep": 0.6}, "01": {"sleep": 0.6}, "02": {"sleep": 0.6}, "06": {"sleep": 0.3}}
+    fake = _setup(tmp_path, plan, {"05": 1, "01": 1, "02": 1, "06": 1})
+    done = _queue(tmp_path, fake, "run", "--jobs", "05,01,02,06", "--limit", "60", "--slack", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    spans = _spans(tmp_path)
+    assert _overlap(spans["01"], spans["02"])  # side by side
+    for timing in ("05", "06"):
+        assert not any(_overlap(spans[timing], spans[other]) for other in spans if other != timing)
+    assert spans["05"][1] <= spans["01"][0] and spans["02"][1] <= spans["06"][0]  # the queue's order
+    state = json.loads((tmp_path / "state.json").read_text())["jobs"]
+    assert {j: s["status"] for j, s in state.items()} == {"05": "done", "01": "done", "02": "done", "06": "done"}
+    assert (tmp_path / "runs" / "05" / "done.txt").is_file()  # each notebook in its own runs root
+
+
+def test_what_does_not_fit_waits_for_the_next_call_and_failures_are_kept(tmp_path):
+    plan = {"05": {"sleep": 0.1}, "06": {"sleep": 0.1, "exit": 1}, "07": {"sleep": 0.1}}
+    fake = _setup(tmp_path, plan, {"05": 100, "06": 1})  # 05 expected 100 s; 07 never ran: --default
+    first = _queue(tmp_path, fake, "run", "--jobs", "05,06,07", "--limit", "30", "--slack", "0", "--margin", "1",
+                   "--default", "10")
+    assert first.returncode == 3  # not all done
+    assert "06: FAILED (exit 1)" in first.stdout and "05: waits for the next call (expected 100 s)" in first.stdout
+    state = json.loads((tmp_path / "state.json").read_text())["jobs"]
+    assert set(state) == {"06", "07"} and state["07"]["status"] == "done"
+    second = _queue(tmp_path, fake, "run", "--jobs", "05,06,07", "--limit", "200", "--slack", "0", "--margin", "1")
+    state = json.loads((tmp_path / "state.json").read_text())["jobs"]
+    assert state["05"]["status"] == "done" and state["06"]["status"] == "failed"  # a failure is not retried
+    assert "queue: 1 to run of 3 (05)" in second.stdout
+    third = _queue(tmp_path, fake, "run", "--jobs", "05,06,07", "--limit", "200", "--retry-failed")
+    assert "queue: 1 to run of 3 (06)" in third.stdout
+
+
+def test_bad_arguments_name_the_problem(tmp_path):
+    fake = _setup(tmp_path, {}, {})
+    done = _queue(tmp_path, fake, "run", "--jobs", "5,x", "--limit", "10")
+    assert done.returncode == 2 and "--jobs takes notebook numbers" in done.stderr
+    (tmp_path / "state.json").write_text("{broken")
+    done = _queue(tmp_path, fake, "run", "--jobs", "05", "--limit", "10")
+    assert done.returncode == 2 and "not a queue state file" in done.stderr

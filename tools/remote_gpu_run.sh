@@ -27,7 +27,8 @@
 #                  93 MB, and the gguf reader). Missing parts are named in parts.log; the run goes on.
 #
 # $OUT (required) receives: declared.log, install.log, run.log (the run's output), summary.txt (seconds and exit
-# codes) and results.tgz (build/runs/<profile> without model weights, plus build/triton-cache with --triton-cache).
+# codes) and results.tgz (build/runs/<profile> without model weights, plus build/triton-cache with --triton-cache;
+# over 15 MiB it comes as results.tgz.part00, part01, ...: `cat results.tgz.part* > results.tgz` here).
 # Back here: `tar xzf results.tgz -C .`, then `make publish PROFILE=gpu ONLY=..` for notebooks (it publishes and
 # grades; commit the scoreboard with the run), or `python -m lora_lab ledger add --profile gpu measurements.csv`.
 # Exit status: the run's (124 when --limit stopped it), 2 for bad arguments.
@@ -112,6 +113,10 @@ PACK=()
 [ "$CACHE" = 1 ] && PACK+=(build/triton-cache)
 if [ ${#PACK[@]} -gt 0 ]; then
   tar czf "$OUT/results.tgz" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' "${PACK[@]}"
+  # a file comes back only up to 16 MiB: a larger pack comes back in parts (here: cat results.tgz.part* > results.tgz)
+  if [ "$(stat -c %s "$OUT/results.tgz")" -gt $((15 * 1024 * 1024)) ]; then
+    split -b 15m -d "$OUT/results.tgz" "$OUT/results.tgz.part" && rm "$OUT/results.tgz"
+  fi
 fi
 { echo "commit $COMMIT"; echo "mode $MODE: ${RUN[*]}"; echo "install $INSTALL_S s"
   echo "run $RUN_S s (limit $LIMIT s), exit $RC"; echo "packed: ${PACK[*]:-nothing}"; } | tee "$OUT/summary.txt"

@@ -63,6 +63,21 @@ def test_another_gpu_profile_packs_its_own_folder(copy):
         assert packed.getnames() == ["build/runs/gpu-24g", "build/runs/gpu-24g/y.csv"]
 
 
+def test_a_large_pack_comes_back_in_parts_that_join_into_it(copy):
+    probe = ("import os; from pathlib import Path; Path('build/runs/gpu').mkdir(parents=True); "
+             "Path('build/runs/gpu/big.bin.png').write_bytes(os.urandom(17 * 2**20))")
+    done = run(copy, COMMIT, "--no-install", "command", "--", sys.executable, "-c", probe)
+    assert done.returncode == 0, done.stderr
+    out = copy.parent / "out"
+    parts = sorted(out.glob("results.tgz.part*"))
+    assert len(parts) == 2 and not (out / "results.tgz").exists()
+    assert all(p.stat().st_size <= 15 * 2**20 for p in parts)
+    joined = out / "joined.tgz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(joined) as packed:
+        assert "build/runs/gpu/big.bin.png" in packed.getnames()
+
+
 def test_the_run_s_exit_status_and_the_limit(copy):
     assert run(copy, COMMIT, "--no-install", "command", "--", "bash", "-c", "exit 3").returncode == 3
     stopped = run(copy, COMMIT, "--no-install", "--limit", "1", "command", "--", "sleep", "30")

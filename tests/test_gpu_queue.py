@@ -88,6 +88,20 @@ def test_what_does_not_fit_waits_for_the_next_call_and_failures_are_kept(tmp_pat
     assert "queue: 1 to run of 3 (06)" in third.stdout
 
 
+def test_a_notebook_longer_than_a_call_gets_a_whole_call_and_expect_overrides(tmp_path):
+    plan = {"05": {"sleep": 0.1}, "06": {"sleep": 0.1}}
+    fake = _setup(tmp_path, plan, {"05": 900, "06": 900})
+    first = _queue(tmp_path, fake, "run", "--jobs", "05,06", "--limit", "30")
+    assert "05: expected 1055 s, more than this call's" in first.stdout
+    assert "06: waits for the next call" in first.stdout
+    state = json.loads((tmp_path / "state.json").read_text())["jobs"]
+    assert set(state) == {"05"}  # alone: nothing after it in the same call
+    second = _queue(tmp_path, fake, "run", "--jobs", "05,06", "--limit", "30", "--expect", "06=5")
+    assert second.returncode == 0 and "running 06 (expected 5 s" in second.stdout
+    bad = _queue(tmp_path, fake, "run", "--jobs", "05", "--limit", "30", "--expect", "05=soon")
+    assert bad.returncode == 2 and "--expect takes NN=SECONDS" in bad.stderr
+
+
 def test_bad_arguments_name_the_problem(tmp_path):
     fake = _setup(tmp_path, {}, {})
     done = _queue(tmp_path, fake, "run", "--jobs", "5,x", "--limit", "10")

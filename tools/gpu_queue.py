@@ -7,8 +7,9 @@ A host lent for a few minutes per call cannot run every notebook in one. Each ca
 * the others (01-04) run side by side, up to ``--parallel`` at once;
 * a notebook runs only if its expected time fits what is left of ``--limit`` (expected: its last published run's
   wall time from ``outputs/<profile>/run_summary.json``, or the gpu profile's, times ``--margin``, plus ``--slack``;
-  ``--default`` seconds when it has none), else it waits for the next call; a smaller one further down the queue
-  may go first.
+  ``--default`` seconds when it has none; ``--expect NN=S`` sets it), else it waits for the next call; a smaller one
+  further down the queue may go first. One expected to take longer than a whole call runs alone at the start of a
+  call, with all of its time.
 
 Each notebook runs with ``lora-lab run --profile P --only NN --outputs-dir <runs>/NN`` (its own runs root, so
 notebooks running side by side never write one summary file; ``<runs>`` is ``build/runs/<profile>/queue``), and what
@@ -103,18 +104,29 @@ def run(args) -> int:
     pending = [j for j in jobs if state["jobs"].get(j, {}).get("status") not in ("done",)
                and (args.retry_failed or state["jobs"].get(j, {}).get("status") != "failed")]
     expect = {j: expected_seconds(j, args.profile, outputs, args.margin, args.slack, args.default) for j in pending}
+    for item in args.expect:
+        job, _, seconds = item.partition("=")
+        try:
+            expect[job.strip()[:2]] = float(seconds)
+        except ValueError:
+            raise QueueError(f"--expect takes NN=SECONDS, e.g. 05=400; got {item!r}") from None
     print(f"queue: {len(pending)} to run of {len(jobs)} ({', '.join(pending) or 'none'}), {args.limit:.0f} s in this "
           f"call", flush=True)
+    ran = False
     while pending:
         left = args.limit - (time.monotonic() - began)
         fits = [j for j in pending if expect[j] <= left]
-        if not fits:
+        if not fits and not ran:  # longer than any call: it runs alone, with the whole of this one
+            batch = [pending[0]]
+            print(f"{batch[0]}: expected {expect[batch[0]]:.0f} s, more than this call's {left:.0f} s: it runs alone "
+                  "with all of them", flush=True)
+        elif not fits:
             break
-        first = fits[0]
-        if first in TIMING:
-            batch = [first]
+        elif fits[0] in TIMING:
+            batch = [fits[0]]
         else:  # the non-timing notebooks that fit, side by side
             batch = [j for j in fits if j not in TIMING][:args.parallel]
+        ran = True
         print(f"running {', '.join(batch)} (expected {max(expect[j] for j in batch):.0f} s, {left:.0f} s left)",
               flush=True)
         _wait([_start(j, args, left) for j in batch], state, state_path)
@@ -146,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--margin", type=float, default=1.15, help="expected = last run's seconds x margin + slack")
     p.add_argument("--slack", type=float, default=20.0)
     p.add_argument("--default", type=float, default=600.0, help="expected seconds of a notebook never run")
+    p.add_argument("--expect", nargs="*", default=[], metavar="NN=SECONDS",
+                   help="expected seconds of a notebook, instead of its last run's (e.g. 05=400 06=460)")
     p.add_argument("--retry-failed", action="store_true", help="run again what failed in an earlier call")
     p.add_argument("--lora-lab", nargs="+", default=[str(ROOT / ".venv-gpu" / "bin" / "lora-lab")],
                    help="the command that runs notebooks (default: .venv-gpu/bin/lora-lab)")

@@ -326,16 +326,20 @@ def progress_disabled(explicit: bool | None = None) -> bool:
 
 
 class _OrphanDeadKernelFilter(logging.Filter):
-    """Drop asyncio's "Task exception was never retrieved" report of a DeadKernelError.
+    """Drop asyncio's "Task exception was never retrieved" report of what Ctrl-C left behind.
 
-    After Ctrl-C, nbclient's task that waits for the cell's reply is left pending; when the kernel has been
-    shut down the task ends in DeadKernelError, and asyncio prints that traceback at exit, after the runner's
-    one-line report. The interruption is already recorded, so that traceback says nothing new.
+    After Ctrl-C, nbclient's task that waits for the cell's reply is left pending. When the kernel has been shut
+    down the task ends in DeadKernelError; when the kernel, interrupted too, answered first, it ends in the cell's
+    error, a KeyboardInterrupt. asyncio prints either traceback at exit, after the runner's one-line report. The
+    interruption is already recorded, so neither says anything new.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not (error is not None and type(error).__name__ == "DeadKernelError")
+        if error is None:
+            return True
+        interrupted_cell = getattr(error, "ename", None) == "KeyboardInterrupt"
+        return not (type(error).__name__ == "DeadKernelError" or interrupted_cell)
 
 
 _ORPHAN_FILTER = _OrphanDeadKernelFilter()

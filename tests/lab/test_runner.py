@@ -415,12 +415,18 @@ def test_an_orphaned_dead_kernel_task_is_not_printed_after_an_interrupt(capsys):
     import asyncio
     import gc
 
-    from nbclient.exceptions import DeadKernelError
+    from nbclient.exceptions import CellExecutionError, DeadKernelError
 
     from lora_lab.lab import runner
 
     async def dies():
         raise DeadKernelError("Kernel died")
+
+    async def interrupted_cell():  # the kernel answered the interrupted cell before it was shut down
+        raise CellExecutionError("traceback", "KeyboardInterrupt", "")
+
+    async def failed_cell():
+        raise CellExecutionError("traceback", "ValueError", "a real failure, still reported")
 
     async def other():
         raise ValueError("still reported")
@@ -443,9 +449,12 @@ def test_an_orphaned_dead_kernel_task_is_not_printed_after_an_interrupt(capsys):
         runner.quiet_orphaned_kernel_tasks()  # once is enough; twice adds nothing
         assert logger.filters.count(runner._ORPHAN_FILTER) == 1
         orphan(dies())
+        orphan(interrupted_cell())
         orphan(other())
+        orphan(failed_cell())
         err = capsys.readouterr().err
-        assert "DeadKernelError" not in err and "still reported" in err
+        assert "DeadKernelError" not in err and "KeyboardInterrupt" not in err
+        assert "still reported" in err and "a real failure, still reported" in err
     finally:
         logger.removeHandler(handler)
         logger.removeFilter(runner._ORPHAN_FILTER)

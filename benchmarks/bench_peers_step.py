@@ -10,6 +10,8 @@ Implementations (rows' ``impl``):
   peft        PEFT (``bench_whole_step`` variant ``peft``)
   peft_liger  PEFT + Liger-Kernel as its users apply it (variant ``peft_liger``)
   ours        lora_lab's recipe (variant ``whole_step.RECIPE``: Liger + PEFT + ``patch_model``)
+  ours_cublas_base  the recipe with the LoRA linear's big GEMMs by cuBLAS (``KernelConfig(base_gemm="cublas")``):
+              the recipe's step with and without that route
   axolotl     PEFT + Liger, then axolotl's LoRA-kernel monkeypatch
               (``axolotl.monkeypatch.lora_kernels.apply_lora_kernel_patches``, QKV / O / MLP kernels on), as axolotl
               users run it
@@ -47,8 +49,9 @@ from lora_lab.lab import measure
 
 CSV = "peers_step.csv"
 MODELS = {"llama3_8b": ("llama", 32), "qwen3_30b_a3b": ("qwen3_moe", 48)}
-IMPLS = ("peft", "peft_liger", "ours", "axolotl", "unsloth")
-WHOLE_STEP_VARIANT = {"peft": "peft", "peft_liger": "peft_liger", "ours": RECIPE, "axolotl": "peft_liger"}
+IMPLS = ("peft", "peft_liger", "ours", "ours_cublas_base", "axolotl", "unsloth")
+WHOLE_STEP_VARIANT = {"peft": "peft", "peft_liger": "peft_liger", "ours": RECIPE,
+                      "ours_cublas_base": "peft_liger_patch_cublas_base", "axolotl": "peft_liger"}
 
 
 class PeerModel(whole.Variant):

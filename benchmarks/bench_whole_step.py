@@ -16,6 +16,7 @@ Variants (each built fresh from the same seeds: same weights, same adapters, sam
   peft_patch_fused_loss           PEFT + ``patch_model(fused_loss=True)`` (lora_lab's fused linear CE)
   peft_liger_patch                Liger + PEFT + ``patch_model(fused_loss="liger")`` (Liger's loss)
   peft_liger_patch_lora_lab_loss  Liger + PEFT + ``patch_model(fused_loss="lora_lab")`` (lora_lab's loss)
+  peft_liger_patch_cublas_base    the recipe with ``KernelConfig(base_gemm="cublas")`` (on request: not a default)
 Liger is applied as its users call it (``apply_liger_kernel_to_<model>(model=...)``, through
 ``lora_lab.kernels.liger.apply_liger``), with its module-level changes (RoPE) active only around its variants' steps,
 so variants built later in the process stay plain. The last two variants differ only in the loss: their ratio is the
@@ -66,7 +67,13 @@ VARIANTS = {
     "peft_patch_fused_loss": (False, True),
     "peft_liger_patch": (True, "liger"),
     "peft_liger_patch_lora_lab_loss": (True, "lora_lab"),
+    "peft_liger_patch_cublas_base": (True, "liger"),
 }
+# the variants timed unless --variants names others (notebook 10's); the rest on request
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "peft_liger_patch_cublas_base"]
+# a variant's KernelConfig for patch_model beyond the defaults: the recipe with the LoRA linear's big GEMMs by cuBLAS
+# (KernelConfig(base_gemm="cublas"): Triton writes the rank-r terms, cuBLAS adds X Wᵀ onto them with beta = 1)
+VARIANT_CONFIGS = {"peft_liger_patch_cublas_base": {"base_gemm": "cublas"}}
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -74,7 +81,7 @@ FIRST_LOSSES = 3  # losses of the first steps recorded per variant (the memory p
 # the loss each variant's step computes, as lora_lab's byte model names it (Liger's fused linear CE: chunked)
 BYTE_MODEL_LOSS = {"peft": "standard", "peft_liger": "chunked", "peft_patch": "standard",
                    "peft_patch_fused_loss": "fused", "peft_liger_patch": "chunked",
-                   "peft_liger_patch_lora_lab_loss": "fused"}
+                   "peft_liger_patch_lora_lab_loss": "fused", "peft_liger_patch_cublas_base": "chunked"}
 SMOKE_LIGER = {"rms_norm": False, "swiglu": False}  # Liger's RMSNorm / SiLU·mul kernels do not run in the interpreter
 
 
@@ -116,8 +123,8 @@ class Variant:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
+        from lora_lab.kernels import KernelConfig, patch_model
         from lora_lab.kernels import liger as liger_mod
-        from lora_lab.kernels import patch_model
         from lora_lab.layer import fill_lora_B
 
         use_liger, fused_loss = VARIANTS[variant]
@@ -139,7 +146,8 @@ class Variant:
         self.summary = None
         if fused_loss is not None:
             with self._scope():
-                self.summary = patch_model(self.model, fused_loss=fused_loss)
+                config = KernelConfig(**VARIANT_CONFIGS[variant]) if variant in VARIANT_CONFIGS else None
+                self.summary = patch_model(self.model, fused_loss=fused_loss, config=config)
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
         g = torch.Generator(device="cpu").manual_seed(2)
         self.ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(device)
@@ -401,7 +409,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--repetitions", type=int, default=measure.MIN_REPETITIONS, help="rotated loops per session")
     ap.add_argument("--sessions", type=int, default=measure.MIN_SESSIONS, help="separate processes, pooled")
     ap.add_argument("--steps", type=int, default=5, help="timed whole steps per variant and repetition")

@@ -16,7 +16,8 @@ Keys (notebook 10 records them):
   ``peers_loss_worst_time_vs_quack``;
 * ``peers_step_<model>_ckpt_<off|on>_speedup_vs_fastest_peer``: ours' tokens/s over the fastest peer's (the peer
   with the highest median tokens/s that ran), ``..._peak_vs_fastest_peer`` (ours' peak over that peer's) and
-  ``..._fastest_peer`` (its name).
+  ``..._fastest_peer`` (its name); ``..._cublas_base_speedup_vs_ours``: the recipe with the LoRA linear's big GEMMs
+  by cuBLAS over the recipe as shipped (tokens/s), a variant of ours, never a peer.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ LORA_OPS = ("lora_linear", "lora_qkv", "lora_mlp")
 LORA_PEERS = ("axolotl", "unsloth")
 MOE_PEERS = ("sonicmoe", "llamafactory", "veomni", "liger")
 OURS = "ours"
+OUR_VARIANTS = {"ours_cublas_base": "cublas_base"}  # the recipe with another route (bench_peers_step): not peers
 
 
 def _ok(rows, **match) -> list[dict]:
@@ -114,9 +116,13 @@ def step_metrics(rows) -> dict:
         mine = [r for r in rows if r["model"] == model and r["checkpointing"] == ckpt]
         ran = {}
         for r in mine:
-            if r["impl"] != OURS and r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None:
+            if not r["impl"].startswith(OURS) and r.get("status", "ok") == "ok" and r.get("tokens_per_s") is not None:
                 ran.setdefault(r["impl"], []).append(r["tokens_per_s"])
         key = f"peers_step_{model}_ckpt_{ckpt}"
+        for variant, name in OUR_VARIANTS.items():  # the recipe with another route, over the recipe itself
+            if _ok(mine, impl=variant) and _ok(mine, impl=OURS):
+                out[f"{key}_{name}_speedup_vs_ours"] = measure.ratio_summary(
+                    mine, "tokens_per_s", {"impl": variant}, {"impl": OURS})
         if not ran or not _ok(mine, impl=OURS):
             out[f"{key}_peers_run"] = len(ran)
             continue
@@ -157,7 +163,8 @@ PEERS_FOLDER = "10_peers"
 RESULT_FOLDERS = {"ops": OPS_CSV, "ops_unsloth": OPS_CSV, "ops_sonicmoe": OPS_CSV, "ops_quack": OPS_CSV,
                   "step_ckpt_off": STEP_CSV, "step_ckpt_on": STEP_CSV}
 PEER_NAMES = ("axolotl", "unsloth", "sonicmoe", "llamafactory", "veomni", "liger", "quack")
-STEP_LABELS = {"ours": "lora_lab's recipe", "peft": "PEFT", "peft_liger": "PEFT + Liger",
+STEP_LABELS = {"ours": "lora_lab's recipe", "ours_cublas_base": "the recipe, big GEMMs by cuBLAS",
+               "peft": "PEFT", "peft_liger": "PEFT + Liger",
                "axolotl": "axolotl (its kernels + Liger)", "unsloth": "unsloth"}
 MODEL_LABELS = {"llama3_8b": "Llama-3-8B shape, 32 layers", "qwen3_30b_a3b": "Qwen3-30B-A3B shape, 48 layers"}
 

@@ -95,7 +95,8 @@ def _results_folder(tmp_path):
     folders = {"ops": main,
                "ops_unsloth": _op_rows("lora_linear", {"a": 1.0}, {"ours": 9.0, "unsloth": 12.0}),
                "ops_sonicmoe": _op_rows("moe_full", {"s": 1.0}, {"ours": 11.0, "sonicmoe": 10.0}),
-               "step_ckpt_off": _step_rows("off", {"ours": 12000, "unsloth": 10000, "peft": None}),
+               "step_ckpt_off": _step_rows("off", {"ours": 12000, "unsloth": 10000, "peft": None,
+                                                   "ours_cublas_base": 13000}),
                "step_ckpt_on": _step_rows("on", {"ours": 9000, "axolotl": 9500})}
     for folder, rows in folders.items():
         measure.write_csv([dict(r, smoke=False) for r in rows], tmp_path / folder / pc.RESULT_FOLDERS[folder])
@@ -112,7 +113,10 @@ def test_results_take_each_peer_from_the_process_it_ran_in(tmp_path):
     assert "peers_lora_unsloth_cells_not_run" not in m and "peers_moe_full_sonicmoe_cells_not_run" not in m
     assert m["peers_lora_worst_time_vs_axolotl"]["samples"] == pytest.approx([8 / 10, 9 / 11])
     assert m["peers_loss_quack_cells_not_run"] == 1  # never loaded: counted where it was tried
-    assert m["peers_step_llama3_8b_ckpt_off_fastest_peer"] == "unsloth"
+    assert m["peers_step_llama3_8b_ckpt_off_fastest_peer"] == "unsloth"  # our other route is never a peer
+    assert m["peers_step_llama3_8b_ckpt_off_cublas_base_speedup_vs_ours"]["samples"] == pytest.approx(
+        [13000 / 12000, 13100 / 12100])
+    assert "peers_step_llama3_8b_ckpt_on_cublas_base_speedup_vs_ours" not in m  # not run there
     assert m["peers_step_llama3_8b_ckpt_on_fastest_peer"] == "axolotl"
     assert m["peers_step_llama3_8b_ckpt_on_speedup_vs_fastest_peer"]["median"] < 1.0
 
@@ -145,7 +149,7 @@ def test_tables_and_answer_lines_come_from_the_rows(tmp_path):
 
     fig, (ax_speed, ax_peak) = plt.subplots(1, 2)
     pc.plot_steps(pc.step_table(results), ax_speed, ax_peak)
-    assert len(ax_speed.patches) == 4 and any(t.get_text() == "oom" for t in ax_speed.texts)  # peft: its status
+    assert len(ax_speed.patches) == 5 and any(t.get_text() == "oom" for t in ax_speed.texts)  # peft: its status
     plt.close(fig)
     text = "\n".join(pc.answer_lines(Figures(pc.results_metrics(results))))
     assert "checkpointing off:** the recipe's tokens/s are 1.199× [1.198, 1.200]" in text

@@ -109,3 +109,22 @@ def test_bad_arguments_name_the_problem(tmp_path):
     (tmp_path / "state.json").write_text("{broken")
     done = _queue(tmp_path, fake, "run", "--jobs", "05", "--limit", "10")
     assert done.returncode == 2 and "not a queue state file" in done.stderr
+
+
+def test_the_notebooks_that_time_something_are_the_ones_run_alone():
+    """A notebook that starts a benchmark or times in processes of its own must not share the GPU: gpu_queue's
+    TIMING lists exactly those of notebooks/."""
+    import re
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import gpu_queue
+    finally:
+        sys.path.pop(0)
+    timing = set()
+    for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        if re.search(r"benchmarks|bench_\w+\.py|repeat_in_processes|run_script_sessions|loop_ms", code):
+            timing.add(path.name[:2])
+    assert timing == gpu_queue.TIMING

@@ -12,6 +12,8 @@ Implementations (rows' ``impl``):
   ours        lora_lab's recipe (variant ``whole_step.RECIPE``: Liger + PEFT + ``patch_model``)
   ours_cublas_base  the recipe with the LoRA linear's big GEMMs by cuBLAS (``KernelConfig(base_gemm="cublas")``):
               the recipe's step with and without that route
+  ours_pure_cublas  the recipe with every product of the LoRA linear a cuBLAS call (``base_gemm="cublas"``,
+              ``rank_ops="torch"``)
   axolotl     PEFT + Liger, then axolotl's LoRA-kernel monkeypatch
               (``axolotl.monkeypatch.lora_kernels.apply_lora_kernel_patches``, QKV / O / MLP kernels on), as axolotl
               users run it
@@ -49,9 +51,10 @@ from lora_lab.lab import measure
 
 CSV = "peers_step.csv"
 MODELS = {"llama3_8b": ("llama", 32), "qwen3_30b_a3b": ("qwen3_moe", 48)}
-IMPLS = ("peft", "peft_liger", "ours", "ours_cublas_base", "axolotl", "unsloth")
+IMPLS = ("peft", "peft_liger", "ours", "ours_cublas_base", "ours_pure_cublas", "axolotl", "unsloth")
 WHOLE_STEP_VARIANT = {"peft": "peft", "peft_liger": "peft_liger", "ours": RECIPE,
-                      "ours_cublas_base": "peft_liger_patch_cublas_base", "axolotl": "peft_liger"}
+                      "ours_cublas_base": "peft_liger_patch_cublas_base",
+                      "ours_pure_cublas": "peft_liger_patch_pure_cublas", "axolotl": "peft_liger"}
 
 
 class PeerModel(whole.Variant):

@@ -17,6 +17,7 @@ Variants (each built fresh from the same seeds: same weights, same adapters, sam
   peft_liger_patch                Liger + PEFT + ``patch_model(fused_loss="liger")`` (Liger's loss)
   peft_liger_patch_lora_lab_loss  Liger + PEFT + ``patch_model(fused_loss="lora_lab")`` (lora_lab's loss)
   peft_liger_patch_cublas_base    the recipe with ``KernelConfig(base_gemm="cublas")`` (on request: not a default)
+  peft_liger_patch_pure_cublas    the recipe with ``KernelConfig(base_gemm="cublas", rank_ops="torch")`` (on request)
 Liger is applied as its users call it (``apply_liger_kernel_to_<model>(model=...)``, through
 ``lora_lab.kernels.liger.apply_liger``), with its module-level changes (RoPE) active only around its variants' steps,
 so variants built later in the process stay plain. The last two variants differ only in the loss: their ratio is the
@@ -68,12 +69,15 @@ VARIANTS = {
     "peft_liger_patch": (True, "liger"),
     "peft_liger_patch_lora_lab_loss": (True, "lora_lab"),
     "peft_liger_patch_cublas_base": (True, "liger"),
+    "peft_liger_patch_pure_cublas": (True, "liger"),
 }
 # the variants timed unless --variants names others (notebook 10's); the rest on request
-DEFAULT_VARIANTS = [v for v in VARIANTS if v != "peft_liger_patch_cublas_base"]
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("peft_liger_patch_cublas_base", "peft_liger_patch_pure_cublas")]
 # a variant's KernelConfig for patch_model beyond the defaults: the recipe with the LoRA linear's big GEMMs by cuBLAS
-# (KernelConfig(base_gemm="cublas"): Triton writes the rank-r terms, cuBLAS adds X Wᵀ onto them with beta = 1)
-VARIANT_CONFIGS = {"peft_liger_patch_cublas_base": {"base_gemm": "cublas"}}
+# (KernelConfig(base_gemm="cublas"): Triton writes the rank-r terms, cuBLAS adds X Wᵀ onto them with beta = 1), and
+# with every product of the LoRA linear a cuBLAS call (rank_ops="torch" too: no Triton kernel in the linear)
+VARIANT_CONFIGS = {"peft_liger_patch_cublas_base": {"base_gemm": "cublas"},
+                   "peft_liger_patch_pure_cublas": {"base_gemm": "cublas", "rank_ops": "torch"}}
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -81,7 +85,8 @@ FIRST_LOSSES = 3  # losses of the first steps recorded per variant (the memory p
 # the loss each variant's step computes, as lora_lab's byte model names it (Liger's fused linear CE: chunked)
 BYTE_MODEL_LOSS = {"peft": "standard", "peft_liger": "chunked", "peft_patch": "standard",
                    "peft_patch_fused_loss": "fused", "peft_liger_patch": "chunked",
-                   "peft_liger_patch_lora_lab_loss": "fused", "peft_liger_patch_cublas_base": "chunked"}
+                   "peft_liger_patch_lora_lab_loss": "fused", "peft_liger_patch_cublas_base": "chunked",
+                   "peft_liger_patch_pure_cublas": "chunked"}
 SMOKE_LIGER = {"rms_norm": False, "swiglu": False}  # Liger's RMSNorm / SiLU·mul kernels do not run in the interpreter
 
 

@@ -115,7 +115,7 @@ def step_bench(monkeypatch):
 def _step_args(tmp_path, **kw):
     args = argparse.Namespace(smoke=True, layers=1, batch=2, seq=16, steps=1, repetitions=2, checkpointing_now="off",
                               checkpoint_dir=str(tmp_path / "ckpt"),
-                              impls=["ours", "ours_cublas_base", "peft", "axolotl", "unsloth"],
+                              impls=["ours", "ours_cublas_base", "ours_pure_cublas", "peft", "axolotl", "unsloth"],
                               sequential=False, out=str(tmp_path))
     for k, v in kw.items():
         setattr(args, k, v)
@@ -137,11 +137,12 @@ def test_full_depth_smoke_rows_feed_the_step_metrics(step_bench, monkeypatch, tm
     skipped = {r["impl"]: r for r in rows if r["status"] == "skipped"}
     assert set(skipped) == {"axolotl", "unsloth"} and all("ModuleNotFoundError" in r["error"] for r in skipped.values())
     ok = {(r["impl"], r["rep"]) for r in rows if r["status"] == "ok"}
-    assert ok == {(i, rep) for i in ("ours", "ours_cublas_base", "peft") for rep in range(2)}
+    assert ok == {(i, rep) for i in ("ours", "ours_cublas_base", "ours_pure_cublas", "peft") for rep in range(2)}
     metrics = peer_comparison.step_metrics(rows)
     assert metrics["peers_step_llama3_8b_ckpt_off_fastest_peer"] == "peft"  # the cuBLAS-base recipe is ours, no peer
     assert metrics["peers_step_llama3_8b_ckpt_off_speedup_vs_fastest_peer"]["n"] == 2
     assert metrics["peers_step_llama3_8b_ckpt_off_cublas_base_speedup_vs_ours"]["n"] == 2
+    assert metrics["peers_step_llama3_8b_ckpt_off_pure_cublas_speedup_vs_ours"]["n"] == 2
 
 
 @pytest.mark.slow

@@ -329,7 +329,8 @@ def plot_steps(table: list[dict], ax_speed, ax_peak) -> None:
 
 
 def _verdict(fig, key: str, ours_on_top: bool) -> str:
-    """'ours faster', 'ours slower' or 'level' for a repeated ratio of times (interval across 1: level)."""
+    """'ours faster', 'ours slower' or 'level' for a repeated ratio of times (interval across 1: level); a ratio of
+    speeds is one of times upside down (``ours_on_top`` False)."""
     side = fig.above(key, 1.0)
     if side == "level with":
         return "level, the interval spanning parity"
@@ -351,6 +352,15 @@ def answer_lines(fig) -> list[str]:
                 lines.append(f"* **{MODEL_LABELS[model]}, checkpointing {ckpt}:** the recipe's tokens/s are "
                              f"{fig.x(speedup)} {fig.interval(speedup)}"
                              f" those of the fastest peer that ran, {STEP_LABELS.get(peer, peer)}{peak}.")
+    for model in MODEL_LABELS:
+        for ckpt in ("off", "on"):
+            for variant, name in OUR_VARIANTS.items():
+                key = f"peers_step_{model}_ckpt_{ckpt}_{name}_speedup_vs_ours"
+                if fig.has(key):
+                    label = STEP_LABELS[variant]
+                    lines.append(f"* **{label[0].upper() + label[1:]}** ({MODEL_LABELS[model]}, checkpointing "
+                                 f"{ckpt}): {fig.x(key)} {fig.interval(key)} the recipe's tokens/s "
+                                 f"({_verdict(fig, key, False)}).")
     for peer in LORA_PEERS:
         key = f"peers_lora_worst_time_vs_{peer}"
         if fig.has(key):

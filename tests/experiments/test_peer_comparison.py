@@ -156,6 +156,8 @@ def test_tables_and_answer_lines_come_from_the_rows(tmp_path):
     assert "the fastest peer that ran, unsloth;" in text
     assert "ours takes 0.760× [0.750, 0.769] unsloth's time (ours faster)" in text and "QuACK" not in text
     assert "sonicmoe takes 0.913× [0.909, 0.917] our time (ours slower)" in text
+    assert ("* **The recipe, big GEMMs by cuBLAS** (Llama-3-8B shape, 32 layers, checkpointing off): 1.083× "
+            "[1.083, 1.083] the recipe's tokens/s (ours faster)") in text
 
 
 def test_results_written_by_other_code_or_a_smoke_run_are_refused(tmp_path):

@@ -66,7 +66,8 @@ case $MODE in
 esac
 
 # 1. the declared commit (a copy's stale .git would make the run's commit wrong, and the run unpublishable)
-if [ -d .git ]; then mv .git "/tmp/stale-copy-git.$$"; fi
+#    (into $LORA_LAB_STALE_GIT_DIR, default /tmp: a host's copy is thrown away with the host)
+if [ -d .git ]; then mv .git "${LORA_LAB_STALE_GIT_DIR:-/tmp}/stale-copy-git.$$"; fi
 export LORA_LAB_SOURCE_COMMIT=$COMMIT
 echo "declared commit $LORA_LAB_SOURCE_COMMIT" | tee "$OUT/declared.log"
 

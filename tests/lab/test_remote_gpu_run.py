@@ -28,6 +28,7 @@ def copy(tmp_path):
 
 def run(copy, *args, out=True, **extra_env):
     env = {k: v for k, v in os.environ.items() if k != "LORA_LAB_SOURCE_COMMIT"}
+    env["LORA_LAB_STALE_GIT_DIR"] = str(copy.parent)  # the copy's stale repository goes here, not into /tmp
     env.update(extra_env)
     env["PYTHONPATH"] = str(copy)
     if out:
@@ -44,7 +45,7 @@ def test_declares_the_commit_runs_and_packs(copy):
     done = run(copy, COMMIT, "--no-install", "--limit", "60", "command", "--", sys.executable, "-c", probe)
     assert done.returncode == 0, done.stderr
     out = copy.parent / "out"
-    assert not (copy / ".git").exists()
+    assert not (copy / ".git").exists() and list(copy.parent.glob("stale-copy-git.*"))
     assert f"declared commit {COMMIT}" in (out / "declared.log").read_text()
     log = (out / "run.log").read_text()
     assert f"'git_commit': '{COMMIT}'" in log and "'git_source': 'declared'" in log

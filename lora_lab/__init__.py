@@ -59,7 +59,7 @@ from lora_lab.vera import VeRALinear, add_vera, vera_layers
 __version__ = "0.1.0"
 
 _apply_memory_cap()  # $LORA_LAB_MEMORY_CAP_GIB (the capped gpu profiles): before this process's first CUDA allocation
-_record_peak_at_exit()  # $LORA_LAB_PEAK_DIR (set by lab.start_run): this process's GPU memory peak, written at exit
+_record_peak_at_exit()  # $LORA_LAB_PEAK_DIR (set by lora-lab run): this process's GPU memory peak, written at exit
 
 __all__ = [
     "train_steps",

@@ -1,8 +1,8 @@
 """The most GPU memory each process of a notebook's run held: what a reader's rerun needs.
 
-While ``$LORA_LAB_PEAK_DIR`` names a folder (``lab.start_run`` sets it for the run, so every process the notebook
-starts inherits it: benchmark sessions, worker processes), each process that imports lora_lab and used CUDA writes
-one JSON file there as it exits: its command, and the most memory PyTorch's caching allocator reserved and
+While ``$LORA_LAB_PEAK_DIR`` names a folder (``lora-lab run`` sets it for a notebook's kernel, so every process the
+notebook starts inherits it: benchmark sessions, worker processes), each process that imports lora_lab and used
+CUDA writes one JSON file there as it exits: its command, and the most memory PyTorch's caching allocator reserved and
 allocated on any GPU. ``lab.finish_run`` adds the notebook's own process and records :func:`summary` in the run's
 provenance (``gpu_memory``). Memory outside the allocator (the CUDA context, NCCL's buffers) is not counted, and
 processes that ran at the same time are not added up.

@@ -71,13 +71,13 @@ VARIANTS = {
     "peft_liger_patch_cublas_base": (True, "liger"),
     "peft_liger_patch_pure_cublas": (True, "liger"),
 }
-# the variants timed unless --variants names others (notebook 10's); the rest on request
-DEFAULT_VARIANTS = [v for v in VARIANTS if v not in ("peft_liger_patch_cublas_base", "peft_liger_patch_pure_cublas")]
 # a variant's KernelConfig for patch_model beyond the defaults: the recipe with the LoRA linear's big GEMMs by cuBLAS
 # (KernelConfig(base_gemm="cublas"): Triton writes the rank-r terms, cuBLAS adds X Wᵀ onto them with beta = 1), and
 # with every product of the LoRA linear a cuBLAS call (rank_ops="torch" too: no Triton kernel in the linear)
 VARIANT_CONFIGS = {"peft_liger_patch_cublas_base": {"base_gemm": "cublas"},
                    "peft_liger_patch_pure_cublas": {"base_gemm": "cublas", "rank_ops": "torch"}}
+# the variants timed unless --variants names others (notebook 10's): those of other kernel configs on request only
+DEFAULT_VARIANTS = [v for v in VARIANTS if v not in VARIANT_CONFIGS]
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MOE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MOE_PARAMETERS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]

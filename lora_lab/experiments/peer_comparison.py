@@ -147,14 +147,21 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
     rows written by other code (``measure.read_csv``) and, unless ``allow_smoke``, rows of a ``--smoke`` run."""
     out: dict = {}
     for name, metrics in ((OPS_CSV, ops_metrics), (STEP_CSV, step_metrics)):
-        path = Path(directory) / name
-        if not path.is_file():
-            continue
-        rows = measure.read_csv(path)
-        if not allow_smoke and any(r.get("smoke") for r in rows):
-            raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
-        out.update(metrics(rows))
+        rows = _read_rows(Path(directory) / name, allow_smoke)
+        if rows is not None:
+            out.update(metrics(rows))
     return out
+
+
+def _read_rows(path: Path, allow_smoke: bool) -> list[dict] | None:
+    """A benchmark CSV's rows (None when absent), refusing rows of other code and, unless ``allow_smoke``, of a
+    ``--smoke`` run."""
+    if not path.is_file():
+        return None
+    rows = measure.read_csv(path)
+    if not allow_smoke and any(r.get("smoke") for r in rows):
+        raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
+    return rows
 
 
 # --- the results folder notebook 10 reads ---------------------------------------------------------------------------
@@ -176,13 +183,9 @@ def read_results(directory, allow_smoke: bool = False) -> dict[str, list[dict]]:
     other code are refused (``measure.StaleResultError``), and so are ``--smoke`` rows unless ``allow_smoke``."""
     out = {}
     for folder, name in RESULT_FOLDERS.items():
-        path = Path(directory) / folder / name
-        if not path.is_file():
-            continue
-        rows = measure.read_csv(path)
-        if not allow_smoke and any(r.get("smoke") for r in rows):
-            raise ValueError(f"{path} holds a --smoke run (tiny stand-in shapes): not a measurement to record")
-        out[folder] = [{**r, "process": folder} for r in rows]
+        rows = _read_rows(Path(directory) / folder / name, allow_smoke)
+        if rows is not None:
+            out[folder] = [{**r, "process": folder} for r in rows]
     return out
 
 

@@ -8,7 +8,6 @@ recorded. The total is the notebooks' seconds added up: a reader's rerun of them
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,17 +16,17 @@ __all__ = ["run_rows", "runs_table"]
 
 def run_rows(out_dir: Path | str) -> list[dict[str, Any]]:
     """One row per notebook published in ``out_dir`` (``outputs/<profile>``), in notebook order."""
+    from lora_lab.lab.grading import RUN_SUMMARY_NAME, read_json
     from lora_lab.lab.provenance import CODE_HASH_SCOPE, code_hash
 
     out_dir = Path(out_dir)
-    summary_path = out_dir / "run_summary.json"
-    if not summary_path.is_file():
-        raise FileNotFoundError(f"{summary_path}: no published runs of this profile")
-    entries = json.loads(summary_path.read_text()).get("notebooks") or {}
+    summary, why = read_json(out_dir / RUN_SUMMARY_NAME)
+    if summary is None:
+        raise FileNotFoundError(f"{out_dir / RUN_SUMMARY_NAME}: no published runs of this profile ({why})")
     rows, current = [], code_hash()
-    for stem, entry in sorted(entries.items()):
-        metrics_path = out_dir / f"{stem}.metrics.json"
-        provenance = json.loads(metrics_path.read_text()).get("provenance", {}) if metrics_path.is_file() else {}
+    for stem, entry in sorted((summary.get("notebooks") or {}).items()):
+        metrics, _ = read_json(out_dir / f"{stem}.metrics.json")
+        provenance = (metrics or {}).get("provenance") or {}
         gpu = provenance.get("gpu_memory") or {}
         # this code: lora_lab/ and benchmarks/ as they are now (a run hashed over lora_lab/ alone cannot say)
         this_code = provenance.get("code_hash_scope") == CODE_HASH_SCOPE and provenance.get("code_hash") == current

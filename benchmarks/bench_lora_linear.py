@@ -86,19 +86,26 @@ FUSED_CONFIGS = {
     # the GEMM core: the persistent TMA GEMM, and P / Q folded into its K loops
     "fused_persistent": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent"},
     "fused_fold": {"dispatch": "triton", "base_gemm": "triton", "gemm_loads": "persistent", "fold_projection": True},
+    # the big GEMMs on QuACK's Hopper GEMM with the rank-r term in its epilogue (kernels/lora/quack_gemm; needs
+    # quack-kernels: a skipped row naming why where it cannot run, never the Triton route under this name)
+    "fused_quack": {"dispatch": "triton", "base_gemm": "quack"},
 }
 # a variant's forward and backward as CUDA graphs: {graphed variant: the variant it captures}
 GRAPHED = {"base_graphed": "base", "fused_graphed": "fused", "fused_cublas_base_graphed": "fused_cublas_base",
-           "fused_pure_cublas_graphed": "fused_pure_cublas"}
+           "fused_pure_cublas_graphed": "fused_pure_cublas", "fused_quack_graphed": "fused_quack"}
 ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS, *GRAPHED]
 # --variants routes: the big GEMMs by cuBLAS and the graphed steps, beside the frozen layer (graphed too)
 ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "base_graphed", "fused_graphed",
           "fused_cublas_base_graphed"]
 # what notebook 05's graded metrics need: base, PEFT and ours as shipped, the rank-r passes as cuBLAS calls, P / Q
-# folded into the persistent GEMM's K loops, and the routes; the persistent GEMM alone (fused_persistent) is graded
+# folded into the persistent GEMM's K loops, the routes, and QuACK's route (skipped rows naming why where it
+# cannot run); the persistent GEMM alone (fused_persistent) is graded
 # by no prediction and runs only when --variants names it
-DEFAULT_VARIANTS = [v for v in ALL_VARIANTS if v in (*REQUIRED_VARIANTS, "fused_torch_rank", "fused_fold", *ROUTES)]
-PRESETS = {"routes": ROUTES}
+DEFAULT_VARIANTS = [v for v in ALL_VARIANTS if v in (*REQUIRED_VARIANTS, "fused_torch_rank", "fused_fold", *ROUTES,
+                                                      "fused_quack", "fused_quack_graphed")]
+# --variants quack: the QuACK epilogue route beside the best cuBLAS route, each also as CUDA graphs
+QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "base_graphed", "fused_pure_cublas_graphed", "fused_quack_graphed"]
+PRESETS = {"routes": ROUTES, "quack": QUACK_ROUTES}
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}
 # --smoke: two cells of the grid with every dimension divided (M / 512, K and N / 128, r / 4): the Triton
 # interpreter runs the whole code path in seconds
@@ -167,6 +174,23 @@ def graph_skip_reason(device) -> str | None:
     return None if device.type == "cuda" else "CUDA graphs need a CUDA device (this run is on the CPU)"
 
 
+def skip_reason(name: str, device, dims, dtype) -> str | None:
+    """Why variant ``name`` cannot run in this cell (None: it can): a graphed variant off CUDA; the QuACK route
+    where :func:`lora_lab.kernels.lora.quack_gemm.unavailable_reason` names a problem (its op would take the
+    Triton route, which must not be timed under this name)."""
+    if name in GRAPHED:
+        problem = graph_skip_reason(device)
+        if problem:
+            return problem
+        name = GRAPHED[name]
+    if FUSED_CONFIGS.get(name, {}).get("base_gemm") == "quack":
+        from lora_lab.kernels.lora import quack_gemm
+
+        M, K, N, r = dims
+        return quack_gemm.unavailable_reason(M, K, N, r, dtype, device)
+    return None
+
+
 def build_variants(names, K, N, r, dtype, device, shipped):
     """{name: (forward fn, trainable parameters, config text)} over one shared frozen weight and factors."""
     from lora_lab.kernels import chained_lora_linear, fused_lora_linear
@@ -212,7 +236,8 @@ def components(x, dy, weight, A, B, shipped):
     y = torch.empty(x.shape[0], weight.shape[0], device=x.device, dtype=x.dtype)
     dx = torch.empty_like(x)
     tma, pointer = shipped.replace(gemm_loads="tma"), shipped.replace(gemm_loads="pointer")
-    return {
+    quack = _quack_components(x, dy, weight, a, b, p, q, y, dx)
+    return {**quack,
         "cublas_fwd_gemm": lambda: torch.mm(x, weight.t()),
         "cublas_dx_gemm": lambda: torch.mm(dy, weight),
         "cublas_fwd_plus_addmm": lambda: torch.mm(x, weight.t()).addmm_(p, b.t()),
@@ -240,14 +265,31 @@ def components(x, dy, weight, A, B, shipped):
     }
 
 
+def _quack_components(x, dy, weight, a, b, p, q, y, dx) -> dict:
+    """QuACK's GEMMs with the rank-r epilogue (the ``fused_quack`` route's two big GEMMs), and with none, where the
+    route can run here (else no components: the table names what ran)."""
+    from lora_lab.kernels.lora import quack_gemm
+
+    M, K = x.shape
+    if quack_gemm.unavailable_reason(M, K, weight.shape[0], a.shape[0], x.dtype, x.device) is not None:
+        return {}
+    p_t, q_t, b_t = p.t().contiguous(), q.t().contiguous(), b.t().contiguous()
+    return {
+        "quack_fwd_gemm": lambda: quack_gemm.gemm_with_rank_epilogue(y, x, weight.t(), p_t, b_t),
+        "quack_dx_gemm": lambda: quack_gemm.gemm_with_rank_epilogue(dx, dy, weight, q_t, a.contiguous()),
+        # rank 0: QuACK's GEMM with the epilogue adding nothing, beside cuBLAS's cublas_fwd_gemm
+        "quack_fwd_gemm_norank": lambda: quack_gemm.gemm_with_rank_epilogue(y, x, weight.t(), p_t[:0], b_t[:0]),
+    }
+
+
 def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
     """Rows of one cell: every variant timed once per repetition; peak memory once per variant."""
     label, (M, K, N, r) = cell, dims
     cuda = device.type == "cuda"
     x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
     dy = torch.randn(M, N, device=device, dtype=dtype)
-    skip = graph_skip_reason(device)
-    names = [v for v in args.variants if not (v in GRAPHED and skip)]
+    skips = {v: skip_reason(v, device, dims, dtype) for v in args.variants}
+    names = [v for v in args.variants if not skips[v]]
     variants, (weight, A, B) = build_variants(names, K, N, r, dtype, device, shipped)
     steps, forwards, peaks, failed = {}, {}, {}, {}
     for name, (fn, params, _) in list(variants.items()):
@@ -269,7 +311,7 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
             "smoke": smoke}
     rows = [{**base, "variant": name, "rep": 0, "fwd_bwd_ms": None, "status": "error", "error": message}
             for name, message in failed.items()]
-    rows += [{**base, "variant": name, "rep": 0, "fwd_bwd_ms": None, "status": "skipped", "error": skip}
+    rows += [{**base, "variant": name, "rep": 0, "fwd_bwd_ms": None, "status": "skipped", "error": skips[name]}
              for name in args.variants if name not in names]
     loop = dict(LOOP[smoke])
     if getattr(args, "calls", None) and not smoke:

@@ -57,6 +57,24 @@ def test_install_puts_each_dsl_peer_with_its_pinned_dsl_in_its_own_site(tmp_path
     assert not (tmp_path / "site-quack").exists()
 
 
+QUACK = ["quack_kernels-0.6.5", "nvidia_cutlass_dsl-4.7.1", "nvidia_cutlass_dsl_libs_base-4.7.1",
+         "nvidia_cutlass_dsl_libs_core-4.7.1", "nvidia_cutlass_dsl_libs_cu12-4.7.1", "nvidia_cuda_nvdisasm-13.5.37",
+         *SONIC[4:]]
+
+
+def test_sites_installs_the_dsl_groups_alone_from_the_site_parts(tmp_path):
+    """`sites`: the DSL site folders only (no peers' wheels needed), from what --site-parts assembled."""
+    for stem in QUACK:
+        _wheel(tmp_path / "build" / "assembled-sites", stem)
+    done = _run(tmp_path, "sites", WHEELS=str(tmp_path / "none"))
+    log = (tmp_path / "res" / "peers_install.log").read_text()
+    assert done.returncode == 0, done.stderr
+    assert not log.startswith("install exit")  # no peers' wheels asked for
+    assert f"{tmp_path}/site-quack: install exit 0" in log
+    assert (tmp_path / "site-quack" / "quack_kernels_probe.py").is_file()
+    assert f"{tmp_path}/site-sonicmoe: not installed, missing wheels" in log
+
+
 def test_ops_times_each_dsl_peer_in_its_own_process_and_folder(tmp_path):
     shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "site-sonicmoe").mkdir()  # installed; site-quack is not

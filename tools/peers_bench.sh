@@ -3,7 +3,10 @@
 #
 #   bash tools/peers_bench.sh install            peers' wheels ($WHEELS/*.whl, --no-deps) into $SITE; SonicMoE and
 #                                                QuACK each with the CUTLASS DSL it pins into $SITE-sonicmoe and
-#                                                $SITE-quack (from $WHEELS/ or build/assembled/: tools/parts.py)
+#                                                $SITE-quack (from $WHEELS/, build/assembled/ or
+#                                                build/assembled-sites/: tools/parts.py, remote_gpu_run.sh --site-parts)
+#   bash tools/peers_bench.sh sites              the two DSL site folders only (e.g. QuACK for notebook 05's
+#                                                base_gemm="quack" route: PYTHONPATH=$PWD:$SITE-quack)
 #   bash tools/peers_bench.sh load               what each peer's op loads to, or its exact error -> $RES/peers_load.txt
 #   bash tools/peers_bench.sh ops  [ARGS ...]    benchmarks/bench_peers.py into $RES/ops (unsloth, SonicMoE, QuACK:
 #                                                $RES/ops_unsloth, ops_sonicmoe, ops_quack, each its own process)
@@ -32,7 +35,7 @@
 # timed in that process too), and each step process imports it last (--impls order: unsloth at the end, every other
 # implementation built, timed and freed before it).
 set -u
-PART=${1:?part: install, load, ops or step}
+PART=${1:?part: install, sites, load, ops or step}
 shift
 RES=${RES:-${OUT:?set RES or OUT to the folder that receives the results}}
 PY=${PY:-python3}
@@ -42,14 +45,19 @@ export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_
   HF_HUB_OFFLINE=1
 mkdir -p "$RES"
 case "$PART" in
-  install)
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl \
-      > "$RES/peers_install.log" 2>&1
-    echo "install exit $?" | tee -a "$RES/peers_install.log"
-    group() {  # group SITE PATTERN...: the wheels matching each pattern, from $WHEELS/ or build/assembled/, into SITE
+  install|sites)
+    if [ "$PART" = install ]; then
+      $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$WHEELS"/*.whl > "$RES/peers_install.log" 2>&1
+      echo "install exit $?" | tee -a "$RES/peers_install.log"
+    fi
+    group() {  # group SITE PATTERN...: the wheels matching each pattern (from $WHEELS/, build/assembled/ or
+      #          build/assembled-sites/) into SITE
       local site=$1 found=() p w; shift
       for p in "$@"; do
-        for w in "$WHEELS"/$p build/assembled/$p; do [ -f "$w" ] && { found+=("$w"); break; }; done
+        for w in "$WHEELS"/$p build/assembled/$p build/assembled-sites/$p; do
+          [ -f "$w" ] && { found+=("$w"); break; }
+        done
       done
       [ ${#found[@]} -eq $# ] || { echo "$site: not installed, missing wheels among: $*"; return 0; }
       $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${found[@]}"
@@ -112,5 +120,5 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
       $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential --checkpointing $ckpt \
         --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
     done ;;
-  *) echo "unknown part $PART (install, load, ops or step)"; exit 2 ;;
+  *) echo "unknown part $PART (install, sites, load, ops or step)"; exit 2 ;;
 esac

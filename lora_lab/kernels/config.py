@@ -18,7 +18,12 @@ field              variable                meaning
                                            GEMM, rank-r term in its loop), ``cublas`` (Triton writes the
                                            rank-r term, cuBLAS adds the GEMM with β = 1; with
                                            ``rank_ops="torch"`` cuBLAS writes the rank-r term too: no
-                                           Triton launch), ``auto``: each op's default
+                                           Triton launch), ``quack`` (the LoRA linear:
+                                           QuACK's Hopper GEMM with the rank-r term in its
+                                           epilogue, :mod:`lora_lab.kernels.lora.quack_gemm`;
+                                           where it cannot run, the Triton route with a warning
+                                           naming why; the shared-input op takes its
+                                           default), ``auto``: each op's default
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
                                            ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
@@ -101,7 +106,7 @@ __all__ = ["KernelConfig", "ENV_VARIABLES", "resolve_config"]
 
 CHOICES = {
     "dispatch": ("auto", "triton", "cublas"),
-    "base_gemm": ("auto", "triton", "cublas"),
+    "base_gemm": ("auto", "triton", "cublas", "quack"),
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),

@@ -48,6 +48,7 @@ def test_the_default_run_times_what_notebook_05_grades_and_no_more(bench):
     references = {fused_lora_kernels.ROUTE_VARIANTS[v] for v in routes}
     assert routes | references | {"base", "peft", "fused", "fused_torch_rank", "fused_fold"} <= set(args.variants)
     assert "fused_persistent" not in args.variants
+    assert set(fused_lora_kernels.QUACK_VARIANTS) <= set(args.variants)  # the QuACK route's predictions
     assert args.back_to_back is False
     assert args.calls == bench.LOOP[False]["calls"] == 6
 
@@ -171,3 +172,62 @@ def test_a_variant_missing_from_one_cell_is_a_dash_in_the_table_and_no_bar(bench
     assert lines[2].split("|")[1].split()[-1] == "-"
     bench.plot(summary, rows, tmp_path)
     assert (tmp_path / "05_lora_linear_ratio.png").stat().st_size > 0
+
+
+def test_the_quack_route_is_a_skipped_row_naming_why_where_it_cannot_run(bench):
+    """Never the Triton route timed under QuACK's name: off a Hopper GPU with QuACK, its rows are skipped."""
+    args = argparse.Namespace(variants=["base", "peft", "fused_quack", "fused_quack_graphed"], repetitions=1,
+                              warmup_ms=1.0, rep_ms=2.0, forward=False, components="none")
+    from lora_lab.kernels import KernelConfig
+    from lora_lab.kernels.lora import quack_gemm
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    rows, _ = bench.measure_cell("c", (64, 32, 32, 4), args, KernelConfig(autotune=False), torch.bfloat16, device,
+                                 not cuda)
+    skipped = {r["variant"]: r["error"] for r in rows if r["status"] == "skipped"}
+    reason = quack_gemm.unavailable_reason(64, 32, 32, 4, torch.bfloat16, device)
+    if reason is None:
+        assert not skipped
+    else:
+        assert skipped["fused_quack"] == reason
+        assert "fused_quack_graphed" in skipped
+    big = bench.skip_reason("fused_quack", device, (32768, 4096, 4096, 64), torch.bfloat16)
+    assert "rank 64 is above" in big or "CUDA devices" in big or "cannot be imported" in big
+
+
+def test_quack_route_metrics_need_only_the_target_cell_and_stay_out_of_the_best_route(tmp_path):
+    t, r64 = fused_lora_kernels.TARGET_CELL, "32k_4096x4096_r64"
+    rows = [_row(cell, v, rep, ms) for rep in range(2) for cell, v, ms in (
+        (t, "base", 3.0), (t, "fused_cublas_base", 3.6), (t, "fused_quack", 3.3), (t, "base_graphed", 3.0),
+        (t, "fused_quack_graphed", 3.15), (r64, "base", 3.0), (r64, "fused_cublas_base", 3.9),
+        (r64, "base_graphed", 3.0), (t, "peft", 7.0), (t, "fused", 3.6), (r64, "peft", 7.0), (r64, "fused", 3.7))]
+    rows += [_row(r64, "fused_quack", 0, None, status="skipped"), _row(r64, "fused_quack_graphed", 0, None,
+                                                                       status="skipped")]
+    measure.write_csv(rows, tmp_path / fused_lora_kernels.LINEAR_CSV)
+    m = fused_lora_kernels.benchmark_metrics(tmp_path)
+    assert m[f"lora_linear_fused_quack_time_vs_base_{t}"]["samples"] == pytest.approx([1.1, 1.1])
+    assert m[f"lora_linear_fused_quack_graphed_time_vs_base_graphed_{t}"]["samples"] == pytest.approx([1.05, 1.05])
+    assert f"lora_linear_fused_quack_host_ms_{t}" in m
+    assert "lora_linear_fused_quack_worst_time_vs_base" not in m  # not run in the r = 64 cell
+    assert m["lora_linear_routes_best_worst_time_vs_base"]["samples"] == pytest.approx([1.3, 1.3])  # cuBLAS only
+
+
+def test_a_quack_route_skipped_at_the_target_cell_voids_its_predictions_naming_why(tmp_path):
+    from lora_lab.lab import rules
+    from lora_lab.memory import budget
+
+    t = fused_lora_kernels.TARGET_CELL
+    rows = [_row(t, v, rep, 3.0) for rep in range(2) for v in ("base", "peft", "fused")]
+    rows += [{**_row(t, v, 0, None, status="skipped"), "error": "QuACK cannot be imported (ModuleNotFoundError)"}
+             for v in fused_lora_kernels.QUACK_VARIANTS]
+    measure.write_csv(rows, tmp_path / fused_lora_kernels.LINEAR_CSV)
+    budget.clear_skipped()
+    try:
+        fused_lora_kernels.benchmark_metrics(tmp_path)
+        payload = {"skipped_cells": budget.skipped_cells()}
+    finally:
+        budget.clear_skipped()
+    cell, why = rules.skipped_cell_of(f"lora_linear_fused_quack_graphed_time_vs_base_{t}", payload)
+    assert cell == "fused_quack_graphed" and "QuACK cannot be imported" in why
+    assert rules.skipped_cell_of(f"lora_linear_fused_quack_host_ms_{t}", payload)[0] == "fused_quack"

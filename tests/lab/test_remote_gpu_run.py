@@ -109,6 +109,26 @@ def test_parts_carried_over_two_calls_are_assembled_after_the_second(copy, tmp_p
     assert (copy / "build/assembled" / wheel.name).read_bytes() == wheel.read_bytes()
 
 
+def test_site_parts_are_assembled_apart_and_never_installed(copy, tmp_path):
+    wheel = tmp_path / "nvidia_cutlass_dsl-4.7.1-py3-none-any.whl"
+    wheel.write_bytes(os.urandom(3000))
+    split = subprocess.run([sys.executable, str(ROOT / "tools" / "parts.py"), "split", str(wheel), "--out",
+                            str(copy / ".parts-quack"), "--part-mib", "0.01"], capture_output=True, text=True)
+    assert split.returncode == 0, split.stderr
+    venv_bin = copy / ".venv-gpu" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text("#!/bin/sh\necho \"pip ran: $*\"\n")
+    (venv_bin / "python").chmod(0o755)
+    done = run(copy, COMMIT, "--no-install", "--site-parts", ".parts-quack", "command", "--", "true",
+               LORA_LAB_SITE_PARTS_STORE=str(tmp_path / "site-store"), LORA_LAB_PARTS_STORE=str(tmp_path / "store"))
+    assert done.returncode == 0, done.stderr
+    log = (copy.parent / "out" / "site_parts.log").read_text()
+    assert "complete: build/assembled-sites/" + wheel.name in log and "not installed" in log
+    assert "pip ran" not in done.stdout + log
+    assert (copy / "build/assembled-sites" / wheel.name).read_bytes() == wheel.read_bytes()
+    assert not (copy / "build/assembled").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     ([COMMIT[:7], "notebooks", "07"], "full 40-digit commit"),  # a typed short prefix can name no commit at all
     ([COMMIT, "--limit", "ten", "notebooks", "07"], "--limit takes whole seconds"),

@@ -36,8 +36,9 @@ def engine_for(M: int, K: int, N: int, device: torch.device, config: KernelConfi
     return "triton" if float(M) * K * N >= threshold else "cublas"
 
 
-def base_gemm_engine(config: KernelConfig, default: str = "triton") -> str:
-    """Who runs the big GEMM on the Triton engine (``config.base_gemm``; ``auto`` is the op's ``default``).
+def base_gemm_engine(config: KernelConfig, default: str = "triton", supported=("triton", "cublas")) -> str:
+    """Who runs the big GEMM on the Triton engine (``config.base_gemm``; ``auto``, or an engine the op does not
+    have (not in ``supported``: the shared-input op has no ``quack`` route), is the op's ``default``).
 
     ``triton``: one Triton GEMM with the rank-r term as the last step of its K loop. ``cublas``: a Triton pass
     writes the rank-r term (P Bᵀ + b, or Q A) into the output, then cuBLAS adds the base GEMM onto it with
@@ -46,8 +47,10 @@ def base_gemm_engine(config: KernelConfig, default: str = "triton") -> str:
     ``[X | P] · [W | B]ᵀ`` (and ``[dY | Q] · [W; A]`` for dX), is not offered: X and P are separate buffers, so
     building ``[X | P]`` reads and writes X (M×K) every step, as much traffic as the M×N write and β = 1 read it
     saves when K = N, and more when K > N; no copy-free arrangement exists inside one layer's call.
+    ``quack`` (the LoRA linear only): QuACK's GEMM adds the rank-r term in its epilogue
+    (:mod:`lora_lab.kernels.lora.quack_gemm`): cuBLAS-class GEMMs with no extra pass over the output.
     """
-    return default if config.base_gemm == "auto" else config.base_gemm
+    return config.base_gemm if config.base_gemm in supported else default
 
 
 def side_stream(device: torch.device, config: KernelConfig, default: bool = False):

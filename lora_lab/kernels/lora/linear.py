@@ -30,6 +30,7 @@ import torch
 
 from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.lora import quack_gemm
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
@@ -93,6 +94,19 @@ def _cublas_forward(x2, weight, bias, a, b, scaling):
     return y, p
 
 
+def _quack_route(config: KernelConfig, x2: torch.Tensor, weight: torch.Tensor, rank: int, dropout_p: float) -> bool:
+    """Whether this call runs its big GEMMs on QuACK (``base_gemm="quack"``, :mod:`.quack_gemm`); where the route
+    cannot run, one warning names why and the call takes the Triton route."""
+    if config.base_gemm != "quack":
+        return False
+    reason = quack_gemm.unavailable_reason(x2.shape[0], x2.shape[1], weight.shape[0], rank, x2.dtype, x2.device,
+                                           dropout_p)
+    if reason is not None:
+        quack_gemm.warn_fallback(reason)
+        return False
+    return True
+
+
 def _torch_rank_ops(config: KernelConfig, dropout_p: float) -> bool:
     """Whether P, Q, dA and dB run as cuBLAS calls (``KernelConfig(rank_ops="torch")``, no dropout: the Triton
     kernels regenerate the dropout mask from its seed, a cuBLAS call cannot)."""
@@ -145,6 +159,12 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         if dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas":
             # small GEMMs: the same P and Y from cuBLAS calls (host-bound otherwise, see the module notes)
             y, p = _cublas_forward(x2, weight, bias, a, b, scaling)
+        elif _quack_route(config, x2, weight, a.shape[0], dropout_p):
+            # Pᵀ = s · A Xᵀ (r×M, cuBLAS), then Y = X Wᵀ + b + P Bᵀ in one QuACK GEMM (rank-r term in its epilogue)
+            p_t = _scaled_mm(a, x2.t(), scaling)
+            y = torch.empty((M, N), device=x.device, dtype=cdt)
+            quack_gemm.gemm_with_rank_epilogue(y, x2, weight.t(), p_t, b.t().contiguous(), bias)
+            p = p_t.t()
         elif _folds(config, dropout_p, a.shape[0]):
             # P = s · X Aᵀ inside the GEMM's K loop (the X tiles it loads anyway), written out for backward
             p = torch.empty((M, a.shape[0]), device=x.device, dtype=cdt)
@@ -200,6 +220,23 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 da = torch.mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
             if need_x:
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
+            if need_w:
+                dw = (dy2.t() @ x2).to(weight.dtype)
+            if need_b:
+                dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
+            return dx, dw, dbias, da, db, None, None, None, None
+
+        if (need_x or need_a) and _quack_route(config, x2, weight, a.shape[0], ctx.dropout_p):
+            # Qᵀ = s · Bᵀ dYᵀ (r×M, cuBLAS); dX = dY W + Q A in one QuACK GEMM; dA = Qᵀ X, dB = (Pᵀ dY)ᵀ by cuBLAS
+            q_t = _scaled_mm(b.t(), dy2.t(), ctx.scaling)
+            if need_x:
+                dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
+                quack_gemm.gemm_with_rank_epilogue(dx, dy2, weight, q_t, a.contiguous())
+                dx = dx.reshape(ctx.x_shape)
+            if need_a:
+                da = _wide_mm(q_t, x2).to(a_dtype)
+            if need_lb:
+                db = _wide_mm(p.t(), dy2).t().to(b_dtype)
             if need_w:
                 dw = (dy2.t() @ x2).to(weight.dtype)
             if need_b:

@@ -238,6 +238,8 @@ def _axolotl(op: str):
 
 
 def _unsloth(op: str):
+    if op == "moe_full":
+        return _unsloth_moe()
     if op != "model":
         return _fast_lora("unsloth.kernels.fast_lora", op)
     FastLanguageModel = importlib.import_module("unsloth").FastLanguageModel
@@ -251,6 +253,29 @@ def _unsloth(op: str):
             use_gradient_checkpointing="unsloth" if gradient_checkpointing else False)
 
     return load_model, "unsloth.FastLanguageModel.from_pretrained + get_peft_model"
+
+
+def _unsloth_moe():
+    """unsloth's Triton grouped GEMM (``unsloth.kernels.moe``), composed as its own Qwen3-MoE block composes it: the
+    tokens sorted by expert with its ``get_routing_indices``, the gate/up GEMM gathering rows in its prologue
+    (``permute_x``), SiLU(gate)·up in torch, the down GEMM scattering rows back in its epilogue (``permute_y``), and
+    the routing weights' top-k sum in torch. Its kernels autotune on their first call."""
+    path = "unsloth.kernels.moe.grouped_gemm"
+    grouped_gemm = importlib.import_module(f"{path}.interface").grouped_gemm
+    routing = importlib.import_module(f"{path}.reference.moe_ops").get_routing_indices
+
+    def moe(x, top_k_index, top_k_weights, gate_up_proj, down_proj):
+        tokens, k = top_k_index.shape
+        experts, two_i, _ = gate_up_proj.shape
+        counts, gather = routing(top_k_index, experts)
+        h = grouped_gemm(X=x, W=gate_up_proj, m_sizes=counts, topk=k, gather_indices=gather, permute_x=True,
+                         permute_y=False, autotune=True, is_first_gemm=True)
+        h = torch.nn.functional.silu(h[:, : two_i // 2]) * h[:, two_i // 2:]  # gate rows first, transformers' order
+        y = grouped_gemm(X=h, W=down_proj, m_sizes=counts, topk=k, gather_indices=gather, permute_x=False,
+                         permute_y=True, autotune=True, is_first_gemm=False)
+        return (y.view(tokens, k, -1) * top_k_weights.to(y.dtype)[..., None]).sum(dim=1)
+
+    return moe, f"{path}.interface.grouped_gemm (gate/up and down, autotuned; SiLU·up and the top-k sum in torch)"
 
 
 def _llamafactory(op: str):
@@ -362,7 +387,7 @@ PEER_OPS = {
     "lora_linear": ("peft", "axolotl", "unsloth"),
     "lora_qkv": ("peft", "axolotl", "unsloth"),
     "lora_mlp": ("peft", "axolotl", "unsloth"),
-    "moe_full": ("liger", "llamafactory", "veomni", "sonicmoe"),
+    "moe_full": ("liger", "llamafactory", "veomni", "sonicmoe", "unsloth"),
     "moe_lora": ("veomni",),
     "loss": ("liger", "quack"),
     "model": ("axolotl", "unsloth"),

@@ -105,7 +105,7 @@ EOF
 print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
     $PY benchmarks/bench_peers.py --out "$RES/ops" --peers $others "$@" 2>&1 | tail -40
     $PY benchmarks/bench_peers.py --out "$RES/ops_unsloth" --peers peft unsloth \
-      "$@" --ops lora_linear lora_qkv lora_mlp 2>&1 | tail -20
+      "$@" --ops lora_linear lora_qkv lora_mlp moe_full 2>&1 | tail -20
     for peer in sonicmoe quack; do  # each in its own process, with the CUTLASS DSL version it pins
       op=moe_full; [ $peer = quack ] && op=loss
       if [ -d "$SITE-$peer" ]; then

@@ -10,8 +10,8 @@ Keys (notebook 10 records them):
 * ``peers_lora_worst_time_vs_<peer>`` (axolotl, unsloth): ours' time over the peer's, the worst cell of notebook 05's
   grid across the LoRA linear, QKV and MLP (below 1: ours faster everywhere); per op
   ``peers_<op>_worst_time_vs_<peer>``;
-* ``peers_moe_full_worst_speedup_vs_<peer>`` (sonicmoe, llamafactory, veomni, liger): the peer's time over ours, the
-  worst fine-grained cell; ``peers_moe_lora_worst_speedup_vs_veomni`` with LoRA on the experts;
+* ``peers_moe_full_worst_speedup_vs_<peer>`` (sonicmoe, llamafactory, veomni, liger, unsloth): the peer's time over
+  ours, the worst fine-grained cell; ``peers_moe_lora_worst_speedup_vs_veomni`` with LoRA on the experts;
 * ``peers_loss_time_vs_quack_<head>`` (trainable, frozen) at the Llama-3-8B head and 16,384 tokens, and
   ``peers_loss_worst_time_vs_quack``;
 * ``peers_step_<model>_ckpt_<off|on>_speedup_vs_fastest_peer``: ours' tokens/s over the fastest peer's (the peer
@@ -29,7 +29,7 @@ from lora_lab.lab import measure
 
 LORA_OPS = ("lora_linear", "lora_qkv", "lora_mlp")
 LORA_PEERS = ("axolotl", "unsloth")
-MOE_PEERS = ("sonicmoe", "llamafactory", "veomni", "liger")
+MOE_PEERS = ("sonicmoe", "llamafactory", "veomni", "liger", "unsloth")
 OURS = "ours"
 # the recipe with another route of the LoRA linear (bench_peers_step): variants of ours, never peers
 OUR_VARIANTS = {"ours_cublas_base": "cublas_base", "ours_pure_cublas": "pure_cublas"}

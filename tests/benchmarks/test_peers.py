@@ -105,6 +105,43 @@ def test_llamafactory_moe_argument_order(peers, fake):
     assert isinstance(skip, peers.PeerSkip) and "no moe_lora op" in skip.error
 
 
+def test_unsloth_moe_composes_its_grouped_gemms_as_its_qwen3_block(peers, fake):
+    """A stand-in grouped GEMM with the semantics its docstring gives (X gathered by ``gather_indices // topk`` with
+    permute_x, rows scattered back to token-major order with permute_y, W as [E, N, K]): the adapter's layer then
+    equals the plain MoE (SiLU(gate)·up, routing weights, top-k sum)."""
+    calls = []
+
+    def get_routing_indices(selected, num_experts):
+        return torch.bincount(selected.reshape(-1), minlength=num_experts), torch.argsort(selected.reshape(-1),
+                                                                                         stable=True)
+
+    def grouped_gemm(X, W, m_sizes, topk, gather_indices=None, permute_x=False, permute_y=False, autotune=False,
+                     is_first_gemm=True, **kwargs):
+        calls.append((permute_x, permute_y, autotune, is_first_gemm, tuple(W.shape)))
+        rows = X[gather_indices // topk] if permute_x else X
+        experts = torch.repeat_interleave(torch.arange(W.shape[0]), m_sizes)
+        out = torch.einsum("mk,mnk->mn", rows, W[experts])
+        if permute_y:
+            out = torch.empty_like(out).index_copy_(0, gather_indices, out)
+        return out
+
+    fake("unsloth.kernels.moe.grouped_gemm.interface", grouped_gemm=grouped_gemm)
+    fake("unsloth.kernels.moe.grouped_gemm.reference.moe_ops", get_routing_indices=get_routing_indices)
+    x, index, weights, gate_up, down = _moe_inputs(T=5, H=8, I=6, E=4, k=2)
+    gate_up, down = gate_up.double(), down.double()
+    y = peers.load("unsloth", "moe_full", check_device=False).fn(x, index, weights, gate_up, down)
+    want = torch.zeros_like(x)
+    for t in range(5):
+        for j in range(2):
+            e = index[t, j]
+            h = gate_up[e] @ x[t]
+            want[t] += weights[t, j].double() * (down[e] @ (torch.nn.functional.silu(h[:6]) * h[6:]))
+    torch.testing.assert_close(y, want)
+    assert calls == [(True, False, True, True, (4, 12, 8)), (False, True, True, False, (4, 8, 6))]
+    skip = peers.load("unsloth", "moe_lora", check_device=False)
+    assert isinstance(skip, peers.PeerSkip) and skip.error == "unsloth has no moe_lora op"
+
+
 def test_veomni_full_and_lora_argument_order(peers, fake):
     got = {}
 
@@ -287,7 +324,8 @@ def test_unknown_names_are_refused_and_missing_ops_are_skips(peers):
         peers.load("axolotl", "lora_gemm")
     skip = peers.load("quack", "lora_linear")
     assert isinstance(skip, peers.PeerSkip) and skip.error == "quack has no lora_linear op"
-    assert set(peers.load_all("moe_full", check_device=False)) == {"liger", "llamafactory", "veomni", "sonicmoe"}
+    assert set(peers.load_all("moe_full", check_device=False)) == {"liger", "llamafactory", "veomni", "sonicmoe",
+                                                                   "unsloth"}
 
 
 def test_the_peer_extras_pin_what_the_loader_expects_and_ci_installs_none(peers):

@@ -12,6 +12,9 @@ Implementations (rows' ``impl``):
   ours        lora_lab's recipe (variant ``whole_step.RECIPE``: Liger + PEFT + ``patch_model``)
   ours_cublas_base  the recipe with the LoRA linear's big GEMMs by cuBLAS (``KernelConfig(base_gemm="cublas")``):
               the recipe's step with and without that route
+  ours_quack  the recipe with the LoRA linear's big GEMMs on QuACK, the rank-r term in their epilogue
+              (``KernelConfig(base_gemm="quack")``); a ``skipped`` row naming why where QuACK cannot run (its op
+              would take the Triton route, never timed under this name)
   ours_pure_cublas  the recipe with every product of the LoRA linear a cuBLAS call (``base_gemm="cublas"``,
               ``rank_ops="torch"``)
   axolotl     PEFT + Liger, then axolotl's LoRA-kernel monkeypatch
@@ -51,10 +54,11 @@ from lora_lab.lab import measure
 
 CSV = "peers_step.csv"
 MODELS = {"llama3_8b": ("llama", 32), "qwen3_30b_a3b": ("qwen3_moe", 48)}
-IMPLS = ("peft", "peft_liger", "ours", "ours_cublas_base", "ours_pure_cublas", "axolotl", "unsloth")
+IMPLS = ("peft", "peft_liger", "ours", "ours_cublas_base", "ours_pure_cublas", "ours_quack", "axolotl", "unsloth")
 WHOLE_STEP_VARIANT = {"peft": "peft", "peft_liger": "peft_liger", "ours": RECIPE,
                       "ours_cublas_base": "peft_liger_patch_cublas_base",
-                      "ours_pure_cublas": "peft_liger_patch_pure_cublas", "axolotl": "peft_liger"}
+                      "ours_pure_cublas": "peft_liger_patch_pure_cublas", "ours_quack": "peft_liger_patch_quack",
+                      "axolotl": "peft_liger"}
 
 
 class PeerModel(whole.Variant):
@@ -109,6 +113,16 @@ def write_checkpoint(cfg, path: Path, dtype, device=None) -> Path:
     return path
 
 
+def quack_problem(impl: str, device, dtype) -> str | None:
+    """Why ``impl`` (a recipe on QuACK's route) cannot run here, else None (and None for every other impl). The
+    models' projections are multiples of 8 wide and r = 16: only QuACK itself, the GPU and the dtype can stop it."""
+    if whole.VARIANT_CONFIGS.get(WHOLE_STEP_VARIANT.get(impl), {}).get("base_gemm") != "quack":
+        return None
+    from lora_lab.kernels.lora import quack_gemm
+
+    return quack_gemm.unavailable_reason(8, 8, 8, 16, dtype, torch.device(device or "cpu"))
+
+
 def run_model(model_name, args, device, dtype, done=()) -> list[dict]:
     """Rows of one model at one checkpointing setting: build each implementation, then the rotated loops; with
     ``args.sequential`` each implementation is built, timed and freed before the next (full-depth models: five
@@ -131,6 +145,11 @@ def run_model(model_name, args, device, dtype, done=()) -> list[dict]:
 
     for impl in args.impls:
         peer = None
+        reason = quack_problem(impl, device, dtype)
+        if reason:
+            rows.append(dict(base, impl=impl, rep=0, tokens_per_s=None, status="skipped", error=reason))
+            print(f"   {model_name}: {impl} skipped: {reason}", flush=True)
+            continue
         if impl in ("axolotl", "unsloth"):
             peer = peer_loader.load(impl, "model", device)
             if isinstance(peer, peer_loader.PeerSkip):

@@ -18,6 +18,7 @@ Variants (each built fresh from the same seeds: same weights, same adapters, sam
   peft_liger_patch_lora_lab_loss  Liger + PEFT + ``patch_model(fused_loss="lora_lab")`` (lora_lab's loss)
   peft_liger_patch_cublas_base    the recipe with ``KernelConfig(base_gemm="cublas")`` (on request: not a default)
   peft_liger_patch_pure_cublas    the recipe with ``KernelConfig(base_gemm="cublas", rank_ops="torch")`` (on request)
+  peft_liger_patch_quack          the recipe with ``KernelConfig(base_gemm="quack")`` (on request; QuACK installed)
 Liger is applied as its users call it (``apply_liger_kernel_to_<model>(model=...)``, through
 ``lora_lab.kernels.liger.apply_liger``), with its module-level changes (RoPE) active only around its variants' steps,
 so variants built later in the process stay plain. The last two variants differ only in the loss: their ratio is the
@@ -70,12 +71,15 @@ VARIANTS = {
     "peft_liger_patch_lora_lab_loss": (True, "lora_lab"),
     "peft_liger_patch_cublas_base": (True, "liger"),
     "peft_liger_patch_pure_cublas": (True, "liger"),
+    "peft_liger_patch_quack": (True, "liger"),
 }
 # a variant's KernelConfig for patch_model beyond the defaults: the recipe with the LoRA linear's big GEMMs by cuBLAS
 # (KernelConfig(base_gemm="cublas"): Triton writes the rank-r terms, cuBLAS adds X Wᵀ onto them with beta = 1), and
-# with every product of the LoRA linear a cuBLAS call (rank_ops="torch" too: no Triton kernel in the linear)
+# with every product of the LoRA linear a cuBLAS call (rank_ops="torch" too: no Triton kernel in the linear), and with
+# its big GEMMs on QuACK, the rank-r term in their epilogue (base_gemm="quack": kernels/lora/quack_gemm)
 VARIANT_CONFIGS = {"peft_liger_patch_cublas_base": {"base_gemm": "cublas"},
-                   "peft_liger_patch_pure_cublas": {"base_gemm": "cublas", "rank_ops": "torch"}}
+                   "peft_liger_patch_pure_cublas": {"base_gemm": "cublas", "rank_ops": "torch"},
+                   "peft_liger_patch_quack": {"base_gemm": "quack"}}
 # the variants timed unless --variants names others (notebook 10's): those of other kernel configs on request only
 DEFAULT_VARIANTS = [v for v in VARIANTS if v not in VARIANT_CONFIGS]
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -86,7 +90,7 @@ FIRST_LOSSES = 3  # losses of the first steps recorded per variant (the memory p
 BYTE_MODEL_LOSS = {"peft": "standard", "peft_liger": "chunked", "peft_patch": "standard",
                    "peft_patch_fused_loss": "fused", "peft_liger_patch": "chunked",
                    "peft_liger_patch_lora_lab_loss": "fused", "peft_liger_patch_cublas_base": "chunked",
-                   "peft_liger_patch_pure_cublas": "chunked"}
+                   "peft_liger_patch_pure_cublas": "chunked", "peft_liger_patch_quack": "chunked"}
 SMOKE_LIGER = {"rms_norm": False, "swiglu": False}  # Liger's RMSNorm / SiLU·mul kernels do not run in the interpreter
 
 

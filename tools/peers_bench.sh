@@ -115,9 +115,10 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
         echo "$peer: $SITE-$peer not installed (peers_bench.sh install), its own process skipped"
       fi
     done ;;
-  step)
+  step)  # with QuACK's site on the path where it is installed: the recipe on its route (ours_quack)
+    quack=; [ -d "$SITE-quack" ] && quack=:$SITE-quack
     for ckpt in off on; do
-      $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential --checkpointing $ckpt \
+      PYTHONPATH=$PYTHONPATH$quack $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential --checkpointing $ckpt \
         --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
     done ;;
   *) echo "unknown part $PART (install, sites, load, ops or step)"; exit 2 ;;

@@ -16,9 +16,9 @@ Keys (notebook 10 records them):
   ``peers_loss_worst_time_vs_quack``;
 * ``peers_step_<model>_ckpt_<off|on>_speedup_vs_fastest_peer``: ours' tokens/s over the fastest peer's (the peer
   with the highest median tokens/s that ran), ``..._peak_vs_fastest_peer`` (ours' peak over that peer's) and
-  ``..._fastest_peer`` (its name); ``..._cublas_base_speedup_vs_ours`` and ``..._pure_cublas_speedup_vs_ours``: the
-  recipe with the LoRA linear's big GEMMs (every GEMM) by cuBLAS over the recipe as shipped (tokens/s), variants of
-  ours, never peers.
+  ``..._fastest_peer`` (its name); ``..._cublas_base_speedup_vs_ours``, ``..._pure_cublas_speedup_vs_ours`` and
+  ``..._quack_speedup_vs_ours``: the recipe with the LoRA linear's big GEMMs (every GEMM) by cuBLAS, or its big GEMMs
+  on QuACK, over the recipe as shipped (tokens/s), variants of ours, never peers.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ LORA_PEERS = ("axolotl", "unsloth")
 MOE_PEERS = ("sonicmoe", "llamafactory", "veomni", "liger", "unsloth")
 OURS = "ours"
 # the recipe with another route of the LoRA linear (bench_peers_step): variants of ours, never peers
-OUR_VARIANTS = {"ours_cublas_base": "cublas_base", "ours_pure_cublas": "pure_cublas"}
+OUR_VARIANTS = {"ours_cublas_base": "cublas_base", "ours_pure_cublas": "pure_cublas", "ours_quack": "quack"}
 
 
 def _ok(rows, **match) -> list[dict]:
@@ -173,7 +173,8 @@ RESULT_FOLDERS = {"ops": OPS_CSV, "ops_unsloth": OPS_CSV, "ops_sonicmoe": OPS_CS
                   "step_ckpt_off": STEP_CSV, "step_ckpt_on": STEP_CSV}
 PEER_NAMES = ("axolotl", "unsloth", "sonicmoe", "llamafactory", "veomni", "liger", "quack")
 STEP_LABELS = {"ours": "lora_lab's recipe", "ours_cublas_base": "the recipe, big GEMMs by cuBLAS",
-               "ours_pure_cublas": "the recipe, every GEMM by cuBLAS", "peft": "PEFT", "peft_liger": "PEFT + Liger",
+               "ours_pure_cublas": "the recipe, every GEMM by cuBLAS",
+               "ours_quack": "the recipe, big GEMMs on QuACK", "peft": "PEFT", "peft_liger": "PEFT + Liger",
                "axolotl": "axolotl (its kernels + Liger)", "unsloth": "unsloth"}
 MODEL_LABELS = {"llama3_8b": "Llama-3-8B shape, 32 layers", "qwen3_30b_a3b": "Qwen3-30B-A3B shape, 48 layers"}
 

@@ -148,12 +148,22 @@ def gemm_config(rank: int):
     return GemmConfig(tile_m=128, tile_n=256 if rank <= 16 else 128, pingpong=False, cluster_m=2, cluster_n=1)
 
 
+def _packed(t: torch.Tensor, transposed_ok: bool = False) -> torch.Tensor:
+    """``t`` where TMA can read it as it is (row-major, or with ``transposed_ok`` column-major; 16-byte aligned
+    base), else a packed row-major copy: an expanded gradient (``y.sum()``'s, stride 0), a strided or offset view."""
+    laid_out = t.is_contiguous() or (transposed_ok and t.t().is_contiguous())
+    if laid_out and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def gemm_with_rank_epilogue(out: torch.Tensor, inp: torch.Tensor, mat: torch.Tensor, low_t: torch.Tensor,
                             rt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``out = inp @ mat + low_tᵀ @ rt (+ bias)`` in one QuACK GEMM.
 
     ``inp``: M×D; ``mat``: D×N (any layout QuACK reads, e.g. ``W.t()``); ``low_t``: r×M and ``rt``: r×N, both
-    row-major (each row one vector operand); ``bias``: N or None; ``out``: M×N, written."""
+    row-major (each row one vector operand); ``bias``: N or None; ``out``: M×N, written. An operand TMA cannot
+    read as laid out (an expanded gradient, a strided view) is packed first (:func:`_packed`)."""
     rank = low_t.shape[0]
     M, N = out.shape
     if low_t.shape != (rank, M) or rt.shape != (rank, N):
@@ -165,6 +175,6 @@ def gemm_with_rank_epilogue(out: torch.Tensor, inp: torch.Tensor, mat: torch.Ten
     operands = {**{p: low_t[j:j + 1] for j, p in enumerate(lows)}, **{b: rt[j:j + 1] for j, b in enumerate(rts)}}
     if bias is not None:
         operands["bias"] = bias.reshape(1, N)
-    rank_epilogue(rank, bias is not None)(inp, mat, out={"D": out}, tuned=False, config=gemm_config(rank),
-                                          **operands)
+    rank_epilogue(rank, bias is not None)(_packed(inp), _packed(mat, transposed_ok=True), out={"D": out},
+                                          tuned=False, config=gemm_config(rank), **operands)
     return out

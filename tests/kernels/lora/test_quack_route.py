@@ -45,6 +45,8 @@ class _EpilogueGemm:
 
     def __call__(self, A, B, C=None, *, out=None, tuned=True, config=None, **operands):
         assert C is None and set(operands) == set(self.ops), sorted(operands)
+        # what TMA reads: a row-major A, B row- or column-major (W or Wᵀ), no expanded or strided operand
+        assert A.is_contiguous() and (B.is_contiguous() or B.t().is_contiguous()), (A.stride(), B.stride())
         assert not tuned and config == ("tiles for rank", len(self.ops) // 2), config
         acc = A.double() @ B.double()
         values = {}
@@ -101,6 +103,21 @@ def test_route_takes_3d_input_and_fp32_adapters(fake_quack):
     x, w, b, A, B = make_case(48, 32, 40, 8, torch.float32)
     run_and_compare(x.reshape(2, 24, 32), w, b, A, B, 2.0, tol=TOL[torch.float32], config=QUACK)
     assert len(fake_quack) == 2
+
+
+def test_route_packs_an_expanded_gradient_and_a_strided_input(fake_quack):
+    """``y.sum()``'s gradient is expanded (stride 0) and a sliced input is strided: both are packed for QuACK."""
+    x, w, b, A, B = make_case(48, 64, 40, 8, torch.float32)
+    for inp in (x, torch.cat([x, x], dim=1)[:, ::2]):  # the second: stride 2 along K
+        inp = inp.detach().requires_grad_()
+        A.grad = B.grad = None
+        y = linear.fused_lora_linear(inp, w, b, A, B, 2.0, config=QUACK)
+        y.sum().backward()
+        xr, Ar, Br = (t.detach().double().requires_grad_() for t in (inp, A, B))
+        linear.lora_linear_reference(xr, w, b, Ar, Br, 2.0, dtype=torch.float64).sum().backward()
+        for got, want in ((inp.grad, xr.grad), (A.grad, Ar.grad), (B.grad, Br.grad)):
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert len(fake_quack) == 4
 
 
 def test_epilogue_source_is_the_rank_r_sum():

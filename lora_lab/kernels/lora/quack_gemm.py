@@ -138,14 +138,14 @@ def rank_epilogue(rank: int, has_bias: bool):
 
 
 def gemm_config(rank: int):
-    """QuACK's tile and schedule for a rank-``rank`` epilogue on Hopper: cooperative (both consumer warp groups on
-    one tile), 128×256 up to rank 16 and 128×128 above. Chosen so the kernel does not spill: ``ptxas -v`` on the
-    sm_90a PTX of this epilogue reports spill stores for QuACK's own default (ping-pong 128×192: about 4.8 KB at
-    rank 16, 2.6 KB at rank 8) and for ping-pong 128×128 at rank 16, none for these two. Whether the ping-pong
-    schedule's overlap would pay for its spills is a GPU measurement not made yet."""
+    """QuACK's tile and schedule for a rank-``rank`` epilogue on Hopper: 128×256, cooperative (both consumer warp
+    groups on one tile). ``ptxas -v`` on the sm_90a code (``tools/quack_epilogue_spills.py``) reports spills for
+    QuACK's own default, ping-pong 128×192, at ranks 8 to 32, and none for this tile at those ranks. Whether the
+    ping-pong schedule's overlap of one tile's epilogue with the next tile's main loop would pay for its spills is a
+    GPU measurement not made yet."""
     from quack.gemm_config import GemmConfig
 
-    return GemmConfig(tile_m=128, tile_n=256 if rank <= 16 else 128, pingpong=False, cluster_m=2, cluster_n=1)
+    return GemmConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1)
 
 
 def _packed(t: torch.Tensor, transposed_ok: bool = False) -> torch.Tensor:

@@ -13,8 +13,9 @@ Implementations (rows' ``impl``):
   ours_cublas_base  the recipe with the LoRA linear's big GEMMs by cuBLAS (``KernelConfig(base_gemm="cublas")``):
               the recipe's step with and without that route
   ours_quack  the recipe with the LoRA linear's big GEMMs on QuACK, the rank-r term in their epilogue
-              (``KernelConfig(base_gemm="quack")``); a ``skipped`` row naming why where QuACK cannot run (its op
-              would take the Triton route, never timed under this name)
+              (``KernelConfig(base_gemm="quack")``): the single LoRA linears (o_proj, down_proj); the shared-input
+              groups (q/k/v, gate/up) keep their default, having no QuACK route. A ``skipped`` row naming why where
+              QuACK cannot run (its op would take the Triton route, never timed under this name)
   ours_pure_cublas  the recipe with every product of the LoRA linear a cuBLAS call (``base_gemm="cublas"``,
               ``rank_ops="torch"``)
   axolotl     PEFT + Liger, then axolotl's LoRA-kernel monkeypatch

@@ -174,7 +174,7 @@ RESULT_FOLDERS = {"ops": OPS_CSV, "ops_unsloth": OPS_CSV, "ops_sonicmoe": OPS_CS
 PEER_NAMES = ("axolotl", "unsloth", "sonicmoe", "llamafactory", "veomni", "liger", "quack")
 STEP_LABELS = {"ours": "lora_lab's recipe", "ours_cublas_base": "the recipe, big GEMMs by cuBLAS",
                "ours_pure_cublas": "the recipe, every GEMM by cuBLAS",
-               "ours_quack": "the recipe, big GEMMs on QuACK", "peft": "PEFT", "peft_liger": "PEFT + Liger",
+               "ours_quack": "the recipe, single LoRA linears on QuACK", "peft": "PEFT", "peft_liger": "PEFT + Liger",
                "axolotl": "axolotl (its kernels + Liger)", "unsloth": "unsloth"}
 MODEL_LABELS = {"llama3_8b": "Llama-3-8B shape, 32 layers", "qwen3_30b_a3b": "Qwen3-30B-A3B shape, 48 layers"}
 

@@ -22,8 +22,9 @@ field              variable                meaning
                                            QuACK's Hopper GEMM with the rank-r term in its
                                            epilogue, :mod:`lora_lab.kernels.lora.quack_gemm`;
                                            where it cannot run, the Triton route with a warning
-                                           naming why; the shared-input op takes its
-                                           default), ``auto``: each op's default
+                                           naming why; the shared-input op (q/k/v,
+                                           gate/up groups) takes its default), ``auto``:
+                                           each op's default
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
                                            ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,

@@ -118,8 +118,8 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
   step)  # with QuACK's site on the path where it is installed: the recipe on its route (ours_quack)
     quack=; [ -d "$SITE-quack" ] && quack=:$SITE-quack
     for ckpt in off on; do
-      PYTHONPATH=$PYTHONPATH$quack $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential --checkpointing $ckpt \
-        --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
+      PYTHONPATH=$PYTHONPATH$quack $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential \
+        --checkpointing $ckpt --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
     done ;;
   *) echo "unknown part $PART (install, sites, load, ops or step)"; exit 2 ;;
 esac

@@ -9,9 +9,11 @@ product is r such pairs::
     dX[m, k] = Σ_n dY[m, n] W[n, k]        + Σ_j Q[m, j] A[j, k]        Q = s · dY B   (M×r)
 
 so the epilogue generated here for rank r reads ``acc + p0·b0 + … + p(r-1)·b(r-1) (+ bias)``: r fused
-multiply-adds per output element on the CUDA cores, while the tensor cores run the next tile's main loop (QuACK's
-Hopper GEMM is warp-specialised). Y and dX are written once, by the GEMM; no pass reads them back (the β = 1 route
-reads its rank-r term back, the Triton route runs the GEMM in Triton).
+multiply-adds per output element on the CUDA cores. In the cooperative schedule this route uses (:func:`gemm_config`)
+the MMA warp groups run them between tiles while QuACK's producer warp already loads the next tile's operands; they
+are not hidden behind the next tile's MMAs as a ping-pong schedule would hide them. Y and dX are written once, by
+the GEMM; no pass reads them back (the β = 1 route reads its rank-r term back, the Triton route runs the GEMM in
+Triton).
 
 P and Q are cuBLAS calls that write them transposed (r×M: each rank a contiguous row, the epilogue's vector for
 that rank); dA = Qᵀ X and dB = Pᵀ dY (transposed back) are cuBLAS calls too. The passes left over X and dY are

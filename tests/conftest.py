@@ -44,3 +44,21 @@ def random_ids():
         return torch.randint(0, model.config.vocab_size, (batch, seq), generator=gen)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def load_tool():
+    """``load_tool("name")``: ``tools/name.py`` imported as a module (``tools/`` is a folder of scripts, not a
+    package)."""
+    import importlib.util
+    from pathlib import Path
+
+    tools = Path(__file__).resolve().parents[1] / "tools"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(name, tools / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load

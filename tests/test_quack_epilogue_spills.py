@@ -3,20 +3,13 @@ not install; the tool's docstring says how to run it)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "quack_epilogue_spills.py"
-
 
 @pytest.fixture
-def tool():
-    spec = importlib.util.spec_from_file_location("quack_epilogue_spills", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tool(load_tool):
+    return load_tool("quack_epilogue_spills")
 
 
 def test_tiles_parse_and_a_bad_one_is_named(tool):

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import torch
 
+from lora_lab.memory.budget import GIB
+
 __all__ = ["PEAK_DIR_ENV", "process_peak", "install", "collect", "summary"]
 
 PEAK_DIR_ENV = "LORA_LAB_PEAK_DIR"
-GIB = 1024 ** 3
 
 
 def process_peak() -> dict | None:

@@ -3,23 +3,14 @@ from synthetic bench_loss.py CSVs (benchmarks/loss_panel_table.py's "ours ms" co
 ``--method`` says; this table carries the variant's own)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from lora_lab.lab import measure
 
-ROOT = Path(__file__).resolve().parents[2]
-TOOL = ROOT / "tools" / "loss_variant_table.py"
-
 
 @pytest.fixture
-def tool():
-    spec = importlib.util.spec_from_file_location("loss_variant_table", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tool(load_tool):
+    return load_tool("loss_variant_table")
 
 
 def _rows(head, times: dict[str, list[float]], peaks: dict[str, float]):

@@ -209,7 +209,10 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         need_x, need_w, need_b, need_a, need_lb = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
                                                    ctx.needs_input_grad[2], ctx.needs_input_grad[3],
                                                    ctx.needs_input_grad[4])
-        dx = dw = dbias = da = db = None
+        dx = da = db = None
+        # the frozen base's own gradients, only when it is trained too (not LoRA's usual setting); every path alike
+        dw = (dy2.t() @ x2).to(weight.dtype) if need_w else None  # dW = dYᵀ X
+        dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype) if need_b else None
 
         if ctx.dropout_p == 0.0 and engine_for(x2.shape[0], K, N, dy2.device, config, backward=True) == "cublas":
             # small GEMMs: the same formulas as cuBLAS calls (the Triton launches would leave the GPU idle)
@@ -220,10 +223,6 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 da = torch.mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
             if need_x:
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
-            if need_w:
-                dw = (dy2.t() @ x2).to(weight.dtype)
-            if need_b:
-                dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
             return dx, dw, dbias, da, db, None, None, None, None
 
         if (need_x or need_a) and _quack_route(config, x2, weight, a.shape[0], ctx.dropout_p):
@@ -237,10 +236,6 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 da = _wide_mm(q_t, x2).to(a_dtype)
             if need_lb:
                 db = _wide_mm(p.t(), dy2).t().to(b_dtype)
-            if need_w:
-                dw = (dy2.t() @ x2).to(weight.dtype)
-            if need_b:
-                dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
             return dx, dw, dbias, da, db, None, None, None, None
 
         # Q = s · dY B               (M×r)
@@ -306,10 +301,6 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             da, db = low_rank_grads()
         else:
             da, db = low_rank_grads()
-        if need_w:  # only when the base weight is trained too (not LoRA's usual setting): dW = dYᵀ X
-            dw = (dy2.t() @ x2).to(weight.dtype)
-        if need_b:
-            dbias = dy2.sum(0, dtype=torch.float32).to(bias.dtype)
         return dx, dw, dbias, da, db, None, None, None, None
 
 

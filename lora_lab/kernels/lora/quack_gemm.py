@@ -33,12 +33,12 @@ import torch
 
 from lora_lab import gpu_arch
 
-__all__ = ["MAX_RANK", "DTYPES", "QUACK_VERSION", "unavailable_reason", "rank_epilogue", "epilogue_source",
+__all__ = ["MAX_RANK", "DTYPES", "QUACK_PINS", "unavailable_reason", "rank_epilogue", "epilogue_source",
            "gemm_config", "gemm_with_rank_epilogue"]
 
 MAX_RANK = 32
 DTYPES = (torch.bfloat16, torch.float16)
-QUACK_VERSION = "quack-kernels==0.6.5 with nvidia-cutlass-dsl==4.7.1"
+QUACK_PINS = ("quack-kernels==0.6.5", "nvidia-cutlass-dsl==4.7.1")  # the versions this route was written against
 _EPILOGUES: dict = {}
 _WARNED: set = set()
 
@@ -56,7 +56,7 @@ def _import_problem() -> str | None:
         _frontend()
     except Exception as err:  # ImportError, or a CUTLASS-DSL build that fails while importing
         return (f"QuACK cannot be imported ({type(err).__name__}: {str(err)[:160]}); "
-                f"pip install {QUACK_VERSION.replace(' with ', ' ')}")
+                f"pip install {' '.join(QUACK_PINS)}")
     return None
 
 

@@ -2,8 +2,6 @@
 run on a CPU (fp16: the interpreter rounds to nearest there), per accumulation mode, over several chunks; the reason
 the model exists (Triton's interpreter truncates fp32 to bf16 on store) holds; and bf16 on a CPU through the op is
 refused with that reason."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,16 +11,12 @@ import triton.language as tl
 from lora_lab.experiments.loss_block import loss_inputs
 from lora_lab.numerics import rel_l2
 
-TOOL = Path(__file__).resolve().parents[3] / "tools" / "loss_dw_accumulation.py"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("loss_dw_accumulation", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tool(load_tool):
+    return load_tool("loss_dw_accumulation")
 
 
 @pytest.mark.parametrize("mode", ["upcast", "partial", "input_dtype"])

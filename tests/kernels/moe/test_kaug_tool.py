@@ -1,23 +1,16 @@
 """tools/moe_lora_kaug_bench.py: the K-widened LoRA form (every LoRA term inside a grouped GEMM whose K grows by r)
 computes what the grouped-GEMM engine computes, output and every gradient, fp32 on CPU, odd shapes, an empty
 expert; and its timing model, which leaves SiLU·up's rows out of the wide buffers, does not (the check can fail)."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[3] / "tools" / "moe_lora_kaug_bench.py"
-
 
 @pytest.fixture(scope="module")
-def tool():
+def tool(load_tool):
     if not hasattr(torch, "_grouped_mm"):
         pytest.skip(f"torch {torch.__version__} has no _grouped_mm")
-    spec = importlib.util.spec_from_file_location("moe_lora_kaug_bench", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("moe_lora_kaug_bench")
 
 
 def test_the_widened_form_matches_the_engine(tool):

@@ -116,7 +116,8 @@ def run_memory_config(model: nn.Module, config: MemoryConfig, steps: int = 3, se
     device = next(model.parameters()).device
     skip = over_memory_cap(model, config, device, **lora)
     if skip is not None:  # under a capped profile: named as skipped, never run into an OOM
-        row["oom"], row["error"] = True, skip
+        # not run: the byte model's estimate is no measurement, so the row says skipped (and the sweep leaves it out)
+        row["oom"], row["error"], row["skipped"] = True, skip, True
         return row
     prepare_model(model, config, **lora)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -167,6 +168,10 @@ def memory_sweep(configs: Sequence[MemoryConfig], build_model: Callable[[str], n
 
     Each row is :func:`run_memory_config`'s dict; ``on_row`` is called after each (e.g. to record
     it at once, so partial results survive). A tqdm progress bar shows the configuration running.
+    Under a memory cap, a configuration the byte model says cannot fit is not run: it is a skipped cell
+    (:func:`lora_lab.memory.budget.skipped_cells`, with its reason), left out of the rows and never passed to
+    ``on_row``, so that no metric records an estimate as if it were measured; one that runs out of memory under
+    the cap anyway is a row (``oom`` true, a measurement) and a skipped cell.
     """
     from tqdm.auto import tqdm
 
@@ -181,6 +186,8 @@ def memory_sweep(configs: Sequence[MemoryConfig], build_model: Callable[[str], n
             torch.cuda.empty_cache()
             model, model_dtype = build_model(config.dtype), config.dtype
         row = run_memory_config(model, config, steps=steps, **kwargs)
+        if row.get("skipped"):
+            continue
         rows.append(row)
         if on_row is not None:
             on_row(row)
@@ -264,7 +271,8 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence], floatfmt: str 
 
 def plot_memory_bars(entries: Sequence[tuple[str, dict[str, float] | None]], title: str, ax=None,
                      capacity_gib: float | None = None):
-    """Stacked bars fixed / layers / head+loss (GiB) per labelled entry; ``None`` bars read 'OOM'."""
+    """Stacked bars fixed / layers / head+loss (GiB) per labelled entry; ``None`` bars read 'OOM' ('OOM / skipped'
+    under a memory cap, where an entry without bars may also be a configuration skipped before it ran)."""
     import matplotlib.pyplot as plt
 
     if ax is None:
@@ -278,9 +286,10 @@ def plot_memory_bars(entries: Sequence[tuple[str, dict[str, float] | None]], tit
                    if b else 0 for _, b in entries]
         heights = [b[part] if b else 0 for _, b in entries]
         ax.bar(xs, heights, bottom=bottoms, color=colors[part], label=names[part])
+    missing = "OOM" if budget.memory_cap_gib() is None else "OOM / skipped"
     for x, (_, b) in zip(xs, entries):
         if b is None:
-            ax.text(x, 0, "OOM", rotation=90, ha="center", va="bottom", fontsize=8, color="black")
+            ax.text(x, 0, missing, rotation=90, ha="center", va="bottom", fontsize=8, color="black")
     if capacity_gib:
         ax.axhline(capacity_gib, color="grey", ls=":", lw=1)
     ax.set_xticks(list(xs))
@@ -304,7 +313,10 @@ def byte_model_kernel(kernels: Sequence[str]) -> str:
 
 def row_metrics(row: dict, prefix: str = "gpu_") -> dict:
     """Flat metrics of one sweep row: ``<prefix><name>_oom`` and, when it ran, peak / fixed / layers /
-    head_loss / fixed_after_backward (GiB) and the peak phase."""
+    head_loss / fixed_after_backward (GiB) and the peak phase. A row skipped before it ran (under a memory cap)
+    has none: what it would have used is an estimate, not a measurement."""
+    if row.get("skipped"):
+        return {}
     key = prefix + row["name"]
     out = {f"{key}_oom": int(bool(row["oom"]))}
     if not row["oom"]:

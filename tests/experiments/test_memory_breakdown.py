@@ -58,6 +58,32 @@ def test_sweep_records_out_of_memory_and_continues(monkeypatch, tiny_fp32):
     assert rows[0]["peak"] == 1 and rows[0]["name"] == "fp32_b1_l16_full"
 
 
+def test_sweep_leaves_out_what_the_cap_skipped_before_it_ran(monkeypatch, tiny_fp32):
+    """Under a memory cap the byte model may say a configuration cannot fit: it is not run, and no metric records
+    that estimate (a prediction on it grades void with the skipped cell's reason); the others run as before."""
+    ran = []
+
+    def fake_peak_memory(model, batch, steps, loss_fn, account_step):
+        ran.append(batch["input_ids"].shape[1])
+        return mem.PeakMemory(step_peaks=[3, 2, 1], forward_peak=1, backward_peak=1, optimizer_peak=0,
+                              before_forward=0, after_body=1, after_forward=1,
+                              fixed_after_backward=mem.fixed_memory_by_category(model))
+
+    def fake_over_cap(model, config, device, **lora):
+        return "skipped: needs more than the memory cap allows" if config.seq_len == 64 else None
+
+    monkeypatch.setattr(mb, "peak_memory", fake_peak_memory)
+    monkeypatch.setattr(mb, "over_memory_cap", fake_over_cap)
+    configs = mb.sweep_configs(["fp32"], 1, [16, 64], ["full", "lora"])
+    seen = []
+    rows = mb.memory_sweep(configs, lambda dtype: copy.deepcopy(tiny_fp32), progress=False,
+                            on_row=seen.append, lora_r=4, lora_alpha=8)
+    assert [r["name"] for r in rows] == ["fp32_b1_l16_full", "fp32_b1_l16_lora"] and seen == rows
+    assert ran == [16, 16] and not any(r["oom"] for r in rows)
+    skipped = mb.run_memory_config(copy.deepcopy(tiny_fp32), configs[2], lora_r=4, lora_alpha=8)
+    assert skipped["skipped"] and "memory cap" in skipped["error"] and mb.row_metrics(skipped) == {}
+
+
 def test_row_metrics_and_kernel_names():
     row = {"name": "bf16_b4_l512_lora", "oom": False, "peak": 3 * mem.GIB, "before_forward": mem.GIB,
            "layers": mem.GIB // 2, "head_loss": mem.GIB + mem.GIB // 2, "weights": mem.GIB, "gradients": 0,

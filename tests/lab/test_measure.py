@@ -248,3 +248,49 @@ def test_run_script_sessions_runs_each_session_in_its_own_process_and_pools(tmp_
     assert (tmp_path / "out2" / "bench_fake_processes" / "process0" / "bench.csv").is_file()  # kept
     with pytest.raises(FileNotFoundError, match="no such benchmark script"):
         measure.run_script_sessions(tmp_path / "missing.py", [], tmp_path, ["x.csv"])
+
+
+def _pids_by_session(path):
+    rows = measure.read_csv(path)
+    return {s: {r["pid"] for r in rows if r["session"] == s} for s in {r["session"] for r in rows}}
+
+
+def test_run_script_sessions_keeps_finished_sessions_and_resumes(tmp_path, capsys, monkeypatch):
+    """A run stopped part-way (a failing or killed session) resumes: a session that finished with the same script,
+    arguments, code and GPU is kept, not run again; anything different runs it again."""
+    script = tmp_path / "bench_fake.py"
+    script.write_text(
+        "import os, sys\n"
+        "from pathlib import Path\n"
+        "from lora_lab.lab import measure\n"
+        "out = Path(sys.argv[sys.argv.index('--out') + 1])\n"
+        "flag = Path(sys.argv[sys.argv.index('--fail-flag') + 1]) if '--fail-flag' in sys.argv else None\n"
+        "measure.write_csv([{'variant': v, 'rep': r, 'pid': os.getpid()} for r in range(2) for v in 'ab'],"
+        " out / 'bench.csv')\n"
+        "sys.exit(3 if flag is not None and flag.exists() and out.name == 'process1' else 0)\n")
+    out, flag = tmp_path / "out", tmp_path / "fail"
+    flag.touch()
+    args = ["--fail-flag", str(flag)]
+    with pytest.raises(RuntimeError, match="failed in process 2 of 2"):
+        measure.run_script_sessions(script, args, out, ["bench.csv"], sessions=2)
+    folders = out / "bench_fake_processes"
+    assert (folders / "process0" / measure.SESSION_COMPLETE).is_file()
+    assert not (folders / "process1" / measure.SESSION_COMPLETE).exists()
+    first = measure.read_csv(folders / "process0" / "bench.csv")[0]["pid"]
+    flag.unlink()
+    capsys.readouterr()
+    measure.run_script_sessions(script, args, out, ["bench.csv"], sessions=2)  # the next call: resumes
+    printed = capsys.readouterr().out
+    assert "process 1 of 2: kept" in printed and "process 2 of 2 (" in printed
+    pids = _pids_by_session(out / "bench.csv")
+    assert pids[0] == {first} and len(pids[1]) == 1 and pids[1] != {first}
+    measure.run_script_sessions(script, args, out, ["bench.csv"], sessions=2)  # all finished: nothing runs
+    assert _pids_by_session(out / "bench.csv") == pids
+    measure.run_script_sessions(script, [*args, "--more"], out, ["bench.csv"], sessions=2)  # other arguments
+    changed = _pids_by_session(out / "bench.csv")
+    assert changed[0] != pids[0] and changed[1] != pids[1]
+    monkeypatch.setattr(measure, "_gpu_label", lambda: "another GPU [memory cap 22 GiB]")
+    measure.run_script_sessions(script, [*args, "--more"], out, ["bench.csv"], sessions=2)  # another GPU
+    assert _pids_by_session(out / "bench.csv")[0] != changed[0]
+    (folders / "process0" / measure.SESSION_COMPLETE).write_text("not json")  # unreadable: runs again
+    assert not measure.session_done(folders / "process0", {"index": 0})

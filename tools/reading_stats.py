@@ -43,15 +43,20 @@ def _notebooks(rev: str) -> list[str]:
     return sorted(Path(p).stem for p in done.stdout.split() if re.fullmatch(r"notebooks/\d\d_.*\.ipynb", p))
 
 
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def is_appendix(text: str) -> bool:
+    """Whether a markdown cell is an appendix: its first line an ``Appendix`` heading."""
+    return bool(APPENDIX.match(text.splitlines()[0] if text.strip() else ""))
+
+
 def markdown_words(notebook_text: str) -> list[tuple[int, bool]]:
     """(words, is an appendix) of each markdown cell of a notebook's JSON text."""
     cells = [c for c in json.loads(notebook_text)["cells"] if c["cell_type"] == "markdown"]
-    found = []
-    for cell in cells:
-        text = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
-        first = text.splitlines()[0] if text.strip() else ""
-        found.append((len(text.split()), bool(APPENDIX.match(first))))
-    return found
+    texts = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"] for c in cells]
+    return [(words(text), is_appendix(text)) for text in texts]
 
 
 def verdict_rows(stem: str, predictions: list[dict], tables: dict | None) -> tuple[int, str]:

@@ -16,7 +16,7 @@ The primary figure of every timed comparison is what a user's loop pays (DESIGN.
   (``python -m lora_lab.lab.measure``, one after another) and pooled: an interval then spans session-to-session
   spread too. Every summary carries ``"sessions"``: how many processes its samples came from.
 * :func:`run_script_sessions` — a benchmark script run once per session in processes of its own, pooled; a
-  session that this code already finished with the same arguments on the same GPU (its ``session_complete.json``)
+  session that this code already finished with the same arguments on the same GPU (:mod:`lora_lab.lab.session_marks`)
   is kept, so a run cut short by a time limit resumes where it stopped, on the next call of a lent GPU.
 * :func:`write_csv` / :func:`read_csv` — every row carries the code hash of the package that wrote it, and
   ``read_csv`` refuses rows written by other code.
@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import csv
 import gc
-import json
 import math
 import random
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+from lora_lab.lab import session_marks
 
 __all__ = [
     "MIN_REPETITIONS",
@@ -414,68 +415,16 @@ def process_folder(out: Path | str, k: int) -> Path:
     return Path(out) / f"process{k}"
 
 
-SESSION_COMPLETE = "session_complete.json"
-
-
-def _gpu_label() -> str:
-    """The GPU a benchmark's child process would time on, named without starting CUDA in this process where
-    ``nvidia-smi`` can name it (a context here would hold GPU memory beside the child's), with what the process
-    forces (memory cap, GPU class); ``"no CUDA device"`` without one."""
-    import os
-    import subprocess
-
-    from lora_lab.lab.provenance import forced_settings
-
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return "no CUDA device"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    name = None
-    if not torch.cuda.is_initialized():
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
-        try:
-            done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", visible],
-                                  capture_output=True, text=True, timeout=30)
-            name = done.stdout.strip().splitlines()[0].strip() if done.returncode == 0 and done.stdout.strip() else None
-        except (OSError, subprocess.SubprocessError):
-            name = None
-    if name is None:
-        name = torch.cuda.get_device_name(torch.cuda.current_device())
-    forced = forced_settings()
-    return f"{name} [{forced}]" if forced else name
-
-
-def _session_key(script: Path, args: Sequence[str], k: int, device: str) -> dict:
-    from lora_lab.lab.provenance import code_hash
-
-    return {"script": script.name, "args": [str(a) for a in args], "index": k, "code_hash": code_hash(),
-            "device": device}
-
-
-def session_done(part: Path | str, key: dict) -> bool:
-    """Whether ``part`` holds a session that finished (exit 0) under ``key``: the same script, arguments, session
-    index, code hash and GPU (with its forced settings). Anything else — no marker, an unreadable one, another
-    GPU — is not done, and the session runs again."""
-    marker = Path(part) / SESSION_COMPLETE
-    try:
-        return json.loads(marker.read_text(encoding="utf-8")) == key
-    except (OSError, ValueError):
-        return False
-
-
 def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str, csv_names: Sequence[str],
                         sessions: int = MIN_SESSIONS, cwd: Path | str | None = None, tail: int = 14,
                         python: str | None = None) -> list[Path]:
     """Run the benchmark ``script`` once per session — separate processes, one after another — each into its own
     folder ``out/<script stem>_processes/process<k>`` (``--out`` is appended to ``args``), print each session's
     last ``tail`` lines of output and time, then pool the CSVs ``csv_names`` into ``out``
-    (:func:`pool_csv_sessions`). A session that finished writes ``session_complete.json`` into its folder; a
-    later call finds it and keeps that session instead of running it again when the script, arguments, code and
-    GPU are the same (:func:`session_done`), so a run stopped by a time limit resumes on the next call with its
-    folder carried back. A failing session raises with its stderr; the sessions already written stay on disk.
-    Returns the session folders."""
+    (:func:`pool_csv_sessions`). A session that finished is marked in its folder (:mod:`lora_lab.lab.session_marks`);
+    a later call keeps it instead of running it again when the script, arguments, code and GPU are the same, so a
+    run stopped by a time limit resumes on the next call with its folder carried back. A failing session raises
+    with its stderr; the sessions already written stay on disk. Returns the session folders."""
     import subprocess
     import sys
 
@@ -485,14 +434,13 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
     if not script.is_file():
         raise FileNotFoundError(f"{script}: no such benchmark script")
     parts = [process_folder(out / f"{script.stem}_processes", k) for k in range(sessions)]
-    device = _gpu_label()
     for k, part in enumerate(parts):
-        key = _session_key(script, args, k, device)
-        if session_done(part, key):
+        key = session_marks.session_key(script.name, args, k)
+        if session_marks.is_done(part, key):
             print(f"--- {script.name}, process {k + 1} of {sessions}: kept (finished earlier with these arguments, "
-                  f"this code, on {device})")
+                  f"this code, on {key['device']})")
             continue
-        (part / SESSION_COMPLETE).unlink(missing_ok=True)
+        session_marks.clear(part)
         started = time.monotonic()
         done = subprocess.run([python or sys.executable, str(script), *args, "--out", str(part)], cwd=cwd,
                               capture_output=True, text=True)
@@ -503,8 +451,7 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
         if done.returncode != 0:
             raise RuntimeError(f"{script.name} failed in process {k + 1} of {sessions} (exit {done.returncode}):\n"
                                f"{done.stderr[-3000:]}")
-        part.mkdir(parents=True, exist_ok=True)
-        (part / SESSION_COMPLETE).write_text(json.dumps(key, indent=1) + "\n", encoding="utf-8")
+        session_marks.mark_done(part, key)
     pool_csv_sessions(parts, out, csv_names)
     return parts
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lora_lab.lab import measure
+from lora_lab.lab import measure, session_marks
 
 
 class _FakeCuda:
@@ -224,18 +224,26 @@ def test_pool_csv_sessions_pools_each_csv(tmp_path):
         measure.pool_csv_sessions(parts, tmp_path / "pooled", ["only_one.csv"])
 
 
-def test_run_script_sessions_runs_each_session_in_its_own_process_and_pools(tmp_path, capsys):
+def _fake_benchmark(tmp_path):
+    """A benchmark script that writes two repetitions of two variants with its pid; its second session fails with
+    --fail-second, or with --fail-flag FILE while FILE exists."""
     script = tmp_path / "bench_fake.py"
     script.write_text(
         "import os, sys\n"
         "from pathlib import Path\n"
         "from lora_lab.lab import measure\n"
         "out = Path(sys.argv[sys.argv.index('--out') + 1])\n"
-        "fail = '--fail-second' in sys.argv and out.name == 'process1'\n"
+        "flag = Path(sys.argv[sys.argv.index('--fail-flag') + 1]) if '--fail-flag' in sys.argv else None\n"
+        "fail = out.name == 'process1' and ('--fail-second' in sys.argv or (flag is not None and flag.exists()))\n"
         "measure.write_csv([{'variant': v, 'rep': r, 'pid': os.getpid()} for r in range(2) for v in 'ab'],"
         " out / 'bench.csv')\n"
         "print('done', out.name)\n"
         "sys.exit(3 if fail else 0)\n")
+    return script
+
+
+def test_run_script_sessions_runs_each_session_in_its_own_process_and_pools(tmp_path, capsys):
+    script = _fake_benchmark(tmp_path)
     parts = measure.run_script_sessions(script, [], tmp_path / "out", ["bench.csv"], sessions=2)
     assert [p.name for p in parts] == ["process0", "process1"]
     rows = measure.read_csv(tmp_path / "out" / "bench.csv")
@@ -258,24 +266,15 @@ def _pids_by_session(path):
 def test_run_script_sessions_keeps_finished_sessions_and_resumes(tmp_path, capsys, monkeypatch):
     """A run stopped part-way (a failing or killed session) resumes: a session that finished with the same script,
     arguments, code and GPU is kept, not run again; anything different runs it again."""
-    script = tmp_path / "bench_fake.py"
-    script.write_text(
-        "import os, sys\n"
-        "from pathlib import Path\n"
-        "from lora_lab.lab import measure\n"
-        "out = Path(sys.argv[sys.argv.index('--out') + 1])\n"
-        "flag = Path(sys.argv[sys.argv.index('--fail-flag') + 1]) if '--fail-flag' in sys.argv else None\n"
-        "measure.write_csv([{'variant': v, 'rep': r, 'pid': os.getpid()} for r in range(2) for v in 'ab'],"
-        " out / 'bench.csv')\n"
-        "sys.exit(3 if flag is not None and flag.exists() and out.name == 'process1' else 0)\n")
+    script = _fake_benchmark(tmp_path)
     out, flag = tmp_path / "out", tmp_path / "fail"
     flag.touch()
     args = ["--fail-flag", str(flag)]
     with pytest.raises(RuntimeError, match="failed in process 2 of 2"):
         measure.run_script_sessions(script, args, out, ["bench.csv"], sessions=2)
     folders = out / "bench_fake_processes"
-    assert (folders / "process0" / measure.SESSION_COMPLETE).is_file()
-    assert not (folders / "process1" / measure.SESSION_COMPLETE).exists()
+    assert (folders / "process0" / session_marks.SESSION_COMPLETE).is_file()
+    assert not (folders / "process1" / session_marks.SESSION_COMPLETE).exists()
     first = measure.read_csv(folders / "process0" / "bench.csv")[0]["pid"]
     flag.unlink()
     capsys.readouterr()
@@ -289,8 +288,8 @@ def test_run_script_sessions_keeps_finished_sessions_and_resumes(tmp_path, capsy
     measure.run_script_sessions(script, [*args, "--more"], out, ["bench.csv"], sessions=2)  # other arguments
     changed = _pids_by_session(out / "bench.csv")
     assert changed[0] != pids[0] and changed[1] != pids[1]
-    monkeypatch.setattr(measure, "_gpu_label", lambda: "another GPU [memory cap 22 GiB]")
+    monkeypatch.setattr(session_marks, "gpu_label", lambda: "another GPU [memory cap 22 GiB]")
     measure.run_script_sessions(script, [*args, "--more"], out, ["bench.csv"], sessions=2)  # another GPU
     assert _pids_by_session(out / "bench.csv")[0] != changed[0]
-    (folders / "process0" / measure.SESSION_COMPLETE).write_text("not json")  # unreadable: runs again
-    assert not measure.session_done(folders / "process0", {"index": 0})
+    (folders / "process0" / session_marks.SESSION_COMPLETE).write_text("not json")  # unreadable: runs again
+    assert not session_marks.is_done(folders / "process0", {"index": 0})

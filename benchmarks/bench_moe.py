@@ -117,7 +117,7 @@ from lora_lab.experiments.fused_moe import (
     set_implementation,
 )
 from lora_lab.experiments.fused_moe_metrics import E2E_CSV, GRADED_CELLS, LAYER_CSV, layer_table
-from lora_lab.lab import measure, session_marks
+from lora_lab.lab import measure, resume_marks
 
 SUMMARY_CSV = "06_moe_layer_summary.csv"
 # Liger: full fine-tuning only, when installed; ours_persistent: ours with KernelConfig.moe_loads set
@@ -567,26 +567,26 @@ def run_session(args, impls, out: Path) -> None:
         measure.write_csv(bench_e2e(args, cfg, device, dtype), out / E2E_CSV)
 
 
-SESSION_COMPLETE = session_marks.SESSION_COMPLETE
+SESSION_COMPLETE = resume_marks.SESSION_COMPLETE
 
 
 def _session_key(argv: list[str], index: int) -> dict:
     rest = without_options(argv, ("--out", "--sessions", "--session-index", "--first-call-ledger"))
-    return session_marks.session_key(Path(__file__).name, rest, index)
+    return resume_marks.session_key(Path(__file__).name, rest, index)
 
 
 def mark_session_complete(part: Path, argv: list[str], index: int) -> None:
     """Record that session ``index`` finished in ``part`` (exit 0) with this code and these arguments."""
-    session_marks.mark_done(part, _session_key(argv, index))
+    resume_marks.mark_done(part, _session_key(argv, index))
 
 
 def session_complete(part: Path, argv: list[str], index: int) -> bool:
     """Whether ``part`` holds session ``index`` of a run with these arguments, finished, by this code, on this GPU
-    (:mod:`lora_lab.lab.session_marks`) with its layer CSV: then ``--sessions`` keeps it instead of running it again.
+    (:mod:`lora_lab.lab.resume_marks`) with its layer CSV: then ``--sessions`` keeps it instead of running it again.
     So a run can be split over machines (GPU calls of at most a few minutes): the first runs ``--session-index 0``
     (or the whole run, cut short), its folder travels, and the next runs ``--sessions N`` over it; Triton's
     autotuning cache should travel too, or the ledger of first calls overstates what is tuned."""
-    return (Path(part) / LAYER_CSV).is_file() and session_marks.is_done(part, _session_key(argv, index))
+    return (Path(part) / LAYER_CSV).is_file() and resume_marks.is_done(part, _session_key(argv, index))
 
 
 def _child_argv(argv: list[str], out: Path, index: int) -> list[str]:
@@ -694,7 +694,7 @@ def main(argv=None):
                       "and these arguments", flush=True)
                 parts.append(part)
                 continue
-            session_marks.clear(part)
+            resume_marks.clear(part)
             cmd = [sys.executable, str(Path(__file__).resolve()), *_child_argv(raw, part, k),
                    "--first-call-ledger", str(ledger)]
             print(f"--- process {k + 1} of {args.sessions}", flush=True)

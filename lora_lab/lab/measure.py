@@ -16,7 +16,7 @@ The primary figure of every timed comparison is what a user's loop pays (DESIGN.
   (``python -m lora_lab.lab.measure``, one after another) and pooled: an interval then spans session-to-session
   spread too. Every summary carries ``"sessions"``: how many processes its samples came from.
 * :func:`run_script_sessions` — a benchmark script run once per session in processes of its own, pooled; a
-  session that this code already finished with the same arguments on the same GPU (:mod:`lora_lab.lab.session_marks`)
+  session that this code already finished with the same arguments on the same GPU (:mod:`lora_lab.lab.resume_marks`)
   is kept, so a run cut short by a time limit resumes where it stopped, on the next call of a lent GPU.
 * :func:`write_csv` / :func:`read_csv` — every row carries the code hash of the package that wrote it, and
   ``read_csv`` refuses rows written by other code.
@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from lora_lab.lab import session_marks
+from lora_lab.lab import resume_marks
 
 __all__ = [
     "MIN_REPETITIONS",
@@ -421,7 +421,7 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
     """Run the benchmark ``script`` once per session — separate processes, one after another — each into its own
     folder ``out/<script stem>_processes/process<k>`` (``--out`` is appended to ``args``), print each session's
     last ``tail`` lines of output and time, then pool the CSVs ``csv_names`` into ``out``
-    (:func:`pool_csv_sessions`). A session that finished is marked in its folder (:mod:`lora_lab.lab.session_marks`);
+    (:func:`pool_csv_sessions`). A session that finished is marked in its folder (:mod:`lora_lab.lab.resume_marks`);
     a later call keeps it instead of running it again when the script, arguments, code and GPU are the same, so a
     run stopped by a time limit resumes on the next call with its folder carried back. A failing session raises
     with its stderr; the sessions already written stay on disk. Returns the session folders."""
@@ -435,12 +435,12 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
         raise FileNotFoundError(f"{script}: no such benchmark script")
     parts = [process_folder(out / f"{script.stem}_processes", k) for k in range(sessions)]
     for k, part in enumerate(parts):
-        key = session_marks.session_key(script.name, args, k)
-        if session_marks.is_done(part, key):
+        key = resume_marks.session_key(script.name, args, k)
+        if resume_marks.is_done(part, key):
             print(f"--- {script.name}, process {k + 1} of {sessions}: kept (finished earlier with these arguments, "
                   f"this code, on {key['device']})")
             continue
-        session_marks.clear(part)
+        resume_marks.clear(part)
         started = time.monotonic()
         done = subprocess.run([python or sys.executable, str(script), *args, "--out", str(part)], cwd=cwd,
                               capture_output=True, text=True)
@@ -451,7 +451,7 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
         if done.returncode != 0:
             raise RuntimeError(f"{script.name} failed in process {k + 1} of {sessions} (exit {done.returncode}):\n"
                                f"{done.stderr[-3000:]}")
-        session_marks.mark_done(part, key)
+        resume_marks.mark_done(part, key)
     pool_csv_sessions(parts, out, csv_names)
     return parts
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lora_lab.lab import measure, session_marks
+from lora_lab.lab import measure, resume_marks
 
 
 class _FakeCuda:
@@ -273,8 +273,8 @@ def test_run_script_sessions_keeps_finished_sessions_and_resumes(tmp_path, capsy
     with pytest.raises(RuntimeError, match="failed in process 2 of 2"):
         measure.run_script_sessions(script, args, out, ["bench.csv"], sessions=2)
     folders = out / "bench_fake_processes"
-    assert (folders / "process0" / session_marks.SESSION_COMPLETE).is_file()
-    assert not (folders / "process1" / session_marks.SESSION_COMPLETE).exists()
+    assert (folders / "process0" / resume_marks.SESSION_COMPLETE).is_file()
+    assert not (folders / "process1" / resume_marks.SESSION_COMPLETE).exists()
     first = measure.read_csv(folders / "process0" / "bench.csv")[0]["pid"]
     flag.unlink()
     capsys.readouterr()
@@ -288,8 +288,8 @@ def test_run_script_sessions_keeps_finished_sessions_and_resumes(tmp_path, capsy
     measure.run_script_sessions(script, [*args, "--more"], out, ["bench.csv"], sessions=2)  # other arguments
     changed = _pids_by_session(out / "bench.csv")
     assert changed[0] != pids[0] and changed[1] != pids[1]
-    monkeypatch.setattr(session_marks, "gpu_label", lambda: "another GPU [memory cap 22 GiB]")
+    monkeypatch.setattr(resume_marks, "gpu_label", lambda: "another GPU [memory cap 22 GiB]")
     measure.run_script_sessions(script, [*args, "--more"], out, ["bench.csv"], sessions=2)  # another GPU
     assert _pids_by_session(out / "bench.csv")[0] != changed[0]
-    (folders / "process0" / session_marks.SESSION_COMPLETE).write_text("not json")  # unreadable: runs again
-    assert not session_marks.is_done(folders / "process0", {"index": 0})
+    (folders / "process0" / resume_marks.SESSION_COMPLETE).write_text("not json")  # unreadable: runs again
+    assert not resume_marks.is_done(folders / "process0", {"index": 0})

@@ -10,6 +10,7 @@ first registered, ``RECIPE``) elsewhere; the two differ only in the loss.
 """
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -138,23 +139,34 @@ def _first_losses(memory: list[dict], variant: str) -> list[float] | None:
     return None
 
 
+def _short_failure(status: str, error: str) -> str:
+    """What a skipped or out-of-memory row says, short: an OOM as the allocation it was refused (the free and
+    reserved figures around it change from row to row and say nothing more under a cap)."""
+    if status == "oom":
+        asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMG]iB)", error)
+        return "out of memory" + (f" (asked for {asked.group(1)})" if asked else (f": {error[:120]}" if error else ""))
+    return error[:240]
+
+
 def note_capped_models(rows: list[dict]) -> dict[str, str]:
     """Under a GPU memory cap (:mod:`lora_lab.memory.budget`): each model with a variant that ran out of memory, or
     whose pass was skipped as not fitting, kept as a skipped cell under the model's name (the prefix of its metrics),
-    so its missing metrics grade void with the reason. Returns {model: reason}; without a cap nothing is kept (an
-    OOM on the whole card is the measurement's own result)."""
+    so its missing metrics grade void with the reason. The variants that failed alike share one clause
+    (``peft, peft_liger skipped: timing pass skipped: ...``). Returns {model: reason}; without a cap nothing is
+    kept (an OOM on the whole card is the measurement's own result)."""
     cap = budget.memory_cap_gib()
     if cap is None:
         return {}
-    found: dict[str, dict[str, None]] = {}
+    found: dict[str, dict[tuple[str, str], dict[str, None]]] = {}
     for r in rows:
         if r.get("status") in ("oom", "skipped"):
-            error = str(r.get("error") or "")[:240]
-            found.setdefault(str(r["model"]), {})[f"{r['variant']} {r['status']}" + (f": {error}" if error else "")] \
-                = None
+            what = (str(r["status"]), _short_failure(str(r["status"]), str(r.get("error") or "")))
+            found.setdefault(str(r["model"]), {}).setdefault(what, {})[str(r["variant"])] = None
     noted = {}
-    for model, reasons in found.items():
-        noted[model] = f"under the {cap:g} GiB memory cap (${budget.MEMORY_CAP_ENV}): " + "; ".join(reasons)
+    for model, failures in found.items():
+        clauses = [f"{', '.join(variants)} {status}" + (f": {why}" if why else "")
+                   for (status, why), variants in failures.items()]
+        noted[model] = f"under the {cap:g} GiB memory cap (${budget.MEMORY_CAP_ENV}): " + "; ".join(clauses)
         budget.note_skipped(model, noted[model])
     return noted
 

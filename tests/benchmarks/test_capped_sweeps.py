@@ -144,9 +144,23 @@ def test_whole_step_metrics_name_the_skipped_model_under_a_cap(tmp_path, monkeyp
     assert metrics["llama_recipe_speedup_vs_peft"]["median"] > 1  # what ran is still graded
     assert "llama_peft_peak_gib" not in metrics and "qwen2_recipe_speedup_vs_peft" not in metrics
     assert metrics["qwen2_peft_peak_gib"] == 19.0
-    assert "peft oom: CUDA out of memory" in void_reason("llama_peft_peak_gib")
+    assert "peft oom: out of memory: CUDA out of memory" in void_reason("llama_peft_peak_gib")
     why = void_reason("qwen2_recipe_speedup_vs_peft")
     assert why.startswith("qwen2: under the 22 GiB memory cap") and "timing pass skipped" in why
+    # the variants that failed alike share one clause, once, however many repetitions and sessions repeat it
+    assert "peft, peft_liger_patch skipped: timing pass skipped" in why and why.count("timing pass skipped") == 1
+
+
+def test_whole_step_capped_reason_shortens_out_of_memory(monkeypatch):
+    from lora_lab.experiments import whole_step
+
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    oom = "OutOfMemoryError: CUDA out of memory. Tried to allocate {} GiB. GPU 0 has a total capacity of 79.18 GiB"
+    rows = [{"model": "qwen3_moe", "variant": v, "status": "oom", "error": oom.format(size)}
+            for v, size in (("peft", "4.64"), ("peft_patch", "4.64"), ("peft_liger", "0.25"), ("peft", "4.64"))]
+    why = whole_step.note_capped_models(rows)["qwen3_moe"]
+    assert why == ("under the 22 GiB memory cap ($LORA_LAB_MEMORY_CAP_GIB): peft, peft_patch oom: out of memory "
+                   "(asked for 4.64 GiB); peft_liger oom: out of memory (asked for 0.25 GiB)")
 
 
 # ---- notebook 07: bench_loss -------------------------------------------------------------------------------------

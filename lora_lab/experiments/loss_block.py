@@ -186,6 +186,29 @@ def void_capped_metrics(out: dict, rows: list[dict], scope: dict[str, tuple[list
     return voided
 
 
+def note_unrun_comparisons(out: dict, rows: list[dict], ratios: dict[str, tuple[list, tuple]]) -> dict[str, str]:
+    """Each ratio of ``ratios`` ({key: (its cells, the methods it compares lora_lab with)}) left out of ``out``
+    because a method it compares never ran (every row of it skipped, not run or failed: a peer not installed, a
+    kernel needing CUDA) is kept as a skipped cell under its own key, with the method and the reason its rows give,
+    so the grade says why the metric is missing instead of leaving a reader to guess. With or without a memory cap;
+    a metric already kept as skipped (:func:`void_capped_metrics`) is left as it is. Returns {key: reason}."""
+    noted = {}
+    already = budget.skipped_cells()
+    for key, (_cells, others) in ratios.items():
+        if key in out or key in already:
+            continue
+        reasons = []
+        for method in others:
+            mine = [r for r in rows if r["method"] == method]
+            if mine and all(r["status"] in ("skipped", "not_run", "error") for r in mine):
+                why = dict.fromkeys(str(r.get("note") or r["status"]).strip() for r in mine)
+                reasons.append(f"{method} {mine[0]['status']}: " + "; ".join(why))
+        if reasons:
+            noted[key] = "; ".join(reasons)
+            budget.note_skipped(key, noted[key])
+    return noted
+
+
 def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
     """The graded numbers of notebook 07 from the benchmark CSVs this run wrote (refused if written by other code).
 
@@ -261,6 +284,7 @@ def benchmark_metrics(bench_dir: Path | str, min_tokens: int = 16384) -> dict:
                   "peak_vs_liger_max": (big, ("lora_lab", "liger")),
                   "torch_fp32_peak_gib_qwen_16k_trainable": ([("qwen2.5-0.5b", 16384, "trainable")], ("torch_fp32",))})
     void_capped_metrics(out, rows, scope)
+    note_unrun_comparisons(out, rows, ratios)
     errors = [float(r["loss_rel_err"]) for r in rows if r["method"] == "lora_lab" and r.get("loss_rel_err")
               is not None]
     if errors:

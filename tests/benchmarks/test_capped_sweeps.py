@@ -199,6 +199,28 @@ def test_loss_metrics_over_a_cell_where_a_method_ran_out_of_memory_are_void_unde
                                                                         "torch_bf16")
 
 
+def test_loss_metric_of_a_peer_that_never_ran_says_why(tmp_path, monkeypatch):
+    """A peer that is not installed is a skip with its reason, not a metric missing for a reader to guess at: under
+    a cap as without one."""
+    from lora_lab.experiments import loss_block
+
+    _loss_csv(tmp_path)
+    rows = measure.read_csv(tmp_path / "07_loss_block.csv")
+    missing = "cut-cross-entropy is not installed (No module named 'cut_cross_entropy')"
+    rows += [{**rows[0], "method": "cce", "rep": rep, "status": "skipped", "ms": None, "note": missing}
+             for rep in range(2)]
+    measure.write_csv(rows, tmp_path / "07_loss_block.csv")
+    for cap in (None, "22"):
+        budget.clear_skipped()
+        if cap:
+            monkeypatch.setenv(budget.MEMORY_CAP_ENV, cap)
+        metrics = loss_block.benchmark_metrics(tmp_path)
+        assert "time_vs_cce_max" not in metrics and "time_vs_liger_max" in metrics
+        assert budget.skipped_cells()["time_vs_cce_max"] == f"cce skipped: {missing}"
+        assert void_reason("time_vs_cce_max") == f"time_vs_cce_max: cce skipped: {missing}"
+        assert "time_vs_chunked_max" not in budget.skipped_cells()  # a method with no rows at all: nothing to say
+
+
 # ---- notebook 05: bench_lora_train_step ----------------------------------------------------------------------------
 
 def _train_args(bench, *extra):

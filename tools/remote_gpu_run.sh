@@ -99,6 +99,13 @@ if [ "$INSTALL" = 1 ]; then
   fi
   .venv-gpu/bin/python -m pip install -q --no-index --no-deps --find-links .whl cut-cross-entropy \
     >> "$OUT/install.log" 2>&1
+  # a peer the notebooks time that the carried wheels lack is said here, not only in install.log: its rows and
+  # predictions would come back skipped for a reason that is the transfer's, not the GPU's
+  for peer in liger_kernel cut_cross_entropy; do
+    ls .whl/$peer-*.whl >/dev/null 2>&1 \
+      || echo "WARNING: no ${peer//_/-} wheel in .whl: the run times without it (fetch it with the others)" \
+        | tee -a "$OUT/missing_peers.log"
+  done
 fi
 if [ ${#PARTS[@]} -gt 0 ]; then
   {
@@ -146,5 +153,6 @@ if [ ${#PACK[@]} -gt 0 ]; then
   fi
 fi
 { echo "commit $COMMIT"; echo "mode $MODE: ${RUN[*]}"; echo "install $INSTALL_S s"
+  [ -s "$OUT/missing_peers.log" ] && cat "$OUT/missing_peers.log"
   echo "run $RUN_S s (limit $LIMIT s), exit $RC"; echo "packed: ${PACK[*]:-nothing}"; } | tee "$OUT/summary.txt"
 exit $RC

@@ -154,6 +154,27 @@ def test_the_install_leaves_out_the_test_extra_when_ruff_is_not_carried(copy, tm
         assert "EXTRAS=kernels,liger,notebooks\n" in log
         assert "pytest-xdist" in log and "nbval" in log
     assert "cut-cross-entropy" in log
+    # neither peer's wheel was carried: said in the call's output and its summary, not only in install.log
+    for peer in ("liger-kernel", "cut-cross-entropy"):
+        assert f"WARNING: no {peer} wheel in .whl" in done.stdout
+        assert f"no {peer} wheel" in (copy.parent / "out" / "summary.txt").read_text()
+
+
+def test_carried_peers_raise_no_warning(copy, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "make").write_text("#!/bin/sh\nexit 0\n")
+    venv_bin = copy / ".venv-gpu" / "bin"
+    venv_bin.mkdir(parents=True)
+    (venv_bin / "python").write_text("#!/bin/sh\nexit 0\n")
+    for tool in (bin_dir / "make", venv_bin / "python"):
+        tool.chmod(0o755)
+    (copy / ".whl").mkdir()
+    for name in ("liger_kernel-0.8.5-py3-none-any.whl", "cut_cross_entropy-25.1.1-py3-none-any.whl"):
+        (copy / ".whl" / name).write_bytes(b"")
+    done = run(copy, COMMIT, "command", "--", "true", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert done.returncode == 0, done.stderr
+    assert "WARNING" not in done.stdout and "wheel" not in (copy.parent / "out" / "summary.txt").read_text()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -33,8 +33,10 @@ spans sessions. Peak memory and the first steps' losses come from a separate pas
 are fixed by the code and the shapes), in which each variant is built alone (``torch.cuda.max_memory_allocated`` of
 its second step, nothing else resident). A variant that fails or runs
 out of memory is an ``error`` / ``oom`` row, not a crash. Under a GPU memory cap (``$LORA_LAB_MEMORY_CAP_GIB``, the
-capped gpu profiles) the dense models' passes that lora_lab's byte model says cannot fit are not run: a variant's
-memory pass, or a model's whole timing pass (every variant built at once), gets ``skipped`` rows with the estimate.
+capped gpu profiles) a dense model whose variants, all built at once, lora_lab's byte model says cannot fit runs at the
+first smaller token shape that fits (batch 1 at the asked length, then the length halved down to 1,024): its rows
+carry those tokens and a ``shrunk`` column saying from what and why (the notebook grades no prediction on them).
+Where none fits, a variant's memory pass, or the model's whole timing pass, gets ``skipped`` rows with the estimate.
 
 Writes into --out: whole_step.csv (one row per model, variant, session and repetition), whole_step_memory.csv (one
 row per model, variant and session), whole_step_summary.csv; the summary table is printed last.
@@ -220,17 +222,46 @@ def timing_bytes(estimates: dict[str, tuple[int, int]]) -> int:
     return sum(fixed for fixed, _ in estimates.values()) + max(peak - fixed for fixed, peak in estimates.values())
 
 
-def over_memory_cap(model_name: str, variants, args, device) -> tuple[dict[str, str], str | None]:
+def shrink_shapes(args) -> list[tuple[int, int]]:
+    """The token shapes (batch, seq) a capped run tries for a model, the asked one first: batch 1 at the asked
+    length, then the length halved while it stays at 1,024 or more; none larger than asked."""
+    shapes = [(args.batch, args.seq)]
+    if args.batch > 1:
+        shapes.append((1, args.seq))
+    seq = args.seq
+    while seq // 2 >= 1024:
+        seq //= 2
+        shapes.append((1, seq))
+    return shapes
+
+
+def with_tokens(args, batch: int, seq: int):
+    """A copy of ``args`` with another batch and sequence length (what a shrunk model runs with)."""
+    return argparse.Namespace(**{**vars(args), "batch": batch, "seq": seq})
+
+
+def over_memory_cap(model_name: str, variants, args, device) -> tuple[dict[str, str], str | None, object, str]:
     """Under a GPU memory cap on CUDA: ({variant: why its memory pass is skipped}, why the model's timing pass is
-    skipped, or None), from :func:`estimated_bytes`; without a cap, off CUDA or for a model without a byte model:
-    ({}, None) (what runs out of memory is then recorded as ``oom``)."""
+    skipped or None, the args to run the model with, why they are shrunk or ""), from :func:`estimated_bytes`. The
+    variants are timed built at once: the first of :func:`shrink_shapes` at which that fits is run (every variant
+    alone then fits too); where none does, the asked shape's passes are skipped as the estimates say. Without a
+    cap, off CUDA or for a model without a byte model: ({}, None, args, "") (what runs out of memory is then
+    recorded as ``oom``)."""
     from lora_lab.memory import budget
 
     if budget.memory_cap_gib() is None or device.type != "cuda":
-        return {}, None
+        return {}, None, args, ""
     estimates = estimated_bytes(model_name, variants, args)
     if estimates is None:
-        return {}, None
+        return {}, None, args, ""
+    labels = {f"{len(estimates)} variants built at once, batch {b} x {q}": (b, q) for b, q in shrink_shapes(args)}
+    sized = {label: timing_bytes(estimated_bytes(model_name, variants, with_tokens(args, *shape)))
+             for label, shape in labels.items()}
+    together = budget.skip_or_shrink(model_name, list(labels), sized.__getitem__, device=device)
+    if not together.skipped:
+        if not together.shrunk:
+            return {}, None, args, ""
+        return {}, None, with_tokens(args, *labels[together.shape]), f"{together.reason} (lora_lab's byte model)"
     tokens = f"batch {args.batch} x {args.seq}"
     alone = {}
     for variant, (_, peak) in estimates.items():
@@ -238,10 +269,7 @@ def over_memory_cap(model_name: str, variants, args, device) -> tuple[dict[str, 
                                          lambda _, peak=peak: peak, device=device)
         if decision.skipped:
             alone[variant] = f"memory pass {decision.reason} (lora_lab's byte model)"
-    together = budget.skip_or_shrink(model_name, [f"{len(estimates)} variants built at once, {tokens}"],
-                                     lambda _: timing_bytes(estimates), device=device)
-    timing = f"timing pass {together.reason} (lora_lab's byte model)" if together.skipped else None
-    return alone, timing
+    return alone, f"timing pass {together.reason} (lora_lab's byte model)", args, ""
 
 
 def memory_pass(model_name, variants, args, device, dtype, skip: dict[str, str] | None = None) -> list[dict]:
@@ -405,11 +433,15 @@ def run_session(args, out: Path) -> None:
     rows, memory = [], []
     for model_name in args.models:
         started = time.perf_counter()
-        skip_alone, skip_timing = over_memory_cap(model_name, args.variants, args, device)
+        skip_alone, skip_timing, run_args, shrunk = over_memory_cap(model_name, args.variants, args, device)
+        if shrunk:
+            print(f"   {model_name}: {shrunk}", flush=True)
+        mark = {"shrunk": shrunk} if shrunk else {}  # the rows say they ran at other tokens than asked, and why
         if runs_memory_pass(args):
-            memory += memory_pass(model_name, args.variants, args, device, dtype, skip_alone)
+            memory += [{**r, **mark} for r in memory_pass(model_name, args.variants, run_args, device, dtype,
+                                                          skip_alone)]
             measure.write_csv(memory, out / MEMORY_CSV)
-        rows += timing_pass(model_name, args.variants, args, device, dtype, skip_timing)
+        rows += [{**r, **mark} for r in timing_pass(model_name, args.variants, run_args, device, dtype, skip_timing)]
         measure.write_csv(rows, out / CSV)  # after every model: a run cut short keeps what it measured
         print(f"{model_name}: session done in {time.perf_counter() - started:.0f} s", flush=True)
 

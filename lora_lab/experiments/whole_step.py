@@ -151,20 +151,24 @@ def _short_failure(status: str, error: str) -> str:
 def note_capped_models(rows: list[dict]) -> dict[str, str]:
     """Under a GPU memory cap (:mod:`lora_lab.memory.budget`): each model with a variant that ran out of memory, or
     whose pass was skipped as not fitting, kept as a skipped cell under the model's name (the prefix of its metrics),
-    so its missing metrics grade void with the reason. The variants that failed alike share one clause
+    so its missing metrics grade void with the reason; a model the benchmark ran at fewer tokens than asked (its
+    rows' ``shrunk``) is kept the same way, with the shrink. The variants that failed alike share one clause
     (``peft, peft_liger skipped: timing pass skipped: ...``). Returns {model: reason}; without a cap nothing is
     kept (an OOM on the whole card is the measurement's own result)."""
     cap = budget.memory_cap_gib()
     if cap is None:
         return {}
     found: dict[str, dict[tuple[str, str], dict[str, None]]] = {}
+    shrunk = {str(r["model"]): str(r["shrunk"]) for r in rows if r.get("shrunk")}
+    for model, why in shrunk.items():
+        found.setdefault(model, {})[("shrunk", why)] = {}
     for r in rows:
         if r.get("status") in ("oom", "skipped"):
             what = (str(r["status"]), _short_failure(str(r["status"]), str(r.get("error") or "")))
             found.setdefault(str(r["model"]), {}).setdefault(what, {})[str(r["variant"])] = None
     noted = {}
     for model, failures in found.items():
-        clauses = [f"{', '.join(variants)} {status}" + (f": {why}" if why else "")
+        clauses = [why if status == "shrunk" else f"{', '.join(variants)} {status}" + (f": {why}" if why else "")
                    for (status, why), variants in failures.items()]
         noted[model] = f"under the {cap:g} GiB memory cap (${budget.MEMORY_CAP_ENV}): " + "; ".join(clauses)
         budget.note_skipped(model, noted[model])
@@ -187,7 +191,9 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
     * ``{m}_{variant}_step_ms`` (median, pooled) and ``{m}_{variant}_peak_gib``.
 
     Under a GPU memory cap a variant that ran out of memory or was skipped leaves its metrics out, and its model is
-    kept as a skipped cell with the reason (:func:`note_capped_models`).
+    kept as a skipped cell with the reason (:func:`note_capped_models`); a model the benchmark shrank to fewer tokens
+    has its metrics named ``{m}_{batch}x{seq}_...`` instead, so none is graded against the asked shape's
+    predictions.
     """
     bench_dir = Path(bench_dir)
     every = measure.read_csv(bench_dir / "whole_step.csv")
@@ -195,15 +201,19 @@ def benchmark_metrics(bench_dir: Path | str) -> dict:
     memory = measure.read_csv(bench_dir / "whole_step_memory.csv")
     capped = note_capped_models(every + memory)
     metrics: dict = {}
-    for m in dict.fromkeys(r["model"] for r in rows + memory):
-        mine = [r for r in rows if r["model"] == m]
-        mem = [r for r in memory if r["model"] == m]
+    for model in dict.fromkeys(r["model"] for r in rows + memory):
+        mine = [r for r in rows if r["model"] == model]
+        mem = [r for r in memory if r["model"] == model]
+        shrunk = next((r for r in mine + mem if r.get("shrunk")), None)
+        # a model run at fewer tokens than asked answers another question: its metrics carry the tokens in their
+        # names (``llama_1x2048_...``), and the predictions on the asked shape grade void with the shrink
+        m = model if shrunk is None else f"{model}_{shrunk['batch']}x{shrunk['seq']}"
         for variant in dict.fromkeys(r["variant"] for r in mine):
             times = [float(r["step_ms"]) for r in mine if r["variant"] == variant]
             metrics[f"{m}_{variant}_step_ms"] = statistics.median(times)
         for variant in dict.fromkeys(r["variant"] for r in mem):
             peak = _peak(mem, variant)
-            if peak is not None or m not in capped:  # under a cap: no peak, no metric (it grades void, with why)
+            if peak is not None or model not in capped:  # under a cap: no peak, no metric (it grades void, with why)
                 metrics[f"{m}_{variant}_peak_gib"] = peak
         for key, (num, den) in {"recipe_speedup_vs_peft": ("peft", RECIPE),
                                 "recipe_speedup_vs_peft_liger": ("peft_liger", RECIPE),

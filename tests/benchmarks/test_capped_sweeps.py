@@ -56,20 +56,53 @@ def _whole_step_args(bench):
     return args
 
 
-@pytest.mark.parametrize("cap, alone, timing", [("22", set(), True), ("39", set(), False),
-                                                ("12", {"peft", "peft_patch"}, True)])
+@pytest.mark.parametrize("cap, alone, timing", [("39", set(), False), ("12", {"peft", "peft_patch"}, True)])
 def test_whole_step_skips_what_the_byte_model_says_cannot_fit(bench, h200, monkeypatch, cap, alone, timing):
     ws = bench("bench_whole_step")
     args = _whole_step_args(bench)
     monkeypatch.setenv(budget.MEMORY_CAP_ENV, cap)
-    skip_alone, skip_timing = ws.over_memory_cap("llama", args.variants, args, CUDA)
+    skip_alone, skip_timing, run_args, shrunk = ws.over_memory_cap("llama", args.variants, args, CUDA)
     assert set(skip_alone) == alone  # the standard loss's logits: the two variants without a fused loss
     assert (skip_timing is not None) == timing
+    assert run_args is args and shrunk == ""  # runs as asked, or not at all
     if timing:
         assert skip_timing.startswith("timing pass skipped: needs more than the memory cap")
-        assert "6 variants built at once, batch 2 x 4096" in skip_timing
+        assert "6 variants built at once, batch 2 x 4096" in skip_timing  # every smaller shape tried is named too
+        assert "6 variants built at once, batch 1 x 1024" in skip_timing
     for reason in skip_alone.values():
         assert reason.startswith("memory pass skipped") and "byte model" in reason
+
+
+def test_whole_step_shrinks_to_the_first_token_shape_that_fits(bench, h200, monkeypatch):
+    """At 22 GiB the six Llama-like variants built at once need about 33 GiB at 2 x 4096 and 25 GiB at 1 x 4096,
+    so they run at 1 x 2048, said as a shrink (the asked shape's predictions grade void with it)."""
+    ws = bench("bench_whole_step")
+    args = _whole_step_args(bench)
+    assert ws.shrink_shapes(args) == [(2, 4096), (1, 4096), (1, 2048), (1, 1024)]
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    skip_alone, skip_timing, run_args, shrunk = ws.over_memory_cap("llama", args.variants, args, CUDA)
+    assert skip_alone == {} and skip_timing is None
+    assert (run_args.batch, run_args.seq) == (1, 2048) and (args.batch, args.seq) == (2, 4096)
+    assert shrunk.startswith("shrunk from '6 variants built at once, batch 2 x 4096'") and "batch 1 x 2048" in shrunk
+    assert budget.skipped_cells()["llama"] + " (lora_lab's byte model)" == shrunk
+
+
+def test_whole_step_metrics_of_a_shrunk_model_carry_its_tokens(tmp_path, monkeypatch):
+    from lora_lab.experiments import whole_step
+
+    monkeypatch.setenv(budget.MEMORY_CAP_ENV, "22")
+    why = "shrunk from '6 variants built at once, batch 2 x 4096' (needs about 33.1 GiB) to '... batch 1 x 2048'"
+    ok = {"batch": 1, "seq": 2048, "layers": 2, "dtype": "bfloat16", "smoke": False, "shrunk": why}
+    rows = [{**ok, "model": "llama", "variant": v, "rep": rep, "status": "ok", "step_ms": ms, "session": s}
+            for s in range(1) for rep in range(2) for v, ms in (("peft", 10.0 + rep), ("peft_liger_patch", 8.0))]
+    memory = [{**ok, "model": "llama", "variant": "peft", "status": "ok", "peak_gib": 9.0, "session": 0}]
+    measure.write_csv(rows, tmp_path / "whole_step.csv")
+    measure.write_csv(memory, tmp_path / "whole_step_memory.csv")
+    metrics = whole_step.benchmark_metrics(tmp_path)
+    assert "llama_recipe_speedup_vs_peft" not in metrics and "llama_peft_step_ms" not in metrics
+    assert metrics["llama_1x2048_recipe_speedup_vs_peft"]["median"] > 1 and metrics["llama_1x2048_peft_peak_gib"] == 9
+    assert void_reason("llama_recipe_speedup_vs_peft") == f"llama: under the 22 GiB memory cap " \
+                                                          f"($LORA_LAB_MEMORY_CAP_GIB): {why}"
 
 
 def test_whole_step_estimates_the_timing_pass_from_every_variant_built(bench):
@@ -86,10 +119,10 @@ def test_whole_step_estimates_the_timing_pass_from_every_variant_built(bench):
 def test_whole_step_runs_everything_without_a_cap_or_off_cuda(bench, h200, monkeypatch):
     ws = bench("bench_whole_step")
     args = _whole_step_args(bench)
-    assert ws.over_memory_cap("llama", args.variants, args, CUDA) == ({}, None)
+    assert ws.over_memory_cap("llama", args.variants, args, CUDA) == ({}, None, args, "")
     monkeypatch.setenv(budget.MEMORY_CAP_ENV, "1")
-    assert ws.over_memory_cap("llama", args.variants, args, torch.device("cpu")) == ({}, None)
-    assert ws.over_memory_cap("qwen3_moe", args.variants, args, CUDA) == ({}, None)
+    assert ws.over_memory_cap("llama", args.variants, args, torch.device("cpu")) == ({}, None, args, "")
+    assert ws.over_memory_cap("qwen3_moe", args.variants, args, CUDA) == ({}, None, args, "")
 
 
 def test_whole_step_passes_write_skipped_rows(bench, monkeypatch):
@@ -314,3 +347,27 @@ def test_bench_loss_predicts_the_standard_losses_oom_against_the_cap(bench, h200
     assert (capacity, limit) == (22 * GIB, "the memory cap's")
     # torch_fp32 at qwen2.5-0.5b, 16,384 tokens: 5 [N x V] buffers, about 23 GiB: predicted, not tried, under 22 GiB
     assert bl.LOGIT_BUFFERS["torch_fp32"] * 16384 * 151936 * 2 > capacity
+
+
+def test_whole_step_session_marks_the_rows_of_a_shrunk_model(bench, monkeypatch, tmp_path):
+    ws = bench("bench_whole_step")
+
+    class Fake:
+        def __init__(self, model_name, variant, args, *a):
+            self.losses, self.tokens = [], (args.batch, args.seq)
+
+        def step(self):
+            self.losses.append(torch.tensor(2.0))
+
+        def describe(self):
+            return {"loss_impl": "torch"}
+
+    args, _ = ws.parse_args(["--out", str(tmp_path), "--smoke", "--repetitions", "2", "--steps", "1",
+                             "--models", "llama", "--variants", "peft", "peft_patch"])
+    monkeypatch.setattr(ws, "Variant", Fake)
+    monkeypatch.setattr(ws, "over_memory_cap",
+                        lambda model, variants, a, device: ({}, None, ws.with_tokens(a, 1, 8), "shrunk from x to y"))
+    ws.run_session(args, tmp_path)
+    for name in (ws.CSV, ws.MEMORY_CSV):
+        rows = measure.read_csv(tmp_path / name)
+        assert rows and all((r["batch"], r["seq"], r["shrunk"]) == (1, 8, "shrunk from x to y") for r in rows), name

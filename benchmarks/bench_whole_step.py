@@ -251,12 +251,13 @@ def over_memory_cap(model_name: str, variants, args, device) -> tuple[dict[str, 
 
     if budget.memory_cap_gib() is None or device.type != "cuda":
         return {}, None, args, ""
-    estimates = estimated_bytes(model_name, variants, args)
+    shapes = shrink_shapes(args)
+    by_shape = {shape: estimated_bytes(model_name, variants, with_tokens(args, *shape)) for shape in shapes}
+    estimates = by_shape[shapes[0]]  # the asked shape's
     if estimates is None:
         return {}, None, args, ""
-    labels = {f"{len(estimates)} variants built at once, batch {b} x {q}": (b, q) for b, q in shrink_shapes(args)}
-    sized = {label: timing_bytes(estimated_bytes(model_name, variants, with_tokens(args, *shape)))
-             for label, shape in labels.items()}
+    labels = {f"{len(estimates)} variants built at once, batch {b} x {q}": (b, q) for b, q in shapes}
+    sized = {label: timing_bytes(by_shape[shape]) for label, shape in labels.items()}
     together = budget.skip_or_shrink(model_name, list(labels), sized.__getitem__, device=device)
     if not together.skipped:
         if not together.shrunk:

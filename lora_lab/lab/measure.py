@@ -434,8 +434,9 @@ def run_script_sessions(script: Path | str, args: Sequence[str], out: Path | str
     if not script.is_file():
         raise FileNotFoundError(f"{script}: no such benchmark script")
     parts = [process_folder(out / f"{script.stem}_processes", k) for k in range(sessions)]
+    first = resume_marks.session_key(script.name, args, 0)  # the code hash and the GPU, read once
     for k, part in enumerate(parts):
-        key = resume_marks.session_key(script.name, args, k)
+        key = {**first, "index": k}
         if resume_marks.is_done(part, key):
             print(f"--- {script.name}, process {k + 1} of {sessions}: kept (finished earlier with these arguments, "
                   f"this code, on {key['device']})")

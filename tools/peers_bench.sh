@@ -24,11 +24,9 @@
 # and nvidia-cuda-nvdisasm wheels too). Both need cuda-python (cuda-bindings, cuda-pathfinder), apache-tvm-ffi,
 # torch-c-dlpack-ext and einops.
 # One process holds one DSL version, so each runs in a process of its own with its own site folder.
-# Fetch the wheels where an index is reachable (python 3.12, --no-deps: the peers' torch pins disagree with the GPU
-# image's torch), e.g. axolotl==0.21.0 unsloth==2026.10.9 unsloth-zoo==2026.10.9 llamafactory==0.9.5 veomni==0.1.12
-# liger-kernel plus what their modules import and the image lacks (for axolotl's LoRA-kernel patch: trl, datasets,
-# evaluate, dill, multiprocess, pydantic, pydantic-core, addict, annotated-types, typing-inspection; for both:
-# bitsandbytes). tools/slim_wheel.py cuts bitsandbytes and unsloth to fit a size-limited transfer.
+# Fetch the wheels where an index is reachable: tools/peers_wheels.sh writes the LoRA and MoE peers' set (python 3.12,
+# --no-deps: the peers' torch pins disagree with the GPU image's torch; what their modules import and the image
+# lacks, in versions the peers' import-time checks accept; unsloth and bitsandbytes slimmed by tools/slim_wheel.py).
 #
 # unsloth patches transformers and PEFT when it is imported, for the whole process. So it never shares a process
 # with an implementation timed after its import: the ops run it in a process of its own (beside ours and PEFT,

@@ -9,7 +9,8 @@
   ``back_to_back_ms`` (``measure.kernel_loop_ms``, ``do_bench``'s unsynchronised loop);
 * :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides);
 * :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash);
-* :func:`error_text` — an exception as the one-line text an ``error`` row records;
+* :func:`error_text` — an exception as the one-line text an ``error`` row records (a CUDA OOM as its figures,
+  :func:`oom_text`, so the allocator's split is never cut away);
 * :func:`session_argv` — a script's own arguments for one child session (``--out`` replaced, ``--sessions`` dropped);
 * :func:`without_options` — arguments less some options and their values;
 * :func:`add_ledger_argument` / :func:`write_summary` — ``--ledger``: the summary CSV's figures also appended to
@@ -23,6 +24,7 @@ import os
 import torch
 
 from lora_lab.lab import measure
+from lora_lab.memory import budget
 
 
 def check_device(smoke: bool) -> torch.device:
@@ -160,9 +162,24 @@ def is_oom(exc: BaseException) -> bool:
         s in str(exc) for s in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED"))
 
 
+def oom_text(exc: BaseException) -> str | None:
+    """A CUDA out-of-memory error as its figures alone (``OutOfMemoryError: CUDA out of memory: asked for 3.91 GiB;
+    the process held 20.05 GiB; allocated by PyTorch 19.40 GiB; reserved but unallocated 0.12 GiB``,
+    :func:`budget.oom_figures`), or None when the message holds none of them. PyTorch's message gives the card's
+    free memory and other processes first and the allocator's split last, past what a cut row keeps; under a memory
+    cap that split is what tells fragmentation (reserved but unallocated) from need."""
+    found = budget.oom_figures(str(exc))
+    if not found:
+        return None
+    figures = "; ".join(f"{label} {value}" for label, value in found.items())
+    return f"{type(exc).__name__}: CUDA out of memory: {figures}"
+
+
 def error_text(exc: BaseException, limit: int = 300) -> str:
-    """``exc`` as the text an ``error`` row records: its type and message, cut to ``limit`` characters."""
-    return f"{type(exc).__name__}: {exc}"[:limit]
+    """``exc`` as the text an ``error`` row records: its type and message, cut to ``limit`` characters; a CUDA
+    out-of-memory error as its figures (:func:`oom_text`), so none is cut away."""
+    compact = oom_text(exc) if is_oom(exc) else None
+    return (compact or f"{type(exc).__name__}: {exc}")[:limit]
 
 
 def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:

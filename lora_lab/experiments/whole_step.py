@@ -10,7 +10,6 @@ first registered, ``RECIPE``) elsewhere; the two differ only in the loss.
 """
 from __future__ import annotations
 
-import re
 import statistics
 from pathlib import Path
 
@@ -140,11 +139,16 @@ def _first_losses(memory: list[dict], variant: str) -> list[float] | None:
 
 
 def _short_failure(status: str, error: str) -> str:
-    """What a skipped or out-of-memory row says, short: an OOM as the allocation it was refused (the free and
-    reserved figures around it change from row to row and say nothing more under a cap)."""
+    """What a skipped or out-of-memory row says, short: an OOM as the allocation it was refused and, where the row
+    kept it, the allocator's split of what the process held (allocated, and reserved but unallocated: under a cap,
+    the second is fragmentation the cap counts). The card's free memory around it says nothing under a cap."""
     if status == "oom":
-        asked = re.search(r"[Tt]ried to allocate ([0-9.]+ [KMG]iB)", error)
-        return "out of memory" + (f" (asked for {asked.group(1)})" if asked else (f": {error[:120]}" if error else ""))
+        figures = budget.oom_figures(error)
+        if not figures:
+            return "out of memory" + (f": {error[:120]}" if error else "")
+        said = [f"{label} {figures[label]}" for label in ("asked for", "allocated by PyTorch",
+                                                           "reserved but unallocated") if label in figures]
+        return f"out of memory ({', '.join(said)})"
     return error[:240]
 
 

@@ -21,10 +21,37 @@ from typing import Any
 import torch
 
 __all__ = ["MEMORY_CAP_ENV", "memory_cap_gib", "apply_memory_cap", "capacity_bytes", "fits", "Decision",
-           "skip_or_shrink", "note_skipped", "note_out_of_memory", "skipped_cells", "clear_skipped", "worker_cap_gib"]
+           "skip_or_shrink", "note_skipped", "note_out_of_memory", "skipped_cells", "clear_skipped", "worker_cap_gib",
+           "OOM_FIGURES", "oom_figures"]
 
 MEMORY_CAP_ENV = "LORA_LAB_MEMORY_CAP_GIB"
 GIB = 1024 ** 3
+
+_SIZE = r"([0-9.]+ [KMGT]?i?B)"
+# the figures of a CUDA out-of-memory error, each as PyTorch's message words it and as :func:`oom_figures`' compact
+# text (a benchmark row's) words it, in the order the compact text gives them
+OOM_FIGURES = {
+    "asked for": (rf"[Tt]ried to allocate {_SIZE}", rf"asked for {_SIZE}"),
+    "the process held": (rf"this process has {_SIZE} memory in use", rf"the process held {_SIZE}"),
+    "allocated by PyTorch": (rf"{_SIZE} is allocated by PyTorch", rf"allocated by PyTorch {_SIZE}"),
+    "reserved but unallocated": (rf"{_SIZE} is reserved by PyTorch but unallocated",
+                                 rf"reserved but unallocated {_SIZE}"),
+}
+
+
+def oom_figures(message: str) -> dict[str, str]:
+    """The figures of a CUDA out-of-memory message (PyTorch's own, or the compact ``label size; ...`` text a
+    benchmark row records), by :data:`OOM_FIGURES` label: what was asked for, what the process held, and the
+    allocator's split of it, allocated against reserved but unallocated (under a cap, the second is fragmentation:
+    memory the cap counts that no tensor uses). Labels not in the message are left out."""
+    import re
+
+    found = {}
+    for label, patterns in OOM_FIGURES.items():
+        match = next((m for p in patterns if (m := re.search(p, message))), None)
+        if match:
+            found[label] = match.group(1)
+    return found
 
 _skipped: dict[str, str] = {}
 

@@ -196,6 +196,32 @@ def test_whole_step_capped_reason_shortens_out_of_memory(monkeypatch):
                    "(asked for 4.64 GiB); peft_liger oom: out of memory (asked for 0.25 GiB)")
 
 
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total capacity of 79.18 GiB of which "
+             "58.31 GiB is free. Process 967 has 826.00 MiB memory in use. Including non-PyTorch memory, this process "
+             "has 20.05 GiB memory in use. Of the allocated memory 17.62 GiB is allocated by PyTorch, and 1.93 GiB is "
+             "reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+             "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
+
+
+def test_an_out_of_memory_row_keeps_the_allocators_split():
+    """PyTorch's OOM message gives the allocator's split (allocated, reserved but unallocated) last: a row cut at 300
+    characters lost it. The row keeps every figure, and the capped reason says how much of the cap was fragmentation."""
+    from bench_common import error_text, oom_text
+
+    from lora_lab.experiments import whole_step
+
+    text = error_text(torch.OutOfMemoryError(TORCH_OOM))
+    assert text == ("OutOfMemoryError: CUDA out of memory: asked for 3.91 GiB; the process held 20.05 GiB; "
+                    "allocated by PyTorch 17.62 GiB; reserved but unallocated 1.93 GiB")
+    assert budget.oom_figures(text) == budget.oom_figures(TORCH_OOM)  # the compact text reads back the same
+    assert oom_text(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED")) is None
+    assert error_text(RuntimeError("CUBLAS_STATUS_ALLOC_FAILED")) == "RuntimeError: CUBLAS_STATUS_ALLOC_FAILED"
+    assert error_text(ValueError("x" * 400)) == ("ValueError: " + "x" * 400)[:300]  # other errors as before
+    for error in (TORCH_OOM, text):
+        assert whole_step._short_failure("oom", error) == (
+            "out of memory (asked for 3.91 GiB, allocated by PyTorch 17.62 GiB, reserved but unallocated 1.93 GiB)")
+
+
 # ---- notebook 07: bench_loss -------------------------------------------------------------------------------------
 
 def _loss_csv(tmp_path):

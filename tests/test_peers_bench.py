@@ -94,3 +94,29 @@ def test_ops_times_each_dsl_peer_in_its_own_process_and_folder(tmp_path):
     assert sonic.endswith("--sessions 2 --peers sonicmoe --ops moe_full")
     assert "unsloth" not in lines[0].split("--peers ")[1]
     assert f"quack: {tmp_path}/site-quack not installed" in done.stdout
+
+
+def test_call_runs_the_step_first_then_the_ops_each_in_a_folder_notebook_10_reads(tmp_path):
+    """`call`: one device call's worth in order of what it tells (the full-depth step before the per-op panels),
+    each part under its own time limit, into process folders that peer_comparison.read_results knows."""
+    _wheel(tmp_path / ".whl", "axolotl-0.21.0")
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                    f'if [ "$1" = -m ]; then exec {sys.executable} "$@"; fi\n'
+                    f'echo "ARGS=$*" >> {calls}\n')
+    fake.chmod(0o755)
+    done = _run(tmp_path, "call", PY=str(fake), STEP_S="30", OPS_S="30", UNSLOTH_S="30", LOAD_S="30")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "site" / "axolotl_probe.py").is_file()  # installed first
+    scripts = [line.split()[0].removeprefix("ARGS=") for line in calls.read_text().splitlines()]
+    assert scripts == ["-", "benchmarks/bench_peers_step.py", "benchmarks/bench_peers.py",
+                       "benchmarks/bench_peers.py"]  # load, the step, the ops, unsloth's ops
+    lines = calls.read_text().splitlines()[1:]
+    outs = [Path(line.split("--out ")[1].split()[0]).name for line in lines]
+    assert outs == ["step_ckpt_on", "ops", "ops_unsloth"]
+    assert set(outs) <= set(peer_comparison.RESULT_FOLDERS)
+    assert "--checkpointing on" in lines[0]
+    assert lines[0].rstrip().endswith("--impls peft peft_liger ours axolotl unsloth")  # unsloth's import patches: last
+    assert "unsloth" not in lines[1] and "unsloth" in lines[2]
+    assert done.stdout.index("== step") < done.stdout.index("== ops") < done.stdout.index("== done")

@@ -12,6 +12,13 @@
 #                                                $RES/ops_unsloth, ops_sonicmoe, ops_quack, each its own process)
 #   bash tools/peers_bench.sh step [ARGS ...]    benchmarks/bench_peers_step.py --sequential, one process per
 #                                                checkpointing setting, into $RES/step_ckpt_{off,on}
+#   bash tools/peers_bench.sh call               one device call's worth, the most telling first, each part under
+#                                                its own limit so what finished comes back: install, load (LOAD_S,
+#                                                default 90 s), the Llama-3-8B-shaped step at full depth with
+#                                                checkpointing on (STEP_S, 240 s: PEFT, PEFT + Liger, ours, axolotl,
+#                                                unsloth last), the LoRA ops beside PEFT and axolotl, then the
+#                                                Qwen3-30B-A3B-shaped MoE beside Liger, LlamaFactory and VeOmni
+#                                                (OPS_S, 120 s), unsloth's LoRA ops in their own process (UNSLOTH_S, 60 s)
 #
 # RES (default $OUT) receives the results; PY (default python3) runs them, with PYTHONPATH=$PWD:$SITE (SITE, default
 # /tmp/site: where the peers are installed).
@@ -33,7 +40,7 @@
 # timed in that process too), and each step process imports it last (--impls order: unsloth at the end, every other
 # implementation built, timed and freed before it).
 set -u
-PART=${1:?part: install, sites, load, ops or step}
+PART=${1:?part: install, sites, load, ops, step or call}
 shift
 RES=${RES:-${OUT:?set RES or OUT to the folder that receives the results}}
 PY=${PY:-python3}
@@ -119,5 +126,20 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
       PYTHONPATH=$PYTHONPATH$quack $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential \
         --checkpointing $ckpt --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
     done ;;
-  *) echo "unknown part $PART (install, sites, load, ops or step)"; exit 2 ;;
+  call)
+    bash "$0" install
+    timeout "${LOAD_S:-90}" bash "$0" load > /dev/null
+    cat "$RES/peers_load.txt"
+    echo "== step, $(date +%T)"
+    timeout "${STEP_S:-240}" $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_on" --sequential \
+      --checkpointing on --checkpoint-dir /tmp/peer-checkpoints --models llama3_8b \
+      --impls peft peft_liger ours axolotl unsloth 2>&1 | tail -30
+    echo "== ops, $(date +%T)"
+    timeout "${OPS_S:-120}" $PY benchmarks/bench_peers.py --out "$RES/ops" --peers peft axolotl liger llamafactory veomni \
+      --ops lora_qkv lora_mlp lora_linear moe_full --moe-shapes qwen3_30b_a3b 2>&1 | tail -30
+    echo "== unsloth's ops, $(date +%T)"
+    timeout "${UNSLOTH_S:-60}" $PY benchmarks/bench_peers.py --out "$RES/ops_unsloth" --peers peft unsloth \
+      --ops lora_qkv lora_mlp 2>&1 | tail -20
+    echo "== done, $(date +%T)" ;;
+  *) echo "unknown part $PART (install, sites, load, ops, step or call)"; exit 2 ;;
 esac

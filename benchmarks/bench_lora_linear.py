@@ -9,7 +9,8 @@ peft and fused always; ``all`` for every one, ``routes`` for ROUTES):
   base          frozen nn.Linear (Y = X Wᵀ, dX = dY W: two GEMMs)
   peft          PEFT lora.Linear, default settings (fp32 adapters: X cast bf16 → fp32 for the adapter)
   peft_nocast   PEFT lora.Linear with bf16 adapters (no input cast)
-  chained       chained-cuBLAS autograd Function (lora_lab.kernels.chained_lora_linear)
+  chained       chained-cuBLAS autograd Function, ours (lora_lab.kernels.chained_lora_linear; the peers' own
+                kernels are timed by bench_peers.py)
   fused         lora_lab.kernels.fused_lora_linear with the shipped KernelConfig (Triton, rank-r term folded
                 into the GEMMs; the same formulas as cuBLAS calls below a GEMM volume, see kernels/lora/dispatch)
   fused_*       the same op with one KernelConfig field changed (FUSED_CONFIGS below): Triton at every shape,

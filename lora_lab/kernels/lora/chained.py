@@ -1,7 +1,8 @@
 """Baseline: LoRA linear as a chain of cuBLAS calls inside one autograd Function.
 
-This is the design the ecosystem's "fused" LoRA code uses (axolotl-style), written here from the math
-only, as the benchmark's strongest non-Triton baseline::
+lora_lab's own baseline, written here from the math: the shape of a LoRA autograd Function built on cuBLAS calls
+alone (the benchmark's strongest non-Triton baseline). It is ours, not a peer's: axolotl's and unsloth's own LoRA
+kernels are timed as shipped by ``benchmarks/bench_peers.py`` (docs/peers.md)::
 
     forward   XA = X Aᵀ;  Y = X Wᵀ (+ b);  Y += s · XA Bᵀ            (in-place addmm: one more pass over Y)
     backward  dYB = dY B;  dX = dY W;  dX += s · dYB A                 (one more pass over dX)

@@ -14,6 +14,7 @@ the run's metrics file (``skipped_cells``) and grading names it when a predictio
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,14 +45,13 @@ def oom_figures(message: str) -> dict[str, str]:
     benchmark row records), by :data:`OOM_FIGURES` label: what was asked for, what the process held, and the
     allocator's split of it, allocated against reserved but unallocated (under a cap, the second is fragmentation:
     memory the cap counts that no tensor uses). Labels not in the message are left out."""
-    import re
-
     found = {}
     for label, patterns in OOM_FIGURES.items():
         match = next((m for p in patterns if (m := re.search(p, message))), None)
         if match:
             found[label] = match.group(1)
     return found
+
 
 _skipped: dict[str, str] = {}
 

@@ -203,9 +203,10 @@ TORCH_OOM = ("CUDA out of memory. Tried to allocate 3.91 GiB. GPU 0 has a total 
              "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.")
 
 
-def test_an_out_of_memory_row_keeps_the_allocators_split():
+def test_an_out_of_memory_row_keeps_the_allocators_split(monkeypatch):
     """PyTorch's OOM message gives the allocator's split (allocated, reserved but unallocated) last: a row cut at 300
     characters lost it. The row keeps every figure, and the capped reason says how much of the cap was fragmentation."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from bench_common import error_text, oom_text
 
     from lora_lab.experiments import whole_step

@@ -11,7 +11,8 @@
 #   bash tools/peers_bench.sh ops  [ARGS ...]    benchmarks/bench_peers.py into $RES/ops (unsloth, SonicMoE, QuACK:
 #                                                $RES/ops_unsloth, ops_sonicmoe, ops_quack, each its own process)
 #   bash tools/peers_bench.sh step [ARGS ...]    benchmarks/bench_peers_step.py --sequential, one process per
-#                                                checkpointing setting, into $RES/step_ckpt_{off,on}
+#                                                checkpointing setting (CKPT, default "off on"), into
+#                                                $RES/step_ckpt_{off,on}
 #   bash tools/peers_bench.sh call               one device call's worth, the most telling first, each part under
 #                                                its own limit so what finished comes back: install, load (LOAD_S,
 #                                                default 90 s), the Llama-3-8B-shaped step at full depth with
@@ -122,7 +123,7 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
     done ;;
   step)  # with QuACK's site on the path where it is installed: the recipe on its route (ours_quack)
     quack=; [ -d "$SITE-quack" ] && quack=:$SITE-quack
-    for ckpt in off on; do
+    for ckpt in ${CKPT:-off on}; do
       PYTHONPATH=$PYTHONPATH$quack $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential \
         --checkpointing $ckpt --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
     done ;;
@@ -131,9 +132,7 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
     timeout "${LOAD_S:-90}" bash "$0" load > /dev/null
     cat "$RES/peers_load.txt"
     echo "== step, $(date +%T)"
-    timeout "${STEP_S:-240}" $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_on" --sequential \
-      --checkpointing on --checkpoint-dir /tmp/peer-checkpoints --models llama3_8b \
-      --impls peft peft_liger ours axolotl unsloth 2>&1 | tail -30
+    CKPT=on timeout "${STEP_S:-240}" bash "$0" step --models llama3_8b --impls peft peft_liger ours axolotl unsloth
     echo "== ops, $(date +%T)"
     timeout "${OPS_S:-120}" $PY benchmarks/bench_peers.py --out "$RES/ops" --peers peft axolotl liger llamafactory veomni \
       --ops lora_qkv lora_mlp lora_linear moe_full --moe-shapes qwen3_30b_a3b 2>&1 | tail -30

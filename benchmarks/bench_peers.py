@@ -6,8 +6,9 @@ Per op, on the same inputs and the same weights (every implementation reads the 
   the linear at (K, N) ∈ {4096×4096, 4096×12288, 12288×4096}; QKV as three 4096-wide projections of one 4096-wide
   input (05's 4096×12288); the SiLU-gated MLP at hidden 4096, intermediate 12288 (05's 4096×12288 and 12288×4096).
   ``ours``: ``fused_lora_linear`` / ``fused_shared_input_lora`` (the MLP: gate and up in one shared-input op, SiLU·up
-  in torch, down by ``fused_lora_linear``); peers: PEFT, axolotl (``axolotl.kernels.lora``), unsloth
-  (``unsloth.kernels.fast_lora``), each on one PEFT-wrapped module holding the weights and the adapters.
+  by ``silu_mul``, one kernel each way as in axolotl's and unsloth's MLPs, down by ``fused_lora_linear``); peers:
+  PEFT, axolotl (``axolotl.kernels.lora``), unsloth (``unsloth.kernels.fast_lora``), each on one PEFT-wrapped module
+  holding the weights and the adapters.
   Dtype policy: frozen weights, adapters and activations all bf16 (PEFT's input cast off), alpha = 2r, B ≠ 0.
 * ``moe_full`` / ``moe_lora`` — notebook 06's fine-grained shapes (``--moe-shapes``), T ∈ {8192, 32768}, routing
   from a random softmax router. ``ours``: lora_lab's patched transformers experts module (``moe_lora``: PEFT
@@ -111,7 +112,7 @@ def _factors(layer):
 
 def ours_lora(op: str, holder):
     """lora_lab's op on the holder's tensors (the same ones the peers read)."""
-    from lora_lab.kernels import fused_lora_linear, fused_shared_input_lora
+    from lora_lab.kernels import fused_lora_linear, fused_shared_input_lora, silu_mul
 
     parts = [_factors(getattr(holder, name)) for name in TARGETS[op]]
     if op == "lora_linear":
@@ -128,7 +129,7 @@ def ours_lora(op: str, holder):
 
     def mlp(x):
         g, u = fused_shared_input_lora(x, W_gu, None, splits, [gate[1], up[1]], [gate[2], up[2]], [gate[3], up[3]])
-        return fused_lora_linear(nn.functional.silu(g) * u, Wd, None, Ad, Bd, sd)
+        return fused_lora_linear(silu_mul(g, u), Wd, None, Ad, Bd, sd)  # SiLU·up fused, as axolotl's and unsloth's
 
     return mlp
 

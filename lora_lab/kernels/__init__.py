@@ -1,8 +1,9 @@
 """Fused Triton kernels for LoRA training, and the switch that puts them into a model.
 
 * :mod:`.lora`      — one LoRA linear (:func:`fused_lora_linear`), several projections of one input
-                      (:func:`fused_shared_input_lora`), DoRA (:func:`fused_dora_linear`, :func:`dora_row_norm`),
-                      the chained-cuBLAS baseline, and one layer as CUDA graphs (:func:`graphed_lora_linear`)
+                      (:func:`fused_shared_input_lora`), SiLU·up between an MLP's projections (:func:`silu_mul`),
+                      DoRA (:func:`fused_dora_linear`, :func:`dora_row_norm`), the chained-cuBLAS baseline, and
+                      one layer as CUDA graphs (:func:`graphed_lora_linear`)
 * :mod:`.moe`       — MoE experts with optional LoRA on them (:func:`fused_moe_experts`)
 * :mod:`.loss`      — cross-entropy from hidden states without logits (:func:`linear_cross_entropy`)
 * :mod:`.patching`  — :func:`patch_model` / :func:`unpatch_model` for PEFT and lora_lab models
@@ -27,6 +28,7 @@ from lora_lab.kernels.lora.shared_input import (
     fused_shared_input_lora,
     shared_input_lora_reference,
 )
+from lora_lab.kernels.lora.swiglu import SiLUMulFunction, silu_mul, silu_mul_reference
 from lora_lab.kernels.loss import (
     LossKernelConfig,
     linear_cross_entropy,
@@ -46,6 +48,7 @@ __all__ = [
     "KernelConfig",
     "LossKernelConfig",
     "SharedInputLoRAFunction",
+    "SiLUMulFunction",
     "UnsupportedLoRAError",
     "chained_lora_linear",
     "dora_row_norm",
@@ -65,6 +68,8 @@ __all__ = [
     "patch_moe_experts",
     "patched_layers",
     "shared_input_lora_reference",
+    "silu_mul",
+    "silu_mul_reference",
     "unpatch_causal_lm_loss",
     "unpatch_model",
     "unpatch_moe_experts",

@@ -488,3 +488,54 @@ def test_a_model_without_lora_is_reported_not_silently_left_alone():
     with pytest.warns(RuntimeWarning, match="patch_model: Qwen2ForCausalLM has no LoRA layer .*nothing was patched"):
         report = patch_model(model)
     assert report["lora_layers"] == 0 and "has no LoRA layer" in report["skipped"][0]
+
+
+def test_swiglu_mlps_run_silu_mul_and_match(monkeypatch):
+    from lora_lab.kernels.lora import swiglu
+
+    ref = peft_tiny()
+    fused = copy.deepcopy(ref)
+    summary = patch_model(fused)
+    assert summary["swiglu_mlps"] == 2  # one Qwen2 MLP per layer, its gate/up in a shared-input group
+    calls = []
+    real = swiglu.SiLUMulFunction.apply
+    monkeypatch.setattr(swiglu.SiLUMulFunction, "apply", lambda g, u: calls.append(
+        swiglu._adjacent_blocks(g.reshape(-1, g.shape[-1]), u.reshape(-1, u.shape[-1]))) or real(g, u))
+    ids = torch.randint(0, 512, (2, 11), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    out_r, out_f = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert calls == [True, True]  # each MLP once, on the two column blocks of its gate/up output
+    assert rel_l2(out_f.logits, out_r.logits) < 1e-5
+    out_r.loss.backward()
+    out_f.loss.backward()
+    gr, gf = lora_grads(ref), lora_grads(fused)
+    for n in gr:
+        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+    mlp = fused.base_model.model.model.layers[0].mlp
+    assert "forward" in mlp.__dict__
+    unpatch_model(fused)
+    assert "forward" not in mlp.__dict__ and not hasattr(mlp, "_lora_lab_swiglu")
+
+
+def test_swiglu_mlps_left_alone_when_asked_or_not_plain():
+    model = peft_tiny()
+    assert patch_model(model, fuse_mlp_activation=False)["swiglu_mlps"] == 0
+    unpatch_model(model)
+    model = peft_tiny()
+    model.base_model.model.model.layers[0].mlp.act_fn = torch.nn.GELU()  # not SiLU: its own forward
+    taken = model.base_model.model.model.layers[1].mlp
+    own = taken.forward
+    taken.forward = own  # a forward on the instance (Liger's, another patcher's): not ours to replace
+    assert patch_model(model)["swiglu_mlps"] == 0
+    assert taken.__dict__["forward"] is own
+    model = peft_tiny(targets=["q_proj", "v_proj"])  # no patched projection in the MLP
+    assert patch_model(model)["swiglu_mlps"] == 0
+
+
+def test_unpatch_keeps_a_forward_set_after_the_swiglu_patch():
+    model = peft_tiny()
+    patch_model(model)
+    mlp = model.base_model.model.model.layers[0].mlp
+    later = type(mlp).forward.__get__(mlp)  # e.g. Liger applied after patch_model
+    mlp.forward = later
+    unpatch_model(model)
+    assert mlp.__dict__["forward"] is later

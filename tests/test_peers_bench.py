@@ -106,17 +106,19 @@ def test_call_runs_the_step_first_then_the_ops_each_in_a_folder_notebook_10_read
                     f'if [ "$1" = -m ]; then exec {sys.executable} "$@"; fi\n'
                     f'echo "ARGS=$*" >> {calls}\n')
     fake.chmod(0o755)
-    done = _run(tmp_path, "call", PY=str(fake), STEP_S="30", OPS_S="30", UNSLOTH_S="30", LOAD_S="30")
+    done = _run(tmp_path, "call", PY=str(fake), STEP_S="30", MOE_S="30", OPS_S="30", LOAD_S="30")
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "site" / "axolotl_probe.py").is_file()  # installed first
     scripts = [line.split()[0].removeprefix("ARGS=") for line in calls.read_text().splitlines()]
     assert scripts == ["-", "benchmarks/bench_peers_step.py", "benchmarks/bench_peers.py",
-                       "benchmarks/bench_peers.py"]  # load, the step, the ops, unsloth's ops
+                       "benchmarks/bench_peers.py"]  # load, the step, the MoE ops, the LoRA ops
     lines = calls.read_text().splitlines()[1:]
     outs = [Path(line.split("--out ")[1].split()[0]).name for line in lines]
-    assert outs == ["step_ckpt_on", "ops", "ops_unsloth"]
+    assert outs == ["step_ckpt_on", "ops_moe", "ops"]
     assert set(outs) <= set(peer_comparison.RESULT_FOLDERS)
     assert "--checkpointing on" in lines[0]
-    assert lines[0].rstrip().endswith("--impls peft peft_liger ours axolotl unsloth")  # unsloth's import patches: last
-    assert "unsloth" not in lines[1] and "unsloth" in lines[2]
-    assert done.stdout.index("== step") < done.stdout.index("== ops") < done.stdout.index("== done")
+    assert "--impls ours peft_liger axolotl unsloth --steps 3" in lines[0]  # unsloth's import patches: last
+    assert "--ops moe_full" in lines[1] and "moe_full" not in lines[2]
+    assert "unsloth" not in lines[1] and "unsloth" not in lines[2]  # unsloth's ops: a process of their own
+    assert done.stdout.index("== step") < done.stdout.index("== MoE ops") < done.stdout.index("== LoRA ops") \
+        < done.stdout.index("== done")

@@ -13,19 +13,21 @@
 #   bash tools/peers_bench.sh step [ARGS ...]    benchmarks/bench_peers_step.py --sequential, one process per
 #                                                checkpointing setting (CKPT, default "off on"), into
 #                                                $RES/step_ckpt_{off,on}
-#   bash tools/peers_bench.sh call               one device call's worth, the most telling first, each part under
-#                                                its own limit so what finished comes back: install, load (LOAD_S,
-#                                                default 90 s), the Llama-3-8B-shaped step at full depth with
-#                                                checkpointing on (STEP_S, 240 s: PEFT, PEFT + Liger, ours, axolotl,
-#                                                unsloth last), the LoRA ops beside PEFT and axolotl, then the
-#                                                Qwen3-30B-A3B-shaped MoE beside Liger, LlamaFactory and VeOmni
-#                                                (OPS_S, 120 s), unsloth's LoRA ops in their own process (UNSLOTH_S, 60 s)
+#   bash tools/peers_bench.sh call               one device call's worth (remote_gpu_run.sh --limit 570), the least
+#                                                measured first, each part under its own limit so what finished
+#                                                comes back: install, load (LOAD_S, default 60 s), the
+#                                                Llama-3-8B-shaped step at full depth with checkpointing on (STEP_S,
+#                                                270 s, 3 steps per repetition: ours, PEFT + Liger, axolotl, unsloth
+#                                                last; PEFT, slower than PEFT + Liger, is left to the step part), the
+#                                                Qwen3-30B-A3B-shaped MoE beside Liger, LlamaFactory and VeOmni in a
+#                                                process of its own ($RES/ops_moe; MOE_S, 150 s), then the LoRA ops
+#                                                beside PEFT and axolotl (OPS_S, 90 s). unsloth's ops: the ops part
 #
 # RES (default $OUT) receives the results; PY (default python3) runs them, with PYTHONPATH=$PWD:$SITE (SITE, default
 # /tmp/site: where the peers are installed).
 # Notebook 10 reads them when RES is its run folder's 10_peers (e.g. RES=build/runs/gpu/10_peers) and the rows were
 # written by the code it runs (lora_lab.experiments.peer_comparison.read_results): one folder per process, ops,
-# ops_unsloth, ops_sonicmoe, ops_quack, step_ckpt_off and step_ckpt_on.
+# ops_moe, ops_unsloth, ops_sonicmoe, ops_quack, step_ckpt_off and step_ckpt_on.
 #
 # SonicMoE 0.1.2.post1 pins nvidia-cutlass-dsl 4.4.2 and takes quack-kernels >= 0.3.11 (0.4.1 is the newest that
 # accepts 4.4.2); QuACK 0.6.5's linear cross-entropy asks for the DSL >= 4.7 (4.7.1 needs its libs-core, libs-cu12
@@ -129,16 +131,17 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
     done ;;
   call)
     bash "$0" install
-    timeout "${LOAD_S:-90}" bash "$0" load > /dev/null
+    timeout "${LOAD_S:-60}" bash "$0" load > /dev/null
     cat "$RES/peers_load.txt"
     echo "== step, $(date +%T)"
-    CKPT=on timeout "${STEP_S:-240}" bash "$0" step --models llama3_8b --impls peft peft_liger ours axolotl unsloth
-    echo "== ops, $(date +%T)"
-    timeout "${OPS_S:-120}" $PY benchmarks/bench_peers.py --out "$RES/ops" --peers peft axolotl liger llamafactory veomni \
-      --ops lora_qkv lora_mlp lora_linear moe_full --moe-shapes qwen3_30b_a3b 2>&1 | tail -30
-    echo "== unsloth's ops, $(date +%T)"
-    timeout "${UNSLOTH_S:-60}" $PY benchmarks/bench_peers.py --out "$RES/ops_unsloth" --peers peft unsloth \
-      --ops lora_qkv lora_mlp 2>&1 | tail -20
+    CKPT=on timeout "${STEP_S:-270}" bash "$0" step --models llama3_8b --impls ours peft_liger axolotl unsloth \
+      --steps 3
+    echo "== MoE ops, $(date +%T)"  # a process of their own: the MoE cells come after every LoRA cell in one
+    timeout "${MOE_S:-150}" $PY benchmarks/bench_peers.py --out "$RES/ops_moe" --peers liger llamafactory veomni \
+      --ops moe_full --moe-shapes qwen3_30b_a3b 2>&1 | tail -20
+    echo "== LoRA ops, $(date +%T)"
+    timeout "${OPS_S:-90}" $PY benchmarks/bench_peers.py --out "$RES/ops" --peers peft axolotl \
+      --ops lora_mlp lora_qkv lora_linear 2>&1 | tail -30
     echo "== done, $(date +%T)" ;;
   *) echo "unknown part $PART (install, sites, load, ops, step or call)"; exit 2 ;;
 esac

@@ -166,11 +166,12 @@ def _read_rows(path: Path, allow_smoke: bool) -> list[dict] | None:
 
 # --- the results folder notebook 10 reads ---------------------------------------------------------------------------
 # ``tools/peers_bench.sh`` with ``RES=<run folder>/10_peers`` writes one folder per process: the peers that share a
-# process with ours, unsloth in its own (its import patches the process), SonicMoE and QuACK each in their own (their
-# CUTLASS DSL pins disagree), and the full-depth step with checkpointing off and on.
+# process with ours (the MoE peers, in one device call, a process of their own), unsloth in its own (its import
+# patches the process), SonicMoE and QuACK each in their own (their CUTLASS DSL pins disagree), and the full-depth
+# step with checkpointing off and on.
 PEERS_FOLDER = "10_peers"
-RESULT_FOLDERS = {"ops": OPS_CSV, "ops_unsloth": OPS_CSV, "ops_sonicmoe": OPS_CSV, "ops_quack": OPS_CSV,
-                  "step_ckpt_off": STEP_CSV, "step_ckpt_on": STEP_CSV}
+RESULT_FOLDERS = {"ops": OPS_CSV, "ops_moe": OPS_CSV, "ops_unsloth": OPS_CSV, "ops_sonicmoe": OPS_CSV,
+                  "ops_quack": OPS_CSV, "step_ckpt_off": STEP_CSV, "step_ckpt_on": STEP_CSV}
 PEER_NAMES = ("axolotl", "unsloth", "sonicmoe", "llamafactory", "veomni", "liger", "quack")
 STEP_LABELS = {"ours": "lora_lab's recipe", "ours_cublas_base": "the recipe, big GEMMs by cuBLAS",
                "ours_pure_cublas": "the recipe, every GEMM by cuBLAS",

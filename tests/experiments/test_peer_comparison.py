@@ -121,6 +121,22 @@ def test_results_take_each_peer_from_the_process_it_ran_in(tmp_path):
     assert m["peers_step_llama3_8b_ckpt_on_speedup_vs_fastest_peer"]["median"] < 1.0
 
 
+def test_moe_peers_in_a_process_of_their_own_are_read(tmp_path):
+    # peers_bench.sh call: the MoE peers beside ours in ops_moe, the LoRA ops in ops (no MoE rows there)
+    from lora_lab.lab import measure
+
+    folders = {"ops": _op_rows("lora_linear", {"a": 1.0}, {"ours": 8.0, "axolotl": 10.0}),
+               "ops_moe": _op_rows("moe_full", {"s": 1.0}, {"ours": 10.0, "llamafactory": 20.0, "veomni": 15.0})}
+    for folder, rows in folders.items():
+        measure.write_csv([dict(r, smoke=False) for r in rows], tmp_path / folder / pc.RESULT_FOLDERS[folder])
+    results = pc.read_results(tmp_path)
+    assert set(results) == {"ops", "ops_moe"}
+    m = pc.results_metrics(results)
+    assert m["peers_moe_full_worst_speedup_vs_llamafactory"]["samples"] == pytest.approx([20 / 10, 21 / 11])
+    assert m["peers_lora_worst_time_vs_axolotl"]["samples"] == pytest.approx([8 / 10, 9 / 11])
+    assert {(r["op"], r["peer"]): r["process"] for r in pc.ops_table(results)}[("moe_full", "veomni")] == "ops_moe"
+
+
 def test_tables_and_answer_lines_come_from_the_rows(tmp_path):
     from lora_lab.lab.answers import Figures
 

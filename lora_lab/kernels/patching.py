@@ -14,10 +14,8 @@ shared-input groups) and other PEFT LoRA variants, ``lora_bias``, ``fan_in_fan_o
 bf16/fp16/fp32, tensors off CUDA (unless Triton's interpreter is on). ``strict=False`` leaves such layers on their
 own forward instead. rsLoRA needs no check: it only changes the layer's scale, which the kernels read per call.
 
-A SwiGLU MLP whose forward is exactly transformers' ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` with a SiLU
-``act_fn``, and that holds a patched projection, gets SiLU·up on :func:`~lora_lab.kernels.lora.swiglu.silu_mul` (one
-kernel each way; the gate/up pair read in place from their group's output). An MLP someone else already replaced
-(Liger's SwiGLU, another patcher: a ``forward`` on the instance) is left alone.
+Transformers' SwiGLU MLPs that hold a patched projection get SiLU·up on :func:`~lora_lab.kernels.silu_mul`
+(:mod:`lora_lab.kernels.mlp_patch`).
 
 Checked at every call (then the layer's original forward runs, which is right by construction): adapters
 disabled or merged, several active adapters or a mixed-adapter batch (``adapter_names``), an input dtype that
@@ -26,8 +24,6 @@ differs from the weights, autocast.
 from __future__ import annotations
 
 import copy
-import functools
-import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -41,9 +37,8 @@ from lora_lab.kernels.fused_mark import FUSED_STATE_ATTR as _STATE_ATTR
 from lora_lab.kernels.lora.dora import fused_dora_linear
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, fused_lora_linear
 from lora_lab.kernels.lora.shared_input import MAX_SEGMENTS, fused_shared_input_lora
-from lora_lab.kernels.lora.swiglu import SUPPORTED_DTYPES as _SILU_MUL_DTYPES
-from lora_lab.kernels.lora.swiglu import silu_mul
 from lora_lab.kernels.loss.patch import UnsupportedLogitTransform, patch_causal_lm_loss, unpatch_causal_lm_loss
+from lora_lab.kernels.mlp_patch import patch_swiglu_mlps, unpatch_swiglu_mlps
 from lora_lab.kernels.moe import patch as moe_patch
 from lora_lab.kernels.triton_helpers import interpreter_reason, running_in_interpreter
 
@@ -348,75 +343,6 @@ def _install(module, kind, config: KernelConfig):
     module.forward = BoundForward(_fused_forward, module)
 
 
-# ----------------------------------------------------------------------------------------------
-# SwiGLU MLPs: SiLU·up on silu_mul.
-# ----------------------------------------------------------------------------------------------
-_SWIGLU_ATTR = "_lora_lab_swiglu"
-_SWIGLU_EXPRESSION = "self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
-
-
-@functools.cache
-def _forward_is_swiglu(cls) -> bool:
-    """True when ``cls.forward(self, x)`` returns exactly ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (its
-    source, whitespace aside: transformers' Llama, Mistral, Qwen2/3 MLPs and their copies)."""
-    try:
-        source = inspect.getsource(cls.forward)
-        params = list(inspect.signature(cls.forward).parameters)
-    except (OSError, TypeError, ValueError):
-        return False
-    body = [line.strip() for line in source.splitlines()[1:] if line.strip() and not line.strip().startswith("#")]
-    text = "".join("".join(line.split()) for line in body)
-    return params == ["self", "x"] and text in (f"return{_SWIGLU_EXPRESSION}",
-                                                 f"down_proj={_SWIGLU_EXPRESSION}returndown_proj")
-
-
-def _silu_act(act) -> bool:
-    if isinstance(act, nn.SiLU):
-        return True
-    forward = getattr(type(act), "forward", None)  # transformers' SiLUActivation: F.silu, nothing else
-    return type(act).__name__ == "SiLUActivation" and forward is not None and _forward_is_silu(type(act))
-
-
-@functools.cache
-def _forward_is_silu(cls) -> bool:
-    try:
-        lines = [line.strip() for line in inspect.getsource(cls.forward).splitlines()[1:]]
-    except (OSError, TypeError):
-        return False
-    body = [line for line in lines if line and not line.startswith(("#", '"""'))]
-    return len(body) == 1 and "".join(body[0].split()) in ("returnnn.functional.silu(input)",
-                                                           "returntorch.nn.functional.silu(input)")
-
-
-def _swiglu_candidate(module) -> bool:
-    if "forward" in module.__dict__ or not _forward_is_swiglu(type(module)):
-        return False
-    projections = [module._modules.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
-    return all(isinstance(p, nn.Module) for p in projections) and _silu_act(getattr(module, "act_fn", None)) \
-        and any(hasattr(p, _STATE_ATTR) for p in projections)
-
-
-def _swiglu_forward(module, x, *args, **kwargs):
-    """The patched SwiGLU MLP forward (``BoundForward``): SiLU·up on silu_mul where the kernel can run."""
-    if args or kwargs:
-        return _original_forward(module)(x, *args, **kwargs)
-    g, u = module.gate_proj(x), module.up_proj(x)
-    if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device or g.dtype not in _SILU_MUL_DTYPES \
-            or not (g.device.type == "cuda" or (running_in_interpreter() and g.dtype != torch.bfloat16)):
-        return module.down_proj(module.act_fn(g) * u)
-    return module.down_proj(silu_mul(g, u))
-
-
-def _patch_swiglu_mlps(model: nn.Module) -> int:
-    count = 0
-    for m in model.modules():
-        if not hasattr(m, _SWIGLU_ATTR) and _swiglu_candidate(m):
-            setattr(m, _SWIGLU_ATTR, True)
-            m.forward = BoundForward(_swiglu_forward, m)
-            count += 1
-    return count
-
-
 def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool = True,
                 config: KernelConfig | None = None, fused_loss: bool | str = False,
                 fuse_mlp_activation: bool = True) -> dict:
@@ -436,7 +362,7 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
     unmeasured); ``fused_loss="lora_lab"`` / ``"liger"`` forces one.
 
     ``fuse_mlp_activation`` puts SiLU·up of transformers' SwiGLU MLPs that hold a patched projection on
-    :func:`~lora_lab.kernels.silu_mul` (see the module docstring; False keeps their own forward).
+    :func:`~lora_lab.kernels.silu_mul` (:mod:`lora_lab.kernels.mlp_patch`; False keeps their own forward).
 
     Returns a summary: ``{"lora_layers": n, "shared_input_groups": g, "frozen_members": f, "moe_experts": e,
     "swiglu_mlps": m (MLPs whose SiLU·up runs on silu_mul),
@@ -520,7 +446,7 @@ def patch_model(model: nn.Module, strict: bool = True, fuse_shared_inputs: bool 
                 groups += 1
 
     moe = moe_patch.patch_moe_experts(model, config=config)
-    swiglu = _patch_swiglu_mlps(model) if fuse_mlp_activation else 0
+    swiglu = patch_swiglu_mlps(model) if fuse_mlp_activation else 0
     skipped = [why for _, why in bad]
     if not found and not moe and liger["loss"] is None:
         skipped.append(f"{type(model).__name__} has no LoRA layer (nor MoE experts, nor a fused loss asked for): "
@@ -600,11 +526,6 @@ def unpatch_model(model: nn.Module) -> int:
             m.__dict__.pop("forward", None)
         delattr(m, _STATE_ATTR)
         count += 1
-    for m in model.modules():
-        if getattr(m, _SWIGLU_ATTR, False):
-            forward = m.__dict__.get("forward")
-            if isinstance(forward, BoundForward) and forward.function is _swiglu_forward:
-                del m.__dict__["forward"]  # patched only where the instance had no forward of its own
-            delattr(m, _SWIGLU_ATTR)  # (a forward set after ours, e.g. Liger's, stays)
+    unpatch_swiglu_mlps(model)
     unpatch_causal_lm_loss(model)
     return count + moe_patch.unpatch_moe_experts(model)

@@ -10,7 +10,7 @@
 * :func:`repetition_dots` — every repetition's value as a point over a bar or line (the spread a median hides);
 * :func:`is_oom` — whether an exception is the GPU running out of memory (a recorded result, not a crash);
 * :func:`error_text` — an exception as the one-line text an ``error`` row records (a CUDA OOM as its figures,
-  :func:`oom_text`, so the allocator's split is never cut away);
+  :func:`oom_text`, so the allocator's split is never cut away); :func:`failed_cell` — a failed cell's status and text;
 * :func:`session_argv` — a script's own arguments for one child session (``--out`` replaced, ``--sessions`` dropped);
 * :func:`without_options` — arguments less some options and their values;
 * :func:`add_ledger_argument` / :func:`write_summary` — ``--ledger``: the summary CSV's figures also appended to
@@ -180,6 +180,14 @@ def error_text(exc: BaseException, limit: int = 300) -> str:
     out-of-memory error as its figures (:func:`oom_text`), so none is cut away."""
     compact = oom_text(exc) if is_oom(exc) else None
     return (compact or f"{type(exc).__name__}: {exc}")[:limit]
+
+
+def failed_cell(exc: BaseException) -> tuple[str, str]:
+    """A failed cell's ``(status, error)``: ``oom`` with :func:`error_text`, else ``error`` with the message's first
+    line (the traceback is printed apart)."""
+    if is_oom(exc):
+        return "oom", error_text(exc)
+    return "error", f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"
 
 
 def without_options(argv: list[str], names: tuple[str, ...]) -> list[str]:

@@ -92,8 +92,7 @@ from bench_common import (
     add_ledger_argument,
     check_device,
     device_line,
-    error_text,
-    is_oom,
+    failed_cell,
     repetition_dots,
     write_summary,
 )
@@ -382,8 +381,7 @@ def bench_cell(shape, hidden, vocab, tokens, head, methods, resolved, args, devi
                     step()  # untimed: takes this method's large blocks from the allocator
                 times = measure.event_ms(step, calls=known["calls"])
             except Exception as exc:  # noqa: BLE001 - a failing method is a recorded result, not a crash
-                failure = ("oom", error_text(exc)) if is_oom(exc) else (
-                    "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                failure = failed_cell(exc)
                 if failure[0] == "error":
                     traceback.print_exc()
             # outside the except block: the traceback's frames (and the tensors they hold) are gone

@@ -56,8 +56,7 @@ from bench_common import (
     check_device,
     chosen_variants,
     device_line,
-    error_text,
-    is_oom,
+    failed_cell,
     repetition_dots,
     write_summary,
 )
@@ -248,8 +247,7 @@ def bench(args, variants, available, device, dtype):
                 result = run_variant(trained, loss_function(loss), ids, args.steps,
                                      device.type == "cuda" and variant not in first)
             except Exception as exc:  # noqa: BLE001 - a failing variant is a recorded result, not a crash
-                failure = ("oom", error_text(exc)) if is_oom(exc) else (
-                    "error", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+                failure = failed_cell(exc)
                 if failure[0] == "error":
                     traceback.print_exc()
             # outside the except block: the traceback's frames (and the tensors they hold) are gone

@@ -41,7 +41,11 @@ field              variable                meaning
                                            kernels), or ``torch`` (cuBLAS calls: each launch costs the host
                                            a C++ call instead of Triton's Python launch path; the big GEMMs
                                            stay as ``base_gemm`` says; dropout keeps
-                                           ``triton``, whose kernels regenerate the mask)
+                                           ``triton``, whose kernels regenerate the mask); ``auto`` (the
+                                           default): ``triton``, except where ``base_gemm`` is ``auto`` too
+                                           and the measured rule of
+                                           :func:`lora_lab.kernels.lora.dispatch.linear_route` runs every
+                                           product of the call on cuBLAS
 ``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first
                                            one that fits, for quick test runs)
 ``moe_autotune``   ``LORA_LAB_MOE_AUTOTUNE``  the same for the MoE kernels
@@ -115,7 +119,7 @@ CHOICES = {
     "moe_engine": ("auto", "triton", "grouped_mm"),
     "moe_scatter": ("auto", "triton", "grouped_mm"),
     "moe_down_backward": ("auto", "triton", "grouped_mm"),
-    "rank_ops": ("triton", "torch"),
+    "rank_ops": ("auto", "triton", "torch"),
 }
 # values that existed once, and why they are gone (named in the error)
 REMOVED = {
@@ -181,7 +185,7 @@ SHIPPED = {
     "dispatch": "auto", "base_gemm": "auto", "overlap": "auto", "gemm_loads": "auto", "fuse_q_db": False,
     "fold_projection": False, "autotune": True, "moe_autotune": True, "moe_block_m": None, "moe_loads": "pointer",
     "moe_weight_grad": "auto", "moe_engine": "auto", "moe_scatter": "auto", "moe_down_backward": "auto",
-    "rank_ops": "triton",
+    "rank_ops": "auto",
 }
 
 

@@ -13,14 +13,23 @@ import torch
 
 from lora_lab.kernels.config import KernelConfig
 
-__all__ = ["engine_for", "base_gemm_engine", "side_stream", "join_side_stream",
-           "FORWARD_TRITON_MIN_VOLUME", "BACKWARD_TRITON_MIN_VOLUME"]
+__all__ = ["engine_for", "base_gemm_engine", "linear_route", "side_stream", "join_side_stream",
+           "FORWARD_TRITON_MIN_VOLUME", "BACKWARD_TRITON_MIN_VOLUME", "LINEAR_DEEP_K_TRITON_MIN_VOLUME"]
 
 # GEMM volumes M·K·N from which the Triton engine is used (below: cuBLAS calls)
 FORWARD_TRITON_MIN_VOLUME = 3.0e11
 BACKWARD_TRITON_MIN_VOLUME = 5.0e11
 
+# The LoRA linear on the Triton engine, left on its defaults (linear_route): every product a cuBLAS call, except a
+# GEMM whose reduction is deeper than its output is wide (K > N) from this volume M·K·N up, which keeps the Triton
+# GEMM with the rank-r step in its K loop. Chosen from side-by-side runs on an H100 beside axolotl's kernels (two
+# processes per setting) and in the Llama-3-8B-shaped step, agreeing with notebook 05's route table on the H200:
+# cuBLAS was faster at 8k tokens × 4096 × 12288 both ways (volume 4.1e11) and at 32k × 4096², Triton for the step's
+# down projection (K 14,336, N 4096, 9.6e11) and at 32k × 12288 × 4096, r 16. The threshold lies between the two.
+LINEAR_DEEP_K_TRITON_MIN_VOLUME = 6.0e11
+
 _SIDE_STREAMS: dict = {}
+_LINEAR_ROUTES: dict = {}
 
 
 def engine_for(M: int, K: int, N: int, device: torch.device, config: KernelConfig, backward: bool = False) -> str:
@@ -51,6 +60,27 @@ def base_gemm_engine(config: KernelConfig, default: str = "triton", supported=("
     (:mod:`lora_lab.kernels.lora.quack_gemm`): cuBLAS-class GEMMs with no extra pass over the output.
     """
     return config.base_gemm if config.base_gemm in supported else default
+
+
+def linear_route(M: int, K: int, N: int, device: torch.device, config: KernelConfig) -> KernelConfig:
+    """The settings the LoRA linear runs a Triton-engine call with: ``config`` with ``rank_ops="auto"`` resolved.
+
+    Where the op is left on its defaults (``dispatch``, ``base_gemm``, ``rank_ops`` and ``gemm_loads`` on ``auto``,
+    no ``fold_projection``), a CUDA call runs every product on cuBLAS (``base_gemm="cublas"``,
+    ``rank_ops="torch"``) unless K > N and M·K·N >= ``LINEAR_DEEP_K_TRITON_MIN_VOLUME``, where it keeps the Triton
+    GEMM (``base_gemm="triton"``, ``rank_ops="triton"``). Anything set by hand is kept, ``rank_ops="auto"`` then
+    meaning ``triton``; in Triton's CPU interpreter the rule means Triton (the interpreter proves the kernels)."""
+    if config.rank_ops != "auto":
+        return config
+    on_defaults = (config.dispatch == config.base_gemm == config.gemm_loads == "auto"
+                   and not config.fold_projection and device.type == "cuda")
+    pure_cublas = on_defaults and not (K > N and float(M) * K * N >= LINEAR_DEEP_K_TRITON_MIN_VOLUME)
+    key = (config, pure_cublas)
+    routed = _LINEAR_ROUTES.get(key)
+    if routed is None:
+        routed = _LINEAR_ROUTES[key] = (config.replace(base_gemm="cublas", rank_ops="torch") if pure_cublas
+                                        else config.replace(rank_ops="triton"))
+    return routed
 
 
 def side_stream(device: torch.device, config: KernelConfig, default: bool = False):

@@ -21,8 +21,9 @@ The input stays in its dtype end to end (bf16, fp16 or fp32); the tensor cores a
 each output is rounded once.
 
 The work is done by :mod:`.rank_ops` (the memory-bound rank-r passes P, Q, dA, dB) and :mod:`.gemm` (the GEMM
-with the rank-r term in its epilogue); :mod:`.dispatch` picks Triton or cuBLAS per call and size, and
-:class:`lora_lab.kernels.KernelConfig` holds every setting.
+with the rank-r term in its epilogue); :mod:`.dispatch` picks Triton or cuBLAS per call and size (left on its
+defaults, a GPU call runs every product on cuBLAS except a large GEMM with K > N: :func:`.dispatch.linear_route`),
+and :class:`lora_lab.kernels.KernelConfig` holds every setting.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import torch
 from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora import quack_gemm
-from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, side_stream
+from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, linear_route, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
 from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
@@ -88,7 +89,7 @@ def _folds(config: KernelConfig, dropout_p: float, rank: int) -> bool:
 
 def _cublas_forward(x2, weight, bias, a, b, scaling):
     """(Y, P) with P = s · X Aᵀ and Y = X Wᵀ + b + P Bᵀ, as three cuBLAS calls (no dropout)."""
-    p = torch.mm(x2, a.t()).mul_(scaling)
+    p = _scaled_mm(x2, a.t(), scaling)
     y = torch.addmm(bias, x2, weight.t()) if bias is not None else torch.mm(x2, weight.t())
     y.addmm_(p, b.t())
     return y, p
@@ -156,7 +157,10 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         a = lora_A.to(cdt)
         b = lora_B.to(cdt)
 
-        if dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas":
+        cublas_engine = dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas"
+        if not cublas_engine:  # which route the Triton engine takes (rank_ops="auto": the measured rule)
+            config = linear_route(M, K, N, x.device, config)
+        if cublas_engine:
             # small GEMMs: the same P and Y from cuBLAS calls (host-bound otherwise, see the module notes)
             y, p = _cublas_forward(x2, weight, bias, a, b, scaling)
         elif _quack_route(config, x2, weight, a.shape[0], dropout_p):
@@ -216,7 +220,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
 
         if ctx.dropout_p == 0.0 and engine_for(x2.shape[0], K, N, dy2.device, config, backward=True) == "cublas":
             # small GEMMs: the same formulas as cuBLAS calls (the Triton launches would leave the GPU idle)
-            q = torch.mm(dy2, b).mul_(ctx.scaling) if (need_x or need_a) else None  # Q = s · dY B
+            q = _scaled_mm(dy2, b, ctx.scaling) if (need_x or need_a) else None  # Q = s · dY B
             if need_lb:
                 db = torch.mm(dy2.t(), p).to(b_dtype)  # dB = dYᵀ P
             if need_a:
@@ -225,6 +229,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
             return dx, dw, dbias, da, db, None, None, None, None
 
+        config = linear_route(x2.shape[0], K, N, dy2.device, config)  # as forward's (resolved there: unchanged)
         if (need_x or need_a) and _quack_route(config, x2, weight, a.shape[0], ctx.dropout_p):
             # Qᵀ = s · Bᵀ dYᵀ (r×M, cuBLAS); dX = dY W + Q A in one QuACK GEMM; dA = Qᵀ X, dB = (Pᵀ dY)ᵀ by cuBLAS
             q_t = _scaled_mm(b.t(), dy2.t(), ctx.scaling)

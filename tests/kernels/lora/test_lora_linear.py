@@ -13,7 +13,7 @@ from lora_lab.kernels import (
     lora_linear_reference,
     lora_linear_unfused,
 )
-from lora_lab.kernels.lora.dispatch import engine_for
+from lora_lab.kernels.lora.dispatch import LINEAR_DEEP_K_TRITON_MIN_VOLUME, engine_for, linear_route
 from lora_lab.numerics import cosine, rel_l2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,7 +112,7 @@ def test_torch_rank_ops_with_fp32_adapters_and_the_environment(monkeypatch):
     monkeypatch.setenv("LORA_LAB_RANK_OPS", "cublas")
     with pytest.raises(ValueError, match="LORA_LAB_RANK_OPS"):
         KernelConfig.from_env()
-    with pytest.raises(ValueError, match="rank_ops must be one of triton, torch"):
+    with pytest.raises(ValueError, match="rank_ops must be one of auto, triton, torch"):
         KernelConfig(rank_ops="cuda")
 
 
@@ -490,6 +490,35 @@ def test_engine_dispatch_by_gemm_volume():
     assert engine_for(32768, 4096, 4096, cuda, KernelConfig(dispatch="cublas")) == "cublas"
     with pytest.raises(ValueError, match="dispatch"):
         KernelConfig(dispatch="fast")
+
+
+def test_linear_route_on_defaults_and_by_hand():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    auto = KernelConfig.from_env({})
+    assert auto.rank_ops == "auto"
+
+    def route(M, K, N, config=auto, device=cuda):
+        routed = linear_route(M, K, N, device, config)
+        return routed.base_gemm, routed.rank_ops
+
+    pure, kernels = ("cublas", "torch"), ("auto", "triton")
+    assert route(8192, 4096, 12288) == pure  # wide output: every product on cuBLAS
+    assert route(8192, 12288, 4096) == pure  # deep K, but below the volume
+    assert route(32768, 4096, 4096) == pure
+    assert route(16384, 14336, 4096) == kernels  # a Llama-3-8B down projection: the Triton GEMM
+    assert route(32768, 12288, 4096) == kernels
+    m = int(LINEAR_DEEP_K_TRITON_MIN_VOLUME // (12288 * 4096))
+    assert route(m, 12288, 4096) == pure and route(m + 1, 12288, 4096) == kernels
+    assert route(8192, 4096, 12288, device=cpu) == kernels  # the interpreter runs the kernels
+    assert linear_route(8192, 4096, 12288, cuda, auto) is linear_route(8192, 4096, 12288, cuda, auto)  # cached
+    # anything set by hand is kept, rank_ops="auto" then meaning triton
+    for fields in ({"dispatch": "triton"}, {"base_gemm": "triton"}, {"gemm_loads": "persistent"},
+                   {"fold_projection": True}):
+        config = auto.replace(**fields)
+        assert route(8192, 4096, 12288, config) == (config.base_gemm, "triton"), fields
+    assert route(8192, 4096, 12288, auto.replace(base_gemm="cublas")) == ("cublas", "triton")
+    assert route(8192, 4096, 12288, auto.replace(rank_ops="triton")) == ("auto", "triton")
+    assert route(16384, 14336, 4096, auto.replace(rank_ops="torch")) == ("auto", "torch")
 
 
 @pytest.mark.parametrize("M,K,N,r,bias", [(37, 45, 53, 1, True), (70, 96, 80, 16, False), (0, 33, 17, 4, True)])

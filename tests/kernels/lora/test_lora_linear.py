@@ -521,6 +521,19 @@ def test_linear_route_on_defaults_and_by_hand():
     assert route(16384, 14336, 4096, auto.replace(rank_ops="torch")) == ("auto", "torch")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,K,N,route", [(8195, 4096, 12290, ("cublas", "torch")),
+                                         (10243, 14338, 4100, ("auto", "triton"))], ids=["pure-cublas", "deep-k"])
+def test_gpu_default_routes_bf16(M, K, N, route):
+    # the op as shipped (config=None) at a shape of each side of the rule, in bf16 against the fp64 reference
+    cuda = torch.device("cuda")
+    routed = linear_route(M, K, N, cuda, KernelConfig.from_env({}))
+    assert (routed.base_gemm, routed.rank_ops) == route
+    x, w, b, A, B = make_case(M, K, N, 16, torch.bfloat16, device="cuda")
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=KernelConfig.from_env({}))
+    assert cosine(y, yr) >= 0.99999
+
+
 @pytest.mark.parametrize("M,K,N,r,bias", [(37, 45, 53, 1, True), (70, 96, 80, 16, False), (0, 33, 17, 4, True)])
 def test_cublas_engine_matches_reference(M, K, N, r, bias):
     # the small-shape engine: the same formulas as cuBLAS calls, same saved tensors, same gradients

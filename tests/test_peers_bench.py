@@ -122,3 +122,19 @@ def test_call_runs_the_step_first_then_the_ops_each_in_a_folder_notebook_10_read
     assert "unsloth" not in lines[1] and "unsloth" not in lines[2]  # unsloth's ops: a process of their own
     assert done.stdout.index("== step") < done.stdout.index("== MoE ops") < done.stdout.index("== LoRA ops") \
         < done.stdout.index("== done")
+
+
+def test_call_parts_pick_some_of_the_three_and_a_wrong_one_is_named(tmp_path):
+    _wheel(tmp_path / ".whl", "axolotl-0.21.0")
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -c ] || [ "$1" = -m ]; then exec {sys.executable} "$@"; fi\n'
+                    f'echo "ARGS=$*" >> {calls}\n')
+    fake.chmod(0o755)
+    done = _run(tmp_path, "call", PY=str(fake), CALL_PARTS="moe", MOE_S="30", LOAD_S="30")
+    assert done.returncode == 0, done.stderr
+    outs = [Path(line.split("--out ")[1].split()[0]).name for line in calls.read_text().splitlines()[1:]]
+    assert outs == ["ops_moe"]
+    assert "== step" not in done.stdout and "== LoRA ops" not in done.stdout
+    wrong = _run(tmp_path, "call", PY=str(fake), CALL_PARTS="moe loss")
+    assert wrong.returncode == 2 and "unknown part loss" in wrong.stdout

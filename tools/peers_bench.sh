@@ -20,8 +20,10 @@
 #                                                270 s, 3 steps per repetition: ours, PEFT + Liger, axolotl, unsloth
 #                                                last; PEFT, slower than PEFT + Liger, is left to the step part), the
 #                                                Qwen3-30B-A3B-shaped MoE beside Liger, LlamaFactory and VeOmni in a
-#                                                process of its own ($RES/ops_moe; MOE_S, 150 s), then the LoRA ops
-#                                                beside PEFT and axolotl (OPS_S, 90 s). unsloth's ops: the ops part
+#                                                process of its own ($RES/ops_moe; MOE_S, 210 s: about three minutes
+#                                                on an H100), then the LoRA ops beside PEFT and axolotl (OPS_S, 90 s);
+#                                                CALL_PARTS (default "step moe ops") picks some of the three, to
+#                                                spread them over calls. unsloth's ops: the ops part
 #
 # RES (default $OUT) receives the results; PY (default python3) runs them, with PYTHONPATH=$PWD:$SITE (SITE, default
 # /tmp/site: where the peers are installed).
@@ -130,18 +132,28 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
         --checkpointing $ckpt --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
     done ;;
   call)
+    parts=" ${CALL_PARTS:-step moe ops} "
+    for p in $parts; do
+      case $p in step|moe|ops) ;; *) echo "CALL_PARTS: unknown part $p (step, moe, ops)"; exit 2 ;; esac
+    done
     bash "$0" install
     timeout "${LOAD_S:-60}" bash "$0" load > /dev/null
     cat "$RES/peers_load.txt"
-    echo "== step, $(date +%T)"
-    CKPT=on timeout "${STEP_S:-270}" bash "$0" step --models llama3_8b --impls ours peft_liger axolotl unsloth \
-      --steps 3
-    echo "== MoE ops, $(date +%T)"  # a process of their own: the MoE cells come after every LoRA cell in one
-    timeout "${MOE_S:-150}" $PY benchmarks/bench_peers.py --out "$RES/ops_moe" --peers liger llamafactory veomni \
-      --ops moe_full --moe-shapes qwen3_30b_a3b 2>&1 | tail -20
-    echo "== LoRA ops, $(date +%T)"
-    timeout "${OPS_S:-90}" $PY benchmarks/bench_peers.py --out "$RES/ops" --peers peft axolotl \
-      --ops lora_mlp lora_qkv lora_linear 2>&1 | tail -30
+    if [[ $parts == *" step "* ]]; then
+      echo "== step, $(date +%T)"
+      CKPT=on timeout "${STEP_S:-270}" bash "$0" step --models llama3_8b --impls ours peft_liger axolotl unsloth \
+        --steps 3
+    fi
+    if [[ $parts == *" moe "* ]]; then
+      echo "== MoE ops, $(date +%T)"  # a process of their own: the MoE cells come after every LoRA cell in one
+      timeout "${MOE_S:-210}" $PY benchmarks/bench_peers.py --out "$RES/ops_moe" --peers liger llamafactory veomni \
+        --ops moe_full --moe-shapes qwen3_30b_a3b 2>&1 | tail -20
+    fi
+    if [[ $parts == *" ops "* ]]; then
+      echo "== LoRA ops, $(date +%T)"
+      timeout "${OPS_S:-90}" $PY benchmarks/bench_peers.py --out "$RES/ops" --peers peft axolotl \
+        --ops lora_mlp lora_qkv lora_linear 2>&1 | tail -30
+    fi
     echo "== done, $(date +%T)" ;;
   *) echo "unknown part $PART (install, sites, load, ops, step or call)"; exit 2 ;;
 esac

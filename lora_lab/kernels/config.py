@@ -42,8 +42,8 @@ field              variable                meaning
                                            a C++ call instead of Triton's Python launch path; the big GEMMs
                                            stay as ``base_gemm`` says; dropout keeps
                                            ``triton``, whose kernels regenerate the mask); ``auto`` (the
-                                           default): ``triton``, except where ``base_gemm`` is ``auto`` too
-                                           and the measured rule of
+                                           default): ``triton``, except where the LoRA linear's other
+                                           settings are on their defaults too and the measured rule of
                                            :func:`lora_lab.kernels.lora.dispatch.linear_route` runs every
                                            product of the call on cuBLAS
 ``autotune``       ``LORA_LAB_AUTOTUNE``   LoRA kernels: time a few tile configs per shape (off: the first

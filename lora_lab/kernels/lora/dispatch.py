@@ -4,8 +4,9 @@ Every Triton launch costs host time (argument binding, the autotuner's lookup, T
 call does not, and the backward makes four of them. When the GEMMs are small the GPU finishes before the host
 has launched the next kernel, so below a GEMM volume M·K·N the same formulas run as cuBLAS calls
 (:func:`engine_for`); forward and backward choose separately, and both engines save the same tensors (X, P).
-The thresholds and each op's defaults were chosen from side-by-side H200 benchmarks; ``benchmarks/`` measures
-every setting, and notebook 05 shows the result.
+The thresholds and each op's defaults were chosen from side-by-side H200 benchmarks (the LoRA linear's route rule,
+:func:`linear_route`, from H100 runs beside axolotl's kernels too); ``benchmarks/`` measures every setting, and
+notebook 05 shows the result.
 """
 from __future__ import annotations
 
@@ -68,8 +69,9 @@ def linear_route(M: int, K: int, N: int, device: torch.device, config: KernelCon
     Where the op is left on its defaults (``dispatch``, ``base_gemm``, ``rank_ops`` and ``gemm_loads`` on ``auto``,
     no ``fold_projection``), a CUDA call runs every product on cuBLAS (``base_gemm="cublas"``,
     ``rank_ops="torch"``) unless K > N and M·K·N >= ``LINEAR_DEEP_K_TRITON_MIN_VOLUME``, where it keeps the Triton
-    GEMM (``base_gemm="triton"``, ``rank_ops="triton"``). Anything set by hand is kept, ``rank_ops="auto"`` then
-    meaning ``triton``; in Triton's CPU interpreter the rule means Triton (the interpreter proves the kernels)."""
+    GEMM (``base_gemm`` left on ``auto``, the op's Triton default, and ``rank_ops="triton"``). Anything set by hand
+    is kept, ``rank_ops="auto"`` then meaning ``triton``; in Triton's CPU interpreter the rule means Triton (the
+    interpreter proves the kernels)."""
     if config.rank_ops != "auto":
         return config
     on_defaults = (config.dispatch == config.base_gemm == config.gemm_loads == "auto"

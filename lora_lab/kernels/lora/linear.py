@@ -158,8 +158,8 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         b = lora_B.to(cdt)
 
         cublas_engine = dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas"
-        if not cublas_engine:  # which route the Triton engine takes (rank_ops="auto": the measured rule)
-            config = linear_route(M, K, N, x.device, config)
+        if not cublas_engine:
+            config = linear_route(M, K, N, x.device, config)  # the Triton engine's route (rank_ops="auto": a rule)
         if cublas_engine:
             # small GEMMs: the same P and Y from cuBLAS calls (host-bound otherwise, see the module notes)
             y, p = _cublas_forward(x2, weight, bias, a, b, scaling)

@@ -525,7 +525,7 @@ def test_linear_route_on_defaults_and_by_hand():
 @pytest.mark.parametrize("M,K,N,route", [(8195, 4096, 12290, ("cublas", "torch")),
                                          (10243, 14338, 4100, ("auto", "triton"))], ids=["pure-cublas", "deep-k"])
 def test_gpu_default_routes_bf16(M, K, N, route):
-    # the op as shipped (config=None) at a shape of each side of the rule, in bf16 against the fp64 reference
+    # the op with the shipped settings at a shape on each side of the rule, in bf16 against the fp64 reference
     cuda = torch.device("cuda")
     routed = linear_route(M, K, N, cuda, KernelConfig.from_env({}))
     assert (routed.base_gemm, routed.rank_ops) == route

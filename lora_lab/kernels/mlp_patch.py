@@ -11,13 +11,12 @@ from __future__ import annotations
 import functools
 import inspect
 
-import torch
 from torch import nn
 
 from lora_lab.kernels.bound_forward import BoundForward
 from lora_lab.kernels.fused_mark import FUSED_STATE_ATTR
 from lora_lab.kernels.lora.swiglu import SUPPORTED_DTYPES, silu_mul
-from lora_lab.kernels.triton_helpers import running_in_interpreter
+from lora_lab.kernels.triton_helpers import interpreter_reason
 
 __all__ = ["patch_swiglu_mlps", "unpatch_swiglu_mlps"]
 
@@ -55,7 +54,7 @@ def _swiglu_forward(module, x, *args, **kwargs):
         return type(module).forward(module, x, *args, **kwargs)
     g, u = module.gate_proj(x), module.up_proj(x)
     if g.shape != u.shape or g.dtype != u.dtype or g.device != u.device or g.dtype not in SUPPORTED_DTYPES \
-            or not (g.device.type == "cuda" or (running_in_interpreter() and g.dtype != torch.bfloat16)):
+            or interpreter_reason(g, "silu_mul") is not None:  # silu_mul's own device and interpreter checks
         return module.down_proj(module.act_fn(g) * u)
     return module.down_proj(silu_mul(g, u))
 

@@ -42,3 +42,18 @@ def test_refuses_a_pattern_that_drops_nothing_or_the_record(tmp_path):
     assert nothing.returncode == 1 and "no member" in nothing.stderr
     record = _run(wheel, tmp_path / "out2", "--drop", "*RECORD")
     assert record.returncode != 0 and "RECORD" in record.stderr
+
+
+def test_lzma_recompresses_every_member_and_keeps_its_bytes(tmp_path):
+    wheel = _wheel(tmp_path / "pkg-1.0-py3-none-any.whl")
+    done = _run(wheel, tmp_path / "out", "--lzma")
+    assert done.returncode == 0, done.stderr
+    with zipfile.ZipFile(wheel) as before, zipfile.ZipFile(tmp_path / "out" / wheel.name) as after:
+        assert after.namelist() == before.namelist()
+        assert {i.compress_type for i in after.infolist()} == {zipfile.ZIP_LZMA}
+        assert all(after.read(n) == before.read(n) for n in before.namelist())
+
+
+def test_needs_drop_or_lzma(tmp_path):
+    done = _run(_wheel(tmp_path / "pkg-1.0-py3-none-any.whl"), tmp_path / "out")
+    assert done.returncode == 2 and "--drop" in done.stderr

@@ -5,7 +5,7 @@ for every CUDA and ROCm release) and unsloth (29 MB, 26 of them its web UI, the 
 ``studio``). The copy keeps everything else byte for byte and drops the removed files' lines from the wheel's
 RECORD, so pip installs it as the same distribution and version. ``--lzma`` also stores every member
 LZMA-compressed instead of deflated (a zip method pip's extraction reads): the CUTLASS DSL's 89 MB CUDA library
-wheel, which nothing can be dropped from, comes down by about a third (RECORD's hashes are of the uncompressed
+wheel, which nothing can be dropped from, comes down to about 63 MB (RECORD's hashes are of the uncompressed
 files, so they stay valid).
 
     python tools/slim_wheel.py WHEEL OUTDIR --drop 'studio/*' --drop 'unsloth_cli/*'

@@ -157,10 +157,9 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         a = lora_A.to(cdt)
         b = lora_B.to(cdt)
 
-        cublas_engine = dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas"
-        if not cublas_engine:
-            config = linear_route(M, K, N, x.device, config)  # the Triton engine's route (rank_ops="auto": a rule)
-        if cublas_engine:
+        # the Triton engine's route (rank_ops="auto": a rule), resolved once and saved for backward
+        config = linear_route(M, K, N, x.device, config)
+        if dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas":
             # small GEMMs: the same P and Y from cuBLAS calls (host-bound otherwise, see the module notes)
             y, p = _cublas_forward(x2, weight, bias, a, b, scaling)
         elif _quack_route(config, x2, weight, a.shape[0], dropout_p):
@@ -229,7 +228,6 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
             return dx, dw, dbias, da, db, None, None, None, None
 
-        config = linear_route(x2.shape[0], K, N, dy2.device, config)  # as forward's (resolved there: unchanged)
         if (need_x or need_a) and _quack_route(config, x2, weight, a.shape[0], ctx.dropout_p):
             # Qᵀ = s · Bᵀ dYᵀ (r×M, cuBLAS); dX = dY W + Q A in one QuACK GEMM; dA = Qᵀ X, dB = (Pᵀ dY)ᵀ by cuBLAS
             q_t = _scaled_mm(b.t(), dy2.t(), ctx.scaling)

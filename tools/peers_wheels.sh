@@ -3,6 +3,7 @@
 # kernel modules import that the GPU image lacks, into one folder that a single device call carries (under 20 MiB).
 #
 #   bash tools/peers_wheels.sh [DIR]        (default .whl-peers; add its name to .git/info/exclude)
+#   bash tools/peers_wheels.sh quack [DIR]  QuACK's group (default DIR build/parts-quack), see below
 #
 # On the GPU host: WHEELS=DIR bash tools/peers_bench.sh install (pip --no-deps into /tmp/site), then load/ops/step.
 #
@@ -23,11 +24,22 @@
 # json5, structlog (listed in unsloth's metadata, imported by none of the modules timed).
 # Found by reading the import chains and importing on a CPU host (unsloth takes a CPU path there): what breaks on
 # the GPU is what the `load` part of tools/peers_bench.sh records.
+#
+# `quack`: quack-kernels 0.6.5 with the CUTLASS DSL 4.7.1 it asks for (libs-base, libs-core, libs-cu12 and
+# nvidia-cuda-nvdisasm), cuda-python 12.9.10 (cuda-bindings, cuda-pathfinder), apache-tvm-ffi, torch-c-dlpack-ext
+# and einops. Deflated, the DSL's CUDA library wheel alone is larger than what one call takes beside the
+# repository; each wheel is therefore stored LZMA-compressed (tools/slim_wheel.py --lzma; pip installs it as
+# usual), about 77 MiB in all, and the group cut into two call folders DIR/1 and DIR/2 of about 39 MiB
+# (tools/parts.py split --calls 2). Each travels in one call, carried with no other wheels, to one host that stays
+# up between the two:
+#   bash tools/remote_gpu_run.sh COMMIT --no-install --site-parts DIR/1 command -- ...     (carry DIR/1)
+#   bash tools/remote_gpu_run.sh COMMIT --no-install --site-parts DIR/2 command -- \
+#       bash -c 'bash tools/peers_bench.sh sites; PYTHONPATH=$PWD:/tmp/site-quack python3 ...'   (carry DIR/2)
+# (gathered and assembled into build/assembled-sites/; `sites` installs the group into $SITE-quack, default
+# /tmp/site-quack, for notebook 05's base_gemm="quack" route and QuACK's loss as a peer).
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-dest=${1:-.whl-peers}
-mkdir -p "$dest"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 fetch() {
@@ -35,6 +47,22 @@ fetch() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$tmp" "$@"
 }
+if [ "${1:-}" = quack ]; then
+  dest=${2:-build/parts-quack}
+  fetch quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1 nvidia-cutlass-dsl-libs-base==4.7.1 \
+    nvidia-cutlass-dsl-libs-core==4.7.1 nvidia-cutlass-dsl-libs-cu12==4.7.1 nvidia-cuda-nvdisasm==13.5.37 \
+    apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-python==12.9.10 \
+    cuda-bindings==12.9.10 cuda-pathfinder==1.9.1
+  for wheel in "$tmp"/*.whl; do
+    python3 tools/slim_wheel.py "$wheel" "$tmp/lzma" --lzma
+  done
+  rm -rf "$dest"
+  python3 tools/parts.py split "$tmp"/lzma/*.whl --out "$dest" --part-mib 10 --calls 2 > /dev/null
+  du -sh "$dest"/1 "$dest"/2
+  exit 0
+fi
+dest=${1:-.whl-peers}
+mkdir -p "$dest"
 fetch axolotl==0.21.0 unsloth==2026.10.9 unsloth-zoo==2026.10.9 llamafactory==0.9.5 veomni==0.1.12 \
   liger-kernel==0.8.5 cut-cross-entropy==25.1.1 trl==1.14.1 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 \
   evaluate==0.4.6 pydantic==2.13.5 pydantic-core==2.46.5 annotated-types==0.8.0 typing-inspection==0.4.5 \

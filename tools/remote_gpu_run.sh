@@ -7,9 +7,11 @@
 #   bash tools/remote_gpu_run.sh COMMIT [--limit S] [--no-install] [--triton-cache] [--profile P] [--parts DIR]
 #                                [--site-parts DIR] command -- CMD ...
 #
-# COMMIT   the full 40-digit commit of the copied tree (`git rev-parse HEAD` here). The copy's own .git, if any,
-#          names another commit: it is moved aside and COMMIT declared through $LORA_LAB_SOURCE_COMMIT
-#          (lora_lab.lab.provenance.git_state), so a run records the commit that `lora-lab publish` checks.
+# COMMIT   the full 40-digit commit of the copied tree (`git rev-parse HEAD` here), declared through
+#          $LORA_LAB_SOURCE_COMMIT: the copy's own .git, if any, names another commit, and the declaration wins
+#          (lora_lab.lab.provenance.git_state), so a run records the commit that `lora-lab publish` checks. The
+#          copy's .git stays where it is: the host's next call updates the copy through it (a call to a warm host
+#          failed at its start whenever an earlier call had moved it away).
 # notebooks ONLY   `make run PROFILE=gpu ONLY=ONLY` (e.g. 07 or 05,09) into build/runs/gpu/.
 # --profile P      a gpu profile other than gpu (gpu-24g, gpu-40g, gpu-sm80: docs/gpu.md): `make run PROFILE=P` into
 #                  build/runs/P/, packed instead of build/runs/gpu (the environment is .venv-gpu all the same).
@@ -71,9 +73,7 @@ case $MODE in
   *) echo "remote_gpu_run.sh: the mode is 'notebooks' or 'command', not '$MODE'" >&2; exit 2 ;;
 esac
 
-# 1. the declared commit (a copy's stale .git would make the run's commit wrong, and the run unpublishable)
-#    (into $LORA_LAB_STALE_GIT_DIR, default /tmp: a host's copy is thrown away with the host)
-if [ -d .git ]; then mv .git "${LORA_LAB_STALE_GIT_DIR:-/tmp}/stale-copy-git.$$"; fi
+# 1. the declared commit (it outranks the copy's own .git, which names another commit)
 export LORA_LAB_SOURCE_COMMIT=$COMMIT
 echo "declared commit $LORA_LAB_SOURCE_COMMIT" | tee "$OUT/declared.log"
 

@@ -1,5 +1,6 @@
-"""tools/remote_gpu_run.sh: on a copy of the tree it moves the copy's stale .git aside and declares the commit, so
-provenance.git_state records that commit (source "declared", dirty unknown) instead of the stale repository's;
+"""tools/remote_gpu_run.sh: on a copy of the tree it declares the commit, so provenance.git_state records that commit
+(source "declared", dirty unknown) instead of the copy's stale repository's, which stays in place (the host updates
+the copy through it on its next call);
 it runs the command under its limit and packs build/runs/gpu; bad arguments are refused before anything runs."""
 import os
 import shutil
@@ -21,14 +22,17 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 def copy(tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(ROOT / "lora_lab", copy / "lora_lab", ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(["git", "init", "-q", str(copy)], check=True)  # the stale repository of a copied tree
+    subprocess.run(["git", "init", "-q", str(copy)], check=True)  # the stale repository of a copied tree, at
+    (copy / "stale.txt").write_text("the host's own commit")  # a commit other than the declared one
+    subprocess.run(["git", "-C", str(copy), "add", "stale.txt"], check=True)
+    subprocess.run(["git", "-C", str(copy), "-c", "user.name=host", "-c", "user.email=host@example.org", "commit",
+                    "-q", "-m", "host"], check=True)
     (tmp_path / "out").mkdir()
     return copy
 
 
 def run(copy, *args, out=True, **extra_env):
     env = {k: v for k, v in os.environ.items() if k != "LORA_LAB_SOURCE_COMMIT"}
-    env["LORA_LAB_STALE_GIT_DIR"] = str(copy.parent)  # the copy's stale repository goes here, not into /tmp
     env.update(extra_env)
     env["PYTHONPATH"] = str(copy)
     if out:
@@ -45,10 +49,10 @@ def test_declares_the_commit_runs_and_packs(copy):
     done = run(copy, COMMIT, "--no-install", "--limit", "60", "command", "--", sys.executable, "-c", probe)
     assert done.returncode == 0, done.stderr
     out = copy.parent / "out"
-    assert not (copy / ".git").exists() and list(copy.parent.glob("stale-copy-git.*"))
+    assert (copy / ".git").is_dir() and not list(copy.parent.glob("stale-copy-git.*"))  # left where it was
     assert f"declared commit {COMMIT}" in (out / "declared.log").read_text()
     log = (out / "run.log").read_text()
-    assert f"'git_commit': '{COMMIT}'" in log and "'git_source': 'declared'" in log
+    assert f"'git_commit': '{COMMIT}'" in log and "'git_source': \"declared (the copy's .git is at" in log
     with tarfile.open(out / "results.tgz") as packed:
         assert "build/runs/gpu/x.csv" in packed.getnames()
     assert "exit 0" in (out / "summary.txt").read_text()
@@ -99,7 +103,6 @@ def test_parts_carried_over_two_calls_are_assembled_after_the_second(copy, tmp_p
     log = (copy.parent / "out" / "parts.log").read_text()
     assert "incomplete: weights-0.1-py3-none-any.whl" in log
     assert not list((copy / "build/assembled").glob("*.whl"))
-    (copy / ".git").mkdir()  # the next call's copy brings its stale repository again
     second = run(copy, COMMIT, "--no-install", "--parts", ".parts/2", "command", "--", "true",
                  LORA_LAB_PARTS_STORE=store)
     assert second.returncode == 0, second.stderr

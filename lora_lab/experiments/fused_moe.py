@@ -473,7 +473,7 @@ def layer_numerics(shape: MoeLayerShape, num_tokens: int, mode: str, seed: int =
             set_implementation(h, _bare_experts(h), "eager" if is_ref else impl, config)
             out = h(xi, index, wi)
             grads = torch.autograd.grad(out, [xi, wi, *params], cast(grad_out))
-            results[impl] = [t.detach().float() for t in (out, *grads)]
+            results[impl] = [t.detach() for t in (out, *grads)]  # as computed: error_stats upcasts a slice at a time
             unpatch_moe_experts(h)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved_tf32

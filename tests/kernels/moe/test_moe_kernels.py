@@ -634,3 +634,21 @@ def test_backward_frees_gate_up_and_refuses_a_second_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fused_moe_experts(leaves[0], index, leaves[1], leaves[2], leaves[3], config=config)
     assert (21 * 2, 2 * 24) in shapes  # [g | u] (S = T * K rows, 2I columns) goes through save_for_backward
+
+
+@interpreter
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_layer_numerics_rows_on_a_scaled_layer(mode):
+    """Notebook 06's numerics cell on CPU (fp32, interpreter): a row per implementation and tensor, each near the
+    fp32 reference; the implementations' results are kept as computed and measured a slice at a time."""
+    from lora_lab.experiments import fused_moe as fm
+
+    shape = fm.LAYER_SHAPES["qwen3_30b_a3b"].scaled(hidden=32, num_experts=4, top_k=2, intermediate=24)
+    rows = fm.layer_numerics(shape, 13, mode, seed=1, device="cpu", dtype=torch.float32)
+    impls = fm.implementations(mode)
+    assert {r["impl"] for r in rows} == set(impls)
+    tensors = {r["tensor"] for r in rows}
+    assert {"out", "d_x", "d_weights"} <= tensors and len(tensors) >= 4
+    assert len(rows) == len(impls) * len(tensors)
+    for row in rows:
+        assert row["rel_l2"] < 1e-4 and row["cosine"] > 0.9999, row

@@ -29,12 +29,14 @@
 # nvidia-cuda-nvdisasm), cuda-python 12.9.10 (cuda-bindings, cuda-pathfinder), apache-tvm-ffi, torch-c-dlpack-ext
 # and einops. Deflated, the DSL's CUDA library wheel alone is larger than what one call takes beside the
 # repository; each wheel is therefore stored LZMA-compressed (tools/slim_wheel.py --lzma; pip installs it as
-# usual), about 77 MiB in all, and the group cut into two call folders DIR/1 and DIR/2 of about 39 MiB
-# (tools/parts.py split --calls 2). Each travels in one call, carried with no other wheels, to one host that stays
-# up between the two:
+# usual), about 77 MiB in all, and the group cut into call folders DIR/1 ... DIR/CALLS (`quack [DIR] [CALLS]`,
+# default build/parts-quack and 3: a call takes 64 MiB with the repository, about 28 MiB now). Each travels in one
+# call, carried with no other wheels, to one host that stays up between them; carrying each under one folder name
+# (copied into .whl/, say) keeps the calls' carry lists alike:
 #   bash tools/remote_gpu_run.sh COMMIT --no-install --site-parts DIR/1 command -- ...     (carry DIR/1)
-#   bash tools/remote_gpu_run.sh COMMIT --no-install --site-parts DIR/2 command -- \
-#       bash -c 'bash tools/peers_bench.sh sites; PYTHONPATH=$PWD:/tmp/site-quack python3 ...'   (carry DIR/2)
+#   ... DIR/2 likewise, then the last:
+#   bash tools/remote_gpu_run.sh COMMIT --no-install --site-parts DIR/3 command -- \
+#       bash -c 'bash tools/peers_bench.sh sites; PYTHONPATH=$PWD:/tmp/site-quack python3 ...'   (carry DIR/3)
 # (gathered and assembled into build/assembled-sites/; `sites` installs the group into $SITE-quack, default
 # /tmp/site-quack, for notebook 05's base_gemm="quack" route and QuACK's loss as a peer).
 set -euo pipefail
@@ -48,7 +50,8 @@ fetch() {
     --platform manylinux2014_x86_64 --platform any -d "$tmp" "$@"
 }
 if [ "${1:-}" = quack ]; then
-  dest=${2:-build/parts-quack}
+  dest=${2:-build/parts-quack} calls=${3:-3}
+  [[ "$calls" =~ ^[1-9][0-9]*$ ]] || { echo "peers_wheels.sh: CALLS is a whole number of calls, not '$calls'" >&2; exit 2; }
   fetch quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1 nvidia-cutlass-dsl-libs-base==4.7.1 \
     nvidia-cutlass-dsl-libs-core==4.7.1 nvidia-cutlass-dsl-libs-cu12==4.7.1 nvidia-cuda-nvdisasm==13.5.37 \
     apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-python==12.9.10 \
@@ -57,8 +60,8 @@ if [ "${1:-}" = quack ]; then
     python3 tools/slim_wheel.py "$wheel" "$tmp/lzma" --lzma
   done
   rm -rf "$dest"
-  python3 tools/parts.py split "$tmp"/lzma/*.whl --out "$dest" --part-mib 10 --calls 2 > /dev/null
-  du -sh "$dest"/1 "$dest"/2
+  python3 tools/parts.py split "$tmp"/lzma/*.whl --out "$dest" --part-mib 10 --calls "$calls" > /dev/null
+  du -sh "$dest"/*
   exit 0
 fi
 dest=${1:-.whl-peers}

@@ -30,7 +30,9 @@ fails is an ``error`` / ``oom`` row. Timing as in ``bench_whole_step``: every im
 (``measure.peak_bytes``) right after the untimed first step.
 
 Writes into --out: peers_step.csv (one row per model, checkpointing, implementation and repetition), the rows
-``peer_comparison.step_metrics`` reads.
+``peer_comparison.step_metrics`` reads, and peers_step_floor.csv (one row per model and checkpointing: the step's
+matrix-product FLOPs by part, ``lora_lab.experiments.step_floor``, and its floor at the dense bf16 rate of an
+8192³ product timed in the same process; ``peer_comparison.floor_table`` sets each step beside it).
 
     python benchmarks/bench_peers_step.py --out DIR                           # both models, checkpointing off, on
     python benchmarks/bench_peers_step.py --out DIR --models llama3_8b --checkpointing off
@@ -50,10 +52,12 @@ import peers as peer_loader
 import torch
 from bench_common import check_device, device_line, error_text, is_oom, without_options
 
+from lora_lab.experiments import peer_comparison, step_floor
 from lora_lab.experiments.whole_step import RECIPE
 from lora_lab.lab import measure
 
 CSV = "peers_step.csv"
+FLOOR_CSV = peer_comparison.FLOOR_CSV
 MODELS = {"llama3_8b": ("llama", 32), "qwen3_30b_a3b": ("qwen3_moe", 48)}
 IMPLS = ("peft", "peft_liger", "ours", "ours_cublas_base", "ours_pure_cublas", "ours_quack", "axolotl", "unsloth")
 WHOLE_STEP_VARIANT = {"peft": "peft", "peft_liger": "peft_liger", "ours": RECIPE,
@@ -186,6 +190,17 @@ def run_model(model_name, args, device, dtype, done=()) -> list[dict]:
     return rows
 
 
+def matmul_tflops(device, dtype, size: int = 8192, calls: int = 20) -> float | None:
+    """TFLOP/s of one ``size``³ product on random data in the user's loop (CUDA; None elsewhere): the rate a step's
+    products could reach at best on this GPU, the floor's denominator."""
+    if device.type != "cuda":
+        return None
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    ms = statistics.median(measure.loop_ms(lambda: torch.mm(a, b), calls=calls, warmup=5))
+    return 2 * size**3 / (ms * 1e-3) / 1e12
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
@@ -210,8 +225,8 @@ def main(argv=None) -> None:
     args.checkpoint_dir = str(Path(args.checkpoint_dir or Path(args.out) / "checkpoints").resolve())
     if args.sessions > 1:  # the sessions share the checkpoints: written once
         raw = without_options(sys.argv[1:] if argv is None else list(argv), ("--out", "--sessions", "--checkpoint-dir"))
-        measure.run_script_sessions(Path(__file__), [*raw, "--checkpoint-dir", args.checkpoint_dir], args.out, [CSV],
-                                    sessions=args.sessions)
+        measure.run_script_sessions(Path(__file__), [*raw, "--checkpoint-dir", args.checkpoint_dir], args.out,
+                                    [CSV, FLOOR_CSV], sessions=args.sessions)
         return
     if args.repetitions < 1 or args.steps < 1:
         ap.error("--repetitions and --steps must be >= 1")
@@ -223,16 +238,29 @@ def main(argv=None) -> None:
     device = check_device(args.smoke)
     dtype = torch.float32 if device.type != "cuda" else torch.bfloat16
     print(device_line(device, dtype, args.repetitions), flush=True)
-    rows = []
+    tflops = matmul_tflops(device, dtype)
+    if tflops:
+        print(f"dense bf16 rate (8192³, the floor's denominator): {tflops:.0f} TFLOP/s", flush=True)
+    rows, floors = [], []
     for model_name in args.models:
         for ckpt in args.checkpointing:
             run = copy.copy(args)
             run.checkpointing_now = ckpt
             run.layers = 1 if args.smoke else (args.layers or MODELS[model_name][1])
             print(f"{model_name}, {run.layers} layers, checkpointing {ckpt}", flush=True)
+            family = MODELS[model_name][0]
+            floors.append(step_floor.floor_rows(model_name, whole.model_config(family, run.layers, args.smoke),
+                                                args.batch, args.seq, ckpt, tflops,
+                                                lora_experts=family == "qwen3_moe"))
             rows += run_model(model_name, run, device, dtype, rows)
             measure.write_csv(rows, Path(args.out) / CSV)  # after every model and setting
-    print(f"wrote {Path(args.out) / CSV}: {len(rows)} rows", flush=True)
+            measure.write_csv(floors, Path(args.out) / FLOOR_CSV)
+    for line in peer_comparison.floor_table(rows, floors):
+        share = f"{line['floor_share']:.2f} of it at the floor ({line['floor_ms']:.0f} ms)" if line["floor_share"] \
+            else "no floor without a measured rate"
+        print(f"   {line['model']} ckpt {line['checkpointing']}: {line['impl']} {line['step_ms']:.1f} ms, {share}",
+              flush=True)
+    print(f"wrote {Path(args.out) / CSV}: {len(rows)} rows, and {Path(args.out) / FLOOR_CSV}", flush=True)
 
 
 if __name__ == "__main__":

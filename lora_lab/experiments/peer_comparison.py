@@ -140,6 +140,28 @@ def step_metrics(rows) -> dict:
 
 
 OPS_CSV, STEP_CSV = "peers_ops.csv", "peers_step.csv"  # what bench_peers.py and bench_peers_step.py write
+FLOOR_CSV = "peers_step_floor.csv"  # bench_peers_step.py: each model's step FLOPs and its floor at the measured rate
+
+
+def floor_table(step_rows, floor_rows) -> list[dict]:
+    """Per model, checkpointing and implementation that ran: the median step time, the step's matrix-product floor
+    (:mod:`lora_lab.experiments.step_floor`, at the dense bf16 rate measured in the same processes; the median over
+    them) and ``floor_share`` = floor / step: the share of the step its products would take at that rate."""
+    table = []
+    for model, ckpt in dict.fromkeys((r["model"], r["checkpointing"]) for r in step_rows):
+        floors = [float(r["floor_ms"]) for r in floor_rows
+                  if r["model"] == model and r["checkpointing"] == ckpt and r.get("floor_ms") not in (None, "")]
+        floor = statistics.median(floors) if floors else None
+        ran: dict[str, list[float]] = {}
+        for r in step_rows:
+            if (r["model"], r["checkpointing"]) == (model, ckpt) and r.get("status", "ok") == "ok" \
+                    and r.get("step_ms") is not None:
+                ran.setdefault(r["impl"], []).append(float(r["step_ms"]))
+        for impl, times in ran.items():
+            step = statistics.median(times)
+            table.append(dict(model=model, checkpointing=ckpt, impl=impl, step_ms=step, floor_ms=floor,
+                              floor_share=floor / step if floor else None))
+    return table
 
 
 def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:

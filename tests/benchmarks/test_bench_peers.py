@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import types
@@ -126,7 +127,7 @@ def _step_args(tmp_path, **kw):
 @pytest.mark.slow
 @pytest.mark.parametrize("sequential", [False, True])
 def test_full_depth_smoke_rows_feed_the_step_metrics(step_bench, monkeypatch, tmp_path, sequential):
-    from lora_lab.experiments import peer_comparison
+    from lora_lab.experiments import peer_comparison, step_floor
 
     for name in ("axolotl", "unsloth"):
         monkeypatch.setitem(sys.modules, name, None)  # missing, whether or not installed
@@ -147,6 +148,17 @@ def test_full_depth_smoke_rows_feed_the_step_metrics(step_bench, monkeypatch, tm
     assert metrics["peers_step_llama3_8b_ckpt_off_cublas_base_speedup_vs_ours"]["n"] == 2
     assert metrics["peers_step_llama3_8b_ckpt_off_pure_cublas_speedup_vs_ours"]["n"] == 2
     assert "peers_step_llama3_8b_ckpt_off_quack_speedup_vs_ours" not in metrics
+    # the floor beside each step: a made-up rate (CPU has no measured one) gives floor / step per implementation
+    cfg = step_bench.whole.model_config("llama", 1, True)
+    floor = step_floor.floor_rows("llama3_8b", cfg, 2, 16, "off", tflops=1e-6)
+    table = peer_comparison.floor_table(rows, [floor])
+    assert {line["impl"] for line in table} == {"ours", "ours_cublas_base", "ours_pure_cublas", "peft"}
+    for line in table:
+        steps = [r["step_ms"] for r in rows if r["impl"] == line["impl"] and r["status"] == "ok"]
+        assert line["step_ms"] == pytest.approx(statistics.median(steps))
+        assert line["floor_share"] == pytest.approx(floor["floor_ms"] / line["step_ms"])
+    assert floor["floor_ms"] == pytest.approx(floor["flops_total"] / 1e6 * 1e3)
+    assert peer_comparison.floor_table(rows, [dict(floor, floor_ms=None)])[0]["floor_share"] is None
 
 
 @pytest.mark.slow

@@ -61,8 +61,9 @@ def shape_of(config: Any) -> StepShape:
     experts = int(_get(config, "num_experts", "num_local_experts", "n_routed_experts", default=0) or 0)
     top_k = int(_get(config, "num_experts_per_tok", default=0) or 0) if experts else 0
     dense_layers = _get(config, "mlp_only_layers", default=()) or ()
-    if dense_layers:
-        raise ValueError("shape_of: layers with a dense MLP among the MoE layers (mlp_only_layers) are not modelled")
+    if experts and (dense_layers or int(_get(config, "decoder_sparse_step", default=1) or 1) != 1):
+        raise ValueError("shape_of: layers with a dense MLP among the MoE layers (mlp_only_layers, "
+                         "decoder_sparse_step) are not modelled")
     return StepShape(
         layers=layers, hidden=hidden, intermediate=0 if experts else int(_get(config, "intermediate_size")),
         heads=heads, kv_heads=int(_get(config, "num_key_value_heads", default=heads)),

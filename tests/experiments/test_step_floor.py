@@ -80,3 +80,7 @@ def test_bad_input_is_named():
         step_floor.step_flops(step_floor.StepShape(1, 8, 8, 1, 1, 8, 8), 0, 4)
     with pytest.raises(ValueError, match="lacks hidden_size"):
         step_floor.shape_of(object())
+    mixed = transformers.Qwen3MoeConfig(**dict(LLAMA, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                               decoder_sparse_step=2))
+    with pytest.raises(ValueError, match="dense MLP among the MoE layers"):
+        step_floor.shape_of(mixed)

@@ -154,8 +154,9 @@ def loss_steps(head: str, variants, device, dtype, smoke: bool, shape_name: str 
     return steps, f"{shape_name} d={hidden} V={vocab} N={tokens} {head}"
 
 
-def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
-    """Per kernel (CUDA) or operator (CPU): launches and microseconds per profiled step, largest first."""
+def all_kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
+    """Every kernel (CUDA) or operator (CPU) of a profile: launches and microseconds per profiled step (its own time:
+    the device's for a kernel, the CPU's for an operator), largest first."""
     rows = []
     for event in prof.key_averages():
         if event.key == idle_gaps.STEP_MARK:  # the step's own range (host and device timelines), not a kernel
@@ -170,6 +171,12 @@ def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
         if us > 0:
             rows.append({"kernel": event.key, "calls_per_step": event.count / steps, "us_per_step": us / steps})
     rows.sort(key=lambda r: -r["us_per_step"])
+    return rows
+
+
+def kernel_rows(prof, cuda: bool, steps: int) -> list[dict]:
+    """The :data:`TOP_KERNELS` largest of :func:`all_kernel_rows` and one row for the rest, each with its share."""
+    rows = all_kernel_rows(prof, cuda, steps)
     total = sum(r["us_per_step"] for r in rows) or 1.0
     top, rest = rows[:TOP_KERNELS], rows[TOP_KERNELS:]
     if rest:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import bench_peers_step as peers_step
 import bench_whole_step as whole
+import profile_kernels
 import torch
 from bench_common import check_device, device_line, error_text
 
@@ -67,21 +68,10 @@ def category(name: str) -> str:
 
 
 def kernel_times(prof, cuda: bool, steps: int) -> list[dict]:
-    """Per kernel (CUDA) or top-level CPU operator: calls and milliseconds per step, with its category."""
-    rows = []
-    for event in prof.key_averages():
-        if cuda:
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = getattr(event, "self_device_time_total", None)
-            us = us if us is not None else event.self_cuda_time_total
-        else:
-            us = event.self_cpu_time_total
-        if us > 0:
-            rows.append({"kernel": event.key, "category": category(event.key), "calls_per_step": event.count / steps,
-                         "ms_per_step": us / steps / 1e3})
-    rows.sort(key=lambda r: -r["ms_per_step"])
-    return rows
+    """Per kernel (CUDA) or CPU operator (``profile_kernels.all_kernel_rows``): calls and milliseconds per step,
+    with its category, largest first."""
+    return [{"kernel": r["kernel"], "category": category(r["kernel"]), "calls_per_step": r["calls_per_step"],
+             "ms_per_step": r["us_per_step"] / 1e3} for r in profile_kernels.all_kernel_rows(prof, cuda, steps)]
 
 
 def by_category(kernels: list[dict]) -> list[dict]:

@@ -21,7 +21,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lora_lab.memory.byte_model import ModelShape
+
 __all__ = ["StepShape", "shape_of", "step_flops", "floor_ms", "floor_rows"]
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -85,27 +89,23 @@ def step_flops(shape: StepShape, batch: int, seq: int, rank: int = 16, checkpoin
     replay = 1 if checkpointing else 0
     frozen = 2 * (2 + replay)  # per K·N and token: forward, input gradient, recomputed forward
     adapter = 2 * (3 + replay)  # per r·(K+N) and token: two forward products, four backward, recomputed forward
-    d, q_out, kv_out = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    linears = [(d, q_out), (d, kv_out), (d, kv_out), (q_out, d)]  # q, k, v, o
-    mlps = []  # (intermediate, how many per token, routed)
-    if shape.experts:
-        mlps.append((shape.expert_intermediate, shape.top_k, True))
-        if shape.shared_intermediate:
-            mlps.append((shape.shared_intermediate, 1, False))
-    else:
-        mlps.append((shape.intermediate, 1, False))
+    d, q_out = shape.hidden, shape.heads * shape.head_dim
+    # the layer's dense projections as the byte model lists them (q, k, v, o, and gate, up, down without experts)
+    dense = ModelShape(hidden_size=d, intermediate_size=shape.intermediate, num_layers=shape.layers,
+                       num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                       vocab_size=shape.vocab).linear_shapes()
+    linears = [(k, n) for name, (k, n, _) in dense.items() if shape.intermediate or name in ATTENTION]
     parts = dict.fromkeys(("projections", "lora", "attention", "head", "router", "experts"), 0.0)
     per_layer_proj = sum(k * n for k, n in linears)
     per_layer_lora = sum(k + n for k, n in linears)
-    for width, count, routed in mlps:
-        mlp_kn = 3 * d * width  # gate and up (d → width each) and down (width → d)
-        if routed:  # the experts' gate_up as one adapter (d → 2·width), down another (PEFT's target_parameters)
-            parts["experts"] += shape.layers * count * mlp_kn * frozen * tokens
-            if lora_experts:
-                parts["lora"] += shape.layers * count * rank * ((d + 2 * width) + (width + d)) * adapter * tokens
-        else:  # gate, up and down, an adapter each
-            per_layer_proj += mlp_kn * count
-            per_layer_lora += 3 * (d + width) * count
+    if shape.experts:  # the experts' gate_up as one adapter (d → 2·width), down another (PEFT's target_parameters)
+        width = shape.expert_intermediate
+        parts["experts"] = shape.layers * shape.top_k * 3 * d * width * frozen * tokens
+        if lora_experts:
+            parts["lora"] = shape.layers * shape.top_k * rank * ((d + 2 * width) + (width + d)) * adapter * tokens
+        if shape.shared_intermediate:  # a shared expert: a dense gated MLP, an adapter on each of its projections
+            per_layer_proj += 3 * d * shape.shared_intermediate
+            per_layer_lora += 3 * (d + shape.shared_intermediate)
     parts["projections"] = shape.layers * per_layer_proj * frozen * tokens
     parts["lora"] += shape.layers * rank * per_layer_lora * adapter * tokens
     if shape.experts:

@@ -28,6 +28,9 @@ script N times, one process after another, and pools the rows (intervals then sp
 ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
 synchronised after it, so host time counts); ``host_ms``: the host's own time per call (``measure.host_ms``:
 from the call to its return, synchronised outside; a step is host-bound where it exceeds the GPU time);
+``host_busy_ms`` (CUDA): the same call made behind a sleep kernel that keeps the device busy
+(``measure.host_ms_busy``), the host's cost with no wait for an idle device in it, and ``host_waits``, the calls
+among them that returned only after the device had run dry (a call that synchronises);
 ``back_to_back_ms`` (with ``--back-to-back``): ``measure.kernel_loop_ms`` (``do_bench``, calls
 queued unsynchronised), a labelled secondary column, as are the components' ``ms``. Notebook 05 reads the
 per-repetition rows
@@ -321,6 +324,7 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
             row = {**base, "variant": name, "rep": rep, "status": "ok",
                    "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **loop)),
                    "host_ms": statistics.median(measure.host_ms(steps[name], **loop)),
+                   **host_busy(steps[name], loop, cuda),
                    "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms)
                    if cuda and getattr(args, "back_to_back", False) else None}
             if args.forward:
@@ -342,6 +346,15 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
                 comp_rows.append({**base, "component": name, "rep": rep,
                                   "ms": measure.kernel_loop_ms(working[name], args.warmup_ms, args.rep_ms)})
     return rows, comp_rows
+
+
+def host_busy(step, loop: dict, cuda: bool) -> dict:
+    """``host_busy_ms`` (median over the timed calls) and ``host_waits`` of :func:`measure.host_ms_busy` on CUDA;
+    empty columns without a CUDA device."""
+    if not cuda:
+        return {"host_busy_ms": None, "host_waits": None}
+    times, waited = measure.host_ms_busy(step, **loop)
+    return {"host_busy_ms": statistics.median(times), "host_waits": waited}
 
 
 def scaled(dims, smoke: bool):
@@ -369,6 +382,8 @@ def summary_rows(rows):
         row.update(fwd_bwd_ms=ms["median"], ms_ci95_low=ms["ci95"][0], ms_ci95_high=ms["ci95"][1], n=ms["n"],
                    host_ms=statistics.median(r["host_ms"] for r in mine if r.get("host_ms") is not None)
                    if any(r.get("host_ms") is not None for r in mine) else None,
+                   host_busy_ms=statistics.median(r["host_busy_ms"] for r in mine if r.get("host_busy_ms") is not None)
+                   if any(r.get("host_busy_ms") is not None for r in mine) else None,
                    tflops=4.0 * first["M"] * first["K"] * first["N"] / (ms["median"] * 1e-3) / 1e12)
         refs = [("base", "time_vs_base"), ("peft", "time_vs_peft")]
         if any(r["cell"] == cell and r["variant"] == "base_graphed" for r in rows):

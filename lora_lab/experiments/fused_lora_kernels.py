@@ -246,10 +246,7 @@ def rank_ops_metrics(rows, cells) -> dict:
                                                            {"cell": t, "variant": "base"})
         out[f"lora_linear_{v}_time_vs_fused_{t}"] = _ratio(rows, "fwd_bwd_ms", {"cell": t, "variant": v},
                                                             {"cell": t, "variant": "fused"})
-        host = measure.by_repetition(rows, "host_ms", cell=t, variant=v)
-        if host:
-            out[f"lora_linear_{v}_host_ms_{t}"] = measure.summarize((x for _, x in sorted(host.items())),
-                                                                    sessions=measure.sessions_in(rows))
+        out.update(_host_ms(rows, t, v))
     out[f"lora_linear_{v}_worst_time_vs_base"] = _worst_cell(rows, cells, v)
     return out
 
@@ -335,13 +332,19 @@ def note_skipped_quack(rows: list[dict]) -> dict[str, str]:
     return noted
 
 
+HOST_COLUMNS = ("host_ms", "host_busy_ms")  # the host's time per call from an idle device, and behind a busy one
+
+
 def _host_ms(rows, cell: str, variant: str) -> dict:
-    """``{lora_linear_<variant>_host_ms_<cell>: summary}`` where every repetition has a host time, else {}."""
-    host = measure.by_repetition(rows, "host_ms", cell=cell, variant=variant)
-    if not host:
-        return {}
-    return {f"lora_linear_{variant}_host_ms_{cell}": measure.summarize(
-        (v for _, v in sorted(host.items())), sessions=measure.sessions_in(rows))}
+    """``{lora_linear_<variant>_<column>_<cell>: summary}`` for each of :data:`HOST_COLUMNS` the rows hold (the
+    repetitions that have it; ``host_busy_ms`` is absent from CPU runs and older CSVs)."""
+    out = {}
+    for column in HOST_COLUMNS:
+        host = measure.by_repetition(rows, column, cell=cell, variant=variant)
+        if host:
+            out[f"lora_linear_{variant}_{column}_{cell}"] = measure.summarize(
+                (v for _, v in sorted(host.items())), sessions=measure.sessions_in(rows))
+    return out
 
 
 def plot_pooled(root: Path | str, directory: Path | str) -> list[str]:
@@ -416,10 +419,7 @@ def benchmark_metrics(directory, allow_smoke: bool = False) -> dict:
             for variant in ("base", "fused", "peft"):
                 out[f"lora_linear_{variant}_tflops_{t}"] = _tflops(rows, t, variant)
             for variant in ("base", "fused"):  # the host's own time per call (absent from older CSVs)
-                host = measure.by_repetition(rows, "host_ms", cell=t, variant=variant)
-                if host and all(v is not None for v in host.values()):
-                    out[f"lora_linear_{variant}_host_ms_{t}"] = measure.summarize(
-                        (v for _, v in sorted(host.items())), sessions=measure.sessions_in(rows))
+                out.update(_host_ms(rows, t, variant))
         cells = list(dict.fromkeys(r["cell"] for r in rows))
         out["lora_linear_worst_time_vs_base"] = _worst_cell(rows, cells, "fused")
         out["lora_linear_cells"] = len(cells)

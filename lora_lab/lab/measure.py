@@ -43,6 +43,7 @@ __all__ = [
     "kernel_loop_ms",
     "event_ms",
     "host_ms",
+    "host_ms_busy",
     "peak_bytes",
     "training_step_ms",
     "repeat",
@@ -164,6 +165,67 @@ def host_ms(fn: Callable[[], object], calls: int = 10, warmup: int = 2) -> list[
         times.append(1e3 * (time.perf_counter() - start))
         sync()
     return times
+
+
+def host_ms_busy(fn: Callable[[], object], calls: int = 10, warmup: int = 2,
+                 busy_ms: float = 25.0) -> tuple[list[float], int]:
+    """Host milliseconds of each of ``calls`` calls of ``fn`` made while the device is still busy: before each call
+    a sleep kernel of about ``busy_ms`` is queued on the current stream, so every kernel the call launches lands
+    behind it and nothing in the call waits for the device, unless the call synchronises with it (an ``.item()``,
+    a copy to the host, a ``cudaFree``). What is left is the CPU's own cost of the call: Python, checks, the
+    autograd engine, launches. :func:`host_ms` starts each call on an idle device instead, where a launch may cost
+    more than one behind a busy queue; the two side by side tell launch overhead from the device's own latency.
+
+    Returns ``(times, waited)``: ``waited`` counts the timed calls that returned after the sleep had finished (an
+    event recorded behind it had completed): such a call either waited for the device or took longer than
+    ``busy_ms`` on the host, and its time is no longer the host's alone. CUDA only (``torch.cuda._sleep``)."""
+    if calls < 1:
+        raise ValueError(f"host_ms_busy needs calls >= 1, got {calls}")
+    if warmup < 0:
+        raise ValueError(f"host_ms_busy needs warmup >= 0, got {warmup}")
+    if not busy_ms > 0:
+        raise ValueError(f"host_ms_busy needs busy_ms > 0, got {busy_ms}")
+    torch = _cuda()
+    if torch is None:
+        raise RuntimeError("host_ms_busy keeps a CUDA device busy while the host calls fn; no CUDA device here "
+                           "(host_ms times the call without one)")
+    cycles = max(1, int(busy_ms * _sleep_cycles_per_ms(torch)))
+    for _ in range(warmup):
+        fn()
+        torch.cuda.synchronize()
+    times, waited = [], 0
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        slept = torch.cuda.Event()
+        slept.record()
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+        waited += bool(slept.query())
+        torch.cuda.synchronize()
+    return times, waited
+
+
+_SLEEP_CYCLES_PER_MS: dict[int, float] = {}
+
+
+def _sleep_cycles_per_ms(torch) -> float:
+    """Clock cycles of ``torch.cuda._sleep`` per millisecond on the current device (measured once per device)."""
+    device = torch.cuda.current_device()
+    if device not in _SLEEP_CYCLES_PER_MS:
+        probe = 10_000_000
+        torch.cuda._sleep(probe // 10)  # first launch outside the timing
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end)
+        if not ms > 0:
+            raise RuntimeError(f"torch.cuda._sleep({probe}) took {ms} ms: cannot calibrate the busy device")
+        _SLEEP_CYCLES_PER_MS[device] = probe / ms
+    return _SLEEP_CYCLES_PER_MS[device]
 
 
 def event_ms(fn: Callable[[], object], calls: int = 1, warmup: int = 0) -> list[float]:

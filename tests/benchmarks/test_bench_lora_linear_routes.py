@@ -121,7 +121,20 @@ def test_route_metrics_from_a_fixture_csv(tmp_path):
     assert m["lora_linear_fused_graphed_worst_host_ms"]["samples"] == pytest.approx([0.14, 0.14])
     assert m[f"lora_linear_fused_graphed_host_ms_{t}"]["samples"] == pytest.approx([0.07, 0.07])
     assert m[f"lora_linear_base_graphed_time_vs_base_{t}"]["median"] == pytest.approx(3.2 / 3)
+    assert f"lora_linear_fused_graphed_host_busy_ms_{t}" not in m  # no busy-device column in these rows
     assert m["lora_linear_fused_pure_cublas_failed_cells"] == 1
+
+
+def test_host_time_behind_a_busy_device_is_recorded_beside_the_idle_one(tmp_path):
+    t = fused_lora_kernels.TARGET_CELL
+    rows = [{**_row(t, v, rep, ms), "host_ms": idle, "host_busy_ms": busy, "host_waits": 0}
+            for v, ms, idle, busy in (("base", 3.0, 0.4, 0.1), ("peft", 7.0, 1.2, 0.6), ("fused", 3.6, 1.7, 0.9))
+            for rep in range(2)]
+    measure.write_csv(rows, tmp_path / fused_lora_kernels.LINEAR_CSV)
+    m = fused_lora_kernels.benchmark_metrics(tmp_path)
+    assert m[f"lora_linear_fused_host_ms_{t}"]["samples"] == pytest.approx([1.7, 1.7])
+    assert m[f"lora_linear_fused_host_busy_ms_{t}"]["samples"] == pytest.approx([0.9, 0.9])
+    assert m[f"lora_linear_base_host_busy_ms_{t}"]["median"] == pytest.approx(0.1)
     assert "lora_linear_fused_cublas_base_qdb_worst_time_vs_base" not in m  # not timed: no metric
 
 

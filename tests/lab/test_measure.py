@@ -101,6 +101,71 @@ def test_host_ms_keeps_synchronisation_outside_the_timed_interval(monkeypatch):
         measure.host_ms(call, warmup=-1)
 
 
+class _BusyCuda:
+    """Stands in for ``torch`` with a CUDA device for :func:`measure.host_ms_busy`: logs syncs, sleeps and event
+    records in order; ``idle`` is what an event's query() answers (True: the device ran dry)."""
+
+    def __init__(self):
+        self.log, self.idle = [], False
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                pass
+
+            def record(self):
+                outer.log.append("record")
+
+            def elapsed_time(self, other):
+                return 2.0  # the calibration's sleep of 10,000,000 cycles took 2 ms
+
+            def query(self):
+                return outer.idle
+
+        self.cuda = SimpleNamespace(Event=Event, synchronize=lambda: outer.log.append("sync"), current_device=lambda: 0,
+                                    _sleep=lambda cycles: outer.log.append(("sleep", cycles)))
+
+
+def test_host_ms_busy_queues_a_calibrated_sleep_before_each_call_and_counts_the_calls_that_waited(monkeypatch):
+    fake = _BusyCuda()
+    monkeypatch.setattr(measure, "_cuda", lambda: fake)
+    monkeypatch.setattr(measure, "_SLEEP_CYCLES_PER_MS", {})
+    calls = []
+
+    def call():
+        calls.append(1)
+        fake.log.append("call")
+        fake.idle = len(calls) in (3, 4)  # the 2nd and 3rd timed calls synchronise: the sleep is over when they return
+
+    times, waited = measure.host_ms_busy(call, calls=3, warmup=1, busy_ms=5.0)
+    assert len(times) == 3 and all(t >= 0 and math.isfinite(t) for t in times) and waited == 2
+    cycles = 5 * 10_000_000 // 2  # 5 ms at the calibrated 5,000,000 cycles per ms
+    timed = fake.log[fake.log.index("call") + 2:]  # after the warm-up call and its sync
+    assert timed == ["sync", ("sleep", cycles), "record", "call", "sync"] * 3
+    fake.idle = False
+    assert measure.host_ms_busy(lambda: None, calls=1, warmup=0, busy_ms=5.0)[1] == 0
+    for bad, match in (({"calls": 0}, "calls >= 1"), ({"warmup": -1}, "warmup >= 0"), ({"busy_ms": 0}, "busy_ms > 0")):
+        with pytest.raises(ValueError, match=match):
+            measure.host_ms_busy(call, **bad)
+
+
+def test_host_ms_busy_needs_a_cuda_device(monkeypatch):
+    monkeypatch.setattr(measure, "_cuda", lambda: None)
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        measure.host_ms_busy(lambda: None)
+
+
+@pytest.mark.gpu
+def test_host_ms_busy_sees_a_synchronising_call_on_the_gpu():
+    import torch
+
+    x = torch.randn(1024, 1024, device="cuda")
+    times, waited = measure.host_ms_busy(lambda: x @ x, calls=5, busy_ms=20.0)
+    assert waited == 0 and len(times) == 5  # launches queue behind the sleep: the device is still busy at return
+    times, waited = measure.host_ms_busy(lambda: (x @ x).sum().item(), calls=5, busy_ms=20.0)
+    assert waited == 5  # .item() waits out the sleep
+
+
 def test_event_ms_keeps_its_old_defaults(monkeypatch):
     fake = _FakeCuda()
     monkeypatch.setattr(measure, "_cuda", lambda: fake)

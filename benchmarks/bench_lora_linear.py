@@ -269,7 +269,8 @@ def components(x, dy, weight, A, B, shipped):
 
 
 def _quack_components(x, dy, weight, a, b, p, q, y, dx) -> dict:
-    """QuACK's GEMMs with the rank-r epilogue (the ``fused_quack`` route's two big GEMMs), and with none, where the
+    """QuACK's GEMMs with the rank-r epilogue (the ``fused_quack`` route's two big GEMMs), with none, and on QuACK's
+    ping-pong schedule (``*_pingpong``: the route runs the cooperative one, ``quack_gemm.gemm_config``), where the
     route can run here (else no components: the table names what ran)."""
     from lora_lab.kernels.lora import quack_gemm
 
@@ -282,6 +283,10 @@ def _quack_components(x, dy, weight, a, b, p, q, y, dx) -> dict:
         "quack_dx_gemm": lambda: quack_gemm.gemm_with_rank_epilogue(dx, dy, weight, q_t, a.contiguous()),
         # rank 0: QuACK's GEMM with the epilogue adding nothing, beside cuBLAS's cublas_fwd_gemm
         "quack_fwd_gemm_norank": lambda: quack_gemm.gemm_with_rank_epilogue(y, x, weight.t(), p_t[:0], b_t[:0]),
+        "quack_fwd_gemm_pingpong": lambda: quack_gemm.gemm_with_rank_epilogue(y, x, weight.t(), p_t, b_t,
+                                                                              schedule="pingpong"),
+        "quack_dx_gemm_pingpong": lambda: quack_gemm.gemm_with_rank_epilogue(dx, dy, weight, q_t, a.contiguous(),
+                                                                             schedule="pingpong"),
     }
 
 

@@ -33,8 +33,8 @@ import torch
 
 from lora_lab import gpu_arch
 
-__all__ = ["MAX_RANK", "DTYPES", "QUACK_PINS", "unavailable_reason", "rank_epilogue", "epilogue_source",
-           "gemm_config", "gemm_with_rank_epilogue"]
+__all__ = ["MAX_RANK", "DTYPES", "QUACK_PINS", "SCHEDULES", "unavailable_reason", "rank_epilogue",
+           "epilogue_source", "gemm_config", "gemm_with_rank_epilogue"]
 
 MAX_RANK = 32
 DTYPES = (torch.bfloat16, torch.float16)
@@ -139,14 +139,22 @@ def rank_epilogue(rank: int, has_bias: bool):
     return _EPILOGUES[key]
 
 
-def gemm_config(rank: int):
-    """QuACK's tile and schedule for a rank-``rank`` epilogue on Hopper: 128×256, cooperative (both consumer warp
-    groups on one tile). ``ptxas -v`` on the sm_90a code (``tools/quack_epilogue_spills.py``) reports spills for
-    QuACK's own default, ping-pong 128×192, at ranks 8 to 32, and none for this tile at those ranks. Whether the
-    ping-pong schedule's overlap of one tile's epilogue with the next tile's main loop would pay for its spills is a
-    GPU measurement not made yet."""
+SCHEDULES = ("cooperative", "pingpong")
+
+
+def gemm_config(rank: int, schedule: str = "cooperative"):
+    """QuACK's tile and schedule for a rank-``rank`` epilogue on Hopper. ``cooperative`` (the route's): 128×256,
+    both consumer warp groups on one tile. ``pingpong``: QuACK's own default, 128×192, the two warp groups on
+    alternate tiles, so one tile's epilogue overlaps the next tile's main loop. ``ptxas -v`` on the sm_90a code
+    (``tools/quack_epilogue_spills.py``) reports spills for the ping-pong tile at ranks 8 to 32 and none for the
+    cooperative one; whether the overlap pays for the spills is what notebook 05's component table times
+    (``quack_*_gemm_pingpong`` beside ``quack_*_gemm``)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"QuACK schedule must be one of {', '.join(SCHEDULES)}; got {schedule!r}")
     from quack.gemm_config import GemmConfig
 
+    if schedule == "pingpong":
+        return GemmConfig(tile_m=128, tile_n=192, pingpong=True, cluster_m=2, cluster_n=1)
     return GemmConfig(tile_m=128, tile_n=256, pingpong=False, cluster_m=2, cluster_n=1)
 
 
@@ -160,12 +168,14 @@ def _packed(t: torch.Tensor, transposed_ok: bool = False) -> torch.Tensor:
 
 
 def gemm_with_rank_epilogue(out: torch.Tensor, inp: torch.Tensor, mat: torch.Tensor, low_t: torch.Tensor,
-                            rt: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                            rt: torch.Tensor, bias: torch.Tensor | None = None,
+                            schedule: str = "cooperative") -> torch.Tensor:
     """``out = inp @ mat + low_tᵀ @ rt (+ bias)`` in one QuACK GEMM.
 
     ``inp``: M×D; ``mat``: D×N (any layout QuACK reads, e.g. ``W.t()``); ``low_t``: r×M and ``rt``: r×N, both
-    row-major (each row one vector operand); ``bias``: N or None; ``out``: M×N, written. An operand TMA cannot
-    read as laid out (an expanded gradient, a strided view) is packed first (:func:`_packed`)."""
+    row-major (each row one vector operand); ``bias``: N or None; ``out``: M×N, written; ``schedule``: one of
+    :data:`SCHEDULES` (:func:`gemm_config`). An operand TMA cannot read as laid out (an expanded gradient, a strided
+    view) is packed first (:func:`_packed`)."""
     rank = low_t.shape[0]
     M, N = out.shape
     if low_t.shape != (rank, M) or rt.shape != (rank, N):
@@ -178,5 +188,5 @@ def gemm_with_rank_epilogue(out: torch.Tensor, inp: torch.Tensor, mat: torch.Ten
     if bias is not None:
         operands["bias"] = bias.reshape(1, N)
     rank_epilogue(rank, bias is not None)(_packed(inp), _packed(mat, transposed_ok=True), out={"D": out},
-                                          tuned=False, config=gemm_config(rank), **operands)
+                                          tuned=False, config=gemm_config(rank, schedule), **operands)
     return out

@@ -38,7 +38,7 @@ class _RowVecLoad(_VecLoad):
 class _EpilogueGemm:
     """QuACK's EpiMod as the route calls it: ``mod(A, B, out={"D": buf}, tuned=..., **operands)``."""
 
-    calls = []
+    calls, configs = [], []
 
     def __init__(self, fn, ops):
         self.fn, self.ops = fn, ops
@@ -47,7 +47,8 @@ class _EpilogueGemm:
         assert C is None and set(operands) == set(self.ops), sorted(operands)
         # what TMA reads: a row-major A, B row- or column-major (W or Wᵀ), no expanded or strided operand
         assert A.is_contiguous() and (B.is_contiguous() or B.t().is_contiguous()), (A.stride(), B.stride())
-        assert not tuned and config == ("tiles for rank", len(self.ops) // 2), config
+        assert not tuned and config[0].endswith("tiles for rank") and config[1] == len(self.ops) // 2, config
+        _EpilogueGemm.configs.append(config[0])
         acc = A.double() @ B.double()
         values = {}
         for name, op in self.ops.items():
@@ -69,11 +70,12 @@ def fake_quack(monkeypatch):
     """The route on the CPU: QuACK's frontend replaced, the device accepted, fp32 allowed (the exact check)."""
     monkeypatch.setattr(quack_gemm, "_frontend", lambda: (_fake_gemm_epilogue, _ColVecLoad, _RowVecLoad))
     monkeypatch.setattr(quack_gemm, "_device_problem", lambda device: None)
-    monkeypatch.setattr(quack_gemm, "gemm_config", lambda rank: ("tiles for rank", rank))
+    monkeypatch.setattr(quack_gemm, "gemm_config", lambda rank, schedule="cooperative": (
+        "tiles for rank" if schedule == "cooperative" else f"{schedule} tiles for rank", rank))
     monkeypatch.setattr(quack_gemm, "DTYPES", (torch.bfloat16, torch.float16, torch.float32))
     monkeypatch.setattr(quack_gemm, "_EPILOGUES", {})
     monkeypatch.setattr(quack_gemm, "_WARNED", set())
-    _EpilogueGemm.calls = []
+    _EpilogueGemm.calls, _EpilogueGemm.configs = [], []
     yield _EpilogueGemm.calls
     for name in [n for n in vars(quack_gemm) if n.startswith("lora_rank")]:  # the stand-in's epilogues, bound
         delattr(quack_gemm, name)
@@ -118,6 +120,39 @@ def test_route_packs_an_expanded_gradient_and_a_strided_input(fake_quack):
         for got, want in ((inp.grad, xr.grad), (A.grad, Ar.grad), (B.grad, Br.grad)):
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert len(fake_quack) == 4
+
+
+def test_the_route_runs_the_cooperative_schedule_and_a_call_may_ask_for_ping_pong(fake_quack):
+    x, w, _, A, B = make_case(24, 16, 32, 4, torch.float32)
+    p_t, b_t = (x @ A.t()).t().contiguous(), B.t().contiguous()
+    for schedule in ("cooperative", "pingpong"):
+        y = torch.empty(24, 32)
+        quack_gemm.gemm_with_rank_epilogue(y, x, w.t(), p_t, b_t, schedule=schedule)
+        torch.testing.assert_close(y.double(), x.double() @ w.double().t() + p_t.double().t() @ b_t.double())
+    assert _EpilogueGemm.configs == ["tiles for rank", "pingpong tiles for rank"]
+
+
+def test_gemm_config_names_the_schedules(monkeypatch):
+    import sys
+    import types
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class GemmConfig:  # QuACK's fields that the route sets
+        tile_m: int = 128
+        tile_n: int = 192
+        pingpong: bool = True
+        cluster_m: int = 2
+        cluster_n: int = 1
+
+    module = types.ModuleType("quack.gemm_config")
+    module.GemmConfig = GemmConfig
+    monkeypatch.setitem(sys.modules, "quack", types.ModuleType("quack"))
+    monkeypatch.setitem(sys.modules, "quack.gemm_config", module)
+    assert quack_gemm.gemm_config(16) == GemmConfig(tile_n=256, pingpong=False)
+    assert quack_gemm.gemm_config(16, "pingpong") == GemmConfig()  # QuACK's own default tile and schedule
+    with pytest.raises(ValueError, match="schedule must be one of cooperative, pingpong; got 'stream_k'"):
+        quack_gemm.gemm_config(16, "stream_k")
 
 
 def test_epilogue_source_is_the_rank_r_sum():
@@ -215,3 +250,19 @@ def test_gpu_rank_above_the_epilogue_falls_back():
     x, w, b, A, B = make_case(1032, 520, 776, 64, torch.bfloat16, device="cuda")
     with pytest.warns(RuntimeWarning, match="above the epilogue's"):
         run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=QUACK)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", quack_gemm.SCHEDULES)
+def test_gpu_gemm_with_rank_epilogue_on_each_schedule(schedule):
+    reason = _quack_on_gpu()
+    if reason:
+        pytest.skip(reason)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    M, K, N, r = 4104, 1032, 2056, 16
+    x, w = (torch.randn(*s, device="cuda", generator=gen).bfloat16() for s in ((M, K), (N, K)))
+    low_t, rt = (torch.randn(r, n, device="cuda", generator=gen).bfloat16() for n in (M, N))
+    y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    quack_gemm.gemm_with_rank_epilogue(y, x, w.t(), low_t, rt, schedule=schedule)
+    ref = x.double() @ w.double().t() + low_t.double().t() @ rt.double()
+    assert cosine(y, ref) >= 0.99999

@@ -31,6 +31,7 @@ from pathlib import Path
 from lora_lab.lab.recording import PROFILE_CHOICES
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+MATRIX_DOCUMENT = "docs/gpu.md"  # keeps `lora-lab runs --matrix` (publish rewrites it)
 DEFAULT_REPO = "the checkout of the lora_lab package that runs, else the one around cwd"
 
 
@@ -114,7 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     _ledger_parser(commands)
     runs = commands.add_parser("runs", help="what each published run of a profile took: wall time, the largest GPU "
                                             "process, device, cap, commit")
-    runs.add_argument("--profile", choices=PROFILE_CHOICES[1:], required=True)
+    which = runs.add_mutually_exclusive_group(required=True)
+    which.add_argument("--profile", choices=PROFILE_CHOICES[1:])
+    which.add_argument("--matrix", action="store_true",
+                       help="every notebook on each GPU profile (gpu, gpu-40g, gpu-24g, gpu-sm80): wall time, GPU "
+                            "memory, cells skipped or shrunk")
+    runs.add_argument("--write", type=Path, default=None,
+                      help="with --matrix: replace the generated table in this file (between its markers) instead of "
+                           "printing it")
     _paths(runs, notebooks=False)
     return parser
 
@@ -301,16 +309,31 @@ def command_publish(args: argparse.Namespace) -> int:
     for item in done:
         also = f" and {item.notebook_destination}" if item.notebook_destination else ""
         print(f"published {item.notebook} -> {item.destination}{also}")
+    document = repo_root() / MATRIX_DOCUMENT
+    if done and args.outputs_dir is None and document.is_file():  # the checkout's own outputs: keep its table current
+        from lora_lab.lab.run_table import write_matrix
+
+        if write_matrix(document, repo_root() / "outputs"):
+            print(f"{MATRIX_DOCUMENT}: the table of runs per profile rewritten")
     return EXIT_OK
 
 
 def command_runs(args: argparse.Namespace) -> int:
-    from lora_lab.lab.run_table import runs_table
+    from lora_lab.lab.run_table import runs_matrix, runs_table, write_matrix
 
-    out_dir = (args.outputs_dir or repo_root() / "outputs") / args.profile
+    outputs = args.outputs_dir or repo_root() / "outputs"
+    if args.write is not None and not args.matrix:
+        print("error: --write goes with --matrix (the generated table a document keeps)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
-        print(runs_table(out_dir))
-    except FileNotFoundError as error:
+        if not args.matrix:
+            print(runs_table(outputs / args.profile))
+        elif args.write is None:
+            print(runs_matrix(outputs))
+        else:
+            changed = write_matrix(args.write, outputs)
+            print(f"{args.write}: the table {'rewritten' if changed else 'already current'}")
+    except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return EXIT_OK

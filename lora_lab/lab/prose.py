@@ -17,8 +17,10 @@ in the markdown cells of ``notebooks/NN_*.ipynb``, in ``README.md``, in ``benchm
 A code span holding only figures, one of them with decimals (``0.957``, ``[0.949, 0.963]``), is a measured figure
 and checked like prose. The values of a notebook are those of its published runs, never an earlier run's: a figure
 quoted from the run before a republication is refused.
-(c) **structure**, never checked: text in other code spans, fenced code, HTML comments, tags and entities, link
-    destinations, URLs, reference definitions, LaTeX command names and subscripts; digits inside a word or
+(c) **structure**, never checked: text in other code spans, fenced code, HTML comments, the table that
+    ``lora-lab runs --matrix`` writes between its markers (generated from the run files, kept current by a test),
+    tags and entities, link destinations, URLs, reference definitions, LaTeX command names and subscripts; digits
+    inside a word or
     identifier (``fp32``, ``Qwen2.5-0.5B``, ``q_proj``, ``top-8``, ``r16``, versions such as ``3.12.3``);
     heading numbers and ordered-list markers; integers below 100 with no decimal point, no ``%`` and no
     ``×``/``x`` right after them (``2 layers`` is exempt, ``2×`` is checked).
@@ -39,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from lora_lab.lab.run_table import MATRIX_END, MATRIX_START
+
 READMES = ("README.md", "benchmarks/README.md")
 NOTEBOOK_NAME = re.compile(r"[0-9]{2}_.+\.ipynb")
 CONTEXT_CHARS = 70
@@ -48,6 +52,8 @@ WORDISH = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456
 # --- what is masked (blanked to spaces, so columns and line numbers stay put) ---------------------------------
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
 HTML_COMMENT = re.compile(r"<!--.*?(?:-->|\Z)", re.S)
+# a table `lora-lab runs --matrix` writes from the run files (tests/test_docs_runs_matrix.py keeps it current)
+GENERATED = re.compile(re.escape(MATRIX_START) + r".*?" + re.escape(MATRIX_END), re.S)
 CODE_SPAN = re.compile(r"(?<!`)(`+)(?!`)(?:[^\n]|\n(?![ \t]*\n))+?(?<!`)\1(?!`)")
 REF_DEFINITION = re.compile(r"^ {0,3}\[(?!\^)([^\]\n]+)\]:[ \t]*\S.*$", re.M)
 LINK_DESTINATION = re.compile(r"\](\((?:[^()\s]|\([^()\s]*\))*(?:\s+\"[^\"\n]*\")?\s*\))")
@@ -241,7 +247,8 @@ def _blank_group(pattern: re.Pattern, text: str, group: int = 0,
 
 
 def _mask_code(text: str) -> str:
-    """Fenced code, HTML comments and code spans blanked: what is left is prose (links still in place)."""
+    """Fenced code, HTML comments, generated tables and code spans blanked: what is left is prose (links still in
+    place)."""
     lines, fence = [], ""
     for line in text.split("\n"):
         opening = FENCE.match(line)
@@ -253,7 +260,7 @@ def _mask_code(text: str) -> str:
         elif opening:
             fence, line = opening.group(1), _blank(line)
         lines.append(line)
-    text = _blank_group(CODE_SPAN, _blank_group(HTML_COMMENT, "\n".join(lines)),
+    text = _blank_group(CODE_SPAN, _blank_group(HTML_COMMENT, _blank_group(GENERATED, "\n".join(lines))),
                         keep=lambda match: bool(MEASURED_SPAN.fullmatch(match.group(0).strip("`"))))
     return _blank_group(BACKTICKS, text)
 

@@ -177,6 +177,17 @@ def test_docs_pages_are_checked_like_the_readmes(tmp_path):
     assert [(v.path, v.line, v.number) for v in report.violations] == [("docs/kernels.md", 3, "7.77×")]
 
 
+def test_the_generated_runs_table_is_structure_and_the_prose_around_it_is_checked(tmp_path):
+    from lora_lab.lab.run_table import MATRIX_END, MATRIX_START
+
+    repo = make_repo(tmp_path, "Nothing here.")
+    (repo / "docs").mkdir()
+    (repo / "docs" / "gpu.md").write_text(f"# GPU\n\n{MATRIX_START}\n| 05 | 579 s, 38.9 GiB |\n{MATRIX_END}\n\n"
+                                          "After it, 7.77× by hand.\n")
+    report = check_prose(repo)
+    assert [(v.line, v.number) for v in report.violations] == [(7, "7.77×")]
+
+
 def test_report_names_file_cell_line_and_number(tmp_path):
     repo = make_repo(tmp_path, "Fine: 2.41×.", "Intro.\nPEFT's layer costs about 1.6× at $M=32768$.\n")
     report = check_prose(repo)

@@ -302,6 +302,7 @@ def test_persistent_gemm_runs_the_default_form_where_tma_cannot_read(fold, monke
 
 
 @pytest.mark.gpu
+@pytest.mark.needs_tma
 @pytest.mark.parametrize("fold", [False, True], ids=["persistent", "folded"])
 @pytest.mark.parametrize("grad", ["sum", "random"])
 @pytest.mark.parametrize("M,K,N", [(4101, 1024, 2048), (1000, 1024, 1030)], ids=["aligned", "n-1030"])
@@ -342,6 +343,7 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
+@pytest.mark.needs_tma
 @pytest.mark.parametrize("r", [16, 64])
 def test_gpu_folded_projection_bf16(r):
     x, w, b, A, B = make_case(1000, 1024, 2056, r, torch.bfloat16)
@@ -350,6 +352,7 @@ def test_gpu_folded_projection_bf16(r):
 
 
 @pytest.mark.gpu
+@pytest.mark.needs_tma
 @pytest.mark.parametrize("loads", ["persistent"])
 @pytest.mark.parametrize("M,K,N,r,bias,p", [(1000, 1024, 2056, 16, True, 0.0), (777, 512, 384, 1, False, 0.1)])
 def test_gpu_persistent_gemm_bf16(M, K, N, r, bias, p, loads):
@@ -622,6 +625,7 @@ def test_descriptor_gemm_encodes_only_the_segments_it_uses(loads, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.needs_tma
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("loads", ["tma", "persistent"])
 def test_gpu_descriptor_gemm_compiles_with_unused_segments_as_none(loads):

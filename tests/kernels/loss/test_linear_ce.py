@@ -211,7 +211,7 @@ def test_gpu_16bit_matches_fp32_reference(n, d, vocab, trainable, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("accumulate", ["atomic", "tma"])
+@pytest.mark.parametrize("accumulate", ["atomic", pytest.param("tma", marks=pytest.mark.needs_tma)])
 def test_gpu_bf16_options_and_accumulation(accumulate):
     h, w, y = _inputs(3001, 512, 50_257, torch.bfloat16, device="cuda", weight_scale=0.05)
     for plan in ("one_pass", "two_pass"):

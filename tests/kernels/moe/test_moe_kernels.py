@@ -556,6 +556,7 @@ def test_fused_bf16_gpu_against_fp32_reference(T, H, I, E, K, rank):
 
 @gpu
 @needs_cuda
+@pytest.mark.needs_tma
 @pytest.mark.parametrize("loads", ["persistent"])
 @pytest.mark.parametrize("rank", [0, 16])
 def test_persistent_moe_bf16_gpu_against_fp32_reference(loads, rank):

@@ -156,7 +156,7 @@ def test_moe_layer_gradients_match_the_default_setting(T, H, I, E, K, rank, rout
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("loads", ["pointer", "persistent"])
+@pytest.mark.parametrize("loads", ["pointer", pytest.param("persistent", marks=pytest.mark.needs_tma)])
 @pytest.mark.parametrize("autotune", [False, True])
 def test_kgrouped_bf16_gpu_against_fp32_reference(loads, autotune):
     """bf16 on the GPU (uneven experts, one empty; 264·2- and 136·2-byte rows: TMA-aligned) against fp32 on the same

@@ -31,6 +31,8 @@ from the call to its return, synchronised outside; a step is host-bound where it
 ``host_busy_ms`` (CUDA): the same call made behind a sleep kernel that keeps the device busy
 (``measure.host_ms_busy``), the host's cost with no wait for an idle device in it, and ``host_waits``, the calls
 among them that returned only after the device had run dry (a call that synchronises);
+``--host-profile``: 05_lora_linear_host_profile.csv, the host-side events of a few calls per cell and variant
+(operators, autograd functions, CUDA runtime calls), to tell a launch or a synchronisation from Python work;
 ``back_to_back_ms`` (with ``--back-to-back``): ``measure.kernel_loop_ms`` (``do_bench``, calls
 queued unsynchronised), a labelled secondary column, as are the components' ``ms``. Notebook 05 reads the
 per-repetition rows
@@ -71,6 +73,7 @@ from lora_lab.lab import measure
 from lora_lab.layer import SingleChild, fill_lora_B
 
 CSV, SUMMARY_CSV, COMPONENTS_CSV = "05_lora_linear.csv", "05_lora_linear_summary.csv", "05_lora_linear_components.csv"
+HOST_PROFILE_CSV = "05_lora_linear_host_profile.csv"  # --host-profile: where each variant's host time goes
 TARGET = (32768, 4096, 4096, 16)  # the issue's target cell (M, K, N, r)
 REQUIRED_VARIANTS = ("base", "peft", "fused")  # a failure of one of these fails the benchmark; always timed
 # the fused op with one KernelConfig field changed from the shipped settings
@@ -336,6 +339,10 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
                 row["fwd_ms"] = statistics.median(measure.loop_ms(forwards[name], **loop))
             row.update(peak_bytes=peaks[name][0], resident_bytes=peaks[name][1], config=variants[name][2])
             rows.append(row)
+    if getattr(args, "host_profile", False):
+        profile_rows = [{**base, "variant": name, **event} for name in variants
+                        for event in measure.host_profile(steps[name], calls=loop["calls"], warmup=1)]
+        write_host_profile(profile_rows, Path(args.out))
     comp_rows = []
     if args.components == "all" or (args.components == "target" and dims == scaled(TARGET, smoke)):
         parts = components(x.detach(), dy, weight, A, B, shipped)
@@ -351,6 +358,14 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
                 comp_rows.append({**base, "component": name, "rep": rep,
                                   "ms": measure.kernel_loop_ms(working[name], args.warmup_ms, args.rep_ms)})
     return rows, comp_rows
+
+
+def write_host_profile(new_rows: list[dict], out: Path) -> None:
+    """Append ``new_rows`` (one cell's :func:`measure.host_profile` events per variant) to :data:`HOST_PROFILE_CSV`
+    in ``out``: rewritten after every cell, so a run cut short keeps what it profiled."""
+    path = out / HOST_PROFILE_CSV
+    earlier = measure.read_csv(path) if path.is_file() else []
+    measure.write_csv([*earlier, *new_rows], path)
 
 
 def host_busy(step, loop: dict, cuda: bool) -> dict:
@@ -500,6 +515,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-back-to-back", dest="back_to_back", action="store_false",
                     help="leave the back_to_back_ms column empty (the default)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone")
+    ap.add_argument("--host-profile", action="store_true",
+                    help=f"also where each variant's host time goes (measure.host_profile: torch.profiler's host-side "
+                         f"events, the top 15 per cell and variant) into {HOST_PROFILE_CSV} (with --sessions: in each "
+                         "process's folder)")
     ap.add_argument("--components", choices=["none", "target", "all"], default="none",
                     help="per-kernel breakdown of the target cell (M=32768, 4096x4096, r=16), of every cell, or none")
     args = ap.parse_args(argv)

@@ -44,6 +44,7 @@ __all__ = [
     "event_ms",
     "host_ms",
     "host_ms_busy",
+    "host_profile",
     "peak_bytes",
     "training_step_ms",
     "repeat",
@@ -205,6 +206,36 @@ def host_ms_busy(fn: Callable[[], object], calls: int = 10, warmup: int = 2,
         waited += bool(slept.query())
         torch.cuda.synchronize()
     return times, waited
+
+
+def host_profile(fn: Callable[[], object], calls: int = 5, warmup: int = 2, top: int = 15) -> list[dict]:
+    """Where the host's time per call of ``fn`` goes: the host-side events ``torch.profiler`` records over ``calls``
+    calls, each started on an idle device as :func:`host_ms` starts them (operators, the autograd engine's
+    functions and, with CUDA, the runtime's calls: ``cudaLaunchKernel``, ``cudaGraphLaunch``, a
+    ``cudaStreamSynchronize`` the call makes). The ``top`` events by self CPU time, as ``{"event", "per_call",
+    "self_cpu_us"}`` rows (occurrences and self CPU microseconds per call), largest first. Exactly one
+    ``cudaDeviceSynchronize`` per call is this function's own, after the call; a launch that costs far more than
+    its usual microseconds, or a synchronisation of the call's own, is where a host time that grows with the
+    device's work comes from."""
+    if calls < 1 or warmup < 0 or top < 1:
+        raise ValueError(f"host_profile needs calls >= 1, warmup >= 0 and top >= 1, got {calls}, {warmup}, {top}")
+    import torch as _torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch = _cuda()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch is not None else [])
+    for _ in range(warmup):
+        fn()
+        if torch is not None:
+            torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+            if torch is not None:
+                torch.cuda.synchronize()
+    rows = [{"event": e.key, "per_call": e.count / calls, "self_cpu_us": e.self_cpu_time_total / calls}
+            for e in prof.key_averages() if e.device_type == _torch.autograd.DeviceType.CPU]
+    return sorted(rows, key=lambda r: -r["self_cpu_us"])[:top]
 
 
 _SLEEP_CYCLES_PER_MS: dict[int, float] = {}

@@ -87,6 +87,22 @@ def test_routes_time_the_cublas_forms_and_graph_where_cuda_is(bench):
     assert {s["variant"] for s in summary} == ok
 
 
+def test_host_profile_writes_each_variants_host_side_events(bench, tmp_path):
+    args = argparse.Namespace(variants=["base", "peft", "fused_pure_cublas"], repetitions=1, warmup_ms=1.0,
+                              rep_ms=2.0, forward=False, components="none", host_profile=True, out=str(tmp_path))
+    from lora_lab.kernels import KernelConfig
+
+    for cell in ("c1", "c2"):  # the file grows cell by cell
+        bench.measure_cell(cell, (16, 32, 32, 4), args, KernelConfig(autotune=False), torch.float32,
+                           torch.device("cpu"), True)
+    rows = measure.read_csv(tmp_path / bench.HOST_PROFILE_CSV)
+    assert {(r["cell"], r["variant"]) for r in rows} == {(c, v) for c in ("c1", "c2") for v in args.variants}
+    base = [r for r in rows if r["cell"] == "c1" and r["variant"] == "base"]
+    assert any(r["event"] == "aten::mm" and r["per_call"] >= 1 for r in base)  # the frozen layer's products
+    assert all(r["self_cpu_us"] >= 0 for r in rows)
+    assert [r["self_cpu_us"] for r in base] == sorted((r["self_cpu_us"] for r in base), reverse=True)
+
+
 def _row(cell, variant, rep, ms, host=0.1, session=None, status="ok"):
     M = 32768 if cell.startswith("32k") else 8192
     row = {"cell": cell, "M": M, "K": 4096, "N": 4096, "r": 16, "dtype": "bfloat16", "smoke": False,

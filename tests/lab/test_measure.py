@@ -358,3 +358,15 @@ def test_run_script_sessions_keeps_finished_sessions_and_resumes(tmp_path, capsy
     assert _pids_by_session(out / "bench.csv")[0] != changed[0]
     (folders / "process0" / resume_marks.SESSION_COMPLETE).write_text("not json")  # unreadable: runs again
     assert not resume_marks.is_done(folders / "process0", {"index": 0})
+
+
+def test_host_profile_lists_the_host_side_events_per_call_largest_first():
+    import torch
+
+    x = torch.randn(32, 32, requires_grad=True)
+    rows = measure.host_profile(lambda: torch.autograd.grad((x @ x).sum(), [x]), calls=3, warmup=1, top=4)
+    assert len(rows) == 4 and rows[0]["self_cpu_us"] >= rows[-1]["self_cpu_us"] >= 0
+    mm = next(r for r in measure.host_profile(lambda: x @ x, calls=3, warmup=0) if r["event"] == "aten::mm")
+    assert mm["per_call"] == 1.0  # occurrences are per call, not summed over the calls
+    with pytest.raises(ValueError, match="calls >= 1, warmup >= 0 and top >= 1"):
+        measure.host_profile(lambda: None, calls=0)

@@ -5,6 +5,9 @@ whether it ran the code as it is now (its recorded code hash against this checko
 its benchmark processes included); the memory is the most PyTorch's allocator reserved in any one process of the run
 (``gpu_memory`` in the metrics file's provenance, :mod:`lora_lab.memory.peaks`), absent for runs made before that was
 recorded. The total is the notebooks' seconds added up: a reader's rerun of them one after another.
+
+``lora-lab runs --matrix`` sets the GPU profiles side by side (:func:`runs_matrix`): the table docs/gpu.md keeps
+between its markers, rewritten by ``lora-lab publish`` and checked by a test.
 """
 from __future__ import annotations
 

@@ -53,6 +53,15 @@ def _profile_switches_steer_gpu_tests_only(request, monkeypatch):
             monkeypatch.delenv(name, raising=False)
 
 
+@pytest.fixture
+def ampere_path(monkeypatch):
+    """Every device, the CPU included, reports compute capability 8.0 to :mod:`lora_lab.gpu_arch`: the kernels make
+    the Ampere class's choices (what ``LORA_LAB_ARCH=sm80`` forces on a GPU) in Triton's interpreter too."""
+    from lora_lab import gpu_arch
+
+    monkeypatch.setattr(gpu_arch, "capability", lambda device=None: (8, 0))
+
+
 @pytest.fixture(scope="module")
 def tiny_fp32():
     """A random-init tiny Qwen2 in fp32 with SDPA attention, in train mode (one per test module)."""

@@ -638,3 +638,32 @@ def test_gpu_descriptor_gemm_compiles_with_unused_segments_as_none(loads):
     assert torch.bfloat16 not in gemm._TMA_STATE
     yr = lora_linear_reference(x.detach(), w, bias, A.detach(), B.detach(), 2.0)
     assert rel_l2(y, yr) < TOL[torch.bfloat16]["y"]
+
+
+# The Ampere path (LORA_LAB_ARCH=sm80 on a GPU) in the interpreter: pointer loads where TMA would read, the tile
+# table pruned to that class's shared memory; still the reference's results.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter; on a GPU, LORA_LAB_ARCH=sm80 with -m gpu")
+def test_the_ampere_class_reads_through_pointers_and_refuses_tma_forms(ampere_path):
+    from lora_lab import gpu_arch
+    from lora_lab.kernels.lora.gemm import gemm_loads_for
+
+    cpu = torch.device("cpu")
+    assert gpu_arch.gpu_class(cpu) == "ampere" and not gpu_arch.has_tma(cpu) and not gpu_arch.grouped_mm_fast(cpu)
+    assert gpu_arch.tile_shared_memory_budget(cpu) == 144 * 1024
+    assert gemm_loads_for("auto", cpu) == "pointer"
+    with pytest.raises(ValueError, match="reads through TMA descriptors, which GPU class 'ampere'"):
+        gemm_loads_for("persistent", cpu)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter; on a GPU, LORA_LAB_ARCH=sm80 with -m gpu")
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("M,K,N,r,bias", [(37, 48, 56, 8, True), (70, 96, 80, 16, False)])
+def test_lora_linear_on_the_ampere_path(M, K, N, r, bias, dtype, ampere_path, monkeypatch):
+    from lora_lab.kernels.lora import gemm
+
+    loads = []
+    real = gemm.gemm_loads_for
+    monkeypatch.setattr(gemm, "gemm_loads_for", lambda requested, device: loads.append(real(requested, device))
+                        or loads[-1])
+    run_and_compare(*make_case(M, K, N, r, dtype, bias=bias), 0.5, tol=TOL[dtype], config=TRITON)
+    assert loads and set(loads) == {"pointer"}  # fp16 would take the descriptor GEMM on the CPU's own path

@@ -226,3 +226,18 @@ def test_gpu_fp32_is_exact_to_fp32_rounding():
     h, w, y = _inputs(1500, 256, 10_007, torch.float32, device="cuda", weight_scale=0.1)
     err = _compare(h, w, y, True)
     assert max(err.values()) <= 1e-5
+
+
+# The Ampere path (LORA_LAB_ARCH=sm80 on a GPU) in the interpreter: dW accumulated with atomics.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter; on a GPU, LORA_LAB_ARCH=sm80 with -m gpu")
+@pytest.mark.parametrize("trainable", [True, False])
+def test_loss_on_the_ampere_path(trainable, ampere_path, monkeypatch):
+    from lora_lab.kernels.loss import linear_ce
+
+    modes = []
+    real = linear_ce._accumulate_mode
+    monkeypatch.setattr(linear_ce, "_accumulate_mode", lambda cfg, h: modes.append(real(cfg, h)) or modes[-1])
+    h, w, y = _inputs(37, 24, 101, torch.float32)
+    err = _compare(h, w, y, trainable)
+    assert max(err.values()) <= 1e-5, err
+    assert modes and set(modes) == {"atomic"}

@@ -653,3 +653,18 @@ def test_layer_numerics_rows_on_a_scaled_layer(mode):
     assert len(rows) == len(impls) * len(tensors)
     for row in rows:
         assert row["rel_l2"] < 1e-4 and row["cosine"] > 0.9999, row
+
+
+# The Ampere path (LORA_LAB_ARCH=sm80 on a GPU) in the interpreter: every piece on the Triton kernels.
+@interpreter
+@pytest.mark.parametrize("rank", [0, 3])
+def test_moe_experts_on_the_ampere_path(rank, ampere_path, monkeypatch):
+    from lora_lab.kernels.config import KernelConfig
+    from lora_lab.kernels.moe import experts
+
+    rules = []
+    real = experts._layer_rules
+    monkeypatch.setattr(experts, "_layer_rules", lambda *args: rules.append(real(*args)) or rules[-1])
+    got, ref = run_both(*make_problem(9, 37, 19, 5, 2, rank=rank, routing="random"), config=KernelConfig())
+    assert_close_all(got, ref)
+    assert rules and set(rules) == {("triton", False, "triton")}  # no grouped_mm piece on this class

@@ -28,9 +28,9 @@ script N times, one process after another, and pools the rows (intervals then sp
 ``fwd_bwd_ms`` / ``fwd_ms``: the user's loop (median of ``measure.loop_ms``: CUDA events around each call,
 synchronised after it, so host time counts); ``host_ms``: the host's own time per call (``measure.host_ms``:
 from the call to its return, synchronised outside; a step is host-bound where it exceeds the GPU time);
-``host_busy_ms`` (CUDA): the same call made behind a sleep kernel that keeps the device busy
-(``measure.host_ms_busy``), the host's cost with no wait for an idle device in it, and ``host_waits``, the calls
-among them that returned only after the device had run dry (a call that synchronises);
+``host_busy_ms`` (CUDA; ``--host-busy``: the target cell by default): the same call made behind a sleep kernel
+that keeps the device busy (``measure.host_ms_busy``), the host's cost with no wait for an idle device in it, and
+``host_waits``, the calls among them that returned only after the device had run dry (a call that synchronises);
 ``--host-profile``: 05_lora_linear_host_profile.csv, the host-side events of a few calls per cell and variant
 (operators, autograd functions, CUDA runtime calls), to tell a launch or a synchronisation from Python work;
 ``back_to_back_ms`` (with ``--back-to-back``): ``measure.kernel_loop_ms`` (``do_bench``, calls
@@ -327,12 +327,13 @@ def measure_cell(cell, dims, args, shipped, dtype, device, smoke):
     loop = dict(LOOP[smoke])
     if getattr(args, "calls", None) and not smoke:
         loop["calls"] = args.calls
+    busy_here = host_busy_here(getattr(args, "host_busy", "target"), dims, smoke)
     for rep in range(args.repetitions):
         for name in measure.rotation(variants, rep):
             row = {**base, "variant": name, "rep": rep, "status": "ok",
                    "fwd_bwd_ms": statistics.median(measure.loop_ms(steps[name], **loop)),
                    "host_ms": statistics.median(measure.host_ms(steps[name], **loop)),
-                   **host_busy(steps[name], loop, cuda),
+                   **host_busy(steps[name], loop, cuda and busy_here),
                    "back_to_back_ms": measure.kernel_loop_ms(steps[name], args.warmup_ms, args.rep_ms)
                    if cuda and getattr(args, "back_to_back", False) else None}
             if args.forward:
@@ -368,10 +369,15 @@ def write_host_profile(new_rows: list[dict], out: Path) -> None:
     measure.write_csv([*earlier, *new_rows], path)
 
 
-def host_busy(step, loop: dict, cuda: bool) -> dict:
-    """``host_busy_ms`` (median over the timed calls) and ``host_waits`` of :func:`measure.host_ms_busy` on CUDA;
-    empty columns without a CUDA device."""
-    if not cuda:
+def host_busy_here(choice: str, dims, smoke: bool) -> bool:
+    """Whether ``--host-busy`` ``choice`` (none, target, all) times ``host_busy_ms`` in the cell of ``dims``."""
+    return choice == "all" or (choice == "target" and dims == scaled(TARGET, smoke))
+
+
+def host_busy(step, loop: dict, measured: bool) -> dict:
+    """``host_busy_ms`` (median over the timed calls) and ``host_waits`` of :func:`measure.host_ms_busy` where
+    ``measured`` (a CUDA device, a cell ``--host-busy`` names); empty columns elsewhere."""
+    if not measured:
         return {"host_busy_ms": None, "host_waits": None}
     times, waited = measure.host_ms_busy(step, **loop)
     return {"host_busy_ms": statistics.median(times), "host_waits": waited}
@@ -515,6 +521,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-back-to-back", dest="back_to_back", action="store_false",
                     help="leave the back_to_back_ms column empty (the default)")
     ap.add_argument("--forward", action="store_true", help="also time the forward alone")
+    ap.add_argument("--host-busy", choices=["none", "target", "all"], default="target",
+                    help="where to time host_busy_ms (measure.host_ms_busy: each call behind a sleep kernel; one more "
+                         "loop per variant and repetition): the target cell (default), every cell, or none")
     ap.add_argument("--host-profile", action="store_true",
                     help=f"also where each variant's host time goes (measure.host_profile: torch.profiler's host-side "
                          f"events, the top 15 per cell and variant) into {HOST_PROFILE_CSV} (with --sessions: in each "

@@ -261,3 +261,21 @@ def test_a_quack_route_skipped_at_the_target_cell_voids_its_predictions_naming_w
     cell, why = rules.skipped_cell_of(f"lora_linear_fused_quack_graphed_time_vs_base_{t}", payload)
     assert cell == "fused_quack_graphed" and "QuACK cannot be imported" in why
     assert rules.skipped_cell_of(f"lora_linear_fused_quack_host_ms_{t}", payload)[0] == "fused_quack"
+
+
+def test_host_busy_is_timed_in_the_cells_the_option_names(bench, monkeypatch):
+    target, small = bench.scaled(bench.TARGET, False), (8192, 4096, 4096, 16)
+    assert bench.host_busy_here("target", target, False) and not bench.host_busy_here("target", small, False)
+    assert bench.host_busy_here("all", small, False) and not bench.host_busy_here("none", target, False)
+    assert bench.host_busy_here("target", bench.scaled(bench.TARGET, True), True)  # --smoke: the scaled target
+    assert bench.parse_args(["--out", "o"]).host_busy == "target"
+    seen = []  # a CPU never times it, whatever the option
+    monkeypatch.setattr(bench, "host_busy", lambda step, loop, measured: seen.append(measured) or
+                        {"host_busy_ms": None, "host_waits": None})
+    from lora_lab.kernels import KernelConfig
+
+    args = argparse.Namespace(variants=["base", "peft"], repetitions=1, warmup_ms=1.0, rep_ms=2.0, forward=False,
+                              components="none", host_busy="all")
+    bench.measure_cell("c", (8, 16, 16, 2), args, KernelConfig(autotune=False), torch.float32, torch.device("cpu"),
+                       True)
+    assert seen and set(seen) == {False}

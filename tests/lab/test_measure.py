@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from lora_lab.lab import measure, resume_marks
+from lora_lab.lab import host_time, measure, resume_marks
 
 
 class _FakeCuda:
@@ -128,8 +128,8 @@ class _BusyCuda:
 
 def test_host_ms_busy_queues_a_calibrated_sleep_before_each_call_and_counts_the_calls_that_waited(monkeypatch):
     fake = _BusyCuda()
-    monkeypatch.setattr(measure, "_cuda", lambda: fake)
-    monkeypatch.setattr(measure, "_SLEEP_CYCLES_PER_MS", {})
+    monkeypatch.setattr(host_time, "_cuda", lambda: fake)
+    monkeypatch.setattr(host_time, "_SLEEP_CYCLES_PER_MS", {})
     calls = []
 
     def call():
@@ -150,7 +150,7 @@ def test_host_ms_busy_queues_a_calibrated_sleep_before_each_call_and_counts_the_
 
 
 def test_host_ms_busy_needs_a_cuda_device(monkeypatch):
-    monkeypatch.setattr(measure, "_cuda", lambda: None)
+    monkeypatch.setattr(host_time, "_cuda", lambda: None)
     with pytest.raises(RuntimeError, match="no CUDA device"):
         measure.host_ms_busy(lambda: None)
 

@@ -96,6 +96,7 @@ FUSED_CONFIGS = {
     # the big GEMMs on QuACK's Hopper GEMM with the rank-r term in its epilogue (kernels/lora/quack_gemm; needs
     # quack-kernels: a skipped row naming why where it cannot run, never the Triton route under this name)
     "fused_quack": {"dispatch": "triton", "base_gemm": "quack"},
+    "fused_quack_qdb": {"dispatch": "triton", "base_gemm": "quack", "fuse_q_db": True},  # Q and dB: one pass over dY
 }
 # a variant's forward and backward as CUDA graphs: {graphed variant: the variant it captures}
 GRAPHED = {"base_graphed": "base", "fused_graphed": "fused", "fused_cublas_base_graphed": "fused_cublas_base",
@@ -110,7 +111,8 @@ ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "ba
 # keeps the notebook's GPU run inside one call
 DEFAULT_VARIANTS = [v for v in ALL_VARIANTS if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_graphed")]
 # --variants quack: the QuACK epilogue route beside the best cuBLAS route, each also as CUDA graphs
-QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "base_graphed", "fused_pure_cublas_graphed", "fused_quack_graphed"]
+QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "fused_quack_qdb", "base_graphed", "fused_pure_cublas_graphed",
+                "fused_quack_graphed"]
 PRESETS = {"routes": ROUTES, "quack": QUACK_ROUTES}
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}
 # --smoke: two cells of the grid with every dimension divided (M / 512, K and N / 128, r / 4): the Triton

@@ -229,15 +229,20 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             return dx, dw, dbias, da, db, None, None, None, None
 
         if (need_x or need_a) and _quack_route(config, x2, weight, a.shape[0], ctx.dropout_p):
-            # Qᵀ = s · Bᵀ dYᵀ (r×M, cuBLAS); dX = dY W + Q A in one QuACK GEMM; dA = Qᵀ X, dB = (Pᵀ dY)ᵀ by cuBLAS
-            q_t = _scaled_mm(b.t(), dy2.t(), ctx.scaling)
+            # Qᵀ = s · Bᵀ dYᵀ (r×M, cuBLAS); dX = dY W + Q A in one QuACK GEMM; dA = Qᵀ X, dB = (Pᵀ dY)ᵀ by cuBLAS;
+            # with fuse_q_db, Q and dB come from one Triton pass over dY instead of two cuBLAS calls
+            if need_lb and config.fuse_q_db and b.shape[1] <= 128:
+                q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
+                q_t, db = q.t().contiguous(), dbt.t().to(b_dtype)
+            else:
+                q_t = _scaled_mm(b.t(), dy2.t(), ctx.scaling)
             if need_x:
                 dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
                 quack_gemm.gemm_with_rank_epilogue(dx, dy2, weight, q_t, a.contiguous())
                 dx = dx.reshape(ctx.x_shape)
             if need_a:
                 da = _wide_mm(q_t, x2).to(a_dtype)
-            if need_lb:
+            if need_lb and db is None:
                 db = _wide_mm(p.t(), dy2).t().to(b_dtype)
             return dx, dw, dbias, da, db, None, None, None, None
 

@@ -17,7 +17,8 @@ Triton).
 
 P and Q are cuBLAS calls that write them transposed (r×M: each rank a contiguous row, the epilogue's vector for
 that rank); dA = Qᵀ X and dB = Pᵀ dY (transposed back) are cuBLAS calls too. The passes left over X and dY are
-the four memory-bound rank-r products, as on the other routes.
+the four memory-bound rank-r products, as on the other routes; ``KernelConfig(fuse_q_db=True)`` makes Q and dB one
+Triton pass over dY (three passes).
 
 Where the route cannot run, :func:`unavailable_reason` says why and the op takes the Triton route with one
 warning naming it: QuACK not importable, a device before Hopper (``$LORA_LAB_ARCH`` forcing an older class counts),

@@ -4,7 +4,8 @@ CPU: QuACK needs a Hopper GPU, so the route runs against a stand-in for QuACK's 
 generated epilogue function itself with torch broadcasting (the function QuACK traces into its kernel): the route's
 formulas, operand layouts and every gradient against the fp64 reference, and each reason the route falls back to the
 Triton route, named in a warning. GPU (``@pytest.mark.gpu``, where QuACK is installed): bf16 against the reference,
-r in {8, 16, 32}, with and without bias, and a rank above ``MAX_RANK`` falling back.
+r in {8, 16, 32}, with and without bias, Q and dB from one pass (``fuse_q_db``), and a rank above ``MAX_RANK``
+falling back.
 """
 import re
 import warnings
@@ -105,6 +106,18 @@ def test_route_takes_3d_input_and_fp32_adapters(fake_quack):
     x, w, b, A, B = make_case(48, 32, 40, 8, torch.float32)
     run_and_compare(x.reshape(2, 24, 32), w, b, A, B, 2.0, tol=TOL[torch.float32], config=QUACK)
     assert len(fake_quack) == 2
+
+
+def test_route_with_fuse_q_db_takes_q_and_db_from_one_pass(fake_quack, monkeypatch):
+    """``fuse_q_db=True``: Q and dB from the one Triton pass over dY (in the interpreter here), the rest as before."""
+    passes = []
+    one_pass = linear.q_and_db
+    monkeypatch.setattr(linear, "q_and_db", lambda *a, **k: passes.append(a[0].shape) or one_pass(*a, **k))
+    x, w, b, A, B = make_case(72, 48, 40, 8, torch.float32, bias=True)
+    config = KernelConfig.from_env(dispatch="triton", base_gemm="quack", fuse_q_db=True)
+    y, yr, _ = run_and_compare(x, w, b, A, B, 1.5, tol=TOL[torch.float32], config=config)
+    assert cosine(y, yr) >= 0.99999
+    assert passes == [(72, 40)] and len(fake_quack) == 2
 
 
 def test_route_packs_an_expanded_gradient_and_a_strided_input(fake_quack):
@@ -239,6 +252,17 @@ def test_gpu_route_bf16(r, bias):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=QUACK)
+    assert cosine(y, yr) >= 0.99999
+
+
+@pytest.mark.gpu
+def test_gpu_route_bf16_with_q_and_db_in_one_pass():
+    reason = _quack_on_gpu()
+    if reason:
+        pytest.skip(reason)
+    x, w, b, A, B = make_case(4104, 1032, 2056, 16, torch.bfloat16, bias=True, device="cuda")
+    config = KernelConfig.from_env(dispatch="triton", base_gemm="quack", fuse_q_db=True)
+    y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=config)
     assert cosine(y, yr) >= 0.99999
 
 

@@ -109,7 +109,8 @@ ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "ba
 # where it cannot run). The forms docs/changelog.md keeps as tried and dropped (fused_persistent, fused_fold,
 # fused_torch_rank: their predictions were graded by earlier runs) run only when --variants names them, which
 # keeps the notebook's GPU run inside one call
-DEFAULT_VARIANTS = [v for v in ALL_VARIANTS if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_graphed")]
+DEFAULT_VARIANTS = [v for v in ALL_VARIANTS
+                    if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_qdb", "fused_quack_graphed")]
 # --variants quack: the QuACK epilogue route beside the best cuBLAS route, each also as CUDA graphs
 QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "fused_quack_qdb", "base_graphed", "fused_pure_cublas_graphed",
                 "fused_quack_graphed"]

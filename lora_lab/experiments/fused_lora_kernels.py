@@ -164,9 +164,9 @@ TRAIN_MODELS = {"qwen3-4096": "qwen3_4096", "qwen2.5-0.5b": "qwen2_5_0_5b"}
 ROUTE_VARIANTS = {"fused_cublas_base": "base", "fused_cublas_base_qdb": "base", "fused_pure_cublas": "base",
                   "fused_graphed": "base_graphed", "fused_cublas_base_graphed": "base_graphed",
                   "fused_pure_cublas_graphed": "base_graphed"}
-# the big GEMMs on QuACK with the rank-r term in their epilogue (kernels/lora/quack_gemm), ungraphed and graphed:
-# measured like the routes, kept out of the routes' best-of figure (registered before this route existed)
-QUACK_VARIANTS = {"fused_quack": "base", "fused_quack_graphed": "base_graphed"}
+# the big GEMMs on QuACK with the rank-r term in their epilogue (kernels/lora/quack_gemm), ungraphed (also with Q
+# and dB in one pass over dY: fuse_q_db) and graphed: measured like the routes, kept out of the routes' best-of figure (registered before this route existed)
+QUACK_VARIANTS = {"fused_quack": "base", "fused_quack_qdb": "base", "fused_quack_graphed": "base_graphed"}
 
 
 def _rows(path: Path, allow_smoke: bool) -> list[dict]:

@@ -229,7 +229,8 @@ def test_the_quack_route_is_a_skipped_row_naming_why_where_it_cannot_run(bench):
 def test_quack_route_metrics_need_only_the_target_cell_and_stay_out_of_the_best_route(tmp_path):
     t, r64 = fused_lora_kernels.TARGET_CELL, "32k_4096x4096_r64"
     rows = [_row(cell, v, rep, ms) for rep in range(2) for cell, v, ms in (
-        (t, "base", 3.0), (t, "fused_cublas_base", 3.6), (t, "fused_quack", 3.3), (t, "base_graphed", 3.0),
+        (t, "base", 3.0), (t, "fused_cublas_base", 3.6), (t, "fused_quack", 3.3), (t, "fused_quack_qdb", 3.24),
+        (t, "base_graphed", 3.0),
         (t, "fused_quack_graphed", 3.15), (r64, "base", 3.0), (r64, "fused_cublas_base", 3.9),
         (r64, "base_graphed", 3.0), (t, "peft", 7.0), (t, "fused", 3.6), (r64, "peft", 7.0), (r64, "fused", 3.7))]
     rows += [_row(r64, "fused_quack", 0, None, status="skipped"), _row(r64, "fused_quack_graphed", 0, None,
@@ -237,6 +238,7 @@ def test_quack_route_metrics_need_only_the_target_cell_and_stay_out_of_the_best_
     measure.write_csv(rows, tmp_path / fused_lora_kernels.LINEAR_CSV)
     m = fused_lora_kernels.benchmark_metrics(tmp_path)
     assert m[f"lora_linear_fused_quack_time_vs_base_{t}"]["samples"] == pytest.approx([1.1, 1.1])
+    assert m[f"lora_linear_fused_quack_qdb_time_vs_base_{t}"]["samples"] == pytest.approx([1.08, 1.08])
     assert m[f"lora_linear_fused_quack_graphed_time_vs_base_graphed_{t}"]["samples"] == pytest.approx([1.05, 1.05])
     assert f"lora_linear_fused_quack_host_ms_{t}" in m
     assert "lora_linear_fused_quack_worst_time_vs_base" not in m  # not run in the r = 64 cell
@@ -261,6 +263,7 @@ def test_a_quack_route_skipped_at_the_target_cell_voids_its_predictions_naming_w
     cell, why = rules.skipped_cell_of(f"lora_linear_fused_quack_graphed_time_vs_base_{t}", payload)
     assert cell == "fused_quack_graphed" and "QuACK cannot be imported" in why
     assert rules.skipped_cell_of(f"lora_linear_fused_quack_host_ms_{t}", payload)[0] == "fused_quack"
+    assert rules.skipped_cell_of(f"lora_linear_fused_quack_qdb_time_vs_base_{t}", payload)[0] == "fused_quack_qdb"
 
 
 def test_host_busy_is_timed_in_the_cells_the_option_names(bench, monkeypatch):

@@ -165,7 +165,8 @@ ROUTE_VARIANTS = {"fused_cublas_base": "base", "fused_cublas_base_qdb": "base", 
                   "fused_graphed": "base_graphed", "fused_cublas_base_graphed": "base_graphed",
                   "fused_pure_cublas_graphed": "base_graphed"}
 # the big GEMMs on QuACK with the rank-r term in their epilogue (kernels/lora/quack_gemm), ungraphed (also with Q
-# and dB in one pass over dY: fuse_q_db) and graphed: measured like the routes, kept out of the routes' best-of figure (registered before this route existed)
+# and dB in one pass over dY: fuse_q_db) and graphed: measured like the routes, kept out of the routes' best-of
+# figure (registered before this route existed)
 QUACK_VARIANTS = {"fused_quack": "base", "fused_quack_qdb": "base", "fused_quack_graphed": "base_graphed"}
 
 

@@ -30,7 +30,9 @@ def test_each_probe_runs(probe):
 def test_ledger_rows_pass_the_ledger_checks(probe):
     results = {"noop": {"host_ms": [0.01, 0.02, 0.03], "host_ms_busy": [0.02, 0.02, 0.05]},
                "frozen_layer": {"host_ms": [0.4, 0.5, 0.3], "host_ms_busy": [0.7, 0.8, 0.6]}}
-    rows = check_measurements(probe.ledger_rows(results, 32, 16, 8, calls=3), profile="gpu")
+    rows = check_measurements(probe.ledger_rows(results, 32, 16, 8), profile="gpu")
+    assert {r["statistic"] for r in rows} == {"median", "ci_low", "ci_high"} and {r["n"] for r in rows} == {"3"}
+    rows = [r for r in rows if r["statistic"] == "median"]
     assert [(r["cell"], r["method"], float(r["value"])) for r in rows] == [
         ("probe=noop", "host_ms", 0.02), ("probe=noop", "host_ms_busy", 0.02),
         ("probe=frozen_layer;M=32;K=16;N=8;dtype=bfloat16", "host_ms", 0.4),

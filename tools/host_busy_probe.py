@@ -46,15 +46,18 @@ def probes(torch, M: int, K: int, N: int, device: str = "cuda") -> dict:
             "frozen_layer": frozen_layer}
 
 
-def ledger_rows(results: dict, M: int, K: int, N: int, calls: int) -> list[dict]:
-    """Ledger rows of ``results`` ({probe: {measure: [ms, ...]}}): the median of each probe under each measure."""
+def ledger_rows(results: dict, M: int, K: int, N: int) -> list[dict]:
+    """Ledger rows of ``results`` ({probe: {measure: [ms, ...]}}): each probe's median and 95% interval under each
+    measure (:func:`lora_lab.lab.ledger.summary_figures`)."""
+    from lora_lab.lab import measure
+    from lora_lab.lab.ledger import summary_figures
+
     rows = []
     for name, by_measure in results.items():
         cell = f"probe={name}" + (f";M={M};K={K};N={N};dtype=bfloat16" if name == "frozen_layer" else "")
         for measure_name, times in by_measure.items():
-            rows.append({"benchmark": "host_busy_probe", "cell": cell, "method": measure_name,
-                         "statistic": "median", "value": statistics.median(times), "unit": "ms", "n": calls,
-                         "sessions": 1, "source": "tools/host_busy_probe.py"})
+            rows += summary_figures(measure.summarize(times), benchmark="host_busy_probe", cell=cell,
+                                    method=measure_name, unit="ms", source="tools/host_busy_probe.py")
     return rows
 
 
@@ -95,7 +98,7 @@ def main(argv=None) -> int:
     if args.ledger:
         from lora_lab.lab.ledger import append_measurements
 
-        print("appended to", append_measurements(ledger_rows(results, M, K, N, args.calls), ledger=args.ledger))
+        print("appended to", append_measurements(ledger_rows(results, M, K, N), ledger=args.ledger))
     return 0
 
 

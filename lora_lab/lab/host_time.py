@@ -107,7 +107,6 @@ def _sleep_cycles_per_ms(torch) -> float:
     return _SLEEP_CYCLES_PER_MS[device]
 
 
-
 def _cuda():
     """``torch`` where a CUDA device is available, else None (:mod:`lora_lab.lab.measure` takes it from here)."""
     import torch

@@ -231,7 +231,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         if (need_x or need_a) and _quack_route(config, x2, weight, a.shape[0], ctx.dropout_p):
             # Qᵀ = s · Bᵀ dYᵀ (r×M, cuBLAS); dX = dY W + Q A in one QuACK GEMM; dA = Qᵀ X, dB = (Pᵀ dY)ᵀ by cuBLAS;
             # with fuse_q_db, Q and dB come from one Triton pass over dY instead of two cuBLAS calls
-            if need_lb and config.fuse_q_db and b.shape[1] <= 128:
+            if need_lb and config.fuse_q_db:  # the route's ranks (<= quack_gemm.MAX_RANK) all fit q_and_db
                 q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
                 q_t, db = q.t().contiguous(), dbt.t().to(b_dtype)
             else:

@@ -138,3 +138,49 @@ def test_call_parts_pick_some_of_the_three_and_a_wrong_one_is_named(tmp_path):
     assert "== step" not in done.stdout and "== LoRA ops" not in done.stdout
     wrong = _run(tmp_path, "call", PY=str(fake), CALL_PARTS="moe loss")
     assert wrong.returncode == 2 and "unknown part loss" in wrong.stdout
+
+
+def _site_with_a_pth(site: Path) -> Path:
+    """A site folder as `pip install --target` leaves the CUTLASS DSL: a package whose `.pth` file puts a folder
+    inside it on sys.path (where the `cutlass` package lives); returns that folder."""
+    inner = site / "dsl" / "dsl_packages"
+    (inner / "cutlass_probe").mkdir(parents=True)
+    (inner / "cutlass_probe" / "__init__.py").write_text("x = 1\n")
+    (site / "dsl" / "__init__.py").write_text("")
+    (site / "dsl_packages.pth").write_text(
+        "import sys, os, dsl; sys.path.insert(0, os.path.join(dsl.__path__[0], 'dsl_packages'))\n")
+    return inner
+
+
+def test_path_adds_what_the_site_folders_pth_files_add(tmp_path):
+    """A PYTHONPATH entry never runs a .pth file: `path quack` gives the folder and what its .pth files add, so
+    `cutlass` imports as in a site directory."""
+    inner = _site_with_a_pth(tmp_path / "site-quack")
+    done = _run(tmp_path, "path", "quack", PY=sys.executable)
+    assert done.returncode == 0, done.stderr
+    entries = done.stdout.strip().split(":")
+    assert entries[0] == str(tmp_path) and entries[1] == str(tmp_path / "site-quack") and str(inner) in entries
+    bare = subprocess.run([sys.executable, "-c", "import cutlass_probe"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": f"{tmp_path}/site-quack"})
+    assert bare.returncode != 0  # the folder alone does not import it
+    full = subprocess.run([sys.executable, "-c", "import cutlass_probe"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": done.stdout.strip()})
+    assert full.returncode == 0, full.stderr
+    missing = _run(tmp_path, "path", "sonicmoe", PY=sys.executable)
+    assert missing.returncode == 1 and "site-sonicmoe is not installed" in missing.stderr
+    wrong = _run(tmp_path, "path", "liger", PY=sys.executable)
+    assert wrong.returncode == 2 and "unknown site liger" in wrong.stderr
+
+
+def test_ops_puts_what_a_dsl_sites_pth_files_add_on_its_path(tmp_path):
+    shutil.copytree(ROOT / "benchmarks", tmp_path / "benchmarks", ignore=shutil.ignore_patterns("__pycache__"))
+    inner = _site_with_a_pth(tmp_path / "site-quack")
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                    f'echo "PYTHONPATH=$PYTHONPATH ARGS=$*" >> {calls}\n')
+    fake.chmod(0o755)
+    done = _run(tmp_path, "ops", PY=str(fake))
+    assert done.returncode == 0, done.stderr
+    quack = [line for line in calls.read_text().splitlines() if "--peers quack" in line]
+    assert len(quack) == 1 and str(inner) in quack[0].split()[0]

@@ -6,7 +6,10 @@
 #                                                $SITE-quack (from $WHEELS/, build/assembled/ or
 #                                                build/assembled-sites/: tools/parts.py, remote_gpu_run.sh --site-parts)
 #   bash tools/peers_bench.sh sites              the two DSL site folders only (e.g. QuACK for notebook 05's
-#                                                base_gemm="quack" route: PYTHONPATH=$PWD:$SITE-quack)
+#                                                base_gemm="quack" route)
+#   bash tools/peers_bench.sh path quack|sonicmoe  the PYTHONPATH that imports from that site folder: $PWD, the
+#                                                folder and what its .pth files add (PYTHONPATH=$(bash
+#                                                tools/peers_bench.sh path quack) python3 benchmarks/...)
 #   bash tools/peers_bench.sh load               what each peer's op loads to, or its exact error -> $RES/peers_load.txt
 #   bash tools/peers_bench.sh ops  [ARGS ...]    benchmarks/bench_peers.py into $RES/ops (unsloth, SonicMoE, QuACK:
 #                                                $RES/ops_unsloth, ops_sonicmoe, ops_quack, each its own process)
@@ -45,15 +48,27 @@
 # timed in that process too), and each step process imports it last (--impls order: unsloth at the end, every other
 # implementation built, timed and freed before it).
 set -u
-PART=${1:?part: install, sites, load, ops, step or call}
+PART=${1:?part: install, sites, path, load, ops, step or call}
 shift
-RES=${RES:-${OUT:?set RES or OUT to the folder that receives the results}}
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/site}  # where the peers install (SITE-sonicmoe, SITE-quack: the CUTLASS DSL peers)
 WHEELS=${WHEELS:-.whl}   # the folder of the peers' wheels (e.g. .whl-peers, carried beside .whl)
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg \
   HF_HUB_OFFLINE=1
-mkdir -p "$RES"
+if [ "$PART" != path ]; then
+  RES=${RES:-${OUT:?set RES or OUT to the folder that receives the results}}
+  mkdir -p "$RES"
+fi
+# A site folder's path entries: the folder and what its .pth files add. `pip install --target` leaves .pth files
+# that only a site directory's processing runs, never a PYTHONPATH entry: the CUTLASS DSL's `cutlass` package is
+# put on sys.path by one (nvidia_cutlass_dsl_packages.pth), so the folder alone imports quack but not cutlass.
+site_path() {
+  env -u PYTHONPATH $PY -c 'import os, site, sys
+folder = os.path.abspath(sys.argv[1])
+before = set(sys.path)
+site.addsitedir(folder)
+print(":".join([folder] + [p for p in sys.path if p not in before and p != folder]))' "$1"
+}
 case "$PART" in
   install|sites)
     if [ "$PART" = install ]; then
@@ -86,7 +101,7 @@ case "$PART" in
     for site in "$SITE" "$SITE-sonicmoe" "$SITE-quack"; do
     only=; case $site in *-sonicmoe) only=sonicmoe ;; *-quack) only=quack ;; esac
     [ -z "$only" ] || [ -d "$site" ] || { echo "$only: $site not installed" >> "$RES/peers_load.txt"; continue; }
-    PEERS_ONLY=$only PYTHONPATH=$PWD:$site $PY - >> "$RES/peers_load.txt" 2>&1 <<'EOF'
+    PEERS_ONLY=$only PYTHONPATH=$PWD:$(site_path "$site") $PY - >> "$RES/peers_load.txt" 2>&1 <<'EOF'
 import os
 import sys
 
@@ -119,18 +134,23 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
     for peer in sonicmoe quack; do  # each in its own process, with the CUTLASS DSL version it pins
       op=moe_full; [ $peer = quack ] && op=loss
       if [ -d "$SITE-$peer" ]; then
-        PYTHONPATH=$PWD:$SITE-$peer $PY benchmarks/bench_peers.py --out "$RES/ops_$peer" "$@" --peers $peer \
-          --ops $op 2>&1 | tail -20
+        PYTHONPATH=$PWD:$(site_path "$SITE-$peer") $PY benchmarks/bench_peers.py --out "$RES/ops_$peer" "$@" \
+          --peers $peer --ops $op 2>&1 | tail -20
       else
         echo "$peer: $SITE-$peer not installed (peers_bench.sh install), its own process skipped"
       fi
     done ;;
   step)  # with QuACK's site on the path where it is installed: the recipe on its route (ours_quack)
-    quack=; [ -d "$SITE-quack" ] && quack=:$SITE-quack
+    quack=; [ -d "$SITE-quack" ] && quack=:$(site_path "$SITE-quack")
     for ckpt in ${CKPT:-off on}; do
       PYTHONPATH=$PYTHONPATH$quack $PY benchmarks/bench_peers_step.py --out "$RES/step_ckpt_$ckpt" --sequential \
         --checkpointing $ckpt --checkpoint-dir /tmp/peer-checkpoints "$@" 2>&1 | tail -30
     done ;;
+  path)
+    name=${1:?path quack or path sonicmoe}
+    case $name in quack|sonicmoe) ;; *) echo "path: unknown site $name (quack, sonicmoe)" >&2; exit 2 ;; esac
+    [ -d "$SITE-$name" ] || { echo "path: $SITE-$name is not installed (peers_bench.sh sites)" >&2; exit 1; }
+    echo "$PWD:$(site_path "$SITE-$name")" ;;
   call)
     parts=" ${CALL_PARTS:-step moe ops} "
     for p in $parts; do
@@ -155,5 +175,5 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
         --ops lora_mlp lora_qkv lora_linear 2>&1 | tail -30
     fi
     echo "== done, $(date +%T)" ;;
-  *) echo "unknown part $PART (install, sites, load, ops, step or call)"; exit 2 ;;
+  *) echo "unknown part $PART (install, sites, path, load, ops, step or call)"; exit 2 ;;
 esac

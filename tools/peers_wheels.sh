@@ -36,8 +36,8 @@
 #   bash tools/remote_gpu_run.sh COMMIT --no-install --site-parts DIR/1 command -- ...     (carry DIR/1)
 #   ... DIR/2 likewise, then the last:
 #   bash tools/remote_gpu_run.sh COMMIT --no-install --site-parts DIR/3 command -- \
-#       bash -c 'bash tools/peers_bench.sh sites; PYTHONPATH=$PWD:/tmp/site-quack python3 ...'   (carry DIR/3)
-# (gathered and assembled into build/assembled-sites/; `sites` installs the group into $SITE-quack, default
+#       bash -c 'bash tools/peers_bench.sh sites; PYTHONPATH=$(bash tools/peers_bench.sh path quack) python3 ...'
+# (carry DIR/3; gathered and assembled into build/assembled-sites/; `sites` installs the group into $SITE-quack, default
 # /tmp/site-quack, for notebook 05's base_gemm="quack" route and QuACK's loss as a peer).
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)

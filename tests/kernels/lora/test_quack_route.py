@@ -250,7 +250,10 @@ def test_gpu_route_bf16(r, bias):
         pytest.skip(reason)
     x, w, b, A, B = make_case(4104, 1032, 2056, r, torch.bfloat16, bias=bias, device="cuda")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        # the route must run, not fall back to Triton with a warning. Only that warning is an error: the first
+        # backward of a process on this route met torch's "no current CUDA context" warning (cuBLAS in the autograd
+        # thread, which torch mends by setting the primary context), not a fault of the route
+        warnings.filterwarnings("error", message="lora_lab: base_gemm='quack' cannot run here")
         y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=QUACK)
     assert cosine(y, yr) >= 0.99999
 

@@ -85,20 +85,32 @@ def write_summary(rows: list[dict], path, args, benchmark: str | None = None):
     """``measure.write_csv(rows, path)``; with ``--ledger``, every figure of the written table (as
     :func:`lora_lab.lab.ledger.table_figures` reads it) also goes into the ledger, filed under ``benchmark``
     (default: the table's name, :func:`lora_lab.lab.ledger.table_name`). Returns the CSV's path."""
+    path = measure.write_csv(rows, path)
+    ledger_csv(path, args, benchmark)
+    return path
+
+
+def ledger_csv(path, args, benchmark: str | None = None, repetitions: bool = False) -> int:
+    """With ``--ledger``, the figures of the CSV at ``path`` appended to the ledger it names, filed under
+    ``benchmark`` (default: :func:`lora_lab.lab.ledger.table_name`): a summary table's figures
+    (:func:`lora_lab.lab.ledger.table_figures`), or with ``repetitions`` a table of repetitions' (``rep`` and
+    ``ms`` columns, e.g. a components table: each method's median and 95% interval,
+    :func:`lora_lab.lab.ledger.repetition_figures`). Returns how many were appended (0 without ``--ledger``)."""
     from pathlib import Path
 
-    path = measure.write_csv(rows, path)
     target = getattr(args, "ledger", None)
-    if target:
-        from lora_lab.lab import ledger
+    if not target:
+        return 0
+    from lora_lab.lab import ledger
 
-        figures = ledger.table_figures(measure.read_csv(path, require_current=False),
-                                       benchmark=benchmark or ledger.table_name(path), source=Path(path).name)
-        profile = "gpu" if torch.cuda.is_available() else "cpu"
-        where = ledger.append_measurements(figures, profile=target if target in ledger.PROFILES else profile,
-                                           ledger=None if target in ledger.PROFILES else Path(target))
-        print(f"{len(figures)} figures appended to {where}", flush=True)
-    return path
+    read = ledger.repetition_figures if repetitions else ledger.table_figures
+    figures = read(measure.read_csv(path, require_current=False),
+                   benchmark=benchmark or ledger.table_name(path), source=Path(path).name)
+    profile = "gpu" if torch.cuda.is_available() else "cpu"
+    where = ledger.append_measurements(figures, profile=target if target in ledger.PROFILES else profile,
+                                       ledger=None if target in ledger.PROFILES else Path(target))
+    print(f"{len(figures)} figures appended to {where}", flush=True)
+    return len(figures)
 
 
 SECONDARY = ("kernel", "back_to_back")

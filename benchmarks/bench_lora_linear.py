@@ -63,6 +63,7 @@ from bench_common import (
     chosen_variants,
     device_line,
     error_text,
+    ledger_csv,
     repetition_dots,
     without_options,
     write_summary,
@@ -599,6 +600,8 @@ def main(argv=None):
         measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
     if comp_rows:
         measure.write_csv(comp_rows, out / COMPONENTS_CSV)
+    else:  # an earlier run's table in this folder is not this run's
+        (out / COMPONENTS_CSV).unlink(missing_ok=True)
     finish(rows, args, out, start)
 
 
@@ -606,6 +609,8 @@ def finish(rows, args, out: Path, start: float):
     """The summary CSV (and with --ledger its figures in the ledger), the figures and the table of ``rows``."""
     summary = summary_rows(rows)
     write_summary(summary, out / SUMMARY_CSV, args)
+    if (out / COMPONENTS_CSV).is_file():  # the components' medians too: they come back with the ledger file
+        ledger_csv(out / COMPONENTS_CSV, args, benchmark="lora_linear_components", repetitions=True)
     plot(summary, timed(rows), out)
     print_table(summary)
     print(f"wrote {out / CSV} ({len(rows)} rows) in {time.perf_counter() - start:.0f} s", flush=True)

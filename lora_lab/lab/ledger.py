@@ -230,7 +230,7 @@ def summary_figures(summary: Mapping[str, Any], *, benchmark: str, cell: str, me
 
 
 # --- a benchmark's table as ledger rows -------------------------------------------------------------------------
-METHOD_COLUMNS = ("method", "impl", "implementation", "variant", "kernel", "name")
+METHOD_COLUMNS = ("method", "impl", "implementation", "variant", "kernel", "name", "component")
 # provenance and bookkeeping columns: never a cell key, never a figure
 META_COLUMNS = {"code_hash", "git_commit", "git_dirty", "version", "note", "status", "ms_each", "rep", "session",
                 "smoke", "timing", "error", "fastest_baseline", "n", "sessions", "calls", "warmup", "seed"}

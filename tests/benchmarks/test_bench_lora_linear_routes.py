@@ -4,6 +4,7 @@ them from a fixture CSV."""
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
 
 import pytest
@@ -173,6 +174,44 @@ def test_sessions_run_one_process_each_then_summarise_the_pooled_rows(bench, mon
     summary = measure.read_csv(tmp_path / bench.SUMMARY_CSV)
     assert {(s["variant"], s["n"]) for s in summary} == {("base", 4), ("peft", 4), ("fused", 4)}
     assert ledger.read_text().count("\n") > 1 and (tmp_path / "05_lora_linear_ratio.png").stat().st_size > 0
+
+
+def test_components_medians_go_into_the_ledger_with_the_summary(bench, monkeypatch, tmp_path):
+    """A components table (--components) comes back in the ledger file too, each component's median and 95%
+    interval over the pooled repetitions, so a run whose folder is not packed still brings it back."""
+    t = fused_lora_kernels.TARGET_CELL
+
+    def sessions(script, args, out, names, sessions):
+        rows = [_row(t, v, rep, ms, session=None) for v, ms in (("base", 3.0), ("peft", 7.0), ("fused", 3.6))
+                for rep in range(4)]
+        measure.write_csv(rows, out / bench.CSV)
+        comps = [{"cell": t, "M": 32768, "K": 4096, "N": 4096, "r": 16, "dtype": "bfloat16", "smoke": False,
+                  "component": name, "rep": rep, "ms": ms + 0.01 * rep, "session": rep % 2}
+                 for name, ms in (("cublas_fwd_gemm", 1.5), ("quack_fwd_gemm", 1.6)) for rep in range(4)]
+        measure.write_csv(comps, out / bench.COMPONENTS_CSV)
+
+    monkeypatch.setattr(bench.measure, "run_script_sessions", sessions)
+    ledger = tmp_path / "ledger.csv"
+    bench.main(["--out", str(tmp_path), "--variants", "base,peft,fused", "--sessions", "2", "--ledger", str(ledger),
+                "--components", "target"])
+    with open(ledger, newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["benchmark"] == "lora_linear_components"]
+    medians = {r["method"]: float(r["value"]) for r in rows if r["statistic"] == "median"}
+    assert medians == pytest.approx({"cublas_fwd_gemm": 1.515, "quack_fwd_gemm": 1.615})
+    assert {r["statistic"] for r in rows} == {"median", "ci_low", "ci_high"}
+    assert {(r["n"], r["sessions"]) for r in rows} == {("4", "2")}
+    assert all("M=32768" in r["cell"] and r["source"] == bench.COMPONENTS_CSV for r in rows)
+
+
+def test_a_run_without_components_leaves_no_earlier_components_table(bench, monkeypatch, tmp_path):
+    (tmp_path / bench.COMPONENTS_CSV).write_text("cell,component,rep,ms\nx,stale,0,1.0\n")
+    monkeypatch.setattr(bench, "check_device", lambda smoke: torch.device("cpu"))
+    monkeypatch.setattr(bench, "grid_cells", lambda args: {})
+    monkeypatch.setattr(bench, "plot", lambda *args: None)
+    ledger = tmp_path / "ledger.csv"
+    bench.main(["--out", str(tmp_path), "--variants", "base", "--ledger", str(ledger)])
+    assert not (tmp_path / bench.COMPONENTS_CSV).exists()
+    assert "stale" not in (ledger.read_text() if ledger.exists() else "")
 
 
 def test_calls_sets_the_timed_calls_of_both_loops(bench, monkeypatch):

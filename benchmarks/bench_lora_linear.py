@@ -29,8 +29,9 @@ script N times, one process after another, and pools the rows (intervals then sp
 synchronised after it, so host time counts); ``host_ms``: the host's own time per call (``measure.host_ms``:
 from the call to its return, synchronised outside; a step is host-bound where it exceeds the GPU time);
 ``host_busy_ms`` (CUDA; ``--host-busy``: the target cell by default): the same call made behind a sleep kernel
-that keeps the device busy (``measure.host_ms_busy``), the host's cost with no wait for an idle device in it, and
-``host_waits``, the calls among them that returned only after the device had run dry (a call that synchronises);
+that keeps the device busy (``measure.host_ms_busy``: launches behind a busy queue cost the host more than from an
+idle device, so it is not the call's CPU time; tools/host_busy_probe.py), and ``host_waits``, the calls among them
+that returned only after the device had run dry (a call that synchronises);
 ``--host-profile``: 05_lora_linear_host_profile.csv, the host-side events of a few calls per cell and variant
 (operators, autograd functions, CUDA runtime calls), to tell a launch or a synchronisation from Python work;
 ``back_to_back_ms`` (with ``--back-to-back``): ``measure.kernel_loop_ms`` (``do_bench``, calls

@@ -20,10 +20,12 @@ def host_ms_busy(fn: Callable[[], object], calls: int = 10, warmup: int = 2,
     """Host milliseconds of each of ``calls`` calls of ``fn`` made while the device is still busy: before each call
     a sleep kernel of about ``busy_ms`` is queued on the current stream, so every kernel the call launches lands
     behind it and nothing in the call waits for the device, unless the call synchronises with it (an ``.item()``,
-    a copy to the host, a ``cudaFree``). What is left is the CPU's own cost of the call: Python, checks, the
-    autograd engine, launches. :func:`measure.host_ms` starts each call on an idle device instead, where a launch
-    may cost more than one behind a busy queue; the two side by side tell launch overhead from the device's own
-    latency.
+    a copy to the host, a ``cudaFree``). It was meant to leave the CPU's own cost of the call (Python, checks, the
+    autograd engine, launches), but it does not: ``tools/host_busy_probe.py`` (ledger rows ``host_busy_probe``,
+    an H100) found one tiny kernel launch about ten times as costly to the host behind the sleep kernel as from
+    an idle device, and the frozen layer's host time nearly doubled. A launch behind a busy queue costs the host
+    more, not less, so this measure carries a cost of its own; :func:`measure.host_ms` (each call from an idle
+    device) is the host time to quote.
 
     Returns ``(times, waited)``: ``waited`` counts the timed calls that returned after the sleep had finished (an
     event recorded behind it had completed): such a call either waited for the device or took longer than

@@ -248,7 +248,7 @@ def components(x, dy, weight, A, B, shipped):
     dx = torch.empty_like(x)
     tma, pointer = shipped.replace(gemm_loads="tma"), shipped.replace(gemm_loads="pointer")
     quack = _quack_components(x, dy, weight, a, b, p, q, y, dx)
-    return {**quack,
+    return {**quack, **_wide_components(x, dy, weight, a, b, p, q),
         "cublas_fwd_gemm": lambda: torch.mm(x, weight.t()),
         "cublas_dx_gemm": lambda: torch.mm(dy, weight),
         "cublas_fwd_plus_addmm": lambda: torch.mm(x, weight.t()).addmm_(p, b.t()),
@@ -273,6 +273,27 @@ def components(x, dy, weight, A, B, shipped):
         "cublas_q_mm": lambda: torch.mm(dy, b),
         "cublas_db_mm": lambda: torch.mm(dy.t(), p),
         "cublas_da_mm": lambda: torch.mm(q.t(), x),
+    }
+
+
+def _wide_components(x, dy, weight, a, b, p, q) -> dict:
+    """K-widening: the rank-r term as r more columns of the GEMM's reduction, so one cuBLAS call with no fill gives
+    the whole result — ``[X | P] · [W | B]ᵀ = X Wᵀ + P Bᵀ`` (P = s · X Aᵀ) and ``[dY | Q] · [W ; A] = dY W + Q A``
+    (Q = s · dY B). Timed: the two widened GEMMs (K + r, N + r) beside cublas_fwd_gemm / cublas_dx_gemm, and the
+    copy that builds ``[dY | Q]`` where dY comes from autograd (``[X | P]`` needs none where the layer before
+    writes X into the wide buffer). The weight side is one (N + r)×(K + r) buffer: W, B in its right margin, A in
+    its bottom one, so ``[W | B]`` is its first N rows and ``[W ; A]`` its first K columns (leading dimension
+    K + r), both read in place."""
+    p, q = p.to(x.dtype), q.to(dy.dtype)
+    x_wide, dy_wide = torch.cat([x, p], dim=1), torch.cat([dy, q], dim=1)
+    (N, K), r = weight.shape, a.shape[0]
+    big = weight.new_zeros(N + r, K + r)
+    big[:N, :K], big[:N, K:], big[N:, :K] = weight, b, a
+    w_wide, w_tall = big[:N], big[:, :K]
+    return {
+        "cublas_wide_fwd_gemm": lambda: torch.mm(x_wide, w_wide.t()),
+        "cublas_wide_dx_gemm": lambda: torch.mm(dy_wide, w_tall),
+        "wide_dy_copy": lambda: torch.cat([dy, q], dim=1),
     }
 
 

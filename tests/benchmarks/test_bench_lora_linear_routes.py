@@ -321,3 +321,17 @@ def test_host_busy_is_timed_in_the_cells_the_option_names(bench, monkeypatch):
     bench.measure_cell("c", (8, 16, 16, 2), args, KernelConfig(autotune=False), torch.float32, torch.device("cpu"),
                        True)
     assert seen and set(seen) == {False}
+
+
+def test_the_widened_gemms_compute_the_lora_linear_and_its_dx(bench):
+    """K-widening components: [X | P] · [W | B]ᵀ is the forward (P = s · X Aᵀ) and [dY | Q] · [W ; A] the input
+    gradient (Q = s · dY B), each one GEMM with r more columns in its reduction (fp32, on the CPU)."""
+    gen = torch.Generator().manual_seed(0)
+    M, K, N, r, s = 24, 40, 32, 4, 2.0
+    x, dy = torch.randn(M, K, generator=gen), torch.randn(M, N, generator=gen)
+    w, a, b = torch.randn(N, K, generator=gen), torch.randn(r, K, generator=gen), torch.randn(N, r, generator=gen)
+    p, q = s * x @ a.t(), s * dy @ b
+    parts = bench._wide_components(x, dy, w, a, b, p, q)
+    torch.testing.assert_close(parts["cublas_wide_fwd_gemm"](), x @ w.t() + s * (x @ a.t()) @ b.t())
+    torch.testing.assert_close(parts["cublas_wide_dx_gemm"](), dy @ w + s * (dy @ b) @ a)
+    assert parts["wide_dy_copy"]().shape == (M, N + r)

@@ -591,6 +591,7 @@ def main(argv=None):
     start = time.perf_counter()
     args = parse_args(argv)
     out = Path(args.out)
+    (out / COMPONENTS_CSV).unlink(missing_ok=True)  # an earlier run's table in this folder is not this run's
     if args.sessions > 1:  # this script once per session, then the pooled rows summarised (and put in the ledger)
         raw = sys.argv[1:] if argv is None else list(argv)
         measure.run_script_sessions(Path(__file__), without_options(raw, ("--out", "--sessions", "--ledger")), out,
@@ -622,8 +623,6 @@ def main(argv=None):
         measure.write_csv(rows, out / CSV)  # after every cell: a run cut short keeps what it measured
     if comp_rows:
         measure.write_csv(comp_rows, out / COMPONENTS_CSV)
-    else:  # an earlier run's table in this folder is not this run's
-        (out / COMPONENTS_CSV).unlink(missing_ok=True)
     finish(rows, args, out, start)
 
 

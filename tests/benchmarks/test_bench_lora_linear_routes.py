@@ -214,6 +214,22 @@ def test_a_run_without_components_leaves_no_earlier_components_table(bench, monk
     assert "stale" not in (ledger.read_text() if ledger.exists() else "")
 
 
+def test_sessions_without_components_file_no_earlier_components_table(bench, monkeypatch, tmp_path):
+    """The pooled run (--sessions) too: a components table left in the folder by an earlier run is not filed."""
+    t = fused_lora_kernels.TARGET_CELL
+    (tmp_path / bench.COMPONENTS_CSV).write_text("cell,component,rep,ms\nx,stale,0,1.0\n")
+
+    def sessions(script, args, out, names, sessions):
+        rows = [_row(t, v, rep, ms) for v, ms in (("base", 3.0), ("peft", 7.0), ("fused", 3.6)) for rep in range(4)]
+        measure.write_csv(rows, out / bench.CSV)
+
+    monkeypatch.setattr(bench.measure, "run_script_sessions", sessions)
+    ledger = tmp_path / "ledger.csv"
+    bench.main(["--out", str(tmp_path), "--variants", "base,peft,fused", "--sessions", "2", "--ledger", str(ledger)])
+    assert not (tmp_path / bench.COMPONENTS_CSV).exists()
+    assert "stale" not in ledger.read_text() and "lora_linear_components" not in ledger.read_text()
+
+
 def test_calls_sets_the_timed_calls_of_both_loops(bench, monkeypatch):
     seen = []
 

@@ -23,8 +23,12 @@ field              variable                meaning
                                            epilogue, :mod:`lora_lab.kernels.lora.quack_gemm`;
                                            where it cannot run, the Triton route with a warning
                                            naming why; the shared-input op (q/k/v,
-                                           gate/up groups) takes its default), ``auto``:
-                                           each op's default
+                                           gate/up groups) takes its default), ``wide``
+                                           (the LoRA linear: one cuBLAS GEMM over a
+                                           widened reduction, [X | P] · [W | B]ᵀ, the
+                                           widened operand written by the pass that
+                                           computes P, :mod:`lora_lab.kernels.lora.widened`;
+                                           no dropout), ``auto``: each op's default
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
                                            ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
@@ -111,7 +115,7 @@ __all__ = ["KernelConfig", "ENV_VARIABLES", "resolve_config"]
 
 CHOICES = {
     "dispatch": ("auto", "triton", "cublas"),
-    "base_gemm": ("auto", "triton", "cublas", "quack"),
+    "base_gemm": ("auto", "triton", "cublas", "quack", "wide"),
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),

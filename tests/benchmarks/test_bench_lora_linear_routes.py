@@ -51,6 +51,7 @@ def test_the_default_run_times_what_notebook_05_grades_and_no_more(bench):
     assert routes | references | {"base", "peft", "fused"} <= set(args.variants)
     assert not {"fused_persistent", "fused_fold", "fused_torch_rank"} & set(args.variants)
     assert set(fused_lora_kernels.QUACK_VARIANTS) <= set(args.variants)  # the QuACK route's predictions
+    assert set(fused_lora_kernels.WIDE_VARIANTS) <= set(args.variants)  # the widened route's
     assert args.back_to_back is False
     assert args.calls == bench.LOOP[False]["calls"] == 6
 
@@ -297,6 +298,23 @@ def test_quack_route_metrics_need_only_the_target_cell_and_stay_out_of_the_best_
     assert m[f"lora_linear_fused_quack_graphed_time_vs_base_graphed_{t}"]["samples"] == pytest.approx([1.05, 1.05])
     assert f"lora_linear_fused_quack_host_ms_{t}" in m
     assert "lora_linear_fused_quack_worst_time_vs_base" not in m  # not run in the r = 64 cell
+    assert m["lora_linear_routes_best_worst_time_vs_base"]["samples"] == pytest.approx([1.3, 1.3])  # cuBLAS only
+
+
+def test_wide_route_metrics_in_every_cell_and_out_of_the_best_route(tmp_path):
+    t, r64 = fused_lora_kernels.TARGET_CELL, "32k_4096x4096_r64"
+    rows = [_row(cell, v, rep, ms) for rep in range(2) for cell, v, ms in (
+        (t, "base", 3.0), (t, "fused_cublas_base", 3.6), (t, "fused_wide", 3.39), (t, "base_graphed", 3.0),
+        (t, "fused_wide_graphed", 3.3), (r64, "base", 3.0), (r64, "fused_cublas_base", 3.9), (r64, "fused_wide", 3.6),
+        (r64, "base_graphed", 3.0), (r64, "fused_wide_graphed", 3.45), (t, "peft", 7.0), (t, "fused", 3.6),
+        (r64, "peft", 7.0), (r64, "fused", 3.7))]
+    measure.write_csv(rows, tmp_path / fused_lora_kernels.LINEAR_CSV)
+    m = fused_lora_kernels.benchmark_metrics(tmp_path)
+    assert m[f"lora_linear_fused_wide_time_vs_base_{t}"]["samples"] == pytest.approx([1.13, 1.13])
+    assert m["lora_linear_fused_wide_worst_time_vs_base"]["samples"] == pytest.approx([1.2, 1.2])
+    assert m[f"lora_linear_fused_wide_graphed_time_vs_base_graphed_{t}"]["samples"] == pytest.approx([1.1, 1.1])
+    assert m["lora_linear_fused_wide_graphed_worst_time_vs_base_graphed"]["samples"] == pytest.approx([1.15, 1.15])
+    assert f"lora_linear_fused_wide_host_ms_{t}" in m
     assert m["lora_linear_routes_best_worst_time_vs_base"]["samples"] == pytest.approx([1.3, 1.3])  # cuBLAS only
 
 

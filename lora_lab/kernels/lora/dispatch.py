@@ -53,10 +53,10 @@ def base_gemm_engine(config: KernelConfig, default: str = "triton", supported=("
     ``triton``: one Triton GEMM with the rank-r term as the last step of its K loop. ``cublas``: a Triton pass
     writes the rank-r term (P Bᵀ + b, or Q A) into the output, then cuBLAS adds the base GEMM onto it with
     β = 1 (``addmm_``): the GEMM is cuBLAS's, at the price of one M×N write. The backward's dX takes this path
-    only without dropout (the mask multiplies the rank-r term alone). One cuBLAS GEMM over a widened K,
-    ``[X | P] · [W | B]ᵀ`` (and ``[dY | Q] · [W; A]`` for dX), is not offered: X and P are separate buffers, so
-    building ``[X | P]`` reads and writes X (M×K) every step, as much traffic as the M×N write and β = 1 read it
-    saves when K = N, and more when K > N; no copy-free arrangement exists inside one layer's call.
+    only without dropout (the mask multiplies the rank-r term alone). ``wide`` (the LoRA linear only,
+    :mod:`lora_lab.kernels.lora.widened`): one cuBLAS GEMM over a widened reduction, ``[X | P] · [W | B]ᵀ`` and
+    ``[dY | Q] · [W ; A]``, the widened activation written by the pass that computes P (or Q and dB) from the
+    same read: one M×K (M×N) write per GEMM where ``cublas`` writes the rank-r term and reads it back.
     ``quack`` (the LoRA linear only): QuACK's GEMM adds the rank-r term in its epilogue
     (:mod:`lora_lab.kernels.lora.quack_gemm`): cuBLAS-class GEMMs with no extra pass over the output.
     """

@@ -31,7 +31,7 @@ import torch
 
 from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.lora import quack_gemm
+from lora_lab.kernels.lora import quack_gemm, widened
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, linear_route, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
@@ -108,6 +108,20 @@ def _quack_route(config: KernelConfig, x2: torch.Tensor, weight: torch.Tensor, r
     return True
 
 
+def _wide_route(config: KernelConfig, rank: int, dropout_p: float) -> bool:
+    """Whether this call takes the K-widened route (``base_gemm="wide"``); with dropout (the mask multiplies the
+    backward's rank-r term alone, which a widened GEMM cannot) or a rank above 128, one warning names why and the
+    call takes the Triton route."""
+    if config.base_gemm != "wide":
+        return False
+    reason = ("dropout needs the Triton route (the mask multiplies dX's rank-r term alone)" if dropout_p
+              else f"rank {rank} is above the widening passes' 128" if rank > 128 else None)
+    if reason is not None:
+        widened.warn_fallback(reason)
+        return False
+    return True
+
+
 def _torch_rank_ops(config: KernelConfig, dropout_p: float) -> bool:
     """Whether P, Q, dA and dB run as cuBLAS calls (``KernelConfig(rank_ops="torch")``, no dropout: the Triton
     kernels regenerate the dropout mask from its seed, a cuBLAS call cannot)."""
@@ -162,6 +176,9 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         if dropout_p == 0.0 and engine_for(M, K, N, x.device, config) == "cublas":
             # small GEMMs: the same P and Y from cuBLAS calls (host-bound otherwise, see the module notes)
             y, p = _cublas_forward(x2, weight, bias, a, b, scaling)
+        elif _wide_route(config, a.shape[0], dropout_p):
+            # [X | P] written by the pass that computes P, then Y = [X | P] · [W | B]ᵀ + b in one cuBLAS GEMM
+            y, x2, p = widened.forward(x2, weight, bias, a, b, scaling, config.autotune)
         elif _quack_route(config, x2, weight, a.shape[0], dropout_p):
             # Pᵀ = s · A Xᵀ (r×M, cuBLAS), then Y = X Wᵀ + b + P Bᵀ in one QuACK GEMM (rank-r term in its epilogue)
             p_t = _scaled_mm(a, x2.t(), scaling)
@@ -227,6 +244,13 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             if need_x:
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
             return dx, dw, dbias, da, db, None, None, None, None
+
+        if need_x and _wide_route(config, a.shape[0], ctx.dropout_p):
+            # [dY | Q] written by the pass that computes Q (and dB), then dX = [dY | Q] · [W ; A] in one cuBLAS GEMM
+            dx, q, dbt = widened.backward(dy2, p, weight, a, b, ctx.scaling, need_lb, config.autotune)
+            da = _wide_mm(q.t(), x2).to(a_dtype) if need_a else None  # dA = Qᵀ X
+            db = dbt.t().to(b_dtype) if need_lb else None
+            return dx.reshape(ctx.x_shape), dw, dbias, da, db, None, None, None, None
 
         if (need_x or need_a) and _quack_route(config, x2, weight, a.shape[0], ctx.dropout_p):
             # Qᵀ = s · Bᵀ dYᵀ (r×M, cuBLAS); dX = dY W + Q A in one QuACK GEMM; dA = Qᵀ X, dB = (Pᵀ dY)ᵀ by cuBLAS;

@@ -3,6 +3,10 @@
 * ``rank_projection``  out[M, r] = scale · drop(In)[M, D] @ Mat[D, r]      (reads In once)
 * ``rank_reduction``   out[r, D] = L[M, r]ᵀ @ drop(In)[M, D]             (split over M, fp32 partials)
 * ``q_and_db``         Q = s · dY B and dBᵀ = Pᵀ dY from one pass over dY (atomics: dB not deterministic)
+
+``rank_projection`` and ``q_and_db`` can also copy the input they read into another buffer (``copy_to``) on the
+way: the K-widened route (``KernelConfig(base_gemm="wide")``) builds ``[X | P]`` and ``[dY | Q]`` that way, the
+copy riding on the read the rank-r product needs anyway.
 * ``dropout_keep_mask`` the mask every kernel regenerates from a seed: keep(m, k) = rand(seed, m·K + k) ≥ p
 """
 from __future__ import annotations
@@ -37,9 +41,10 @@ def _rank_projection_kernel(
     in_ptr, stride_im, stride_id,
     mat_ptr, stride_md, stride_mr,
     out_ptr, stride_om, stride_or,
+    copy_ptr, stride_cm, stride_cd,
     M, D, R, M_BUCKET, TUNE,
     scale, col_scale_ptr, seed, p_drop, keep_scale,
-    HAS_COL_SCALE: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_COL_SCALE: tl.constexpr, DROPOUT: tl.constexpr, COPY: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -54,6 +59,10 @@ def _rank_projection_kernel(
     for d0 in range(0, D, BLOCK_D):
         d = d0 + cols
         x = tl.load(in_rows + d[None, :] * stride_id, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        if COPY:
+            # the input as read (before dropout) into the copy buffer, by the first rank block's programs only
+            tl.store(copy_ptr + rows.to(tl.int64)[:, None] * stride_cm + d[None, :] * stride_cd, x,
+                     mask=(row_ok & (rows * 0 + pid_r == 0))[:, None] & (d[None, :] < D))
         if DROPOUT:
             # drop(X)[m, d] = X[m, d] · keep/(1-p), rounded to X's dtype like torch's dropout
             keep = tl.rand(seed, rows[:, None] * D + d[None, :]) >= p_drop
@@ -129,8 +138,10 @@ def _q_and_db_kernel(
     p_ptr, stride_pm, stride_pr,
     q_ptr, stride_qm, stride_qr,
     dbt_ptr, stride_dr, stride_dn,
+    copy_ptr, stride_cm, stride_cd,
     M, D, R, M_BUCKET, TUNE, scale,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    COPY: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -146,6 +157,9 @@ def _q_and_db_kernel(
     for d0 in range(0, D, BLOCK_D):
         d = d0 + cols
         dy = tl.load(dy_rows + d[None, :] * stride_yn, mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+        if COPY:
+            tl.store(copy_ptr + rows.to(tl.int64)[:, None] * stride_cm + d[None, :] * stride_cd, dy,
+                     mask=row_ok[:, None] & (d[None, :] < D))
         bt = tl.load(b_ptr + d[:, None] * stride_bn + ranks[None, :] * stride_br,
                      mask=(d[:, None] < D) & rank_ok[None, :], other=0.0)
         q_acc = tl.dot(dy, bt, q_acc, input_precision=PRECISION)
@@ -173,16 +187,28 @@ def dropout_args(p: float, seed: int | None):
     return False, 0, 0.0, 1.0
 
 
+def _check_copy(copy_to: torch.Tensor | None, inp: torch.Tensor, op: str) -> None:
+    if copy_to is not None and (copy_to.shape != inp.shape or copy_to.dtype != inp.dtype
+                                or copy_to.device != inp.device):
+        raise ValueError(f"{op}: copy_to must match the input ({tuple(inp.shape)}, {inp.dtype}, {inp.device}); got "
+                         f"{tuple(copy_to.shape)}, {copy_to.dtype}, {copy_to.device}")
+
+
 def rank_projection(inp: torch.Tensor, mat: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                     dropout_p: float = 0.0, seed: int | None = None,
-                    col_scale: torch.Tensor | None = None, tune: bool = True) -> torch.Tensor:
-    """out[M, r] = scale · drop(inp)[M, D] @ mat[D, r] [· col_scale[r]] (``mat`` may be a transposed view)."""
+                    col_scale: torch.Tensor | None = None, tune: bool = True,
+                    copy_to: torch.Tensor | None = None) -> torch.Tensor:
+    """out[M, r] = scale · drop(inp)[M, D] @ mat[D, r] [· col_scale[r]] (``mat`` may be a transposed view);
+    ``copy_to`` (a tensor, or a view, shaped like ``inp``) receives ``inp`` as read, before dropout."""
     check_interpreter_dtype(inp, op="rank_projection")
+    _check_copy(copy_to, inp, "rank_projection")
     M, D = inp.shape
     R = mat.shape[1]
     if out is None:
         out = torch.empty((M, R), device=inp.device, dtype=inp.dtype)
     if M == 0 or R == 0:
+        if copy_to is not None:
+            copy_to.copy_(inp)
         return out
     dropout, seed_, p_, keep_scale = dropout_args(dropout_p, seed)
     block_r = rank_block(R, cap=128)
@@ -193,11 +219,17 @@ def rank_projection(inp: torch.Tensor, mat: torch.Tensor, scale: float, out: tor
         inp, inp.stride(0), inp.stride(1),
         mat, mat.stride(0), mat.stride(1),
         out, out.stride(0), out.stride(1),
+        *_copy_args(copy_to, out),
         M, D, R, row_bucket(M), int(tune),
         float(scale), col_scale if col_scale is not None else out, seed_, p_, keep_scale,
-        HAS_COL_SCALE=col_scale is not None, DROPOUT=dropout, PRECISION=dot_precision(inp.dtype), BLOCK_R=block_r,
+        HAS_COL_SCALE=col_scale is not None, DROPOUT=dropout, COPY=copy_to is not None,
+        PRECISION=dot_precision(inp.dtype), BLOCK_R=block_r,
     )
     return out
+
+
+def _copy_args(copy_to: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    return (copy_to, copy_to.stride(0), copy_to.stride(1)) if copy_to is not None else (dummy, 0, 0)
 
 
 def _num_row_splits(M: int, D: int, R: int, block_r: int) -> int:
@@ -209,14 +241,19 @@ def _num_row_splits(M: int, D: int, R: int, block_r: int) -> int:
     return int(max(1, min(splits, 32, cdiv(M, 128))))
 
 
-def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, tune: bool = True):
-    """(Q = scale · dY B in dY's dtype, fp32 dBᵀ = Pᵀ dY) from one pass over dY (atomic adds for dB)."""
+def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, tune: bool = True,
+             q_out: torch.Tensor | None = None, copy_to: torch.Tensor | None = None):
+    """(Q = scale · dY B in dY's dtype, fp32 dBᵀ = Pᵀ dY) from one pass over dY (atomic adds for dB); Q goes into
+    ``q_out`` when given (M×r, a view is fine), and ``copy_to`` (shaped like dY) receives dY as read."""
     check_interpreter_dtype(dy, op="q_and_db")
+    _check_copy(copy_to, dy, "q_and_db")
     M, D = dy.shape
     R = b.shape[1]
-    q = torch.empty((M, R), device=dy.device, dtype=dy.dtype)
+    q = torch.empty((M, R), device=dy.device, dtype=dy.dtype) if q_out is None else q_out
     dbt = torch.zeros((R, D), device=dy.device, dtype=torch.float32)
     if M == 0 or R == 0:
+        if copy_to is not None:
+            copy_to.copy_(dy)
         return q, dbt
     block_r = rank_block(R, cap=128)
     if block_r < R:
@@ -226,9 +263,9 @@ def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, t
         return (cdiv(M, meta["BLOCK_M"]),)
     _q_and_db_kernel[grid](
         dy, dy.stride(0), dy.stride(1), b, b.stride(0), b.stride(1), p, p.stride(0), p.stride(1),
-        q, q.stride(0), q.stride(1), dbt, dbt.stride(0), dbt.stride(1),
+        q, q.stride(0), q.stride(1), dbt, dbt.stride(0), dbt.stride(1), *_copy_args(copy_to, q),
         M, D, R, row_bucket(M), int(tune), float(scale),
-        PRECISION=dot_precision(dy.dtype), BLOCK_R=block_r,
+        COPY=copy_to is not None, PRECISION=dot_precision(dy.dtype), BLOCK_R=block_r,
     )
     return q, dbt
 

@@ -112,9 +112,9 @@ ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS, *GRAPH
 ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "base_graphed", "fused_graphed",
           "fused_cublas_base_graphed"]
 # what notebook 05 times: base, PEFT and ours as shipped, the routes, QuACK's route (skipped rows naming why
-# where it cannot run) and the widened reduction. The forms docs/changelog.md keeps as tried and dropped (fused_persistent, fused_fold,
-# fused_torch_rank: their predictions were graded by earlier runs) run only when --variants names them, which
-# keeps the notebook's GPU run inside one call
+# where it cannot run) and the widened reduction. The forms docs/changelog.md keeps as tried and dropped
+# (fused_persistent, fused_fold, fused_torch_rank: their predictions were graded by earlier runs) run only when
+# --variants names them, which keeps the notebook's GPU run inside one call
 DEFAULT_VARIANTS = [v for v in ALL_VARIANTS
                     if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_qdb", "fused_quack_graphed",
                              "fused_wide", "fused_wide_graphed")]

@@ -10,11 +10,13 @@ notebook 05 shows the result.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lora_lab.kernels.config import KernelConfig
 
-__all__ = ["engine_for", "base_gemm_engine", "linear_route", "side_stream", "join_side_stream",
+__all__ = ["engine_for", "base_gemm_engine", "linear_route", "side_stream", "join_side_stream", "warn_route_fallback",
            "FORWARD_TRITON_MIN_VOLUME", "BACKWARD_TRITON_MIN_VOLUME", "LINEAR_DEEP_K_TRITON_MIN_VOLUME"]
 
 # GEMM volumes M·K·N from which the Triton engine is used (below: cuBLAS calls)
@@ -61,6 +63,16 @@ def base_gemm_engine(config: KernelConfig, default: str = "triton", supported=("
     (:mod:`lora_lab.kernels.lora.quack_gemm`): cuBLAS-class GEMMs with no extra pass over the output.
     """
     return config.base_gemm if config.base_gemm in supported else default
+
+
+def warn_route_fallback(warned: set, route: str, reason: str) -> None:
+    """One RuntimeWarning per distinct ``reason`` (kept in ``warned``): the op was asked for ``base_gemm=route`` and
+    runs the Triton route instead."""
+    if reason in warned:
+        return
+    warned.add(reason)
+    warnings.warn(f"lora_lab: base_gemm='{route}' cannot run here ({reason}); using the Triton route",
+                  RuntimeWarning, stacklevel=5)
 
 
 def linear_route(M: int, K: int, N: int, device: torch.device, config: KernelConfig) -> KernelConfig:

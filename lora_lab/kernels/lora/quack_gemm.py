@@ -28,11 +28,10 @@ Versions this was written against: ``quack-kernels==0.6.5`` with ``nvidia-cutlas
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from lora_lab import gpu_arch
+from lora_lab.kernels.lora.dispatch import warn_route_fallback
 
 __all__ = ["MAX_RANK", "DTYPES", "QUACK_PINS", "SCHEDULES", "unavailable_reason", "rank_epilogue",
            "epilogue_source", "gemm_config", "gemm_with_rank_epilogue"]
@@ -93,11 +92,7 @@ def unavailable_reason(M: int, K: int, N: int, rank: int, dtype: torch.dtype, de
 
 def warn_fallback(reason: str) -> None:
     """One RuntimeWarning per distinct reason: the op asked for QuACK and runs the Triton route instead."""
-    if reason in _WARNED:
-        return
-    _WARNED.add(reason)
-    warnings.warn(f"lora_lab: base_gemm='quack' cannot run here ({reason}); using the Triton route",
-                  RuntimeWarning, stacklevel=4)
+    warn_route_fallback(_WARNED, "quack", reason)
 
 
 def _names(rank: int) -> tuple[list[str], list[str]]:

@@ -19,10 +19,9 @@ Aᵀ), so that every widened row stays 16-byte aligned for cuBLAS; the zeros add
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from lora_lab.kernels.lora.dispatch import warn_route_fallback
 from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection
 
 __all__ = ["forward", "backward", "padded_rank", "warn_fallback"]
@@ -32,11 +31,7 @@ _WARNED: set = set()
 
 def warn_fallback(reason: str) -> None:
     """One RuntimeWarning per distinct reason: the op asked for the widened route and runs the Triton route."""
-    if reason in _WARNED:
-        return
-    _WARNED.add(reason)
-    warnings.warn(f"lora_lab: base_gemm='wide' cannot run here ({reason}); using the Triton route",
-                  RuntimeWarning, stacklevel=4)
+    warn_route_fallback(_WARNED, "wide", reason)
 
 
 def padded_rank(rank: int) -> int:

@@ -35,7 +35,7 @@ __all__ = ["rank_projection", "rank_reduction", "q_and_db", "dropout_keep_mask",
 #   backward Q = s · dY B         (Mat = B)
 # One program owns BLOCK_M rows and all (up to BLOCK_R) rank columns, so In is read once.
 # ----------------------------------------------------------------------------------------------
-@autotune(skinny_configs(), key=["M_BUCKET", "D", "R", "TUNE"])
+@autotune(skinny_configs(), key=["M_BUCKET", "D", "R", "TUNE", "COPY"])  # COPY: unpipelined (tuning._prune_configs)
 @triton.jit
 def _rank_projection_kernel(
     in_ptr, stride_im, stride_id,
@@ -130,7 +130,7 @@ def _rank_reduction_kernel(
 #   dBᵀ[:, n] += Σ_{m in block} P[m, :]ᵀ dY[m, n]  (reduction over M: fp32 atomic adds across programs)
 # Saves one read of dY; the price is a non-deterministic summation order for dB.
 # ----------------------------------------------------------------------------------------------
-@autotune(skinny_configs(), key=["M_BUCKET", "D", "R", "TUNE"], reset_to_zero=["dbt_ptr"])
+@autotune(skinny_configs(), key=["M_BUCKET", "D", "R", "TUNE", "COPY"], reset_to_zero=["dbt_ptr"])
 @triton.jit
 def _q_and_db_kernel(
     dy_ptr, stride_ym, stride_yn,

@@ -123,3 +123,22 @@ def test_padded_rank():
 def test_gpu_widened_route_bf16(M, K, N, r, bias):
     x, w, b, A, B = make_case(M, K, N, r, torch.bfloat16, bias=bias, device="cuda")
     run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=WIDE)
+
+
+def test_passes_that_copy_their_input_run_unpipelined(monkeypatch):
+    # Triton 3.6 computed wrong dots on an H100 when a loop that stores its tile was software-pipelined (rank
+    # blocks >= 48): with COPY the pruner keeps each tile with num_stages 1, and COPY is part of the tuning key
+    import triton
+
+    from lora_lab.kernels.lora import rank_ops, tuning
+
+    monkeypatch.setattr(tuning, "running_in_interpreter", lambda: False)
+    configs = [triton.Config({"BLOCK_M": 64, "BLOCK_D": 128}, num_warps=4, num_stages=4),
+               triton.Config({"BLOCK_M": 64, "BLOCK_D": 128}, num_warps=4, num_stages=3),
+               triton.Config({"BLOCK_M": 128, "BLOCK_D": 64}, num_warps=8, num_stages=3)]
+    x = torch.empty(8, 16, dtype=torch.bfloat16)
+    kept = tuning._prune_configs(configs, {"in_ptr": x, "TUNE": 1}, BLOCK_R=64, COPY=True)
+    assert [(c.kwargs["BLOCK_M"], c.num_warps, c.num_stages) for c in kept] == [(64, 4, 1), (128, 8, 1)]
+    assert {c.num_stages for c in tuning._prune_configs(configs, {"in_ptr": x, "TUNE": 1}, BLOCK_R=64)} == {3, 4}
+    for kernel in (rank_ops._rank_projection_kernel, rank_ops._q_and_db_kernel):
+        assert "COPY" in kernel.keys

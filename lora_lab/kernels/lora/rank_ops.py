@@ -3,11 +3,11 @@
 * ``rank_projection``  out[M, r] = scale · drop(In)[M, D] @ Mat[D, r]      (reads In once)
 * ``rank_reduction``   out[r, D] = L[M, r]ᵀ @ drop(In)[M, D]             (split over M, fp32 partials)
 * ``q_and_db``         Q = s · dY B and dBᵀ = Pᵀ dY from one pass over dY (atomics: dB not deterministic)
+* ``dropout_keep_mask`` the mask every kernel regenerates from a seed: keep(m, k) = rand(seed, m·K + k) ≥ p
 
 ``rank_projection`` and ``q_and_db`` can also copy the input they read into another buffer (``copy_to``) on the
 way: the K-widened route (``KernelConfig(base_gemm="wide")``) builds ``[X | P]`` and ``[dY | Q]`` that way, the
 copy riding on the read the rank-r product needs anyway.
-* ``dropout_keep_mask`` the mask every kernel regenerates from a seed: keep(m, k) = rand(seed, m·K + k) ≥ p
 """
 from __future__ import annotations
 
@@ -249,6 +249,9 @@ def q_and_db(dy: torch.Tensor, b: torch.Tensor, p: torch.Tensor, scale: float, t
     _check_copy(copy_to, dy, "q_and_db")
     M, D = dy.shape
     R = b.shape[1]
+    if q_out is not None and (q_out.shape != (M, R) or q_out.dtype != dy.dtype or q_out.device != dy.device):
+        raise ValueError(f"q_and_db: q_out must be {M}×{R} in {dy.dtype} on {dy.device}; got "
+                         f"{tuple(q_out.shape)}, {q_out.dtype}, {q_out.device}")
     q = torch.empty((M, R), device=dy.device, dtype=dy.dtype) if q_out is None else q_out
     dbt = torch.zeros((R, D), device=dy.device, dtype=torch.float32)
     if M == 0 or R == 0:

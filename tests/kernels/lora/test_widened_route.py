@@ -106,10 +106,13 @@ def test_q_and_db_writes_q_into_a_view_and_copies_dy():
     torch.testing.assert_close(dbt, p.t() @ dy, rtol=1e-5, atol=1e-5)
 
 
-def test_a_copy_buffer_of_the_wrong_shape_is_named():
+def test_a_copy_or_q_buffer_of_the_wrong_shape_is_named():
     x = torch.randn(8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="copy_to must match the input"):
         rank_projection(x, torch.randn(16, 4, device=DEVICE), 1.0, copy_to=torch.empty(8, 15, device=DEVICE))
+    with pytest.raises(ValueError, match="q_out must be 8×4"):
+        q_and_db(x, torch.randn(16, 4, device=DEVICE), torch.randn(8, 4, device=DEVICE), 1.0,
+                 q_out=torch.empty(8, 5, device=DEVICE))
 
 
 def test_padded_rank():

@@ -16,6 +16,10 @@ beside the activations at many tokens) and never kept, so the frozen weight's me
 The widened X is what backward keeps: X and P are its two column blocks, so nothing more is saved than the Triton
 route saves. A rank that is not a multiple of 8 is padded with zero columns (in the widened buffers and in B and
 Aᵀ), so that every widened row stays 16-byte aligned for cuBLAS; the zeros add nothing to any product.
+
+Measured on an H100 it is slower than the shipped op: cuBLAS runs the GEMMs over the widened depths well below
+its speed over K and N, and the copying passes, which run unpipelined (``tuning._prune_configs``), take about
+twice a read-only pass (docs/changelog.md). It stays an option, off by default.
 """
 from __future__ import annotations
 

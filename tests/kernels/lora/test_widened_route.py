@@ -48,7 +48,7 @@ def test_widened_route_runs_one_pass_and_one_gemm_each_way(monkeypatch):
     assert calls == [("rank_projection", True), ("q_and_db", True)]
 
 
-def test_widened_route_keeps_the_widened_input_only(monkeypatch):
+def test_widened_route_keeps_the_widened_input_only():
     # backward keeps X and P as the two column blocks of one [X | P] buffer, nothing of size M×K besides
     x, w, b, A, B = make_case(40, 48, 24, 5, torch.float32)
     x = x.requires_grad_()

@@ -100,8 +100,8 @@ def _prune_configs(configs, named_args, **kwargs):
         kept = [triton.Config(first, num_warps=4, num_stages=2, pre_hook=configs[0].pre_hook)]
     if kwargs.get("COPY"):
         # a loop that stores the tile it feeds to tl.dot computed wrong dots when software-pipelined (Triton 3.6 on
-        # an H100, rank blocks >= 48: relative errors of 4-22% in P with num_stages 4, none with 1), so the passes
-        # that copy their input on the way (rank_ops' copy_to) run unpipelined
+        # an H100, at the larger ranks: tools/copy_pass_probe.py, ledger rows copy_pass_probe), so the passes that
+        # copy their input on the way (rank_ops' copy_to) run unpipelined
         unique = {}
         for c in kept:
             unique.setdefault(_config_key(c.kwargs, c.num_warps, 1),

@@ -1,23 +1,16 @@
 """tools/copy_pass_probe.py: its launches of the copying P pass run (Triton's interpreter, fp32: there the stage
 count means nothing and every P is right), its ledger rows pass the ledger's checks, and without CUDA it refuses
 by name (the miscompile it looks for is the GPU compiler's)."""
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from lora_lab.lab.ledger import check_measurements
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "copy_pass_probe.py"
-
 
 @pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("copy_pass_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def tool(load_tool):
+    return load_tool("copy_pass_probe")
 
 
 def test_the_probe_launches_the_copying_pass(tool):

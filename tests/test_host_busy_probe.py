@@ -1,23 +1,16 @@
 """tools/host_busy_probe.py: its probes run, its ledger rows pass the ledger's checks, and without CUDA it refuses by
 name (the timings themselves need a GPU)."""
 import argparse
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from lora_lab.lab.ledger import check_measurements
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "host_busy_probe.py"
-
 
 @pytest.fixture(scope="module")
-def probe():
-    spec = importlib.util.spec_from_file_location("host_busy_probe", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def probe(load_tool):
+    return load_tool("host_busy_probe")
 
 
 def test_each_probe_runs(probe):

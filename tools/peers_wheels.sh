@@ -3,7 +3,12 @@
 # kernel modules import that the GPU image lacks, into one folder that a single device call carries (under 20 MiB).
 #
 #   bash tools/peers_wheels.sh [DIR]        (default .whl-peers; add its name to .git/info/exclude)
-#   bash tools/peers_wheels.sh quack [DIR]  QuACK's group (default DIR build/parts-quack), see below
+#   bash tools/peers_wheels.sh quack [DIR] [CALLS]     QuACK's group (default DIR build/parts-quack), see below
+#   bash tools/peers_wheels.sh sonicmoe [DIR] [CALLS]  SonicMoE's group (default DIR build/parts-sonicmoe): sonic-moe
+#                                                      0.1.2.post1, quack-kernels 0.4.1 and the CUTLASS DSL 4.4.2
+#                                                      (libs-base) it pins, with the same common wheels as QuACK's,
+#                                                      cut and carried as below; `sites` installs it into
+#                                                      $SITE-sonicmoe
 #
 # On the GPU host: WHEELS=DIR bash tools/peers_bench.sh install (pip --no-deps into /tmp/site), then load/ops/step.
 #
@@ -49,13 +54,19 @@ fetch() {
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d "$tmp" "$@"
 }
-if [ "${1:-}" = quack ]; then
-  dest=${2:-build/parts-quack} calls=${3:-3}
+if [ "${1:-}" = quack ] || [ "${1:-}" = sonicmoe ]; then
+  group=$1 dest=${2:-build/parts-$1} calls=${3:-3}
   [[ "$calls" =~ ^[1-9][0-9]*$ ]] || { echo "peers_wheels.sh: CALLS is a whole number of calls, not '$calls'" >&2; exit 2; }
-  fetch quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1 nvidia-cutlass-dsl-libs-base==4.7.1 \
-    nvidia-cutlass-dsl-libs-core==4.7.1 nvidia-cutlass-dsl-libs-cu12==4.7.1 nvidia-cuda-nvdisasm==13.5.37 \
-    apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-python==12.9.10 \
-    cuda-bindings==12.9.10 cuda-pathfinder==1.9.1
+  common=(apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.2 cuda-python==12.9.10
+          cuda-bindings==12.9.10 cuda-pathfinder==1.9.1)
+  if [ "$group" = quack ]; then
+    fetch quack-kernels==0.6.5 nvidia-cutlass-dsl==4.7.1 nvidia-cutlass-dsl-libs-base==4.7.1 \
+      nvidia-cutlass-dsl-libs-core==4.7.1 nvidia-cutlass-dsl-libs-cu12==4.7.1 nvidia-cuda-nvdisasm==13.5.37 \
+      "${common[@]}"
+  else
+    fetch sonic-moe==0.1.2.post1 quack-kernels==0.4.1 nvidia-cutlass-dsl==4.4.2 nvidia-cutlass-dsl-libs-base==4.4.2 \
+      "${common[@]}"
+  fi
   for wheel in "$tmp"/*.whl; do
     python3 tools/slim_wheel.py "$wheel" "$tmp/lzma" --lzma
   done

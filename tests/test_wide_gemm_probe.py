@@ -51,9 +51,9 @@ def test_ledger_rows_pass_the_ledger_checks(tool):
     results = [{"form": "forward", "extra": 16, "layout": "stride64", "stride": 4160, "ms": [1.6, 1.5, 1.7],
                 "ratio": [1.1, 1.05, 1.12]}]
     rows = tool.ledger_rows(results, 32768, 4096, 4096)
-    assert {(r["method"], r["statistic"]) for r in rows} == {
-        ("cublas_stride64_ld4160", s + suffix) for s in ("median", "ci_low", "ci_high")
-        for suffix in ("", "_vs_extra0")}
+    assert {(r["method"], r["unit"], r["statistic"]) for r in rows} == {
+        (method, unit, s) for s in ("median", "ci_low", "ci_high")
+        for method, unit in (("cublas_stride64_ld4160", "ms"), ("cublas_stride64_ld4160/extra0", "ratio"))}
     check_measurements([{**r, "date": "2026-12-06", "commit": "0" * 40, "code_hash": "0" * 64,
                          "device": "NVIDIA H100 80GB HBM3"} for r in rows], "gpu")
 

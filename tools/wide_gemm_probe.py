@@ -105,17 +105,17 @@ def probe(torch, rows: int, depth: int, out_features: int, extras, stride_multip
 
 
 def ledger_rows(results, rows: int, depth: int, out_features: int) -> list[dict]:
+    """Each variant's median time and its ratio to e = 0 (method ``<variant>/extra0``), with 95% intervals."""
+    from lora_lab.lab.ledger import summary_figures
     from lora_lab.lab.measure import summarize
 
     out = []
     for r in results:
         cell = f"M={rows};K={depth};N={out_features};form={r['form']};extra={r['extra']};dtype=bfloat16"
-        base = {"benchmark": "wide_gemm_probe", "cell": cell, "method": f"cublas_{r['layout']}_ld{r['stride']}",
-                "sessions": 1, "source": "tools/wide_gemm_probe.py"}
-        for values, unit, suffix in ((r["ms"], "ms", ""), (r["ratio"], "ratio", "_vs_extra0")):
-            s = summarize(values)
-            for stat, value in (("median", s["median"]), ("ci_low", s["ci95"][0]), ("ci_high", s["ci95"][1])):
-                out.append({**base, "statistic": stat + suffix, "value": value, "unit": unit, "n": s["n"]})
+        method = f"cublas_{r['layout']}_ld{r['stride']}"
+        for values, unit, name in ((r["ms"], "ms", method), (r["ratio"], "ratio", f"{method}/extra0")):
+            out += summary_figures(summarize(values), benchmark="wide_gemm_probe", cell=cell, method=name, unit=unit,
+                                   source="tools/wide_gemm_probe.py")
     return out
 
 

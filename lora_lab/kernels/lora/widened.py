@@ -17,8 +17,8 @@ The widened X is what backward keeps: X and P are its two column blocks, so noth
 route saves. A rank that is not a multiple of 8 is padded with zero columns (in the widened buffers and in B and
 Aᵀ), so that every widened row stays 16-byte aligned for cuBLAS; the zeros add nothing to any product.
 
-Measured on an H100 it is slower than the shipped op. In the route's component table cuBLAS ran the GEMMs over the
-widened depths about a tenth slower than over K and N, and the copying passes, which run unpipelined
+Measured on an H100 it is slower than the shipped op. In the route's component table cuBLAS ran the forward GEMM
+over K + 16 about a tenth slower than over K, and the copying passes, which run unpipelined
 (``tuning._prune_configs``), took about twice a read-only pass (docs/changelog.md). Timed alone
 (``tools/wide_gemm_probe.py``), 16 more reduction columns cost cuBLAS about 2%, packed rows or not, so the depth
 and the row alignment do not explain that tenth. It stays an option, off by default.

@@ -28,7 +28,11 @@ field              variable                meaning
                                            widened reduction, [X | P] · [W | B]ᵀ, the
                                            widened operand written by the pass that
                                            computes P, :mod:`lora_lab.kernels.lora.widened`;
-                                           no dropout), ``auto``: each op's default
+                                           no dropout), ``merged`` (the LoRA linear: the
+                                           frozen layer's cuBLAS GEMMs on W + s·B A, merged
+                                           per call and never kept,
+                                           :mod:`lora_lab.kernels.lora.merged`; no
+                                           dropout), ``auto``: each op's default
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
                                            ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
@@ -115,7 +119,7 @@ __all__ = ["KernelConfig", "ENV_VARIABLES", "resolve_config"]
 
 CHOICES = {
     "dispatch": ("auto", "triton", "cublas"),
-    "base_gemm": ("auto", "triton", "cublas", "quack", "wide"),
+    "base_gemm": ("auto", "triton", "cublas", "quack", "wide", "merged"),
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),

@@ -61,6 +61,8 @@ def base_gemm_engine(config: KernelConfig, default: str = "triton", supported=("
     same read: one M×K (M×N) write per GEMM where ``cublas`` writes the rank-r term and reads it back.
     ``quack`` (the LoRA linear only): QuACK's GEMM adds the rank-r term in its epilogue
     (:mod:`lora_lab.kernels.lora.quack_gemm`): cuBLAS-class GEMMs with no extra pass over the output.
+    ``merged`` (the LoRA linear only, :mod:`lora_lab.kernels.lora.merged`): the frozen layer's cuBLAS GEMMs on
+    ``W + s·B A``, merged per call (one pass over W, whatever the tokens), never kept.
     """
     return config.base_gemm if config.base_gemm in supported else default
 

@@ -31,7 +31,7 @@ import torch
 
 from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.lora import quack_gemm, widened
+from lora_lab.kernels.lora import merged, quack_gemm, widened
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, linear_route, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
@@ -122,6 +122,18 @@ def _wide_route(config: KernelConfig, rank: int, dropout_p: float) -> bool:
     return True
 
 
+def _merged_route(config: KernelConfig, dropout_p: float) -> bool:
+    """Whether this call runs its big GEMMs on the merged weight W + s·B A (``base_gemm="merged"``,
+    :mod:`.merged`); with dropout, one warning names why and the call takes the Triton route."""
+    if config.base_gemm != "merged":
+        return False
+    reason = merged.unavailable_reason(dropout_p)
+    if reason is not None:
+        merged.warn_fallback(reason)
+        return False
+    return True
+
+
 def _torch_rank_ops(config: KernelConfig, dropout_p: float) -> bool:
     """Whether P, Q, dA and dB run as cuBLAS calls (``KernelConfig(rank_ops="torch")``, no dropout: the Triton
     kernels regenerate the dropout mask from its seed, a cuBLAS call cannot)."""
@@ -196,9 +208,12 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 p = _scaled_mm(x2, a.t(), scaling)
             else:
                 p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
-            y = torch.empty((M, N), device=x.device, dtype=cdt)
-            if base_gemm_engine(config) == "cublas":
+            if _merged_route(config, dropout_p):
+                # Y = X (W + s·B A)ᵀ + b: the frozen layer's GEMM on a weight merged for this call
+                y = merged.forward_gemm(x2, weight, bias, a, b, scaling)
+            elif base_gemm_engine(config) == "cublas":
                 # Y = P Bᵀ + b (one write: Triton, or cuBLAS with rank_ops="torch"), then Y += X Wᵀ (cuBLAS, β = 1)
+                y = torch.empty((M, N), device=x.device, dtype=cdt)
                 if _torch_rank_ops(config, dropout_p):
                     _low_rank_fill(y, p, b.t(), bias)
                 else:
@@ -206,6 +221,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 y.addmm_(x2, weight.t())
             else:
                 # Y = X Wᵀ + b + P Bᵀ     (one GEMM, rank-r step at the end of its K loop)
+                y = torch.empty((M, N), device=x.device, dtype=cdt)
                 lora_gemm(y, [(x2, weight.t())], low=p, rt=b.t(), bias=bias, config=config)
 
         # the factors as the kernels read them (cast once here; a no-op when they are in x's dtype already):
@@ -305,6 +321,9 @@ class FusedLoRALinearFunction(torch.autograd.Function):
 
         def input_grad():
             # dX = dY W + (Q A) ⊙ keep/(1-p)
+            if ctx.dropout_p == 0.0 and config.base_gemm == "merged":
+                # dX = dY (W + s·B A), the weight merged again (never kept between forward and backward)
+                return merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling).reshape(ctx.x_shape)
             out = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
             if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
                 # dX = Q A (one write: Triton, or cuBLAS with rank_ops="torch"), then dX += dY W (cuBLAS, β = 1)

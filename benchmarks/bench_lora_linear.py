@@ -102,11 +102,15 @@ FUSED_CONFIGS = {
     # one cuBLAS GEMM over a widened reduction, [X | P] · [W | B]ᵀ and [dY | Q] · [W ; A], the widened activation
     # written by the pass that computes P (Q and dB) from the same read (kernels/lora/widened)
     "fused_wide": {"dispatch": "triton", "base_gemm": "wide"},
+    # the frozen layer's cuBLAS GEMMs on W + s·B A, merged per call (kernels/lora/merged): P, Q, dA and dB as cuBLAS
+    # calls (no Triton launch), or with Q and dB from one Triton pass over dY
+    "fused_merged": {"dispatch": "triton", "base_gemm": "merged", "rank_ops": "torch"},
+    "fused_merged_qdb": {"dispatch": "triton", "base_gemm": "merged", "rank_ops": "triton", "fuse_q_db": True},
 }
 # a variant's forward and backward as CUDA graphs: {graphed variant: the variant it captures}
 GRAPHED = {"base_graphed": "base", "fused_graphed": "fused", "fused_cublas_base_graphed": "fused_cublas_base",
            "fused_pure_cublas_graphed": "fused_pure_cublas", "fused_quack_graphed": "fused_quack",
-           "fused_wide_graphed": "fused_wide"}
+           "fused_wide_graphed": "fused_wide", "fused_merged_graphed": "fused_merged"}
 ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS, *GRAPHED]
 # --variants routes: the big GEMMs by cuBLAS and the graphed steps, beside the frozen layer (graphed too)
 ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "base_graphed", "fused_graphed",
@@ -117,14 +121,18 @@ ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "ba
 # --variants names them, which keeps the notebook's GPU run inside one call
 DEFAULT_VARIANTS = [v for v in ALL_VARIANTS
                     if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_qdb", "fused_quack_graphed",
-                             "fused_wide", "fused_wide_graphed")]
+                             "fused_wide", "fused_wide_graphed", "fused_merged", "fused_merged_qdb",
+                             "fused_merged_graphed")]
 # --variants quack: the QuACK epilogue route beside the best cuBLAS route, each also as CUDA graphs
 QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "fused_quack_qdb", "base_graphed", "fused_pure_cublas_graphed",
                 "fused_quack_graphed"]
 # --variants wide: the widened-reduction route beside the β = 1 cuBLAS routes, each also as CUDA graphs
 WIDE_ROUTES = ["fused_cublas_base_qdb", "fused_pure_cublas", "fused_wide", "base_graphed",
                "fused_pure_cublas_graphed", "fused_wide_graphed"]
-PRESETS = {"routes": ROUTES, "quack": QUACK_ROUTES, "wide": WIDE_ROUTES}
+# --variants merged: the merged-weight route beside the all-cuBLAS β = 1 route, each also as CUDA graphs
+MERGED_ROUTES = ["fused_pure_cublas", "fused_merged", "fused_merged_qdb", "base_graphed", "fused_pure_cublas_graphed",
+                 "fused_merged_graphed"]
+PRESETS = {"routes": ROUTES, "quack": QUACK_ROUTES, "wide": WIDE_ROUTES, "merged": MERGED_ROUTES}
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}
 # --smoke: two cells of the grid with every dimension divided (M / 512, K and N / 128, r / 4): the Triton
 # interpreter runs the whole code path in seconds
@@ -257,6 +265,8 @@ def components(x, dy, weight, A, B, shipped):
     tma, pointer = shipped.replace(gemm_loads="tma"), shipped.replace(gemm_loads="pointer")
     quack = _quack_components(x, dy, weight, a, b, p, q, y, dx)
     return {**quack, **_wide_components(x, dy, weight, a, b, p, q),
+        # the fused_merged route's extra work per GEMM: W + s·B A (N×K), one cuBLAS call
+        "merge_weight": lambda: torch.addmm(weight, b, a, alpha=2.0),
         "cublas_fwd_gemm": lambda: torch.mm(x, weight.t()),
         "cublas_dx_gemm": lambda: torch.mm(dy, weight),
         "cublas_fwd_plus_addmm": lambda: torch.mm(x, weight.t()).addmm_(p, b.t()),

@@ -171,6 +171,9 @@ QUACK_VARIANTS = {"fused_quack": "base", "fused_quack_qdb": "base", "fused_quack
 # one cuBLAS GEMM over a widened reduction ([X | P] · [W | B]ᵀ, kernels/lora/widened), ungraphed and graphed:
 # measured like the routes in every cell, kept out of the routes' best-of figure (registered before it existed)
 WIDE_VARIANTS = {"fused_wide": "base", "fused_wide_graphed": "base_graphed"}
+# the frozen layer's cuBLAS GEMMs on W + s·B A merged per call (kernels/lora/merged): rank-r products by cuBLAS, or Q
+# and dB in one Triton pass; ungraphed and graphed: measured like the routes, kept out of their best-of figure
+MERGED_VARIANTS = {"fused_merged": "base", "fused_merged_qdb": "base", "fused_merged_graphed": "base_graphed"}
 
 
 def _rows(path: Path, allow_smoke: bool) -> list[dict]:
@@ -265,8 +268,8 @@ def _worst_host_ms(rows, cells, variant: str) -> dict:
 
 
 def route_metrics(rows, cells) -> dict:
-    """The routes to the frozen layer's cost (:data:`ROUTE_VARIANTS`, QuACK's :data:`QUACK_VARIANTS` and the widened
-    reduction's :data:`WIDE_VARIANTS`), each where
+    """The routes to the frozen layer's cost (:data:`ROUTE_VARIANTS`, QuACK's :data:`QUACK_VARIANTS`, the widened
+    reduction's :data:`WIDE_VARIANTS` and the merged weight's :data:`MERGED_VARIANTS`), each where
     the benchmark timed it and its reference in every cell (the target cell's metrics need only that cell): time
     over the reference at the target cell, in the worst cell, and (graphed steps) over the ungraphed frozen layer
     at the target cell; host time per call at the target cell and in the worst cell.
@@ -281,7 +284,7 @@ def route_metrics(rows, cells) -> dict:
             rows, "fwd_bwd_ms", {"cell": t, "variant": "base_graphed"}, {"cell": t, "variant": "base"})
         out.update(_host_ms(rows, t, "base_graphed"))
     worst = {}
-    for variant, ref in {**ROUTE_VARIANTS, **QUACK_VARIANTS, **WIDE_VARIANTS}.items():
+    for variant, ref in {**ROUTE_VARIANTS, **QUACK_VARIANTS, **WIDE_VARIANTS, **MERGED_VARIANTS}.items():
         # a route's target-cell figures need it in every cell; QuACK's only in the target cell (its epilogue takes
         # ranks up to 32: the r = 64 cells run without it)
         reps = _route_metrics(rows, cells, ran, variant, ref, out, every_cell=variant not in QUACK_VARIANTS)

@@ -52,6 +52,7 @@ def test_the_default_run_times_what_notebook_05_grades_and_no_more(bench):
     assert not {"fused_persistent", "fused_fold", "fused_torch_rank"} & set(args.variants)
     assert set(fused_lora_kernels.QUACK_VARIANTS) <= set(args.variants)  # the QuACK route's predictions
     assert set(fused_lora_kernels.WIDE_VARIANTS) <= set(args.variants)  # the widened route's
+    assert set(fused_lora_kernels.MERGED_VARIANTS) <= set(args.variants)  # the merged weight's
     assert args.back_to_back is False
     assert args.calls == bench.LOOP[False]["calls"] == 6
 
@@ -316,6 +317,37 @@ def test_wide_route_metrics_in_every_cell_and_out_of_the_best_route(tmp_path):
     assert m["lora_linear_fused_wide_graphed_worst_time_vs_base_graphed"]["samples"] == pytest.approx([1.15, 1.15])
     assert f"lora_linear_fused_wide_host_ms_{t}" in m
     assert m["lora_linear_routes_best_worst_time_vs_base"]["samples"] == pytest.approx([1.3, 1.3])  # cuBLAS only
+
+
+def test_merged_route_metrics_in_every_cell_and_out_of_the_best_route(tmp_path):
+    t, r64 = fused_lora_kernels.TARGET_CELL, "32k_4096x4096_r64"
+    rows = [_row(cell, v, rep, ms) for rep in range(2) for cell, v, ms in (
+        (t, "base", 3.0), (t, "fused_cublas_base", 3.6), (t, "fused_merged", 3.3), (t, "fused_merged_qdb", 3.24),
+        (t, "base_graphed", 3.0), (t, "fused_merged_graphed", 3.15), (r64, "base", 3.0),
+        (r64, "fused_cublas_base", 3.9), (r64, "fused_merged", 3.6), (r64, "fused_merged_qdb", 3.45),
+        (r64, "base_graphed", 3.0), (r64, "fused_merged_graphed", 3.3), (t, "peft", 7.0), (t, "fused", 3.6),
+        (r64, "peft", 7.0), (r64, "fused", 3.7))]
+    measure.write_csv(rows, tmp_path / fused_lora_kernels.LINEAR_CSV)
+    m = fused_lora_kernels.benchmark_metrics(tmp_path)
+    assert m[f"lora_linear_fused_merged_time_vs_base_{t}"]["samples"] == pytest.approx([1.1, 1.1])
+    assert m[f"lora_linear_fused_merged_qdb_time_vs_base_{t}"]["samples"] == pytest.approx([1.08, 1.08])
+    assert m["lora_linear_fused_merged_worst_time_vs_base"]["samples"] == pytest.approx([1.2, 1.2])
+    assert m["lora_linear_fused_merged_qdb_worst_time_vs_base"]["samples"] == pytest.approx([1.15, 1.15])
+    assert m[f"lora_linear_fused_merged_graphed_time_vs_base_graphed_{t}"]["samples"] == pytest.approx([1.05, 1.05])
+    assert f"lora_linear_fused_merged_host_ms_{t}" in m
+    assert m["lora_linear_routes_best_worst_time_vs_base"]["samples"] == pytest.approx([1.3, 1.3])  # cuBLAS only
+
+
+def test_the_merge_component_is_the_merged_weight(bench):
+    from lora_lab.kernels import KernelConfig
+
+    gen = torch.Generator().manual_seed(0)
+    M, K, N, r = 24, 40, 32, 4
+    x, dy = torch.randn(M, K, generator=gen), torch.randn(M, N, generator=gen)
+    w, a, b = torch.randn(N, K, generator=gen), torch.randn(r, K, generator=gen), torch.randn(N, r, generator=gen)
+    A, B = torch.nn.Parameter(a), torch.nn.Parameter(b)
+    parts = bench.components(x, dy, w, A, B, KernelConfig(autotune=False))
+    torch.testing.assert_close(parts["merge_weight"](), w + 2.0 * b @ a)
 
 
 def test_a_quack_route_skipped_at_the_target_cell_voids_its_predictions_naming_why(tmp_path):

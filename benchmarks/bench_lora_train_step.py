@@ -12,6 +12,7 @@ Variants (default: peft, fused; ``--variants all``), each from the same adapter 
   fused              the same model after lora_lab.kernels.patch_model, shipped KernelConfig
   fused_overlap      patched, KernelConfig(overlap="on"): dA/dB on a side CUDA stream everywhere
   fused_triton_base  patched, KernelConfig(base_gemm="triton", overlap="off")
+  fused_merged       patched, KernelConfig(base_gemm="merged"): every big GEMM on W + s·B A, merged per call
   peft_nocast        PEFT with bf16 adapters;  fused_bf16: bf16 adapters, patched
 
 Repetitions: ``--repetitions N`` side-by-side loops per model. In each, every variant (order rotating) gets its
@@ -63,6 +64,7 @@ VARIANTS = {
     "fused": (False, {}),
     "fused_overlap": (False, {"overlap": "on"}),
     "fused_triton_base": (False, {"base_gemm": "triton", "overlap": "off"}),
+    "fused_merged": (False, {"base_gemm": "merged"}),
     "peft_nocast": (True, None),
     "fused_bf16": (True, {}),
 }

@@ -28,9 +28,9 @@ field              variable                meaning
                                            widened reduction, [X | P] · [W | B]ᵀ, the
                                            widened operand written by the pass that
                                            computes P, :mod:`lora_lab.kernels.lora.widened`;
-                                           no dropout), ``merged`` (the LoRA linear: the
-                                           frozen layer's cuBLAS GEMMs on W + s·B A, merged
-                                           per call and never kept,
+                                           no dropout), ``merged`` (the LoRA linear and the
+                                           shared-input op: the frozen layer's cuBLAS GEMMs
+                                           on W + s·B A, merged per call and never kept,
                                            :mod:`lora_lab.kernels.lora.merged`; no
                                            dropout), ``auto``: each op's default
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,

@@ -19,7 +19,9 @@ Backward, with dY_i the gradient of Y_i (absent ones skipped)::
 
 By default (``KernelConfig(base_gemm="auto")``) the big GEMMs are cuBLAS's, added with β = 1 onto the rank-r
 term a Triton pass wrote (and the narrow dY_i), with dA/dB on a side stream: the form the H200 benchmarks of the
-GatedDeltaNet group favoured (``benchmarks/bench_gated_deltanet.py`` measures both).
+GatedDeltaNet group favoured (``benchmarks/bench_gated_deltanet.py`` measures both). With
+``KernelConfig(base_gemm="merged")`` both big GEMMs are cuBLAS's on ``[W_1 + s_1·B_1 A_1; …]``, merged per call and
+never kept (:mod:`.merged`), and dX has no Q A term.
 
 Saved for backward: X, P (M×R) and the parameters. Dropout is not fused here (each PEFT projection draws its
 own mask); :func:`lora_lab.kernels.patch_model` keeps projections with dropout on the single-projection kernel.
@@ -85,6 +87,21 @@ def _column_scales(ranks, scalings, device) -> torch.Tensor:
     return _COL_SCALE_CACHE[key]
 
 
+def _merged_weight_cat(weight_cat, n_off, ranks, scalings, As, Bs) -> torch.Tensor:
+    """``[W_1 + s_1·B_1 A_1; …]`` (N×K) in the weight's dtype, each LoRA segment in one call (B_i A_i accumulated
+    with W_i in fp32, rounded once), a frozen segment copied: ``base_gemm="merged"`` (:mod:`.merged`)."""
+    out = torch.empty_like(weight_cat)
+    j = 0
+    for i, r in enumerate(ranks):
+        rows = slice(n_off[i], n_off[i + 1])
+        if r > 0:
+            torch.addmm(weight_cat[rows], Bs[j], As[j], beta=1.0, alpha=scalings[i], out=out[rows])
+            j += 1
+        else:
+            out[rows].copy_(weight_cat[rows])
+    return out
+
+
 class SharedInputLoRAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight_cat, bias_cat, splits, ranks, scalings, config: KernelConfig, *lora_params):
@@ -120,7 +137,11 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             col_scale = _column_scales(ranks, scalings, x.device)
             # P = X Aᵀ diag(s): one pass over X for all adapters
             p = rank_projection(x2, a_cat.t(), 1.0, col_scale=col_scale, tune=config.autotune)
-            if base_gemm_engine(config, default="cublas") == "cublas":
+            if config.base_gemm == "merged":
+                # [Y_1 … Y_S] = X [W_1 + s_1·B_1 A_1; …]ᵀ + b: one cuBLAS GEMM on a weight merged for this call
+                wm = _merged_weight_cat(weight_cat, n_off, ranks, scalings, As, Bs)
+                y = torch.addmm(bias_cat, x2, wm.t()) if bias_cat is not None else torch.mm(x2, wm.t())
+            elif base_gemm_engine(config, default="cublas") == "cublas":
                 # [Y_1 … Y_S] = P Bᵀ + b (Triton, one write), then += X Wᵀ (cuBLAS, β = 1)
                 lora_gemm(y, [(p, b_diag.t())], bias=bias_cat, config=config)
                 y.addmm_(x2, weight_cat.t())
@@ -160,7 +181,8 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             return _cublas_backward(ctx, x2, p, weight_cat, lora_params, dys, need_x)
 
         q = None
-        lora_work = R > 0 and (need_x or need_lora)
+        merged = config.base_gemm == "merged"  # dX from the merged weight: Q only for dA
+        lora_work = R > 0 and (need_lora or (need_x and not merged))
         if lora_work:
             missing = any(dys[i] is None for i in lora_segments)
             q = (torch.zeros if missing else torch.empty)((M, R), device=x2.device, dtype=cdt)
@@ -208,6 +230,15 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             fill = [sg for sg in segs if sg[0].shape[1] <= _NARROW_SEGMENT] + ([(q, a_cat)] if R > 0 else [])
             if not segs:
                 dx.zero_()
+            elif merged and R > 0:
+                # dX = Σ_i dY_i (W_i + s_i·B_i A_i): the weight merged again (never kept), no Q A term
+                wm = _merged_weight_cat(weight_cat, n_off, ranks, scalings, [lora_params[2 * j].to(cdt) for j in
+                                        range(len(lora_segments))], [lora_params[2 * j + 1].to(cdt) for j in
+                                                                     range(len(lora_segments))])
+                with_grad = [i for i in range(len(splits)) if dys[i] is not None]
+                torch.mm(dys[with_grad[0]], wm[n_off[with_grad[0]]:n_off[with_grad[0] + 1]], out=dx)
+                for i in with_grad[1:]:
+                    dx.addmm_(dys[i], wm[n_off[i]:n_off[i + 1]])
             elif base == "cublas" and wide and len(fill) <= MAX_SEGMENTS:
                 if fill:
                     lora_gemm(dx, fill, config=config)

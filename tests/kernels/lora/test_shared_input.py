@@ -176,3 +176,28 @@ def test_gpu_bf16_cublas_base_gemm(monkeypatch):
     x, Ws, bs, As, Bs = build((1, 4001), 1024, [2048, 1024, 32, 32], [16, 16, 16, 16], torch.bfloat16,
                               bias=False, device="cuda")
     check(x, Ws, bs, As, Bs, [2.0] * 4, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_merged_base_gemm_option(monkeypatch, dtype):
+    # LORA_LAB_BASE_GEMM=merged: both big GEMMs on [W_1 + s_1·B_1 A_1; …], a frozen segment copied, merged per call
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "merged")
+    x, Ws, bs, As, Bs = build((2, 19), 40, [72, 36, 5, 5], [8, 0, 1, 16], dtype)
+    check(x, Ws, bs, As, Bs, [2.0, 1.0, 0.5, 3.0], TOL[dtype])
+    x, Ws, bs, As, Bs = build((25,), 32, [40, 24, 8], [4, 2, 3], dtype, bias=False)
+    check(x, Ws, bs, As, Bs, [1.0, 1.0, 1.0], TOL[dtype], grad_mask=[True, False, True])
+    x = x.detach().float().requires_grad_()  # X's gradient only (frozen factors): dX without Q
+    Ws, As, Bs = [w.float() for w in Ws], [a.detach().float() for a in As], [b.detach().float() for b in Bs]
+    outs = fused_shared_input_lora(x, torch.cat(Ws), None, [40, 24, 8], As, Bs, [1.0, 1.0, 1.0])
+    sum(o.sum() for o in outs).backward()
+    ref = sum(torch.ones(25, w.shape[0], dtype=torch.float64) @ (w.double() + b.double() @ a.double())
+              for w, a, b in zip(Ws, As, Bs))
+    assert rel_l2(x.grad, ref) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_merged_base_gemm(monkeypatch):
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "merged")
+    x, Ws, bs, As, Bs = build((1, 4001), 1024, [2048, 1024, 32, 32], [16, 16, 0, 16], torch.bfloat16,
+                              bias=False, device="cuda")
+    check(x, Ws, bs, As, Bs, [2.0] * 4, TOL[torch.bfloat16])

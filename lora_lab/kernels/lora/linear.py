@@ -203,14 +203,18 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             y = torch.empty((M, N), device=x.device, dtype=cdt)
             lora_gemm(y, [(x2, weight.t())], rt=b.t(), bias=bias, project=(a.t(), scaling, p), config=config)
         else:
+            merged_gemm = _merged_route(config, dropout_p)
+            if merged_gemm:
+                # Y = X (W + s·B A)ᵀ + b: the frozen layer's GEMM on a weight merged for this call. Launched before
+                # P, which Y does not need: the host then prepares P's pass while the GEMM runs
+                y = merged.forward_gemm(x2, weight, bias, a, b, scaling)
             # P = s · drop(X) Aᵀ          (M×r)
             if _torch_rank_ops(config, dropout_p):
                 p = _scaled_mm(x2, a.t(), scaling)
             else:
                 p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
-            if _merged_route(config, dropout_p):
-                # Y = X (W + s·B A)ᵀ + b: the frozen layer's GEMM on a weight merged for this call
-                y = merged.forward_gemm(x2, weight, bias, a, b, scaling)
+            if merged_gemm:
+                pass  # Y is done
             elif base_gemm_engine(config) == "cublas":
                 # Y = P Bᵀ + b (one write: Triton, or cuBLAS with rank_ops="torch"), then Y += X Wᵀ (cuBLAS, β = 1)
                 y = torch.empty((M, N), device=x.device, dtype=cdt)
@@ -286,6 +290,13 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 db = _wide_mm(p.t(), dy2).t().to(b_dtype)
             return dx, dw, dbias, da, db, None, None, None, None
 
+        merged_dx = None
+        if need_x and ctx.dropout_p == 0.0 and config.base_gemm == "merged":
+            # dX = dY (W + s·B A), the weight merged again (never kept between forward and backward). It needs no Q,
+            # so it is launched first and the rank-r passes below, for dA and dB alone, are prepared while it runs
+            merged_dx = merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling).reshape(ctx.x_shape)
+            need_x = False
+
         # Q = s · dY B               (M×r)
         fold = need_x and _folds(config, ctx.dropout_p, a.shape[0])
         fused_q_db = need_lb and b.shape[1] <= 128 and config.fuse_q_db and not fold
@@ -321,9 +332,6 @@ class FusedLoRALinearFunction(torch.autograd.Function):
 
         def input_grad():
             # dX = dY W + (Q A) ⊙ keep/(1-p)
-            if ctx.dropout_p == 0.0 and config.base_gemm == "merged":
-                # dX = dY (W + s·B A), the weight merged again (never kept between forward and backward)
-                return merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling).reshape(ctx.x_shape)
             out = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
             if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
                 # dX = Q A (one write: Triton, or cuBLAS with rank_ops="torch"), then dX += dY W (cuBLAS, β = 1)
@@ -352,7 +360,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             da, db = low_rank_grads()
         else:
             da, db = low_rank_grads()
-        return dx, dw, dbias, da, db, None, None, None, None
+        return dx if merged_dx is None else merged_dx, dw, dbias, da, db, None, None, None, None
 
 
 def _draw_seed() -> int:

@@ -19,6 +19,10 @@ rounded twice (W', then Y) where the Triton route rounds it once; that is the ro
 about as much (``tests/kernels/lora/test_merged_route.py`` holds it to the unfused layer's). The gradients of A and
 B come from the same P, Q and dY as on every other route. Dropout cannot be merged (its mask multiplies the rank-r
 term alone): with dropout the op warns and takes the Triton route.
+
+Order: Y needs no P and dX no Q, so each big GEMM is launched first and the host prepares the rank-r passes while
+it runs. Measured on an H100 it is the fastest of the ungraphed routes at 32k × 4096², r 16, and still about a
+fifth above the frozen layer (docs/changelog.md).
 """
 from __future__ import annotations
 

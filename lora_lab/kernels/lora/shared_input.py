@@ -129,7 +129,13 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             else:
                 p = torch.empty((M, 0), device=x.device, dtype=cdt)
         elif R > 0:
-            y = torch.empty((M, N), device=x.device, dtype=cdt)
+            if config.base_gemm == "merged":
+                # [Y_1 … Y_S] = X [W_1 + s_1·B_1 A_1; …]ᵀ + b: one cuBLAS GEMM on a weight merged for this call,
+                # launched before P (which Y does not need), so that P's pass is prepared while it runs
+                wm = _merged_weight_cat(weight_cat, n_off, ranks, scalings, As, Bs)
+                y = torch.addmm(bias_cat, x2, wm.t()) if bias_cat is not None else torch.mm(x2, wm.t())
+            else:
+                y = torch.empty((M, N), device=x.device, dtype=cdt)
             a_cat = torch.cat(As, 0)  # R×K (tiny)
             b_diag = torch.zeros((N, R), device=x.device, dtype=cdt)  # blockdiag(B_i), N×R (tiny)
             for j, i in enumerate(lora_segments):
@@ -138,9 +144,7 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             # P = X Aᵀ diag(s): one pass over X for all adapters
             p = rank_projection(x2, a_cat.t(), 1.0, col_scale=col_scale, tune=config.autotune)
             if config.base_gemm == "merged":
-                # [Y_1 … Y_S] = X [W_1 + s_1·B_1 A_1; …]ᵀ + b: one cuBLAS GEMM on a weight merged for this call
-                wm = _merged_weight_cat(weight_cat, n_off, ranks, scalings, As, Bs)
-                y = torch.addmm(bias_cat, x2, wm.t()) if bias_cat is not None else torch.mm(x2, wm.t())
+                pass  # Y is done
             elif base_gemm_engine(config, default="cublas") == "cublas":
                 # [Y_1 … Y_S] = P Bᵀ + b (Triton, one write), then += X Wᵀ (cuBLAS, β = 1)
                 lora_gemm(y, [(p, b_diag.t())], bias=bias_cat, config=config)
@@ -180,9 +184,26 @@ class SharedInputLoRAFunction(torch.autograd.Function):
         if engine_for(M, K, weight_cat.shape[0], x2.device, config, backward=True) == "cublas":
             return _cublas_backward(ctx, x2, p, weight_cat, lora_params, dys, need_x)
 
+        merged = config.base_gemm == "merged" and R > 0
+        dx = None
+        if merged and need_x:
+            # dX = Σ_i dY_i (W_i + s_i·B_i A_i), the weight merged again (never kept). It needs no Q, so it is
+            # launched first and the rank-r passes below, for dA and dB alone, are prepared while it runs
+            wm = _merged_weight_cat(weight_cat, n_off, ranks, scalings,
+                                    [lora_params[2 * j].to(cdt) for j in range(len(lora_segments))],
+                                    [lora_params[2 * j + 1].to(cdt) for j in range(len(lora_segments))])
+            with_grad = [i for i in range(len(splits)) if dys[i] is not None]
+            if not with_grad:
+                dx = torch.zeros((M, K), device=x2.device, dtype=cdt)
+            else:
+                dx = torch.mm(dys[with_grad[0]], wm[n_off[with_grad[0]]:n_off[with_grad[0] + 1]])
+                for i in with_grad[1:]:
+                    dx.addmm_(dys[i], wm[n_off[i]:n_off[i + 1]])
+            dx = dx.reshape(ctx.x_shape)
+            need_x = False
+
         q = None
-        merged = config.base_gemm == "merged"  # dX from the merged weight: Q only for dA
-        lora_work = R > 0 and (need_lora or (need_x and not merged))
+        lora_work = R > 0 and (need_x or need_lora)
         if lora_work:
             missing = any(dys[i] is None for i in lora_segments)
             q = (torch.zeros if missing else torch.empty)((M, R), device=x2.device, dtype=cdt)
@@ -218,7 +239,6 @@ class SharedInputLoRAFunction(torch.autograd.Function):
                 low_rank_grads()
         elif lora_work:
             low_rank_grads()
-        dx = None
         if need_x:
             segs = [(dys[i], weight_cat[n_off[i]:n_off[i + 1]]) for i in range(len(splits)) if dys[i] is not None]
             dx = torch.empty((M, K), device=x2.device, dtype=cdt)
@@ -230,15 +250,6 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             fill = [sg for sg in segs if sg[0].shape[1] <= _NARROW_SEGMENT] + ([(q, a_cat)] if R > 0 else [])
             if not segs:
                 dx.zero_()
-            elif merged and R > 0:
-                # dX = Σ_i dY_i (W_i + s_i·B_i A_i): the weight merged again (never kept), no Q A term
-                wm = _merged_weight_cat(weight_cat, n_off, ranks, scalings, [lora_params[2 * j].to(cdt) for j in
-                                        range(len(lora_segments))], [lora_params[2 * j + 1].to(cdt) for j in
-                                                                     range(len(lora_segments))])
-                with_grad = [i for i in range(len(splits)) if dys[i] is not None]
-                torch.mm(dys[with_grad[0]], wm[n_off[with_grad[0]]:n_off[with_grad[0] + 1]], out=dx)
-                for i in with_grad[1:]:
-                    dx.addmm_(dys[i], wm[n_off[i]:n_off[i + 1]])
             elif base == "cublas" and wide and len(fill) <= MAX_SEGMENTS:
                 if fill:
                     lora_gemm(dx, fill, config=config)

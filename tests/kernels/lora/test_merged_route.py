@@ -99,3 +99,24 @@ def test_merged_route_falls_back_naming_why():
 def test_gpu_merged_route_bf16(M, K, N, r, bias, rank_ops):
     x, w, b, A, B = make_case(M, K, N, r, torch.bfloat16, bias=bias, device="cuda")
     run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=MERGED.replace(rank_ops=rank_ops))
+
+
+def test_merged_route_launches_each_big_gemm_before_the_rank_passes(monkeypatch):
+    # Y needs no P and dX no Q: each GEMM goes first, so the passes' launches are prepared while it runs
+    order = []
+
+    def recorded(name, fn):
+        def wrapper(*args, **kwargs):
+            order.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(merged, "merged_weight", recorded("merge", merged.merged_weight))
+    monkeypatch.setattr(linear, "rank_projection", recorded("pass", linear.rank_projection))
+    monkeypatch.setattr(linear, "rank_reduction", recorded("pass", linear.rank_reduction))
+    x, w, b, A, B = make_case(33, 40, 48, 16, torch.float32)
+    x = x.requires_grad_()
+    y = fused_lora_linear(x, w, b, A, B, 2.0, config=MERGED)
+    assert order == ["merge", "pass"]  # Y, then P
+    y.sum().backward()
+    assert order[2:] == ["merge", "pass", "pass", "pass"]  # dX, then Q, dB and dA

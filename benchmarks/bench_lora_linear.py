@@ -255,7 +255,7 @@ def components(x, dy, weight, A, B, shipped):
     """{name: fn}: the fused step's parts (rank-r passes, Triton GEMMs by operand loads) and cuBLAS for the
     same GEMMs — where the fused step's time goes."""
     from lora_lab.kernels.lora.gemm import lora_gemm
-    from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
+    from lora_lab.kernels.lora.rank_ops import merge_weight, q_and_db, rank_projection, rank_reduction
 
     a, b, tune = A.detach(), B.detach(), shipped.autotune
     p = rank_projection(x, a.t(), 2.0, tune=tune)
@@ -265,8 +265,10 @@ def components(x, dy, weight, A, B, shipped):
     tma, pointer = shipped.replace(gemm_loads="tma"), shipped.replace(gemm_loads="pointer")
     quack = _quack_components(x, dy, weight, a, b, p, q, y, dx)
     return {**quack, **_wide_components(x, dy, weight, a, b, p, q),
-        # the fused_merged route's extra work per GEMM: W + s·B A (N×K), one cuBLAS call
+        # the merged-weight route's extra work per GEMM: W + s·B A (N×K), one cuBLAS call (rank_ops="torch") or
+        # one Triton pass over W (rank_ops="triton")
         "merge_weight": lambda: torch.addmm(weight, b, a, alpha=2.0),
+        "merge_weight_triton": lambda: merge_weight(weight, a, b, 2.0),
         "cublas_fwd_gemm": lambda: torch.mm(x, weight.t()),
         "cublas_dx_gemm": lambda: torch.mm(dy, weight),
         "cublas_fwd_plus_addmm": lambda: torch.mm(x, weight.t()).addmm_(p, b.t()),

@@ -348,6 +348,7 @@ def test_the_merge_component_is_the_merged_weight(bench):
     A, B = torch.nn.Parameter(a), torch.nn.Parameter(b)
     parts = bench.components(x, dy, w, A, B, KernelConfig(autotune=False))
     torch.testing.assert_close(parts["merge_weight"](), w + 2.0 * b @ a)
+    torch.testing.assert_close(parts["merge_weight_triton"](), w + 2.0 * b @ a)
 
 
 def test_a_quack_route_skipped_at_the_target_cell_voids_its_predictions_naming_why(tmp_path):

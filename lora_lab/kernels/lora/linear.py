@@ -207,7 +207,8 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             if merged_gemm:
                 # Y = X (W + s·B A)ᵀ + b: the frozen layer's GEMM on a weight merged for this call. Launched before
                 # P, which Y does not need: the host then prepares P's pass while the GEMM runs
-                y = merged.forward_gemm(x2, weight, bias, a, b, scaling)
+                y = merged.forward_gemm(x2, weight, bias, a, b, scaling,
+                                        "torch" if _torch_rank_ops(config, dropout_p) else "triton")
             # P = s · drop(X) Aᵀ          (M×r)
             if _torch_rank_ops(config, dropout_p):
                 p = _scaled_mm(x2, a.t(), scaling)
@@ -294,7 +295,8 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         if need_x and ctx.dropout_p == 0.0 and config.base_gemm == "merged":
             # dX = dY (W + s·B A), the weight merged again (never kept between forward and backward). It needs no Q,
             # so it is launched first and the rank-r passes below, for dA and dB alone, are prepared while it runs
-            merged_dx = merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling).reshape(ctx.x_shape)
+            engine = "torch" if _torch_rank_ops(config, ctx.dropout_p) else "triton"
+            merged_dx = merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling, engine).reshape(ctx.x_shape)
             need_x = False
 
         # Q = s · dY B               (M×r)

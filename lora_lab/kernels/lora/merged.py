@@ -20,6 +20,9 @@ about as much (``tests/kernels/lora/test_merged_route.py`` holds it to the unfus
 B come from the same P, Q and dY as on every other route. Dropout cannot be merged (its mask multiplies the rank-r
 term alone): with dropout the op warns and takes the Triton route.
 
+The merge is a rank-r product like P, Q, dA and dB, and ``rank_ops`` picks its engine alike: a Triton pass over W
+(``triton``) or cuBLAS's ``addmm`` (``torch``).
+
 Order: Y needs no P and dX no Q, so each big GEMM is launched first and the host prepares the rank-r passes while
 it runs. Measured on an H100 it is the fastest of the ungraphed routes at 32k × 4096², r 16, and still about a
 fifth above the frozen layer (docs/changelog.md).
@@ -29,10 +32,12 @@ from __future__ import annotations
 import torch
 
 from lora_lab.kernels.lora.dispatch import warn_route_fallback
+from lora_lab.kernels.lora.rank_ops import merge_weight
 
 __all__ = ["merged_weight", "forward_gemm", "input_grad_gemm", "unavailable_reason", "warn_fallback"]
 
 _WARNED: set = set()
+MAX_TRITON_RANK = 128  # the Triton merge holds a rank tile of B and of A whole; above this rank cuBLAS merges
 
 
 def unavailable_reason(dropout_p: float) -> str | None:
@@ -45,19 +50,24 @@ def warn_fallback(reason: str) -> None:
     warn_route_fallback(_WARNED, "merged", reason)
 
 
-def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``W + s · B A`` (N×K) in the weight's dtype: one call, B A accumulated with W in fp32 and rounded once."""
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  engine: str = "torch") -> torch.Tensor:
+    """``W + s · B A`` (N×K) in the weight's dtype, B A accumulated with W in fp32 and rounded once: one cuBLAS call
+    (``engine="torch"``), or one Triton pass over W (``"triton"``, ranks up to ``MAX_TRITON_RANK``: cuBLAS's GEMM
+    with a depth-r reduction ran well below the memory's speed in the route's component table)."""
+    if engine == "triton" and a.shape[0] <= MAX_TRITON_RANK:
+        return merge_weight(weight, a, b, scaling)
     return torch.addmm(weight, b, a, beta=1.0, alpha=scaling)
 
 
 def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
-                 b: torch.Tensor, scaling: float) -> torch.Tensor:
+                 b: torch.Tensor, scaling: float, engine: str = "torch") -> torch.Tensor:
     """``Y = X (W + s·B A)ᵀ + b`` as one merge and one GEMM."""
-    wm = merged_weight(weight, a, b, scaling)
+    wm = merged_weight(weight, a, b, scaling, engine)
     return torch.addmm(bias, x2, wm.t()) if bias is not None else torch.mm(x2, wm.t())
 
 
 def input_grad_gemm(dy2: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
+                    scaling: float, engine: str = "torch") -> torch.Tensor:
     """``dX = dY (W + s·B A)`` as one merge and one GEMM."""
-    return torch.mm(dy2, merged_weight(weight, a, b, scaling))
+    return torch.mm(dy2, merged_weight(weight, a, b, scaling, engine))

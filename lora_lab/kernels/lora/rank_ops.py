@@ -4,6 +4,7 @@
 * ``rank_reduction``   out[r, D] = L[M, r]ᵀ @ drop(In)[M, D]             (split over M, fp32 partials)
 * ``q_and_db``         Q = s · dY B and dBᵀ = Pᵀ dY from one pass over dY (atomics: dB not deterministic)
 * ``dropout_keep_mask`` the mask every kernel regenerates from a seed: keep(m, k) = rand(seed, m·K + k) ≥ p
+* ``merge_weight``     W + s · B A (N×K) for the merged-weight route: one read of W, one write, B A on the way
 
 ``rank_projection`` and ``q_and_db`` can also copy the input they read into another buffer (``copy_to``) on the
 way: the K-widened route (``KernelConfig(base_gemm="wide")``) builds ``[X | P]`` and ``[dY | Q]`` that way, the
@@ -26,7 +27,7 @@ from lora_lab.kernels.triton_helpers import (
     row_bucket,
 )
 
-__all__ = ["rank_projection", "rank_reduction", "q_and_db", "dropout_keep_mask", "dropout_args"]
+__all__ = ["rank_projection", "rank_reduction", "q_and_db", "dropout_keep_mask", "dropout_args", "merge_weight"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,6 +171,38 @@ def _q_and_db_kernel(
              (q_acc * scale).to(q_ptr.dtype.element_ty), mask=row_ok[:, None] & rank_ok[None, :])
 
 
+# ----------------------------------------------------------------------------------------------
+# Kernel 4: out[N, K] = W + s · B[N, r] A[r, K]   (the merged-weight route's per-call merge)
+# One program owns one BLOCK_N × BLOCK_K tile: W's tile read once, B A's tile one dot of depth r, one store.
+# ----------------------------------------------------------------------------------------------
+MERGE_BLOCK_N, MERGE_BLOCK_K = 64, 128
+
+
+@triton.jit
+def _merge_weight_kernel(
+    w_ptr, stride_wn, stride_wk,
+    b_ptr, stride_bn, stride_br,
+    a_ptr, stride_ar, stride_ak,
+    out_ptr, stride_on, stride_ok,
+    N, K, R, scale,
+    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ranks = tl.arange(0, BLOCK_R)
+    row_ok, col_ok, rank_ok = rows < N, cols < K, ranks < R
+    rows64 = rows.to(tl.int64)
+    b = tl.load(b_ptr + rows64[:, None] * stride_bn + ranks[None, :] * stride_br,
+                mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+    a = tl.load(a_ptr + ranks[:, None] * stride_ar + cols[None, :] * stride_ak,
+                mask=rank_ok[:, None] & col_ok[None, :], other=0.0)
+    tile = row_ok[:, None] & col_ok[None, :]
+    w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :] * stride_wk, mask=tile, other=0.0)
+    acc = w.to(tl.float32) + scale * tl.dot(b, a, input_precision=PRECISION)
+    tl.store(out_ptr + rows64[:, None] * stride_on + cols[None, :] * stride_ok, acc.to(out_ptr.dtype.element_ty),
+             mask=tile)
+
+
 @triton.jit
 def _dropout_mask_kernel(out_ptr, M, D, seed, p_drop, BLOCK: tl.constexpr):
     # keep(m, d) = rand(seed, m·D + d) ≥ p — the same stream the three kernels above draw from
@@ -306,6 +339,33 @@ def rank_reduction(l: torch.Tensor, inp: torch.Tensor, dropout_p: float = 0.0,
 # fp32 tile that overflows shared memory does not take TMA away from bf16)
 _TMA_STATE: dict = {}
 
+
+
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``W + scale · B A`` (N×K, W's dtype) in one pass over W: B A accumulated with W in fp32, rounded once (what
+    ``torch.addmm(W, B, A, alpha=scale)`` computes, without cuBLAS's GEMM machinery for a depth-r product)."""
+    check_interpreter_dtype(weight, op="merge_weight")
+    N, K = weight.shape
+    R = a.shape[0]
+    if a.shape[1] != K or b.shape != (N, R):
+        raise ValueError(f"merge_weight: A must be r×{K} and B {N}×r, got {tuple(a.shape)} and {tuple(b.shape)}")
+    out = torch.empty((N, K), device=weight.device, dtype=weight.dtype)
+    if N == 0 or K == 0:
+        return out
+    if R == 0:
+        return out.copy_(weight)
+    block_r = rank_block(R)
+    grid = (cdiv(N, MERGE_BLOCK_N), cdiv(K, MERGE_BLOCK_K))
+    _merge_weight_kernel[grid](
+        weight, weight.stride(0), weight.stride(1),
+        b, b.stride(0), b.stride(1),
+        a, a.stride(0), a.stride(1),
+        out, out.stride(0), out.stride(1),
+        N, K, R, float(scale),
+        PRECISION=dot_precision(weight.dtype), BLOCK_N=MERGE_BLOCK_N, BLOCK_K=MERGE_BLOCK_K, BLOCK_R=block_r,
+        num_warps=4,
+    )
+    return out
 
 
 def dropout_keep_mask(seed: int, rows: int, cols: int, p: float, device) -> torch.Tensor:

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from test_lora_linear import TOL, TRITON, make_case, run_and_compare
+from test_lora_linear import DEVICE, TOL, TRITON, make_case, run_and_compare
 
 from lora_lab.kernels import fused_lora_linear
 from lora_lab.kernels.lora import linear, merged
@@ -90,6 +90,39 @@ def test_merged_route_falls_back_naming_why():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per reason, not one per call
         run_and_compare(x, w, b, A, B, 2.0, p=0.25, seed=5, tol=TOL[torch.float32], config=MERGED)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("N,K,r", [(53, 45, 1), (70, 200, 16), (129, 33, 5), (17, 130, 128)], ids=str)
+def test_triton_merge_is_the_weight_plus_the_scaled_product_rounded_once(N, K, r, dtype):
+    from lora_lab.kernels.lora.rank_ops import merge_weight
+
+    g = torch.Generator().manual_seed(N + K + r)
+    w, a, b = (torch.randn(*shape, generator=g).to(DEVICE, dtype) for shape in ((N, K), (r, K), (N, r)))
+    exact = w.double() + 0.75 * (b.double() @ a.double())
+    got = merge_weight(w, a, b, 0.75)
+    assert got.dtype == dtype and got.shape == (N, K)
+    ulp = torch.finfo(dtype).eps
+    # one rounding of the result, and the fp32 sum's own error (relative to the sum of the terms' sizes)
+    size = w.double().abs() + 0.75 * (b.double().abs() @ a.double().abs())
+    for merge in (got, merged.merged_weight(w, a, b, 0.75, "torch")):  # the Triton pass, then cuBLAS's addmm
+        assert ((merge.double() - exact).abs() <= ulp / 2 * exact.abs() + 1e-6 * size).all()
+
+
+def test_merge_engine_follows_rank_ops_and_the_rank(monkeypatch):
+    engines = []
+    real = merged.merge_weight
+
+    def spy(*args):
+        engines.append("triton")
+        return real(*args)
+
+    monkeypatch.setattr(merged, "merge_weight", spy)
+    for r, rank_ops in ((16, "triton"), (16, "torch"), (160, "triton")):
+        engines.clear()
+        x, w, b, A, B = make_case(24, 40, 32, r, torch.float32)
+        run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32], config=MERGED.replace(rank_ops=rank_ops))
+        assert engines == (["triton", "triton"] if (r, rank_ops) == (16, "triton") else []), (r, rank_ops)
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 The layer's two big products both go through ``W + s·B A``::
 
-    W' = W + s · B A                  (N×K, one cuBLAS call: addmm(W, B, A, alpha=s), one rounding)
+    W' = W + s · B A                  (N×K, one call: cuBLAS's addmm or a Triton pass over W; one rounding)
     Y  = X W'ᵀ + b                    (one cuBLAS GEMM, the frozen layer's)
     dX = dY W'                        (one cuBLAS GEMM, the frozen layer's; W' built again, never kept)
 

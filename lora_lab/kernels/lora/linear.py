@@ -134,6 +134,11 @@ def _merged_route(config: KernelConfig, dropout_p: float) -> bool:
     return True
 
 
+def _merge_engine(config: KernelConfig, dropout_p: float) -> str:
+    """Who forms W + s·B A on the merged route: cuBLAS with ``rank_ops="torch"``, else a Triton pass."""
+    return "torch" if _torch_rank_ops(config, dropout_p) else "triton"
+
+
 def _torch_rank_ops(config: KernelConfig, dropout_p: float) -> bool:
     """Whether P, Q, dA and dB run as cuBLAS calls (``KernelConfig(rank_ops="torch")``, no dropout: the Triton
     kernels regenerate the dropout mask from its seed, a cuBLAS call cannot)."""
@@ -207,8 +212,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             if merged_gemm:
                 # Y = X (W + s·B A)ᵀ + b: the frozen layer's GEMM on a weight merged for this call. Launched before
                 # P, which Y does not need: the host then prepares P's pass while the GEMM runs
-                y = merged.forward_gemm(x2, weight, bias, a, b, scaling,
-                                        "torch" if _torch_rank_ops(config, dropout_p) else "triton")
+                y = merged.forward_gemm(x2, weight, bias, a, b, scaling, _merge_engine(config, dropout_p))
             # P = s · drop(X) Aᵀ          (M×r)
             if _torch_rank_ops(config, dropout_p):
                 p = _scaled_mm(x2, a.t(), scaling)
@@ -295,8 +299,8 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         if need_x and ctx.dropout_p == 0.0 and config.base_gemm == "merged":
             # dX = dY (W + s·B A), the weight merged again (never kept between forward and backward). It needs no Q,
             # so it is launched first and the rank-r passes below, for dA and dB alone, are prepared while it runs
-            engine = "torch" if _torch_rank_ops(config, ctx.dropout_p) else "triton"
-            merged_dx = merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling, engine).reshape(ctx.x_shape)
+            merged_dx = merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling,
+                                               _merge_engine(config, ctx.dropout_p)).reshape(ctx.x_shape)
             need_x = False
 
         # Q = s · dY B               (M×r)

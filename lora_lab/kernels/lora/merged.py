@@ -51,13 +51,14 @@ def warn_fallback(reason: str) -> None:
 
 
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
-                  engine: str = "torch") -> torch.Tensor:
+                  engine: str = "torch", out: torch.Tensor | None = None) -> torch.Tensor:
     """``W + s · B A`` (N×K) in the weight's dtype, B A accumulated with W in fp32 and rounded once: one cuBLAS call
-    (``engine="torch"``), or one Triton pass over W (``"triton"``, ranks up to ``MAX_TRITON_RANK``: cuBLAS's GEMM
-    with a depth-r reduction ran well below the memory's speed in the route's component table)."""
-    if engine == "triton" and a.shape[0] <= MAX_TRITON_RANK:
+    (``engine="torch"``, written into ``out`` if given), or one Triton pass over W (``"triton"``, ranks up to
+    ``MAX_TRITON_RANK``: cuBLAS's GEMM with a depth-r reduction ran well below the memory's speed in the route's
+    component table)."""
+    if engine == "triton" and a.shape[0] <= MAX_TRITON_RANK and out is None:
         return merge_weight(weight, a, b, scaling)
-    return torch.addmm(weight, b, a, beta=1.0, alpha=scaling)
+    return torch.addmm(weight, b, a, beta=1.0, alpha=scaling, out=out)
 
 
 def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,

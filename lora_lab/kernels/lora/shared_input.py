@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from lora_lab.kernels.config import KernelConfig, resolve_config
+from lora_lab.kernels.lora import merged
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES
@@ -95,7 +96,7 @@ def _merged_weight_cat(weight_cat, n_off, ranks, scalings, As, Bs) -> torch.Tens
     for i, r in enumerate(ranks):
         rows = slice(n_off[i], n_off[i + 1])
         if r > 0:
-            torch.addmm(weight_cat[rows], Bs[j], As[j], beta=1.0, alpha=scalings[i], out=out[rows])
+            merged.merged_weight(weight_cat[rows], As[j], Bs[j], scalings[i], out=out[rows])
             j += 1
         else:
             out[rows].copy_(weight_cat[rows])
@@ -184,9 +185,9 @@ class SharedInputLoRAFunction(torch.autograd.Function):
         if engine_for(M, K, weight_cat.shape[0], x2.device, config, backward=True) == "cublas":
             return _cublas_backward(ctx, x2, p, weight_cat, lora_params, dys, need_x)
 
-        merged = config.base_gemm == "merged" and R > 0
+        merged_gemm = config.base_gemm == "merged" and R > 0
         dx = None
-        if merged and need_x:
+        if merged_gemm and need_x:
             # dX = Σ_i dY_i (W_i + s_i·B_i A_i), the weight merged again (never kept). It needs no Q, so it is
             # launched first and the rank-r passes below, for dA and dB alone, are prepared while it runs
             wm = _merged_weight_cat(weight_cat, n_off, ranks, scalings,

@@ -171,9 +171,10 @@ def test_cublas_base_gemm_option(monkeypatch, narrow):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_cublas_base_gemm(monkeypatch):
-    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "cublas")
-    x, Ws, bs, As, Bs = build((1, 4001), 1024, [2048, 1024, 32, 32], [16, 16, 16, 16], torch.bfloat16,
+@pytest.mark.parametrize("base_gemm,ranks", [("cublas", [16, 16, 16, 16]), ("merged", [16, 16, 0, 16])])
+def test_gpu_bf16_base_gemm_options(monkeypatch, base_gemm, ranks):
+    monkeypatch.setenv("LORA_LAB_BASE_GEMM", base_gemm)
+    x, Ws, bs, As, Bs = build((1, 4001), 1024, [2048, 1024, 32, 32], ranks, torch.bfloat16,
                               bias=False, device="cuda")
     check(x, Ws, bs, As, Bs, [2.0] * 4, TOL[torch.bfloat16])
 
@@ -194,10 +195,3 @@ def test_merged_base_gemm_option(monkeypatch, dtype):
               for w, a, b in zip(Ws, As, Bs))
     assert rel_l2(x.grad, ref) <= 1e-5
 
-
-@pytest.mark.gpu
-def test_gpu_bf16_merged_base_gemm(monkeypatch):
-    monkeypatch.setenv("LORA_LAB_BASE_GEMM", "merged")
-    x, Ws, bs, As, Bs = build((1, 4001), 1024, [2048, 1024, 32, 32], [16, 16, 0, 16], torch.bfloat16,
-                              bias=False, device="cuda")
-    check(x, Ws, bs, As, Bs, [2.0] * 4, TOL[torch.bfloat16])

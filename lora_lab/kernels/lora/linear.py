@@ -146,8 +146,16 @@ def _torch_rank_ops(config: KernelConfig, dropout_p: float) -> bool:
 
 
 def _scaled_mm(inp: torch.Tensor, mat: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale · inp @ mat`` in one cuBLAS call (the scale applied to the fp32 accumulator, one rounding)."""
-    out = torch.empty((inp.shape[0], mat.shape[1]), device=inp.device, dtype=inp.dtype)
+    """``scale · inp @ mat`` (a thin product: P or Q, or their transposes), the scale applied to the fp32
+    accumulator and the result rounded once, as the Triton pass rounds it. For 16-bit operands the cuBLAS call
+    writes an fp32 result where this torch build can (:func:`~lora_lab.dtypes.addmm_fp32_out_works`), then one
+    conversion rounds it: with a 16-bit output, cuBLAS may split the deep reduction of a thin product and add the
+    parts in 16 bits (torch's ``allow_bf16_reduced_precision_reduction``, on by default), a rounding per part."""
+    shape = (inp.shape[0], mat.shape[1])
+    if inp.dtype != torch.float32 and addmm_fp32_out_works(inp.device, inp.dtype):
+        acc = torch.empty(shape, device=inp.device, dtype=torch.float32)
+        return torch.addmm(acc, inp, mat, beta=0.0, alpha=scale, out_dtype=torch.float32, out=acc).to(inp.dtype)
+    out = torch.empty(shape, device=inp.device, dtype=inp.dtype)
     return torch.addmm(out, inp, mat, beta=0.0, alpha=scale, out=out)
 
 
@@ -263,9 +271,9 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             # small GEMMs: the same formulas as cuBLAS calls (the Triton launches would leave the GPU idle)
             q = _scaled_mm(dy2, b, ctx.scaling) if (need_x or need_a) else None  # Q = s · dY B
             if need_lb:
-                db = torch.mm(dy2.t(), p).to(b_dtype)  # dB = dYᵀ P
+                db = _wide_mm(dy2.t(), p).to(b_dtype)  # dB = dYᵀ P
             if need_a:
-                da = torch.mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
+                da = _wide_mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
             if need_x:
                 dx = torch.mm(dy2, weight).addmm_(q, a).reshape(ctx.x_shape)  # dX = dY W + Q A
             return dx, dw, dbias, da, db, None, None, None, None

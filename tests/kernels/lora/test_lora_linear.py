@@ -464,11 +464,32 @@ def test_environment_seeds_the_defaults_and_bad_values_are_named(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fields", [{"fuse_q_db": True}, {"rank_ops": "torch"}], ids=["qdb", "pure-cublas"])
-def test_gpu_cublas_base_gemm_routes_bf16(fields):
-    x, w, b, A, B = make_case(4097, 1030, 2051, 16, torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("K,N", [(1030, 2051), (1032, 2056), (4096, 4096)], ids=lambda v: str(v))
+def test_gpu_cublas_base_gemm_routes_bf16(fields, K, N):
+    # K and N multiples of 8 too: aligned operands open cuBLAS's split reductions to the thin products
+    x, w, b, A, B = make_case(4097, K, N, 16, torch.bfloat16, device="cuda")
     y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16],
                                config=TRITON.replace(base_gemm="cublas", **fields))
     assert cosine(y, yr) >= 0.99999
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,D,r", [(4096, 4096, 16), (32768, 4096, 16), (4097, 2056, 64)], ids=lambda v: str(v))
+def test_gpu_thin_products_are_rounded_once(M, D, r):
+    # P = s·X Aᵀ (and Q = s·dY B) by cuBLAS: accumulated in fp32 and rounded once, as the Triton pass rounds it.
+    # With a bf16 output cuBLAS may split the deep reduction and add the parts in bf16 (torch's default allows it).
+    from lora_lab.kernels.lora.linear import _scaled_mm
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(M, D, generator=g).to("cuda", torch.bfloat16)
+    a = (torch.randn(r, D, generator=g) / D**0.5).to("cuda", torch.bfloat16)
+    got = _scaled_mm(x, a.t(), 2.0).float()
+    exact = 2.0 * (x.double() @ a.double().t())
+    nearest = exact.to(torch.bfloat16).float()  # the correctly rounded result
+    ulp = torch.finfo(torch.bfloat16).eps * nearest.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
+    off = (got - nearest).abs()
+    assert bool((off <= 1.01 * ulp).all()), f"an element is off by more than one ulp (max {(off / ulp).max():.2f})"
+    assert (off > 0).float().mean().item() <= 0.02, "more than 2% of the elements not correctly rounded"
 
 
 @pytest.mark.gpu

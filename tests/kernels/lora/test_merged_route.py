@@ -128,7 +128,8 @@ def test_merge_engine_follows_rank_ops_and_the_rank(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rank_ops", ["triton", "torch"])
 @pytest.mark.parametrize("M,K,N,r,bias", [(4097, 1032, 2056, 16, True), (1000, 1024, 1030, 8, False),
-                                          (777, 512, 384, 64, True)], ids=lambda v: str(v))
+                                          (777, 512, 384, 64, True), (4096, 4096, 4096, 16, False)],
+                         ids=lambda v: str(v))
 def test_gpu_merged_route_bf16(M, K, N, r, bias, rank_ops):
     x, w, b, A, B = make_case(M, K, N, r, torch.bfloat16, bias=bias, device="cuda")
     run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=MERGED.replace(rank_ops=rank_ops))

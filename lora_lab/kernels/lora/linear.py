@@ -146,16 +146,8 @@ def _torch_rank_ops(config: KernelConfig, dropout_p: float) -> bool:
 
 
 def _scaled_mm(inp: torch.Tensor, mat: torch.Tensor, scale: float) -> torch.Tensor:
-    """``scale · inp @ mat`` (a thin product: P or Q, or their transposes), the scale applied to the fp32
-    accumulator and the result rounded once, as the Triton pass rounds it. For 16-bit operands the cuBLAS call
-    writes an fp32 result where this torch build can (:func:`~lora_lab.dtypes.addmm_fp32_out_works`), then one
-    conversion rounds it: with a 16-bit output, cuBLAS may split the deep reduction of a thin product and add the
-    parts in 16 bits (torch's ``allow_bf16_reduced_precision_reduction``, on by default), a rounding per part."""
-    shape = (inp.shape[0], mat.shape[1])
-    if inp.dtype != torch.float32 and addmm_fp32_out_works(inp.device, inp.dtype):
-        acc = torch.empty(shape, device=inp.device, dtype=torch.float32)
-        return torch.addmm(acc, inp, mat, beta=0.0, alpha=scale, out_dtype=torch.float32, out=acc).to(inp.dtype)
-    out = torch.empty(shape, device=inp.device, dtype=inp.dtype)
+    """``scale · inp @ mat`` in one cuBLAS call (the scale applied to the fp32 accumulator, one rounding)."""
+    out = torch.empty((inp.shape[0], mat.shape[1]), device=inp.device, dtype=inp.dtype)
     return torch.addmm(out, inp, mat, beta=0.0, alpha=scale, out=out)
 
 
@@ -168,10 +160,35 @@ def _low_rank_fill(out: torch.Tensor, low: torch.Tensor, rt: torch.Tensor, bias:
         torch.addmm(bias, low, rt, out=out)
 
 
+# The reductions over the tokens (dA = Qᵀ X, dB = dYᵀ P) are split at a multiple of REDUCTION_ALIGN on CUDA: the
+# head by cuBLAS, the last M mod REDUCTION_ALIGN rows in fp32, added onto it. On an H100 (torch 2.11, CUDA 13.0)
+# cuBLAS returned dYᵀ P without the last token's term for some odd token counts (the bf16 GPU tests at
+# 4097 × 1032 → 2056, r 16, of the cuBLAS routes), with a bf16 or an fp32 result alike, where the product over an
+# even count, or over a contiguous copy of dYᵀ, was right. test_gpu_token_reductions_at_odd_counts checks it.
+REDUCTION_ALIGN = 64
+
+
+def _reduction_head(a: torch.Tensor) -> int:
+    """How many of ``a @ b``'s reduction rows cuBLAS takes (the rest go to :func:`_wide_mm`'s fp32 tail)."""
+    depth = a.shape[1]
+    return depth - depth % REDUCTION_ALIGN if a.is_cuda and a.dtype != torch.float32 else depth
+
+
 def _wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with an fp32 result for 16-bit operands where this torch build accumulates into one
-    (:func:`~lora_lab.dtypes.addmm_fp32_out_works`: CUDA; one rounding, as the Triton reduction's fp32 output),
-    else in the operands' dtype."""
+    """``a @ b`` — a reduction over the tokens, dA or dB — with an fp32 result for 16-bit operands where this
+    torch build accumulates into one (:func:`~lora_lab.dtypes.addmm_fp32_out_works`: CUDA; one rounding, as the
+    Triton reduction's fp32 output), else in the operands' dtype; on CUDA the last rows of an unaligned depth are
+    added in fp32 (``REDUCTION_ALIGN``, above)."""
+    depth, head = a.shape[1], _reduction_head(a)
+    if head == depth:
+        return _mm_fp32_out(a, b)
+    out = _mm_fp32_out(a[:, :head], b[:head]) if head else None
+    out = out.float() if out is not None else torch.zeros((a.shape[0], b.shape[1]), device=a.device,
+                                                           dtype=torch.float32)
+    return out.addmm_(a[:, head:].float(), b[head:].float())
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.dtype != torch.float32 and addmm_fp32_out_works(a.device, a.dtype):
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=torch.float32)
         return torch.addmm(out, a, b, beta=0.0, out_dtype=torch.float32, out=out)

@@ -36,7 +36,7 @@ from lora_lab.kernels.config import KernelConfig, resolve_config
 from lora_lab.kernels.lora import merged
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
-from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, _scaled_mm, _wide_mm
+from lora_lab.kernels.lora.linear import SUPPORTED_DTYPES, _wide_mm
 from lora_lab.kernels.lora.rank_ops import rank_projection, rank_reduction
 from lora_lab.kernels.triton_helpers import check_interpreter_dtype, check_kernel_device
 
@@ -122,8 +122,8 @@ class SharedInputLoRAFunction(torch.autograd.Function):
             y = torch.addmm(bias_cat, x2, weight_cat.t()) if bias_cat is not None else torch.mm(x2, weight_cat.t())
             if R > 0:
                 col_scale = _column_scales(ranks, scalings, x.device)
-                # P = X Aᵀ diag(s): accumulated (and scaled) in fp32 where cuBLAS can write it, rounded once
-                p = _wide_mm(x2, torch.cat(As, 0).t()).mul_(col_scale).to(cdt)
+                # P = X Aᵀ diag(s)
+                p = torch.mm(x2, torch.cat(As, 0).t()).mul_(col_scale)
                 for j, i in enumerate(lora_segments):
                     # Y_i += P_i B_iᵀ, in place in Y's columns of segment i
                     y[:, n_off[i]:n_off[i + 1]].addmm_(p[:, r_off[i]:r_off[i + 1]], Bs[j].t())
@@ -296,11 +296,11 @@ def _cublas_backward(ctx, x2, p, weight_cat, lora_params, dys, need_x):
     q = None
     if R > 0:
         # Q_i = s_i · dY_i B_i   (zero where Y_i got no gradient)
-        q = torch.cat([_scaled_mm(dys[i], lora_params[2 * j + 1].to(cdt), scalings[i]) if dys[i] is not None
+        q = torch.cat([torch.mm(dys[i], lora_params[2 * j + 1].to(cdt)).mul_(scalings[i]) if dys[i] is not None
                        else torch.zeros((M, ranks[i]), device=x2.device, dtype=cdt)
                        for j, i in enumerate(lora_segments)], 1)
         if any(ctx.needs_input_grad[_FIRST_LORA + 2 * j] for j in range(len(lora_segments))):
-            da = _wide_mm(q.t(), x2)  # dA = Qᵀ X, every adapter at once (fp32 where cuBLAS can write it)
+            da = _wide_mm(q.t(), x2)  # dA = Qᵀ X, every adapter at once (linear._wide_mm: its note)
         for j, i in enumerate(lora_segments):
             if ctx.needs_input_grad[_FIRST_LORA + 2 * j]:
                 lora_grads[2 * j] = da[r_off[i]:r_off[i + 1]].to(lora_params[2 * j].dtype)

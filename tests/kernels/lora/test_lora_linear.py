@@ -473,23 +473,35 @@ def test_gpu_cublas_base_gemm_routes_bf16(fields, K, N):
     assert cosine(y, yr) >= 0.99999
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("M,D,r", [(4096, 4096, 16), (32768, 4096, 16), (4097, 2056, 64)], ids=lambda v: str(v))
-def test_gpu_thin_products_are_rounded_once(M, D, r):
-    # P = s·X Aᵀ (and Q = s·dY B) by cuBLAS: accumulated in fp32 and rounded once, as the Triton pass rounds it.
-    # With a bf16 output cuBLAS may split the deep reduction and add the parts in bf16 (torch's default allows it).
-    from lora_lab.kernels.lora.linear import _scaled_mm
+@pytest.mark.parametrize("depth", [1, 63, 64, 65, 130, 200])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_token_reductions_split_at_an_aligned_depth(depth, dtype, monkeypatch):
+    # dA = Qᵀ X and dB = dYᵀ P: on CUDA the head (a multiple of REDUCTION_ALIGN rows) goes to cuBLAS and the tail is
+    # added in fp32; here the split is forced on the CPU, on transposed views as the op passes them
+    from lora_lab.kernels.lora import linear
 
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(M, D, generator=g).to("cuda", torch.bfloat16)
-    a = (torch.randn(r, D, generator=g) / D**0.5).to("cuda", torch.bfloat16)
-    got = _scaled_mm(x, a.t(), 2.0).float()
-    exact = 2.0 * (x.double() @ a.double().t())
-    nearest = exact.to(torch.bfloat16).float()  # the correctly rounded result
-    ulp = torch.finfo(torch.bfloat16).eps * nearest.abs().clamp_min(torch.finfo(torch.bfloat16).tiny)
-    off = (got - nearest).abs()
-    assert bool((off <= 1.01 * ulp).all()), f"an element is off by more than one ulp (max {(off / ulp).max():.2f})"
-    assert (off > 0).float().mean().item() <= 0.02, "more than 2% of the elements not correctly rounded"
+    monkeypatch.setattr(linear, "_reduction_head", lambda a: a.shape[1] - a.shape[1] % linear.REDUCTION_ALIGN)
+    g = torch.Generator().manual_seed(depth)
+    dy, p = torch.randn(depth, 48, generator=g).to(dtype), torch.randn(depth, 5, generator=g).to(dtype)
+    for a, b in ((dy.t(), p), (p.t(), dy)):
+        got = linear._wide_mm(a, b)
+        assert got.shape == (a.shape[0], b.shape[1])
+        assert rel_l2(got, a.double() @ b.double()) <= (1e-6 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,N,r", [(4097, 2056, 16), (8193, 2048, 16), (4097, 2064, 16), (4096, 2056, 16),
+                                   (4097, 1032, 64)], ids=lambda v: str(v))
+def test_gpu_token_reductions_at_odd_counts(M, N, r):
+    # dB = dYᵀ P and its transpose Pᵀ dY, bf16 operands and an fp32 result, against fp64: every token's term in
+    from lora_lab.kernels.lora.linear import _wide_mm
+
+    g = torch.Generator().manual_seed(0)
+    dy = torch.randn(M, N, generator=g).to("cuda", torch.bfloat16)
+    p = torch.randn(M, r, generator=g).to("cuda", torch.bfloat16)
+    exact = dy.double().t() @ p.double()
+    assert rel_l2(_wide_mm(dy.t(), p), exact) <= 1e-4
+    assert rel_l2(_wide_mm(p.t(), dy).t(), exact) <= 1e-4
 
 
 @pytest.mark.gpu

@@ -466,7 +466,7 @@ def test_environment_seeds_the_defaults_and_bad_values_are_named(monkeypatch):
 @pytest.mark.parametrize("fields", [{"fuse_q_db": True}, {"rank_ops": "torch"}], ids=["qdb", "pure-cublas"])
 @pytest.mark.parametrize("K,N", [(1030, 2051), (1032, 2056), (4096, 4096)], ids=lambda v: str(v))
 def test_gpu_cublas_base_gemm_routes_bf16(fields, K, N):
-    # K and N multiples of 8 too: aligned operands open cuBLAS's split reductions to the thin products
+    # K and N multiples of 8 too: at 1032 × 2056 cuBLAS's dYᵀ P left out the last token (linear._wide_mm's note)
     x, w, b, A, B = make_case(4097, K, N, 16, torch.bfloat16, device="cuda")
     y, yr, _ = run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16],
                                config=TRITON.replace(base_gemm="cublas", **fields))

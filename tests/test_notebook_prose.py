@@ -115,16 +115,9 @@ def output_texts(path: Path) -> list[tuple[int, str]]:
 
 
 PUBLISHED = sorted(ROOT.glob("notebooks/[0-9][0-9]_*.ipynb")) + sorted(ROOT.glob("outputs/*/[0-9][0-9]_*.ipynb"))
-# published runs that printed the full verdict table (commits and history) before the reader's tables: each entry
-# goes when its notebook is republished (strict: a republished notebook left here fails)
-BEFORE_READER_TABLES = {f"{folder}/{stem}.ipynb" for folder in ("notebooks", "outputs/gpu")
-                        for stem in ("05_fused_lora_kernels", "09_lora_variants")}
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason="published before the reader's verdict tables"))
-    if str(p.relative_to(ROOT)) in BEFORE_READER_TABLES else p for p in PUBLISHED
-], ids=[str(p.relative_to(ROOT)) for p in PUBLISHED])
+@pytest.mark.parametrize("path", PUBLISHED, ids=[str(p.relative_to(ROOT)) for p in PUBLISHED])
 def test_outputs_have_no_internal_references(path):
     found = [(i, hit) for i, text in output_texts(path) for hit in internal_references(text)]
     assert not found, f"{path.relative_to(ROOT)}: internal references in outputs (code cell index, what): {found}"

@@ -24,7 +24,8 @@ the input and every trainable tensor. Each repetition times every implementation
 cannot load is one ``skipped`` row per cell with the exact error and what was tried (``peers.load``); a peer that
 loads but fails in a cell is an ``error`` row. Each peer's first output is compared with ours (``out_rel_err``).
 
-Writes into --out: peers_ops.csv (one row per cell, implementation and repetition).
+Writes into --out: peers_ops.csv (one row per cell, implementation and repetition; ``first_call_s``: the seconds of
+its first forward and step, compiling and autotuning included).
 
     python benchmarks/bench_peers.py --out DIR                               # every op, every peer that loads
     python benchmarks/bench_peers.py --out DIR --ops loss moe_full --sessions 2
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import peers as peer_loader
@@ -247,15 +249,16 @@ def _upstream(out, shared):
 
 
 def time_cell(fns: dict, x, inputs, base: dict, args, device) -> list[dict]:
-    """Rows of one cell: first call of each implementation (compile, tuning, its output against ours), peak memory
-    once, then ``args.repetitions`` side-by-side loops. ``inputs``: what the step differentiates (one list, or a
-    dict per implementation)."""
+    """Rows of one cell: first call of each implementation (compile, tuning, its output against ours; its seconds,
+    first forward and first step together, as ``first_call_s``), peak memory once, then ``args.repetitions``
+    side-by-side loops. ``inputs``: what the step differentiates (one list, or a dict per implementation)."""
     cuda = device.type == "cuda"
     ref = ref_grads = None
     steps, once = {}, {}
     for name, fn in fns.items():
         wrt = inputs[name] if isinstance(inputs, dict) else inputs
         try:
+            started = time.perf_counter()
             out = fn(x)  # the first call: compile, tuning
             grads = _upstream(out, ref_grads)
             if name == "ours":
@@ -265,12 +268,16 @@ def time_cell(fns: dict, x, inputs, base: dict, args, device) -> list[dict]:
                 return torch.autograd.grad(_outputs(fn(x)), wrt, grads, allow_unused=True)
 
             step()
+            if cuda:
+                torch.cuda.synchronize(device)
+            first_s = time.perf_counter() - started  # first forward + first step, with what they compile or tune
             if name == "ours":
                 ref = [o.detach() for o in _outputs(out)]
             err = None if ref is None or name == "ours" else _rel_err(out, ref)
             del out
             peak = measure.peak_bytes(step) if cuda else (None, None)
-            once[name] = dict(status="ok", out_rel_err=err, peak_bytes=peak[0], resident_bytes=peak[1])
+            once[name] = dict(status="ok", out_rel_err=err, peak_bytes=peak[0], resident_bytes=peak[1],
+                              first_call_s=first_s)
             steps[name] = step
         except Exception as err:  # a peer that loads but cannot run this cell is a recorded row
             if name == "ours":

@@ -184,3 +184,29 @@ def test_ops_puts_what_a_dsl_sites_pth_files_add_on_its_path(tmp_path):
     assert done.returncode == 0, done.stderr
     quack = [line for line in calls.read_text().splitlines() if "--peers quack" in line]
     assert len(quack) == 1 and str(inner) in quack[0].split()[0]
+
+
+def test_warm_runs_each_installed_dsl_peer_once_under_its_limit_with_quacks_caches_kept(tmp_path):
+    """`warm`: one repetition of each installed CUTLASS-DSL peer's op, QuACK's caches pointed at a folder that
+    outlives the call; warm.txt records each one's exit status and seconds, and a peer not installed by name."""
+    (tmp_path / "site-sonicmoe").mkdir()  # installed; site-quack is not
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                    f'echo "CACHE=$QUACK_CACHE_DIR TUNE=$QUACK_CACHE_AUTOTUNING ARGS=$*" >> {calls}\nexit 3\n')
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUACK_")}
+    done = subprocess.run(["bash", str(SCRIPT), "warm"], cwd=tmp_path, capture_output=True, text=True,
+                          env={**env, "RES": str(tmp_path / "res"), "SITE": str(tmp_path / "site"),
+                               "PY": str(fake), "WARM_S": "30"})
+    assert done.returncode == 0, done.stderr
+    (line,) = calls.read_text().splitlines()
+    assert line.startswith("CACHE=/tmp/quack-cache TUNE=1 ARGS=benchmarks/bench_peers.py")
+    assert f"--out {tmp_path}/res/warm_sonicmoe --peers sonicmoe --ops moe_full" in line
+    assert line.endswith("--moe-shapes qwen3_30b_a3b --repetitions 1")
+    warm = (tmp_path / "res" / "warm.txt").read_text().splitlines()
+    assert warm[0].startswith("warm sonicmoe: exit 3 after ") and warm[0].endswith(" s (limit 30 s)")
+    assert warm[1] == f"warm quack: {tmp_path}/site-quack not installed (peers_bench.sh sites)"
+    bad = subprocess.run(["bash", str(SCRIPT), "warm", "liger"], cwd=tmp_path, capture_output=True, text=True,
+                         env={**env, "RES": str(tmp_path / "res"), "SITE": str(tmp_path / "site")})
+    assert bad.returncode == 2 and "unknown peer liger" in bad.stderr

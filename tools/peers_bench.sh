@@ -16,6 +16,11 @@
 #   bash tools/peers_bench.sh step [ARGS ...]    benchmarks/bench_peers_step.py --sequential, one process per
 #                                                checkpointing setting (CKPT, default "off on"), into
 #                                                $RES/step_ckpt_{off,on}
+#   bash tools/peers_bench.sh warm [PEER ...]    each CUTLASS-DSL peer (default: sonicmoe quack) that is installed, once
+#                                                (bench_peers.py --repetitions 1 into $RES/warm_PEER) under a limit of
+#                                                its own (WARM_S, default 500 s), so its GEMMs compile and autotune into
+#                                                QuACK's caches before a later call times them; $RES/warm.txt gets
+#                                                each one's exit status and seconds
 #   bash tools/peers_bench.sh call               one device call's worth (remote_gpu_run.sh --limit 570), the least
 #                                                measured first, each part under its own limit so what finished
 #                                                comes back: install, load (LOAD_S, default 60 s), the
@@ -39,6 +44,10 @@
 # and nvidia-cuda-nvdisasm wheels too). Both need cuda-python (cuda-bindings, cuda-pathfinder), apache-tvm-ffi,
 # torch-c-dlpack-ext and einops.
 # One process holds one DSL version, so each runs in a process of its own with its own site folder.
+# QuACK (QuACK's own GEMMs and the quack-kernels 0.4.1 that SonicMoE calls) autotunes a GEMM on its first call at a
+# shape, compiling every candidate with the DSL in worker processes: minutes per GEMM. Its caches go to
+# QUACK_CACHE_DIR (here /tmp/quack-cache unless set, which outlives a call while the host stays up) and the picks are
+# kept there too (QUACK_CACHE_AUTOTUNING=1), so `warm` in one call lets the next call time the tuned kernels.
 # Fetch the wheels where an index is reachable: tools/peers_wheels.sh writes the LoRA and MoE peers' set (python 3.12,
 # --no-deps: the peers' torch pins disagree with the GPU image's torch; what their modules import and the image
 # lacks, in versions the peers' import-time checks accept; unsloth and bitsandbytes slimmed by tools/slim_wheel.py).
@@ -48,13 +57,14 @@
 # timed in that process too), and each step process imports it last (--impls order: unsloth at the end, every other
 # implementation built, timed and freed before it).
 set -u
-PART=${1:?part: install, sites, path, load, ops, step or call}
+PART=${1:?part: install, sites, path, load, ops, warm, step or call}
 shift
 PY=${PY:-python3}
 SITE=${SITE:-/tmp/site}  # where the peers install (SITE-sonicmoe, SITE-quack: the CUTLASS DSL peers)
 WHEELS=${WHEELS:-.whl}   # the folder of the peers' wheels (e.g. .whl-peers, carried beside .whl)
 export PYTHONPATH=$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_DISABLE=1 MPLBACKEND=Agg \
-  HF_HUB_OFFLINE=1
+  HF_HUB_OFFLINE=1 QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/quack-cache} \
+  QUACK_CACHE_AUTOTUNING=${QUACK_CACHE_AUTOTUNING:-1}
 if [ "$PART" != path ]; then
   RES=${RES:-${OUT:?set RES or OUT to the folder that receives the results}}
   mkdir -p "$RES"
@@ -140,6 +150,21 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
         echo "$peer: $SITE-$peer not installed (peers_bench.sh install), its own process skipped"
       fi
     done ;;
+  warm)
+    for peer in ${*:-sonicmoe quack}; do
+      case $peer in sonicmoe) op=moe_full ;; quack) op=loss ;;
+        *) echo "warm: unknown peer $peer (sonicmoe, quack)" >&2; exit 2 ;; esac
+      if [ ! -d "$SITE-$peer" ]; then
+        echo "warm $peer: $SITE-$peer not installed (peers_bench.sh sites)" | tee -a "$RES/warm.txt"; continue
+      fi
+      extra=(); [ $peer = sonicmoe ] && extra=(--moe-shapes qwen3_30b_a3b)
+      started=$(date +%s)
+      PYTHONPATH=$PWD:$(site_path "$SITE-$peer") timeout "${WARM_S:-500}" $PY benchmarks/bench_peers.py \
+        --out "$RES/warm_$peer" --peers $peer --ops $op "${extra[@]}" --repetitions 1 2>&1 | tail -20
+      status=${PIPESTATUS[0]}
+      echo "warm $peer: exit $status after $(( $(date +%s) - started )) s (limit ${WARM_S:-500} s)" \
+        | tee -a "$RES/warm.txt"
+    done ;;
   step)  # with QuACK's site on the path where it is installed: the recipe on its route (ours_quack)
     quack=; [ -d "$SITE-quack" ] && quack=:$(site_path "$SITE-quack")
     for ckpt in ${CKPT:-off on}; do
@@ -175,5 +200,5 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
         --ops lora_mlp lora_qkv lora_linear 2>&1 | tail -30
     fi
     echo "== done, $(date +%T)" ;;
-  *) echo "unknown part $PART (install, sites, path, load, ops, step or call)"; exit 2 ;;
+  *) echo "unknown part $PART (install, sites, path, load, ops, warm, step or call)"; exit 2 ;;
 esac

@@ -70,8 +70,8 @@ def _args():
 
 
 def test_a_fake_peer_runs_beside_ours_and_one_that_fails_is_an_error_row(bench, monkeypatch):
-    """A fake axolotl whose ``apply_lora_o`` runs the PEFT layer it is given: timed, its output checked against
-    ours; a fake unsloth that raises: one ``error`` row with the message, the others still timed."""
+    """A fake axolotl whose ``apply_lora_o`` runs the PEFT layer it is given: timed (its first call too), its output
+    checked against ours; a fake unsloth that raises: one ``error`` row with the message, the others still timed."""
     def apply_lora_o(self, X):
         return self.o_proj(X)
 
@@ -90,6 +90,7 @@ def test_a_fake_peer_runs_beside_ours_and_one_that_fails_is_an_error_row(bench, 
     ok = {(r["impl"], r["rep"]) for r in rows if r["status"] == "ok"}
     assert ok == {(i, rep) for i in ("ours", "peft", "axolotl") for rep in range(2)}
     assert all(r["out_rel_err"] < 1e-5 for r in rows if r["impl"] == "axolotl")
+    assert all(r["first_call_s"] > 0 for r in rows if r["status"] == "ok")  # the first call's seconds, each row
     (failed,) = [r for r in rows if r["impl"] == "unsloth"]
     assert failed["status"] == "error" and "made-up kernel failure" in failed["error"] and failed["ms"] is None
 

@@ -17,9 +17,15 @@ args = sys.argv[1:]
 job, out = args[args.index("--only") + 1], Path(args[args.index("--outputs-dir") + 1])
 plan = json.loads(Path(sys.argv[0]).with_name("plan.json").read_text())[job]
 start = time.time()
-time.sleep(plan["sleep"])
+marker = Path(sys.argv[0]).with_name(f"began_{job}")
+pause = plan["sleep"] if marker.exists() or "first_sleep" not in plan else plan["first_sleep"]
+marker.write_text("x")
+time.sleep(pause)
 out.mkdir(parents=True, exist_ok=True)
 (out / "done.txt").write_text("x")
+(out / "gpu").mkdir(exist_ok=True)
+(out / "gpu" / "run_summary.json").write_text(json.dumps(
+    {"notebooks": {f"{job}_nb": {"status": "ok", "seconds": round(time.time() - start, 1)}}}))
 with open(Path(sys.argv[0]).with_name("spans.txt"), "a") as f:
     f.write(f"{job} {start} {time.time()}\\n")
 sys.exit(plan.get("exit", 0))
@@ -128,3 +134,23 @@ def test_the_notebooks_that_time_something_are_the_ones_run_alone():
         if re.search(r"benchmarks|bench_\w+\.py|repeat_in_processes|run_script_sessions|loop_ms", code):
             timing.add(path.name[:2])
     assert timing == gpu_queue.TIMING
+
+
+def test_a_run_resumed_in_a_later_call_records_every_calls_seconds(tmp_path):
+    """A notebook stopped at the end of one call and finished in the next (its benchmarks resumed): its run summary
+    entry gets the number of calls and their seconds added up, which the run tables show."""
+    from lora_lab.lab.run_table import _matrix_cell
+
+    plan = {"05": {"first_sleep": 5, "sleep": 0.1}}
+    fake = _setup(tmp_path, plan, {"05": 1})
+    first = _queue(tmp_path, fake, "run", "--jobs", "05", "--limit", "1", "--slack", "0")
+    assert "05: FAILED (exit timeout)" in first.stdout
+    second = _queue(tmp_path, fake, "run", "--jobs", "05", "--limit", "30", "--retry-failed")
+    assert second.returncode == 0, second.stdout + second.stderr
+    calls = json.loads((tmp_path / "state.json").read_text())["jobs"]["05"]["calls"]
+    assert [c["exit"] for c in calls] == ["timeout", 0]
+    entry = json.loads((tmp_path / "runs" / "05" / "gpu" / "run_summary.json").read_text())["notebooks"]["05_nb"]
+    assert entry["calls"] == 2 and entry["seconds_all_calls"] == round(sum(c["seconds"] for c in calls), 1)
+    assert entry["seconds_all_calls"] >= 1.0 > entry["seconds"]  # the runner's own seconds: the last call's
+    row = {"status": "ok", "seconds": entry["seconds_all_calls"], "calls": 2, "gpu_reserved_gib": None, "skipped": 0}
+    assert _matrix_cell(row) == f"{entry['seconds_all_calls']:.0f} s over 2 calls"

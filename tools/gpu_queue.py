@@ -13,7 +13,9 @@ A host lent for a few minutes per call cannot run every notebook in one. Each ca
 
 Each notebook runs with ``lora-lab run --profile P --only NN --outputs-dir <runs>/NN`` (its own runs root, so
 notebooks running side by side never write one summary file; ``<runs>`` is ``build/runs/<profile>/queue``), and what
-happened is kept in ``<runs>/state.json``, so the next call skips what is done. Publish each with
+happened is kept in ``<runs>/state.json``, so the next call skips what is done. A notebook stopped at a call's end
+and finished in a later one (``--retry-failed``; its benchmarks resume from what they kept) gets ``calls`` and
+``seconds_all_calls`` in its run summary, which publishing carries over and the run tables show. Publish each with
 ``lora-lab publish --profile P --only NN --from <runs>/NN``.
 
     python tools/gpu_queue.py run --profile gpu --jobs 05,06,07,10,01,02,03,04,09 --limit 540
@@ -39,12 +41,14 @@ class QueueError(Exception):
 
 
 def expected_seconds(job: str, profile: str, outputs: Path, margin: float, slack: float, default: float) -> float:
-    """The job's last published wall time on ``profile`` (else the gpu profile's) times ``margin`` plus ``slack``."""
+    """The job's last published wall time on ``profile`` (else the gpu profile's; over every call it took) times
+    ``margin`` plus ``slack``."""
     for name in dict.fromkeys((profile, "gpu")):
         path = outputs / name / "run_summary.json"
         if path.is_file():
             entries = json.loads(path.read_text()).get("notebooks") or {}
-            seconds = next((e.get("seconds") for stem, e in entries.items() if stem[:2] == job), None)
+            seconds = next((e.get("seconds_all_calls", e.get("seconds")) for stem, e in entries.items()
+                            if stem[:2] == job), None)  # a run resumed over several calls: all of them
             if isinstance(seconds, (int, float)):
                 return seconds * margin + slack
     return default
@@ -72,7 +76,23 @@ def _start(job: str, args, timeout: float) -> subprocess.Popen:
     log = open(Path(args.runs) / f"{job}.log", "w", encoding="utf-8")  # noqa: SIM115 - the process owns it
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     process.job, process.log, process.deadline, process.began = job, log, time.monotonic() + timeout, time.monotonic()
+    process.runs = args.runs
     return process
+
+
+def _record_calls(root: Path, job: str, calls: list[dict]) -> None:
+    """A run that finished in a later call than it began (its benchmarks resumed): its entry in the runs root's
+    run_summary.json also gets ``calls`` (how many) and ``seconds_all_calls`` (their seconds added up), which
+    ``lora-lab publish`` carries over and the run tables show; the runner's ``seconds`` stay the last call's."""
+    for path in root.glob("*/run_summary.json"):
+        summary = json.loads(path.read_text())
+        for stem, entry in (summary.get("notebooks") or {}).items():
+            if stem[:2] == job:
+                entry["calls"] = len(calls)
+                entry["seconds_all_calls"] = round(sum(float(c["seconds"]) for c in calls), 1)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(path)
 
 
 def _wait(processes: list[subprocess.Popen], state: dict, state_path: Path) -> None:
@@ -86,8 +106,13 @@ def _wait(processes: list[subprocess.Popen], state: dict, state_path: Path) -> N
             code = "timeout"
         process.log.close()
         seconds = round(time.monotonic() - process.began, 1)
-        state["jobs"][process.job] = {"status": "done" if code == 0 else "failed", "exit": code, "seconds": seconds}
+        earlier = state["jobs"].get(process.job, {}).get("calls") or []
+        calls = [*earlier, {"exit": code, "seconds": seconds}]
+        state["jobs"][process.job] = {"status": "done" if code == 0 else "failed", "exit": code, "seconds": seconds,
+                                      "calls": calls}
         _save(state_path, state)
+        if code == 0 and len(calls) > 1:
+            _record_calls(Path(process.runs) / process.job, process.job, calls)
         print(f"  {process.job}: {'done' if code == 0 else 'FAILED'} (exit {code}) in {seconds:.0f} s", flush=True)
 
 

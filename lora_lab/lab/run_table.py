@@ -2,7 +2,8 @@
 whether it ran the code as it is now (its recorded code hash against this checkout's).
 
 ``lora-lab runs --profile gpu`` prints it. The seconds are the runner's (``run_summary.json``: the notebook's wall time,
-its benchmark processes included); the memory is the most PyTorch's allocator reserved in any one process of the run
+its benchmark processes included; for a run resumed over several calls of a lent GPU, ``seconds_all_calls``: the
+calls' seconds added up); the memory is the most PyTorch's allocator reserved in any one process of the run
 (``gpu_memory`` in the metrics file's provenance, :mod:`lora_lab.memory.peaks`), absent for runs made before that was
 recorded. The total is the notebooks' seconds added up: a reader's rerun of them one after another.
 
@@ -39,7 +40,10 @@ def run_rows(out_dir: Path | str) -> list[dict[str, Any]]:
         gpu = provenance.get("gpu_memory") or {}
         # this code: lora_lab/ and benchmarks/ as they are now (a run hashed over lora_lab/ alone cannot say)
         this_code = provenance.get("code_hash_scope") == CODE_HASH_SCOPE and provenance.get("code_hash") == current
-        rows.append({"notebook": stem, "status": entry.get("status"), "seconds": entry.get("seconds"),
+        # a run resumed over several calls of a lent GPU (tools/gpu_queue.py): their seconds added up
+        seconds = entry.get("seconds_all_calls", entry.get("seconds"))
+        rows.append({"notebook": stem, "status": entry.get("status"), "seconds": seconds,
+                     "calls": entry.get("calls") or 1,
                      "gpu_reserved_gib": gpu.get("largest_reserved_gib"), "gpu_processes": gpu.get("processes"),
                      "device": provenance.get("device"), "memory_cap_gib": provenance.get("memory_cap_gib"),
                      "gpu_class": provenance.get("gpu_class"), "commit": (provenance.get("git_commit") or "")[:7],
@@ -110,6 +114,8 @@ def _matrix_cell(row: dict | None) -> str:
     if row["status"] != "ok":
         return str(row["status"] or "-")
     text = f"{_num(row['seconds'], '.0f')} s"
+    if row.get("calls", 1) > 1:
+        text += f" over {row['calls']} calls"
     if row["gpu_reserved_gib"] is not None:
         text += f", {row['gpu_reserved_gib']:.1f} GiB"
     if row["skipped"]:

@@ -154,3 +154,14 @@ def test_a_run_resumed_in_a_later_call_records_every_calls_seconds(tmp_path):
     assert entry["seconds_all_calls"] >= 1.0 > entry["seconds"]  # the runner's own seconds: the last call's
     row = {"status": "ok", "seconds": entry["seconds_all_calls"], "calls": 2, "gpu_reserved_gib": None, "skipped": 0}
     assert _matrix_cell(row) == f"{entry['seconds_all_calls']:.0f} s over 2 calls"
+
+
+def test_a_state_file_without_calls_counts_its_attempt(tmp_path):
+    """A state file written before calls were kept: its failed attempt's seconds still count when the job finishes."""
+    fake = _setup(tmp_path, {"05": {"sleep": 0.1}}, {"05": 1})
+    (tmp_path / "state.json").write_text(json.dumps(
+        {"jobs": {"05": {"status": "failed", "exit": "timeout", "seconds": 400.0}}}))
+    done = _queue(tmp_path, fake, "run", "--jobs", "05", "--limit", "30", "--retry-failed")
+    assert done.returncode == 0, done.stdout + done.stderr
+    entry = json.loads((tmp_path / "runs" / "05" / "gpu" / "run_summary.json").read_text())["notebooks"]["05_nb"]
+    assert entry["calls"] == 2 and 400.0 < entry["seconds_all_calls"] < 410.0

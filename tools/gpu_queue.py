@@ -106,7 +106,9 @@ def _wait(processes: list[subprocess.Popen], state: dict, state_path: Path) -> N
             code = "timeout"
         process.log.close()
         seconds = round(time.monotonic() - process.began, 1)
-        earlier = state["jobs"].get(process.job, {}).get("calls") or []
+        prior = state["jobs"].get(process.job, {})  # an earlier call's attempt (a state file without calls: its one)
+        earlier = prior.get("calls") or ([{"exit": prior.get("exit"), "seconds": prior["seconds"]}]
+                                         if isinstance(prior.get("seconds"), (int, float)) else [])
         calls = [*earlier, {"exit": code, "seconds": seconds}]
         state["jobs"][process.job] = {"status": "done" if code == 0 else "failed", "exit": code, "seconds": seconds,
                                       "calls": calls}

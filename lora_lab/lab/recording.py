@@ -36,6 +36,7 @@ import math
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -401,6 +402,18 @@ def _parameters_from_notebook(notebook_path: Path | None, namespace: dict[str, A
     return values, overrides
 
 
+# Warnings a notebook's reader cannot act on, printed by libraries the notebooks import (matched by their text):
+# tqdm's notice that ipywidgets is missing (a kernel without widgets; the bars print as text), and torch's notice that
+# the first cuBLAS call of a backward pass found no CUDA context on autograd's thread and set the primary one.
+READER_NOISE = ("IProgress not found", "Attempting to run cuBLAS, but there was no current CUDA context")
+
+
+def quiet_reader_noise() -> None:
+    """Ignore the warnings of :data:`READER_NOISE` for the rest of the process (every other warning still prints)."""
+    for text in READER_NOISE:
+        warnings.filterwarnings("ignore", message=f".*{text}")
+
+
 def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, Any] | None = None, *,
               namespace: dict[str, Any] | None = None, output_directory: Path | str | None = None) -> Run:
     """Begin recording for ``notebook_stem`` (e.g. ``"05_fused_lora_kernels"``); writes the file at once.
@@ -409,10 +422,12 @@ def start_run(notebook_stem: str, profile: str = "auto", parameters: dict[str, A
     agree with it). Otherwise ``profile`` is resolved here, results go to :func:`scratch_dir` (or
     ``output_directory``), and the parameters are the names of the notebook's parameters cell with their
     values in ``namespace`` (default: the caller's globals, i.e. the notebook's). ``parameters`` gives them
-    explicitly instead (scripts, tests). Starting again replaces the previous run of this process.
+    explicitly instead (scripts, tests). Starting again replaces the previous run of this process. The warnings
+    of :data:`READER_NOISE` are ignored from here on (:func:`quiet_reader_noise`).
     """
     global _current
     _check_stem(notebook_stem)
+    quiet_reader_noise()
     context = run_context()
     root = checkout()
     notebook_path = root / "notebooks" / f"{notebook_stem}.ipynb" if root is not None else None

@@ -247,3 +247,18 @@ def test_environment_report_prints_versions_and_device(capsys):
         assert key in printed
     assert report["torch"] and str(report["device"]) in printed
     assert report["cuda_available"] == torch.cuda.is_available()
+
+
+def test_a_run_ignores_the_warnings_a_reader_cannot_act_on_and_no_other(out_dir):
+    """tqdm's missing-ipywidgets notice and torch's no-CUDA-context notice stay out of a notebook's output once its
+    run starts; any other warning, of the same categories too, still prints."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lab.start_run("01_demo", profile="cpu", parameters={})
+        warnings.warn("IProgress not found. Please update jupyter and ipywidgets.", RuntimeWarning, stacklevel=1)
+        warnings.warn("Attempting to run cuBLAS, but there was no current CUDA context! Attempting to set the primary "
+                      "context...", UserWarning, stacklevel=1)
+        warnings.warn("something the reader should see", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["something the reader should see"]

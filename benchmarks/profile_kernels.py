@@ -4,7 +4,8 @@ Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the 
 
   lora_linear   one LoRA projection at notebook 05's target cell (M = 32768, K = N = 4096, r = 16): the frozen
                 ``nn.Linear`` (``base``) and ``fused_lora_linear`` with the shipped ``KernelConfig`` (``fused``; with
-                ``--variants``, the GEMM core's forms ``fused_persistent`` and ``fused_fold`` as notebook 05 runs them)
+                ``--variants``, the GEMM core's forms ``fused_persistent`` and ``fused_fold`` and the routes
+                ``fused_pure_cublas``, ``fused_merged`` and ``fused_merged_qdb``, as ``bench_lora_linear`` runs them)
   lora_linear_8k  the same at M = 8192, where the shipped op hands the GEMMs to cuBLAS and the core's forms do not
   moe_full      the Qwen3-30B-A3B-like experts layer at T = 8192 (``--moe-shape``, ``--moe-tokens``: another
                 layer of notebook 06), full fine-tuning: ``ours`` (and, with
@@ -35,6 +36,7 @@ pays over its kernels.
 
     python benchmarks/profile_kernels.py --out DIR
     python benchmarks/profile_kernels.py --out DIR --cases moe_full --variants grouped_mm liger ours_persistent
+    python benchmarks/profile_kernels.py --out DIR --cases lora_linear --variants base fused_merged_qdb fused_merged
     TRITON_INTERPRET=1 python benchmarks/profile_kernels.py --out DIR --smoke
 """
 from __future__ import annotations
@@ -66,7 +68,10 @@ CSV = "profile_kernels.csv"
 COMPILED_CSV, PICKS_CSV = "profile_kernels_compiled.csv", "profile_kernels_picks.csv"
 GAPS_CSV = "profile_kernels_gaps.csv"
 CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora", "loss_trainable", "loss_frozen"]
-LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold"]
+# the routes of notebook 05's "other forms" beside them: every product a cuBLAS call, the merged weight (and with
+# Q and dB from one pass), where the idle gaps of a synchronised step say what the loop pays over their kernels
+LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold", "fused_pure_cublas", "fused_merged",
+                   "fused_merged_qdb"]
 MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, *OURS_KGROUPED, LIGER]
 LOSS_VARIANTS = {"ours": "lora_lab", "ours_r4096": "lora_lab_fwdgrad_r4096", LIGER: "liger",  # variant: bench_loss
                  "gemm_floor": "gemm_floor"}  # method (ours_r4096: 4,096-row chunks, frozen heads too)

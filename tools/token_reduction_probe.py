@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from lora_lab.numerics import rel_l2  # noqa: E402 - after the checkout is on the path
+
 TOKENS, WIDTHS, RANKS = (4096, 4097, 8193), (2048, 2056, 2064, 4104), (16, 64)
 SMOKE_TOKENS, SMOKE_WIDTHS, SMOKE_RANKS = (64, 65), (24,), (4,)
 PEFT_IN = 1032  # the input width of the PEFT layer (K), as in the GPU test that found the missing term
@@ -35,8 +37,11 @@ SCALING = 2.0  # lora_alpha = 2 r: exact in bf16
 METHODS = ("cublas", "cublas_fp32_out", "cublas_contiguous", "lora_lab", "peft_lora_B")
 
 
-def rel_l2(value, reference) -> float:
-    return float((value.double() - reference).norm() / reference.norm().clamp_min(1e-300))
+def references(upstream, p) -> tuple:
+    """(Σ_t upstreamᵀ p in fp64, the same without the last token's term) of bf16 ``upstream`` (M×N) and ``p``."""
+    upstream, p = upstream.double(), p.double()
+    full = upstream.t() @ p
+    return full, full - upstream[-1:].t() @ p[-1:]
 
 
 def products(torch, dy, p) -> dict:
@@ -66,10 +71,8 @@ def peft_lora_b(torch, M: int, N: int, r: int, device, dtype, seed: int = 0):
     dy = torch.randn(M, N, generator=gen, device=device).to(dtype)
     layer(x).backward(dy)
     with torch.no_grad():
-        p = layer.lora_A["default"](x).double()  # P as PEFT computed it (the same call, the same rounding)
-        upstream = (dy * SCALING).double()
-    full = upstream.t() @ p
-    return layer.lora_B["default"].weight.grad, full, full - upstream[-1:].t() @ p[-1:]
+        p = layer.lora_A["default"](x)  # P as PEFT computed it (the same call, the same rounding)
+    return (layer.lora_B["default"].weight.grad, *references(dy * SCALING, p))
 
 
 def probe_cell(torch, M: int, N: int, r: int, device, dtype, seed: int = 0) -> dict:
@@ -77,8 +80,7 @@ def probe_cell(torch, M: int, N: int, r: int, device, dtype, seed: int = 0) -> d
     gen = torch.Generator(device=device).manual_seed(seed)
     dy = torch.randn(M, N, generator=gen, device=device).to(dtype)
     p = (torch.randn(M, r, generator=gen, device=device) * 0.1).to(dtype)
-    full = dy.double().t() @ p.double()
-    without_last = full - dy[-1:].double().t() @ p[-1:].double()
+    full, without_last = references(dy, p)
     out = {name: (rel_l2(value, full), rel_l2(value, without_last))
            for name, value in products(torch, dy, p).items()}
     grad, reference, reference_without_last = peft_lora_b(torch, M, N, r, device, dtype, seed)

@@ -182,10 +182,8 @@ def _wide_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     depth, head = a.shape[1], _reduction_head(a)
     if head == depth:
         return _mm_fp32_out(a, b)
-    out = _mm_fp32_out(a[:, :head], b[:head]) if head else None
-    out = out.float() if out is not None else torch.zeros((a.shape[0], b.shape[1]), device=a.device,
-                                                           dtype=torch.float32)
-    return out.addmm_(a[:, head:].float(), b[head:].float())
+    tail = a[:, head:].float() @ b[head:].float()
+    return tail.add_(_mm_fp32_out(a[:, :head], b[:head])) if head else tail
 
 
 def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -115,14 +115,17 @@ ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS, *GRAPH
 # --variants routes: the big GEMMs by cuBLAS and the graphed steps, beside the frozen layer (graphed too)
 ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "base_graphed", "fused_graphed",
           "fused_cublas_base_graphed"]
-# what notebook 05 times: base, PEFT and ours as shipped, the routes, QuACK's route (skipped rows naming why
-# where it cannot run) and the widened reduction. The forms docs/changelog.md keeps as tried and dropped
-# (fused_persistent, fused_fold, fused_torch_rank: their predictions were graded by earlier runs) run only when
-# --variants names them, which keeps the notebook's GPU run inside one call
+# what notebook 05 times: base, PEFT and ours as shipped, every GEMM by cuBLAS, the graphed step, QuACK's route
+# (skipped rows naming why where it cannot run) and the merged weight. The forms docs/changelog.md keeps as tried
+# and slower (fused_persistent, fused_fold, fused_torch_rank; the big GEMMs by cuBLAS onto a Triton rank-r term,
+# fused_cublas_base*; the widened reduction, fused_wide*: their predictions were graded by earlier runs) run only
+# when --variants names them (``routes``, ``wide``), which keeps the notebook's GPU run short
+DROPPED_FROM_DEFAULT = ("fused_cublas_base", "fused_cublas_base_qdb", "fused_cublas_base_graphed", "fused_wide",
+                        "fused_wide_graphed")
 DEFAULT_VARIANTS = [v for v in ALL_VARIANTS
                     if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_qdb", "fused_quack_graphed",
-                             "fused_wide", "fused_wide_graphed", "fused_merged", "fused_merged_qdb",
-                             "fused_merged_graphed")]
+                             "fused_merged", "fused_merged_qdb", "fused_merged_graphed")
+                    and v not in DROPPED_FROM_DEFAULT]
 # --variants quack: the QuACK epilogue route beside the best cuBLAS route, each also as CUDA graphs
 QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "fused_quack_qdb", "base_graphed", "fused_pure_cublas_graphed",
                 "fused_quack_graphed"]

@@ -40,19 +40,24 @@ def test_the_routes_command_line_parses(bench):
 
 
 def test_the_default_run_times_what_notebook_05_grades_and_no_more(bench):
-    """The notebook passes no --variants: its default run must time every variant whose predictions await a run
-    (the routes and their references, QuACK's route), leave out the forms the changelog keeps as dropped (the
-    persistent GEMM core, P / Q folded into it, the rank-r passes by cuBLAS around the Triton GEMMs: graded by
-    earlier runs), and skip the do_bench column (read by no metric)."""
+    """The notebook passes no --variants: its default run must time the shipped op against its references, the
+    routes that are still contenders (every GEMM by cuBLAS, the graphed step, QuACK's route, the merged weight) and
+    their references, and leave out the forms the changelog keeps as tried and slower (the persistent GEMM core, P / Q
+    folded into it, the rank-r passes by cuBLAS around the Triton GEMMs, the big GEMMs by cuBLAS onto a Triton rank-r
+    term, the widened reduction: graded by earlier runs, timed on request), and skip the do_bench column."""
     args = bench.parse_args(["--out", "o"])
-    routes = {v for v in fused_lora_kernels.ROUTE_VARIANTS if v in bench.ROUTES}  # the --variants routes preset
-    assert {"fused_cublas_base", "fused_graphed"} <= routes  # p05-cublas-base-target, p05-graphed-host-ms
-    references = {fused_lora_kernels.ROUTE_VARIANTS[v] for v in routes}
-    assert routes | references | {"base", "peft", "fused"} <= set(args.variants)
-    assert not {"fused_persistent", "fused_fold", "fused_torch_rank"} & set(args.variants)
-    assert set(fused_lora_kernels.QUACK_VARIANTS) <= set(args.variants)  # the QuACK route's predictions
-    assert set(fused_lora_kernels.WIDE_VARIANTS) <= set(args.variants)  # the widened route's
-    assert set(fused_lora_kernels.MERGED_VARIANTS) <= set(args.variants)  # the merged weight's
+    timed = set(args.variants)
+    kept = {"fused_pure_cublas", "fused_graphed"}  # p05-merged-route-all-cublas, p05-graphed-host-ms
+    for routes in (kept, fused_lora_kernels.QUACK_VARIANTS, fused_lora_kernels.MERGED_VARIANTS):
+        references = {fused_lora_kernels.ROUTE_VARIANTS.get(v) or fused_lora_kernels.QUACK_VARIANTS.get(v)
+                      or fused_lora_kernels.MERGED_VARIANTS[v] for v in routes}
+        assert set(routes) | references | {"base", "peft", "fused"} <= timed
+    assert not {"fused_persistent", "fused_fold", "fused_torch_rank"} & timed
+    assert not set(bench.DROPPED_FROM_DEFAULT) & timed
+    dropped = set(bench.DROPPED_FROM_DEFAULT)
+    assert dropped == set(fused_lora_kernels.WIDE_VARIANTS) | {v for v in fused_lora_kernels.ROUTE_VARIANTS
+                                                               if v.startswith("fused_cublas_base")}
+    assert dropped <= set(bench.ROUTES) | set(bench.WIDE_ROUTES)  # each still timed on request
     assert args.back_to_back is False
     assert args.calls == bench.LOOP[False]["calls"] == 6
 

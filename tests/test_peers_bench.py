@@ -188,12 +188,15 @@ def test_ops_puts_what_a_dsl_sites_pth_files_add_on_its_path(tmp_path):
 
 def test_warm_runs_each_installed_dsl_peer_once_under_its_limit_with_quacks_caches_kept(tmp_path):
     """`warm`: one repetition of each installed CUTLASS-DSL peer's op, QuACK's caches pointed at a folder that
-    outlives the call; warm.txt records each one's exit status and seconds, and a peer not installed by name."""
+    outlives the call and its autotuning printed into warm_<peer>.log; warm.txt records each one's exit status and
+    seconds, and a peer not installed by name."""
     (tmp_path / "site-sonicmoe").mkdir()  # installed; site-quack is not
     calls = tmp_path / "calls.txt"
     fake = tmp_path / "python"
     fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
-                    f'echo "CACHE=$QUACK_CACHE_DIR TUNE=$QUACK_CACHE_AUTOTUNING ARGS=$*" >> {calls}\nexit 3\n')
+                    'echo "CACHE=$QUACK_CACHE_DIR TUNE=$QUACK_CACHE_AUTOTUNING PRINT=$QUACK_PRINT_AUTOTUNING ARGS=$*"'
+                    f' >> {calls}\n'
+                    'echo "Autotuning kernel gemm"\nexit 3\n')
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("QUACK_")}
     done = subprocess.run(["bash", str(SCRIPT), "warm"], cwd=tmp_path, capture_output=True, text=True,
@@ -201,9 +204,11 @@ def test_warm_runs_each_installed_dsl_peer_once_under_its_limit_with_quacks_cach
                                "PY": str(fake), "WARM_S": "30"})
     assert done.returncode == 0, done.stderr
     (line,) = calls.read_text().splitlines()
-    assert line.startswith("CACHE=/tmp/quack-cache TUNE=1 ARGS=benchmarks/bench_peers.py")
+    assert line.startswith("CACHE=/tmp/quack-cache TUNE=1 PRINT=1 ARGS=-X faulthandler benchmarks/bench_peers.py")
     assert f"--out {tmp_path}/res/warm_sonicmoe --peers sonicmoe --ops moe_full" in line
     assert line.endswith("--moe-shapes qwen3_30b_a3b --repetitions 1")
+    assert (tmp_path / "res" / "warm_sonicmoe.log").read_text() == "Autotuning kernel gemm\n"
+    assert "Autotuning kernel gemm" in done.stdout
     warm = (tmp_path / "res" / "warm.txt").read_text().splitlines()
     assert warm[0].startswith("warm sonicmoe: exit 3 after ") and warm[0].endswith(" s (limit 30 s)")
     assert warm[1] == f"warm quack: {tmp_path}/site-quack not installed (peers_bench.sh sites)"

@@ -159,9 +159,15 @@ print(' '.join(p for p in peers.PEERS if p != 'unsloth'))")
       fi
       extra=(); [ $peer = sonicmoe ] && extra=(--moe-shapes qwen3_30b_a3b)
       started=$(date +%s)
-      PYTHONPATH=$PWD:$(site_path "$SITE-$peer") timeout "${WARM_S:-500}" $PY benchmarks/bench_peers.py \
-        --out "$RES/warm_$peer" --peers $peer --ops $op "${extra[@]}" --repetitions 1 2>&1 | tail -20
-      status=${PIPESTATUS[0]}
+      # QuACK prints each candidate's compile and time (QUACK_PRINT_AUTOTUNING=1) into warm_<peer>.log: where a first
+      # call outlasts its limit, the log says whether candidates were still being compiled or timed.
+      # QUACK_COMPILE_WORKERS=1 (set it to try) compiles them in this process instead of quack-kernels 0.4.1's pool of
+      # worker processes, which waits on each worker without a time limit
+      PYTHONPATH=$PWD:$(site_path "$SITE-$peer") QUACK_PRINT_AUTOTUNING=${QUACK_PRINT_AUTOTUNING:-1} \
+        timeout "${WARM_S:-500}" $PY -X faulthandler benchmarks/bench_peers.py --out "$RES/warm_$peer" --peers $peer \
+        --ops $op "${extra[@]}" --repetitions 1 > "$RES/warm_$peer.log" 2>&1
+      status=$?
+      tail -20 "$RES/warm_$peer.log"
       echo "warm $peer: exit $status after $(( $(date +%s) - started )) s (limit ${WARM_S:-500} s)" \
         | tee -a "$RES/warm.txt"
     done ;;

@@ -172,8 +172,10 @@ QUACK_VARIANTS = {"fused_quack": "base", "fused_quack_qdb": "base", "fused_quack
 # measured like the routes in every cell, kept out of the routes' best-of figure (registered before it existed)
 WIDE_VARIANTS = {"fused_wide": "base", "fused_wide_graphed": "base_graphed"}
 # the frozen layer's cuBLAS GEMMs on W + s·B A merged per call (kernels/lora/merged): rank-r products by cuBLAS, or Q
-# and dB in one Triton pass; ungraphed and graphed: measured like the routes, kept out of their best-of figure
-MERGED_VARIANTS = {"fused_merged": "base", "fused_merged_qdb": "base", "fused_merged_graphed": "base_graphed"}
+# and dB in one Triton pass; ungraphed, graphed, and with the rank-r passes on a side stream beside the GEMMs
+# (overlap="on"): measured like the routes, kept out of their best-of figure
+MERGED_VARIANTS = {"fused_merged": "base", "fused_merged_qdb": "base", "fused_merged_graphed": "base_graphed",
+                   "fused_merged_overlap": "base", "fused_merged_qdb_overlap": "base"}
 
 
 def _rows(path: Path, allow_smoke: bool) -> list[dict]:

@@ -33,8 +33,9 @@ field              variable                meaning
                                            on W + s·B A, merged per call and never kept,
                                            :mod:`lora_lab.kernels.lora.merged`; no
                                            dropout), ``auto``: each op's default
-``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM: ``on``,
-                                           ``off``, ``auto`` (each op's default)
+``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM (on the
+                                           merged route also P next to the forward GEMM, Q beside dX's):
+                                           ``on``, ``off``, ``auto`` (each op's default)
 ``gemm_loads``     ``LORA_LAB_GEMM``       how the Triton GEMM reads its operands: ``tma``, ``pointer``,
                                            ``auto`` (TMA when the layout allows it); ``persistent``: TMA
                                            in a persistent kernel (one program per SM walking the tiles;

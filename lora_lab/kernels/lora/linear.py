@@ -27,6 +27,8 @@ and :class:`lora_lab.kernels.KernelConfig` holds every setting.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from lora_lab.dtypes import addmm_fp32_out_works
@@ -193,6 +195,11 @@ def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b)
 
 
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)``, or a context that changes nothing when ``stream`` is None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
 # ----------------------------------------------------------------------------------------------
 # The autograd Function.
 # ----------------------------------------------------------------------------------------------
@@ -232,15 +239,23 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             lora_gemm(y, [(x2, weight.t())], rt=b.t(), bias=bias, project=(a.t(), scaling, p), config=config)
         else:
             merged_gemm = _merged_route(config, dropout_p)
+            # with overlap on, the merged route's P pass (memory-bound) runs on a side stream beside its GEMM
+            side = side_stream(x.device, config) if merged_gemm else None
+            if side is not None:
+                main = torch.cuda.current_stream(x.device)
+                side.wait_stream(main)
             if merged_gemm:
                 # Y = X (W + s·B A)ᵀ + b: the frozen layer's GEMM on a weight merged for this call. Launched before
                 # P, which Y does not need: the host then prepares P's pass while the GEMM runs
                 y = merged.forward_gemm(x2, weight, bias, a, b, scaling, _merge_engine(config, dropout_p))
             # P = s · drop(X) Aᵀ          (M×r)
-            if _torch_rank_ops(config, dropout_p):
-                p = _scaled_mm(x2, a.t(), scaling)
-            else:
-                p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
+            with _on_stream(side):
+                if _torch_rank_ops(config, dropout_p):
+                    p = _scaled_mm(x2, a.t(), scaling)
+                else:
+                    p = rank_projection(x2, a.t(), scaling, dropout_p=dropout_p, seed=seed, tune=config.autotune)
+            if side is not None:
+                join_side_stream(side, main, p)
             if merged_gemm:
                 pass  # Y is done
             elif base_gemm_engine(config) == "cublas":
@@ -318,77 +333,84 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 db = _wide_mm(p.t(), dy2).t().to(b_dtype)
             return dx, dw, dbias, da, db, None, None, None, None
 
-        merged_dx = None
+        merged_dx = merged_side = None
         if need_x and ctx.dropout_p == 0.0 and config.base_gemm == "merged":
             # dX = dY (W + s·B A), the weight merged again (never kept between forward and backward). It needs no Q,
             # so it is launched first and the rank-r passes below, for dA and dB alone, are prepared while it runs
+            # (with overlap on, they run on a side stream beside it: memory-bound passes next to a compute-bound GEMM)
+            merged_side = side_stream(dy2.device, config) if (need_a or need_lb) else None
+            if merged_side is not None:
+                main = torch.cuda.current_stream(dy2.device)
+                merged_side.wait_stream(main)
             merged_dx = merged.input_grad_gemm(dy2, weight, a, b, ctx.scaling,
                                                _merge_engine(config, ctx.dropout_p)).reshape(ctx.x_shape)
             need_x = False
-
-        # Q = s · dY B               (M×r)
-        fold = need_x and _folds(config, ctx.dropout_p, a.shape[0])
-        fused_q_db = need_lb and b.shape[1] <= 128 and config.fuse_q_db and not fold
-        if fold:
-            # Q inside the dX GEMM's K loop (over N: the dY tiles it loads anyway); dA and dB wait for it
-            q = torch.empty((dy2.shape[0], a.shape[0]), device=dy2.device, dtype=cdt)
-            dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
-            lora_gemm(dx, [(dy2, weight)], rt=a, project=(b, ctx.scaling, q), config=config)
-            dx = dx.reshape(ctx.x_shape)
-        elif fused_q_db:  # experimental: Q and dB in one pass over dY (atomic, non-deterministic dB)
-            q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
-            db = dbt.t().to(b_dtype)
-        elif _torch_rank_ops(config, ctx.dropout_p):
-            q = _scaled_mm(dy2, b, ctx.scaling) if (need_x or need_a) else None
-        else:
-            q = rank_projection(dy2, b, ctx.scaling, tune=config.autotune) if (need_x or need_a) else None
-
-        def low_rank_grads():
-            grads = [None, db if fused_q_db else None]
-            if _torch_rank_ops(config, ctx.dropout_p):  # cuBLAS, fp32 results where the build allows
-                if need_lb and not fused_q_db:
-                    grads[1] = _wide_mm(dy2.t(), p).to(b_dtype)  # dB = dYᵀ P
-                if need_a:
-                    grads[0] = _wide_mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
-                return grads
-            if need_lb and not fused_q_db:
-                # dB = dYᵀ P = (Pᵀ dY)ᵀ    (N×r)
-                grads[1] = rank_reduction(p, dy2, tune=config.autotune).t().to(b_dtype)
-            if need_a:
-                # dA = Qᵀ drop(X)          (r×K, mask regenerated from the seed)
-                grads[0] = rank_reduction(q, x2, ctx.dropout_p, ctx.seed, tune=config.autotune).to(a_dtype)
-            return grads
-
-        def input_grad():
-            # dX = dY W + (Q A) ⊙ keep/(1-p)
-            out = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
-            if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
-                # dX = Q A (one write: Triton, or cuBLAS with rank_ops="torch"), then dX += dY W (cuBLAS, β = 1)
-                if _torch_rank_ops(config, ctx.dropout_p):
-                    _low_rank_fill(out, q, a)
-                else:
-                    lora_gemm(out, [(q, a)], config=config)
-                out.addmm_(dy2, weight)
+        with _on_stream(merged_side):  # every rank-r pass below, on the merged route's side stream if any
+            # Q = s · dY B               (M×r)
+            fold = need_x and _folds(config, ctx.dropout_p, a.shape[0])
+            fused_q_db = need_lb and b.shape[1] <= 128 and config.fuse_q_db and not fold
+            if fold:
+                # Q inside the dX GEMM's K loop (over N: the dY tiles it loads anyway); dA and dB wait for it
+                q = torch.empty((dy2.shape[0], a.shape[0]), device=dy2.device, dtype=cdt)
+                dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
+                lora_gemm(dx, [(dy2, weight)], rt=a, project=(b, ctx.scaling, q), config=config)
+                dx = dx.reshape(ctx.x_shape)
+            elif fused_q_db:  # experimental: Q and dB in one pass over dY (atomic, non-deterministic dB)
+                q, dbt = q_and_db(dy2, b, p, ctx.scaling, tune=config.autotune)
+                db = dbt.t().to(b_dtype)
+            elif _torch_rank_ops(config, ctx.dropout_p):
+                q = _scaled_mm(dy2, b, ctx.scaling) if (need_x or need_a) else None
             else:
-                lora_gemm(out, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed, config=config)
-            return out.reshape(ctx.x_shape)
+                q = rank_projection(dy2, b, ctx.scaling, tune=config.autotune) if (need_x or need_a) else None
 
-        # dA and dB only read memory; the dX GEMM is compute-bound: optionally run them side by side
-        side = side_stream(dy2.device, config) if need_x and (need_a or need_lb) and not fold else None
-        if side is not None:
-            main = torch.cuda.current_stream(dy2.device)
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
+            def low_rank_grads():
+                grads = [None, db if fused_q_db else None]
+                if _torch_rank_ops(config, ctx.dropout_p):  # cuBLAS, fp32 results where the build allows
+                    if need_lb and not fused_q_db:
+                        grads[1] = _wide_mm(dy2.t(), p).to(b_dtype)  # dB = dYᵀ P
+                    if need_a:
+                        grads[0] = _wide_mm(q.t(), x2).to(a_dtype)  # dA = Qᵀ X
+                    return grads
+                if need_lb and not fused_q_db:
+                    # dB = dYᵀ P = (Pᵀ dY)ᵀ    (N×r)
+                    grads[1] = rank_reduction(p, dy2, tune=config.autotune).t().to(b_dtype)
+                if need_a:
+                    # dA = Qᵀ drop(X)          (r×K, mask regenerated from the seed)
+                    grads[0] = rank_reduction(q, x2, ctx.dropout_p, ctx.seed, tune=config.autotune).to(a_dtype)
+                return grads
+
+            def input_grad():
+                # dX = dY W + (Q A) ⊙ keep/(1-p)
+                out = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)
+                if ctx.dropout_p == 0.0 and base_gemm_engine(config) == "cublas":
+                    # dX = Q A (one write: Triton, or cuBLAS with rank_ops="torch"), then dX += dY W (cuBLAS, β = 1)
+                    if _torch_rank_ops(config, ctx.dropout_p):
+                        _low_rank_fill(out, q, a)
+                    else:
+                        lora_gemm(out, [(q, a)], config=config)
+                    out.addmm_(dy2, weight)
+                else:
+                    lora_gemm(out, [(dy2, weight)], low=q, rt=a, dropout_p=ctx.dropout_p, seed=ctx.seed, config=config)
+                return out.reshape(ctx.x_shape)
+
+            # dA and dB only read memory; the dX GEMM is compute-bound: optionally run them side by side
+            side = side_stream(dy2.device, config) if need_x and (need_a or need_lb) and not fold else None
+            if side is not None:
+                main = torch.cuda.current_stream(dy2.device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    da, db = low_rank_grads()
+                dx = input_grad()
+                join_side_stream(side, main, da, db)
+            elif need_x and not fold:
+                # one stream: the dX GEMM is launched first, right after Q, so the host time of the dA / dB launches
+                # is spent while it runs instead of in front of it (the GPU would idle while the host prepares them)
+                dx = input_grad()
                 da, db = low_rank_grads()
-            dx = input_grad()
-            join_side_stream(side, main, da, db)
-        elif need_x and not fold:
-            # one stream: the dX GEMM is launched first, right after Q, so the host time of the dA / dB launches
-            # is spent while it runs instead of in front of it (the GPU would idle while the host prepares them)
-            dx = input_grad()
-            da, db = low_rank_grads()
-        else:
-            da, db = low_rank_grads()
+            else:
+                da, db = low_rank_grads()
+        if merged_side is not None:
+            join_side_stream(merged_side, main, da, db)
         return dx if merged_dx is None else merged_dx, dw, dbias, da, db, None, None, None, None
 
 

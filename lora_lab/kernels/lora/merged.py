@@ -25,7 +25,9 @@ The merge is a rank-r product like P, Q, dA and dB, and ``rank_ops`` picks its e
 
 Order: Y needs no P and dX no Q, so each big GEMM is launched first and the host prepares the rank-r passes while
 it runs. Measured on an H100 it is the fastest of the ungraphed routes at 32k × 4096², r 16, and still about a
-fifth above the frozen layer (docs/changelog.md).
+fifth above the frozen layer (docs/changelog.md). With ``overlap="on"`` the passes run on a side stream (P beside
+Y's GEMM; Q, dB and dA beside dX's), so the GPU may run the memory-bound passes next to the compute-bound GEMM
+instead of after it.
 """
 from __future__ import annotations
 

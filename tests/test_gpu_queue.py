@@ -118,22 +118,22 @@ def test_bad_arguments_name_the_problem(tmp_path):
 
 
 def test_the_notebooks_that_time_something_are_the_ones_run_alone():
-    """A notebook that starts a benchmark or times in processes of its own must not share the GPU: gpu_queue's
-    TIMING lists exactly those of notebooks/."""
+    """A notebook that starts a benchmark or times in processes of its own must not share the GPU, nor one that
+    needs every GPU: the notebooks run side by side (lora_lab.lab.runner.SHARES_THE_GPU, which gpu_queue and
+    `lora-lab run --parallel` read) are exactly the others of notebooks/."""
     import re
 
-    sys.path.insert(0, str(ROOT / "tools"))
-    try:
-        import gpu_queue
-    finally:
-        sys.path.pop(0)
-    timing = set()
+    from lora_lab.lab.notebooks import required_gpus
+    from lora_lab.lab.runner import SHARES_THE_GPU
+
+    shares = set()
     for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
         cells = json.loads(path.read_text())["cells"]
         code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
-        if re.search(r"benchmarks|bench_\w+\.py|repeat_in_processes|run_script_sessions|loop_ms", code):
-            timing.add(path.name[:2])
-    assert timing == gpu_queue.TIMING
+        timing = re.search(r"benchmarks|bench_\w+\.py|repeat_in_processes|run_script_sessions|loop_ms", code)
+        if not timing and required_gpus(path) <= 1:
+            shares.add(path.name[:2])
+    assert shares == SHARES_THE_GPU
 
 
 def test_a_run_resumed_in_a_later_call_records_every_calls_seconds(tmp_path):

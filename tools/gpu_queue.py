@@ -2,9 +2,9 @@
 
 A host lent for a few minutes per call cannot run every notebook in one. Each call runs what fits in its time:
 
-* the notebooks that time something (05, 06, 07, 09, 10) run alone on the GPU, one after another, so their timings
-  share the GPU with nothing;
-* the others (01-04) run side by side, up to ``--parallel`` at once;
+* the notebooks that time nothing (``lora_lab.lab.runner.SHARES_THE_GPU``: 01-04) run side by side, up to
+  ``--parallel`` at once, as ``lora-lab run --parallel`` runs them;
+* every other one runs alone on the GPU, one after another, so its timings share the GPU with nothing;
 * a notebook runs only if its expected time fits what is left of ``--limit`` (expected: its last published run's
   wall time from ``outputs/<profile>/run_summary.json``, or the gpu profile's, times ``--margin``, plus ``--slack``;
   ``--default`` seconds when it has none; ``--expect NN=S`` sets it), else it waits for the next call; a smaller one
@@ -32,7 +32,8 @@ import sys
 import time
 from pathlib import Path
 
-TIMING = {"05", "06", "07", "09", "10"}  # notebooks whose figures are timings: alone on the GPU
+from lora_lab.lab.runner import SHARES_THE_GPU  # the notebooks that time nothing: side by side
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -149,10 +150,10 @@ def run(args) -> int:
                   "with all of them", flush=True)
         elif not fits:
             break
-        elif fits[0] in TIMING:
+        elif fits[0] not in SHARES_THE_GPU:  # it times something (or needs every GPU): alone
             batch = [fits[0]]
         else:  # the non-timing notebooks that fit, side by side
-            batch = [j for j in fits if j not in TIMING][:args.parallel]
+            batch = [j for j in fits if j in SHARES_THE_GPU][:args.parallel]
         ran = True
         print(f"running {', '.join(batch)} (expected {max(expect[j] for j in batch):.0f} s, {left:.0f} s left)",
               flush=True)

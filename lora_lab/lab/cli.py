@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--cell-timeout", type=float, default=None,
                      help="seconds a single cell may run (default: no limit)")
     run.add_argument("--no-progress", action="store_true", help="no progress bars (also: TQDM_DISABLE=1)")
+    run.add_argument("--parallel", type=int, default=1, metavar="N",
+                     help="run up to N of the notebooks that time nothing (01-04) side by side, each in its own "
+                          "kernel; every other notebook runs alone (default 1: one after another)")
     run.add_argument("--notebooks-dir", type=Path, default=None, help="notebooks folder (default: <repo>/notebooks)")
     run.add_argument("--outputs-dir", type=Path, default=None,
                      help="runs root; results go to <it>/<profile>/ (default: <repo>/build/runs)")
@@ -226,6 +229,7 @@ def command_run(args: argparse.Namespace) -> int:
             outputs_root=args.outputs_dir or repo_root() / DEFAULT_RUNS_DIR,
             cell_timeout=args.cell_timeout,
             disable_progress=True if args.no_progress else None,
+            parallel=args.parallel,
         )
     except (RunnerError, RuntimeError, ValueError) as error:
         print(f"error: {error}\nnothing was run.", file=sys.stderr)

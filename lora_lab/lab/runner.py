@@ -18,7 +18,11 @@ For each selected ``notebooks/NN_name.ipynb`` the runner
   executes the notebook into ``<outputs>/<profile>/<stem>.ipynb``;
 - on failure reports the notebook, the failing cell (index in the source notebook, counting from 0) and
   the exception, marks its metrics ``failed``, and goes on with the next notebook; on Ctrl-C marks the one
-  running ``interrupted``, says so in one line and stops.
+  running ``interrupted``, says so in one line and stops;
+- with ``parallel`` above 1 (``lora-lab run --parallel N``; ``make run`` passes 4 on the gpu profiles) runs
+  consecutive notebooks of :data:`SHARES_THE_GPU`, which time nothing, up to N at once, each in its own kernel;
+  every other notebook runs alone, so its timings share the GPU with nothing (and under a memory cap every one does:
+  the cap stands for one card's memory). Ctrl-C interrupts every kernel of the group.
 
 The default output root is ``build/runs`` (scratch, ignored by git): ``lora-lab publish`` is the only way
 results reach the committed ``outputs/`` and ``notebooks/``. ``<outputs>/<profile>/run_summary.json``
@@ -33,9 +37,12 @@ import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,9 +82,15 @@ __all__ = [
     "select_notebooks",
     "gpus_available",
     "skip_reason",
+    "SHARES_THE_GPU",
+    "side_by_side_allowed",
+    "side_by_side_groups",
 ]
 
 DEFAULT_RUNS_DIR = Path("build") / "runs"
+# notebooks whose verdicts are numerics, memory (each process's own peak) and counts, never a time: run side by side
+# under --parallel. A notebook not listed runs alone
+SHARES_THE_GPU = frozenset({"01", "02", "03", "04"})
 KERNEL_NAME = "python3"
 RUN_SUMMARY_NAME = "run_summary.json"
 EXIT_INTERRUPTED = 130
@@ -306,6 +319,13 @@ def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), 
     from jupyter_client.manager import AsyncKernelManager
 
     class ContextKernelManager(AsyncKernelManager):
+        async def _async_launch_kernel(self, kernel_cmd, **kw):
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+            pid = getattr(getattr(self, "provisioner", None), "pid", None)
+            if pid is not None:
+                with _LIVE_KERNELS_LOCK:
+                    _LIVE_KERNELS.add(pid)
+
         async def _async_pre_start_kernel(self, **kw):
             env = dict(kw.get("env") or os.environ)
             for name in unset:
@@ -317,6 +337,45 @@ def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), 
             return await super()._async_pre_start_kernel(**kw)
 
     return ContextKernelManager
+
+
+_LIVE_KERNELS: set[int] = set()  # the process ids of the kernels this process started (a group's, for Ctrl-C)
+_LIVE_KERNELS_LOCK = threading.Lock()
+
+
+def interrupt_kernels() -> None:
+    """SIGINT to every kernel this process started that still runs: the cell running in each ends in
+    KeyboardInterrupt, and its notebook is recorded as interrupted. Kernels run in sessions of their own, so a
+    terminal's Ctrl-C reaches only this process; in a side-by-side group the notebooks run in other threads."""
+    with _LIVE_KERNELS_LOCK:
+        pids = sorted(_LIVE_KERNELS)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGINT)
+        except (ProcessLookupError, PermissionError):
+            with _LIVE_KERNELS_LOCK:
+                _LIVE_KERNELS.discard(pid)
+
+
+def side_by_side_allowed(profile: str, parallel: int) -> int:
+    """How many notebooks may run at once on ``profile``: ``parallel``, or 1 under a memory cap (it stands for one
+    card's memory, which processes side by side would share)."""
+    return 1 if get_profile(profile).memory_cap_gib is not None else parallel
+
+
+def side_by_side_groups(notebooks: list[Path], parallel: int, alone: set[Path] | None = None) -> list[list[Path]]:
+    """``notebooks`` in order, cut into what runs at once: consecutive notebooks of :data:`SHARES_THE_GPU` together,
+    up to ``parallel`` in a group, every other one (and each in ``alone``) in a group of its own."""
+    groups: list[list[Path]] = []
+    previous_shares = False
+    for path in notebooks:
+        shares = parallel > 1 and path.stem[:2] in SHARES_THE_GPU and path not in (alone or set())
+        if shares and previous_shares and len(groups[-1]) < parallel:
+            groups[-1].append(path)
+        else:
+            groups.append([path])
+        previous_shares = shares
+    return groups
 
 
 def progress_disabled(explicit: bool | None = None) -> bool:
@@ -498,6 +557,24 @@ def run_notebook(
     )
 
 
+def _run_side_by_side(plans: list[NotebookPlan], profile: str, output_dir: Path,
+                      cell_timeout: float | None) -> list[NotebookResult]:
+    """:func:`run_notebook` for each plan at once, each in a thread of its own (its kernel a process of its own);
+    the results in the plans' order. Ctrl-C (here, in the main thread) interrupts every kernel, and each notebook
+    ends recorded as interrupted."""
+    with ThreadPoolExecutor(max_workers=len(plans), thread_name_prefix="notebook") as pool:
+        futures = [pool.submit(run_notebook, plan, profile, output_dir, cell_timeout, False) for plan in plans]
+        results = []
+        for future in futures:
+            while True:
+                try:
+                    results.append(future.result())
+                    break
+                except KeyboardInterrupt:
+                    interrupt_kernels()  # and wait for the notebooks to record it
+    return results
+
+
 def update_run_summary(output_dir: Path, profile: str, results: list[NotebookResult]) -> Path:
     """Merge this batch's results into ``run_summary.json`` (other notebooks' entries are kept)."""
     path = output_dir / RUN_SUMMARY_NAME
@@ -524,14 +601,18 @@ def run(
     cell_timeout: float | None = None,
     disable_progress: bool | None = None,
     stream=None,
+    parallel: int = 1,
 ) -> int:
     """Run the selected notebooks; print a report; return 0 if all succeeded, 1 if one failed, 130 on Ctrl-C.
 
+    ``parallel``: up to this many notebooks of :data:`SHARES_THE_GPU` side by side (1: one after another).
     Selection and parameter problems raise RunnerError before anything runs.
     """
     from tqdm.auto import tqdm
 
     stream = stream or sys.stdout
+    if not isinstance(parallel, int) or parallel < 1:
+        raise RunnerError(f"parallel must be a whole number of notebooks, 1 or more; got {parallel!r}")
     cell_timeout = check_cell_timeout(cell_timeout)
     resolved = resolve_profile(profile)
     try:
@@ -548,9 +629,33 @@ def run(
     check_writable(output_dir, "--outputs-dir")
     disabled = progress_disabled(disable_progress)
     print(f"running {len(notebooks)} notebook(s) on profile {resolved} into {output_dir}", file=stream)
+    allowed = side_by_side_allowed(resolved, parallel)
+    if allowed < parallel:
+        print(f"one notebook at a time: side by side, each process could hold the "
+              f"{get_profile(resolved).memory_cap_gib:g} GiB the card has", file=stream)
+    parallel = allowed
     results: list[NotebookResult] = []
-    bar = tqdm(notebooks, desc="notebooks", unit="nb", disable=disabled, file=sys.stderr)
-    for path in bar:
+    bar = tqdm(total=len(notebooks), desc="notebooks", unit="nb", disable=disabled, file=sys.stderr)
+    for group in side_by_side_groups(notebooks, parallel, alone=set(skipped)):
+        if len(group) > 1:
+            bar.set_postfix_str(" + ".join(path.stem[:2] for path in group))
+            tqdm.write(f"side by side: {', '.join(path.stem for path in group)}", file=stream)
+            group_results = _run_side_by_side([plans[path] for path in group], resolved, output_dir, cell_timeout)
+            results.extend(group_results)
+            update_run_summary(output_dir, resolved, results)
+            bar.update(len(group))
+            for result in group_results:
+                if result.status == "failed":
+                    tqdm.write(f"FAILED {result.notebook}.ipynb: {result.error_text()}", file=stream)
+            stopped = [result.notebook for result in group_results if result.status == "interrupted"]
+            if stopped:
+                bar.close()
+                quiet_orphaned_kernel_tasks()
+                print(f"interrupted: {', '.join(stopped)} stopped and recorded as interrupted; the notebooks after "
+                      f"them did not run", file=stream)
+                return EXIT_INTERRUPTED
+            continue
+        (path,) = group
         bar.set_postfix_str(path.stem)
         if path in skipped:
             # a result from an earlier run elsewhere must not be graded as this run's
@@ -561,10 +666,12 @@ def run(
             results.append(result)
             update_run_summary(output_dir, resolved, results)
             tqdm.write(f"SKIPPED {path.name}: {skipped[path]}", file=stream)
+            bar.update(1)
             continue
         result = run_notebook(plans[path], resolved, output_dir, cell_timeout, show_cell_progress=not disabled)
         results.append(result)
         update_run_summary(output_dir, resolved, results)
+        bar.update(1)
         if result.status == "failed":
             tqdm.write(f"FAILED {path.name}: {result.error_text()}", file=stream)
         if result.status == "interrupted":

@@ -591,3 +591,97 @@ def test_moe_notebook_rules_name_bad_shapes_and_budgets():
     assert parameter_problem("BUDGET_S", 120) is None and parameter_problem("BUDGET_S", (260, 60)) is None
     assert "seconds > 0" in parameter_problem("BUDGET_S", 0)
     assert parameter_problem("BUDGET_S", (120, -1)) is not None and parameter_problem("BUDGET_S", True) is not None
+
+
+def _sleeping_notebook(folder: Path, stem: str, seconds: float, record_first: bool = True) -> None:
+    params = nbformat.v4.new_code_cell('PROFILE = "auto"')
+    params.metadata["tags"] = ["parameters"]
+    cells = [params, nbformat.v4.new_code_cell(f"import time\nfrom lora_lab import lab\n"
+                                               f"run = lab.start_run({stem!r}, PROFILE)"),
+             nbformat.v4.new_code_cell(("lab.record('before', 1)\n" if record_first else "")
+                                       + f"time.sleep({seconds})"),
+             nbformat.v4.new_code_cell("lab.record('after', 1)\nlab.finish_run()")]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), str(folder / f"{stem}.ipynb"))
+
+
+def test_side_by_side_groups_hold_consecutive_notebooks_that_time_nothing():
+    from lora_lab.lab.runner import SHARES_THE_GPU, side_by_side_groups
+
+    assert {"01", "02", "03", "04"} == SHARES_THE_GPU
+    paths = [Path(f"{n}_x.ipynb") for n in ("01", "02", "03", "04", "05", "06", "08")]
+    stems = lambda groups: [[p.stem[:2] for p in g] for g in groups]  # noqa: E731
+    assert stems(side_by_side_groups(paths, 4)) == [["01", "02", "03", "04"], ["05"], ["06"], ["08"]]
+    assert stems(side_by_side_groups(paths, 3)) == [["01", "02", "03"], ["04"], ["05"], ["06"], ["08"]]
+    assert stems(side_by_side_groups(paths, 1)) == [[n] for n in ("01", "02", "03", "04", "05", "06", "08")]
+    assert stems(side_by_side_groups(paths, 4, alone={paths[1]})) == [["01"], ["02"], ["03", "04"], ["05"], ["06"],
+                                                                      ["08"]]
+    shuffled = [paths[0], paths[4], paths[1], paths[2]]  # 05 between them: 02 and 03 do not join 01
+    assert stems(side_by_side_groups(shuffled, 4)) == [["01"], ["05"], ["02", "03"]]
+
+
+
+def test_no_notebooks_side_by_side_under_a_memory_cap():
+    from lora_lab.lab.runner import side_by_side_allowed
+
+    assert side_by_side_allowed("gpu", 4) == side_by_side_allowed("gpu-sm80", 4) == 4
+    assert side_by_side_allowed("gpu-24g", 4) == side_by_side_allowed("gpu-40g", 4) == 1
+    assert side_by_side_allowed("cpu", 2) == 2
+
+
+def test_parallel_runs_notebooks_that_time_nothing_side_by_side_and_records_each(tmp_path):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    for stem in ("01_first", "02_second"):
+        _sleeping_notebook(notebooks, stem, 4)
+    printed = io.StringIO()
+    code = run(profile="cpu", notebooks_dir=notebooks, outputs_root=tmp_path / "runs", disable_progress=True,
+               stream=printed, parallel=2)
+    assert code == 0, printed.getvalue()
+    assert "side by side: 01_first, 02_second" in printed.getvalue()
+    summary = json.loads((tmp_path / "runs" / "cpu" / "run_summary.json").read_text())["notebooks"]
+    first, second = summary["01_first"], summary["02_second"]
+    assert first["status"] == second["status"] == "ok"
+    assert second["started"] < first["finished"] and first["started"] < second["finished"]  # at the same time
+    for stem in ("01_first", "02_second"):
+        assert metrics(tmp_path / "runs" / "cpu", stem)["metrics"] == {"before": 1, "after": 1}
+    with pytest.raises(RunnerError, match="parallel must be a whole number"):
+        run(profile="cpu", notebooks_dir=notebooks, outputs_root=tmp_path / "runs", parallel=0)
+
+
+def test_ctrl_c_interrupts_every_notebook_running_side_by_side(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    for stem in ("01_sleeps", "02_sleeps_too"):
+        _sleeping_notebook(notebooks, stem, 120)
+    _sleeping_notebook(notebooks, "05_never_runs", 1)
+    command = [sys.executable, "-m", "lora_lab", "run", "--profile", "cpu", "--notebooks-dir", str(notebooks),
+               "--outputs-dir", str(tmp_path / "runs"), "--parallel", "4"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True, env={**os.environ, "TQDM_DISABLE": "1"},
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    files = [tmp_path / "runs" / "cpu" / f"{stem}.metrics.json" for stem in ("01_sleeps", "02_sleeps_too")]
+    deadline = time.monotonic() + 180
+    busy = lambda: all("before" in (f.read_text() if f.exists() else "") for f in files)  # noqa: E731
+    while time.monotonic() < deadline and not busy():
+        time.sleep(0.5)
+    seen = busy()
+    os.killpg(child.pid, signal.SIGINT)  # Ctrl-C reaches the runner; the kernels run in sessions of their own
+    try:
+        out, _ = child.communicate(timeout=120)
+    except subprocess.TimeoutExpired as expired:
+        os.killpg(child.pid, signal.SIGKILL)
+        pytest.fail(f"the runner did not stop within 120 s of Ctrl-C (both kernels busy when it was sent: {seen}); "
+                    f"its output: {expired.output!r}")
+    assert child.returncode == 130, out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1] == ("interrupted: 01_sleeps, 02_sleeps_too stopped and recorded as interrupted; the notebooks "
+                         "after them did not run")
+    for stem in ("01_sleeps", "02_sleeps_too"):
+        recorded = metrics(tmp_path / "runs" / "cpu", stem)
+        assert recorded["provenance"]["status"] == "interrupted" and recorded["metrics"] == {"before": 1}
+    assert not (tmp_path / "runs" / "cpu" / "05_never_runs.metrics.json").exists()

@@ -77,6 +77,16 @@ def test_timing_notebooks_run_alone_the_others_side_by_side(tmp_path):
     assert (tmp_path / "runs" / "05" / "done.txt").is_file()  # each notebook in its own runs root
 
 
+def test_a_memory_capped_profile_runs_one_notebook_at_a_time(tmp_path):
+    plan = {"01": {"sleep": 0.6}, "02": {"sleep": 0.6}}
+    fake = _setup(tmp_path, plan, {"01": 1, "02": 1})
+    done = _queue(tmp_path, fake, "run", "--profile", "gpu-24g", "--jobs", "01,02", "--limit", "60", "--slack", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gpu-24g: one notebook at a time" in done.stdout
+    spans = _spans(tmp_path)
+    assert not _overlap(spans["01"], spans["02"])
+
+
 def test_what_does_not_fit_waits_for_the_next_call_and_failures_are_kept(tmp_path):
     plan = {"05": {"sleep": 0.1}, "06": {"sleep": 0.1, "exit": 1}, "07": {"sleep": 0.1}}
     fake = _setup(tmp_path, plan, {"05": 100, "06": 1})  # 05 expected 100 s; 07 never ran: --default

@@ -3,7 +3,7 @@
 A host lent for a few minutes per call cannot run every notebook in one. Each call runs what fits in its time:
 
 * the notebooks that time nothing (``lora_lab.lab.runner.SHARES_THE_GPU``: 01-04) run side by side, up to
-  ``--parallel`` at once, as ``lora-lab run --parallel`` runs them;
+  ``--parallel`` at once, as ``lora-lab run --parallel`` runs them (on a memory-capped profile one at a time);
 * every other one runs alone on the GPU, one after another, so its timings share the GPU with nothing;
 * a notebook runs only if its expected time fits what is left of ``--limit`` (expected: its last published run's
   wall time from ``outputs/<profile>/run_summary.json``, or the gpu profile's, times ``--margin``, plus ``--slack``;
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from lora_lab.lab.runner import SHARES_THE_GPU  # the notebooks that time nothing: side by side
+from lora_lab.lab.runner import SHARES_THE_GPU, side_by_side_allowed  # the notebooks that time nothing: side by side
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,6 +125,9 @@ def run(args) -> int:
         raise QueueError(f"--jobs takes notebook numbers, e.g. 05,06,01; got {args.jobs!r}")
     if args.limit <= 0 or args.parallel < 1:
         raise QueueError("--limit must be positive and --parallel at least 1")
+    if side_by_side_allowed(args.profile, args.parallel) < args.parallel:
+        print(f"{args.profile}: one notebook at a time (its memory cap stands for one card's memory)", flush=True)
+        args.parallel = 1
     state_path, outputs = Path(args.state), Path(args.outputs)
     state = _load(state_path)
     Path(args.runs).mkdir(parents=True, exist_ok=True)

@@ -129,12 +129,12 @@ def test_bad_arguments_name_the_problem(tmp_path):
 
 def test_the_notebooks_that_time_something_are_the_ones_run_alone():
     """A notebook that starts a benchmark or times in processes of its own must not share the GPU, nor one that
-    needs every GPU: the notebooks run side by side (lora_lab.lab.runner.SHARES_THE_GPU, which gpu_queue and
+    needs every GPU: the notebooks run side by side (lora_lab.lab.side_by_side.SHARES_THE_GPU, which gpu_queue and
     `lora-lab run --parallel` read) are exactly the others of notebooks/."""
     import re
 
     from lora_lab.lab.notebooks import required_gpus
-    from lora_lab.lab.runner import SHARES_THE_GPU
+    from lora_lab.lab.side_by_side import SHARES_THE_GPU
 
     shares = set()
     for path in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):

@@ -2,7 +2,7 @@
 
 A host lent for a few minutes per call cannot run every notebook in one. Each call runs what fits in its time:
 
-* the notebooks that time nothing (``lora_lab.lab.runner.SHARES_THE_GPU``: 01-04) run side by side, up to
+* the notebooks that time nothing (``lora_lab.lab.side_by_side.SHARES_THE_GPU``: 01-04) run side by side, up to
   ``--parallel`` at once, as ``lora-lab run --parallel`` runs them (on a memory-capped profile one at a time);
 * every other one runs alone on the GPU, one after another, so its timings share the GPU with nothing;
 * a notebook runs only if its expected time fits what is left of ``--limit`` (expected: its last published run's
@@ -32,7 +32,11 @@ import sys
 import time
 from pathlib import Path
 
-from lora_lab.lab.runner import SHARES_THE_GPU, side_by_side_allowed  # the notebooks that time nothing: side by side
+from lora_lab.lab.recording import write_json_atomically
+from lora_lab.lab.side_by_side import (  # the notebooks that time nothing: side by side
+    SHARES_THE_GPU,
+    side_by_side_allowed,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,9 +95,7 @@ def _record_calls(root: Path, job: str, calls: list[dict]) -> None:
             if stem[:2] == job:
                 entry["calls"] = len(calls)
                 entry["seconds_all_calls"] = round(sum(float(c["seconds"]) for c in calls), 1)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
-        tmp.replace(path)
+        write_json_atomically(path, summary)
 
 
 def _wait(processes: list[subprocess.Popen], state: dict, state_path: Path) -> None:

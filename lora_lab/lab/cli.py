@@ -205,12 +205,12 @@ def command_launch(args: argparse.Namespace) -> int:
 
 
 def command_run(args: argparse.Namespace) -> int:
+    from lora_lab.lab.kernel_processes import quiet_orphaned_kernel_tasks
     from lora_lab.lab.runner import (
         DEFAULT_RUNS_DIR,
         RunnerError,
         parse_only,
         parse_value,
-        quiet_orphaned_kernel_tasks,
         run,
     )
 

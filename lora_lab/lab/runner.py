@@ -20,9 +20,9 @@ For each selected ``notebooks/NN_name.ipynb`` the runner
   the exception, marks its metrics ``failed``, and goes on with the next notebook; on Ctrl-C marks the one
   running ``interrupted``, says so in one line and stops;
 - with ``parallel`` above 1 (``lora-lab run --parallel N``; ``make run`` passes 4 on the gpu profiles) runs
-  consecutive notebooks of :data:`SHARES_THE_GPU`, which time nothing, up to N at once, each in its own kernel;
-  every other notebook runs alone, so its timings share the GPU with nothing (and under a memory cap every one does:
-  the cap stands for one card's memory). Ctrl-C interrupts every kernel of the group.
+  consecutive notebooks that time nothing (:mod:`lora_lab.lab.side_by_side`) up to N at once, each in its own
+  kernel; every other notebook runs alone, so its timings share the GPU with nothing (and under a memory cap every
+  one does: the cap stands for one card's memory). Ctrl-C interrupts every kernel of the group.
 
 The default output root is ``build/runs`` (scratch, ignored by git): ``lora-lab publish`` is the only way
 results reach the committed ``outputs/`` and ``notebooks/``. ``<outputs>/<profile>/run_summary.json``
@@ -34,15 +34,11 @@ from __future__ import annotations
 import ast
 import datetime as _dt
 import json
-import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +50,7 @@ from lora_lab.lab.executed_notebooks import (  # noqa: F401 - INJECTED_TAG, fail
     failure_details,
     read_notebook,
 )
+from lora_lab.lab.kernel_processes import kernel_manager_with, quiet_orphaned_kernel_tasks
 from lora_lab.lab.notebooks import NOTEBOOK_NAME, NotebookError, discover_notebooks, parameter_problem, required_gpus
 from lora_lab.lab.notebooks import declared_parameters as _declared_parameters
 from lora_lab.lab.profiles import base_profile, get_profile
@@ -67,6 +64,7 @@ from lora_lab.lab.recording import (
     resolve_profile,
     write_json_atomically,
 )
+from lora_lab.lab.side_by_side import run_side_by_side, side_by_side_allowed, side_by_side_groups
 from lora_lab.memory.peaks import PEAK_DIR_ENV
 
 __all__ = [
@@ -82,15 +80,9 @@ __all__ = [
     "select_notebooks",
     "gpus_available",
     "skip_reason",
-    "SHARES_THE_GPU",
-    "side_by_side_allowed",
-    "side_by_side_groups",
 ]
 
 DEFAULT_RUNS_DIR = Path("build") / "runs"
-# notebooks whose verdicts are numerics, memory (each process's own peak) and counts, never a time: run side by side
-# under --parallel. A notebook not listed runs alone
-SHARES_THE_GPU = frozenset({"01", "02", "03", "04"})
 KERNEL_NAME = "python3"
 RUN_SUMMARY_NAME = "run_summary.json"
 EXIT_INTERRUPTED = 130
@@ -312,103 +304,10 @@ def profile_environment(profile: str) -> dict[str, str]:
     return env
 
 
-def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), log_path: Path | None = None):
-    """A jupyter kernel manager class whose kernels start with ``extra_env`` on top of this process's
-    environment (``unset`` removed) — the runner's context reaches the notebook without touching os.environ. The
-    kernel process's own stderr (its log lines, its tracebacks at shutdown) goes to ``log_path`` when given."""
-    from jupyter_client.manager import AsyncKernelManager
-
-    class ContextKernelManager(AsyncKernelManager):
-        async def _async_launch_kernel(self, kernel_cmd, **kw):
-            await super()._async_launch_kernel(kernel_cmd, **kw)
-            pid = getattr(getattr(self, "provisioner", None), "pid", None)
-            if pid is not None:
-                with _LIVE_KERNELS_LOCK:
-                    _LIVE_KERNELS.add(pid)
-
-        async def _async_pre_start_kernel(self, **kw):
-            env = dict(kw.get("env") or os.environ)
-            for name in unset:
-                env.pop(name, None)
-            env.update(extra_env)
-            kw["env"] = env
-            if log_path is not None:
-                kw["stderr"] = open(log_path, "w", encoding="utf-8")  # the kernel process owns it from here
-            return await super()._async_pre_start_kernel(**kw)
-
-    return ContextKernelManager
-
-
-_LIVE_KERNELS: set[int] = set()  # the process ids of the kernels this process started (a group's, for Ctrl-C)
-_LIVE_KERNELS_LOCK = threading.Lock()
-
-
-def interrupt_kernels() -> None:
-    """SIGINT to every kernel this process started that still runs: the cell running in each ends in
-    KeyboardInterrupt, and its notebook is recorded as interrupted. Kernels run in sessions of their own, so a
-    terminal's Ctrl-C reaches only this process; in a side-by-side group the notebooks run in other threads."""
-    with _LIVE_KERNELS_LOCK:
-        pids = sorted(_LIVE_KERNELS)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGINT)
-        except (ProcessLookupError, PermissionError):
-            with _LIVE_KERNELS_LOCK:
-                _LIVE_KERNELS.discard(pid)
-
-
-def side_by_side_allowed(profile: str, parallel: int) -> int:
-    """How many notebooks may run at once on ``profile``: ``parallel``, or 1 under a memory cap (it stands for one
-    card's memory, which processes side by side would share)."""
-    return 1 if get_profile(profile).memory_cap_gib is not None else parallel
-
-
-def side_by_side_groups(notebooks: list[Path], parallel: int, alone: set[Path] | None = None) -> list[list[Path]]:
-    """``notebooks`` in order, cut into what runs at once: consecutive notebooks of :data:`SHARES_THE_GPU` together,
-    up to ``parallel`` in a group, every other one (and each in ``alone``) in a group of its own."""
-    groups: list[list[Path]] = []
-    previous_shares = False
-    for path in notebooks:
-        shares = parallel > 1 and path.stem[:2] in SHARES_THE_GPU and path not in (alone or set())
-        if shares and previous_shares and len(groups[-1]) < parallel:
-            groups[-1].append(path)
-        else:
-            groups.append([path])
-        previous_shares = shares
-    return groups
-
-
 def progress_disabled(explicit: bool | None = None) -> bool:
     if explicit is not None:
         return explicit
     return os.environ.get("TQDM_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
-
-
-class _OrphanDeadKernelFilter(logging.Filter):
-    """Drop asyncio's "Task exception was never retrieved" report of what Ctrl-C left behind.
-
-    After Ctrl-C, nbclient's task that waits for the cell's reply is left pending. When the kernel has been shut
-    down the task ends in DeadKernelError; when the kernel, interrupted too, answered first, it ends in the cell's
-    error, a KeyboardInterrupt. asyncio prints either traceback at exit, after the runner's one-line report. The
-    interruption is already recorded, so neither says anything new.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        if error is None:
-            return True
-        interrupted_cell = getattr(error, "ename", None) == "KeyboardInterrupt"
-        return not (type(error).__name__ == "DeadKernelError" or interrupted_cell)
-
-
-_ORPHAN_FILTER = _OrphanDeadKernelFilter()
-
-
-def quiet_orphaned_kernel_tasks() -> None:
-    """After an interrupted notebook: keep the orphaned task's DeadKernelError off the terminal."""
-    logger = logging.getLogger("asyncio")
-    if _ORPHAN_FILTER not in logger.filters:
-        logger.addFilter(_ORPHAN_FILTER)
 
 
 def _now() -> str:
@@ -557,24 +456,6 @@ def run_notebook(
     )
 
 
-def _run_side_by_side(plans: list[NotebookPlan], profile: str, output_dir: Path,
-                      cell_timeout: float | None) -> list[NotebookResult]:
-    """:func:`run_notebook` for each plan at once, each in a thread of its own (its kernel a process of its own);
-    the results in the plans' order. Ctrl-C (here, in the main thread) interrupts every kernel, and each notebook
-    ends recorded as interrupted."""
-    with ThreadPoolExecutor(max_workers=len(plans), thread_name_prefix="notebook") as pool:
-        futures = [pool.submit(run_notebook, plan, profile, output_dir, cell_timeout, False) for plan in plans]
-        results = []
-        for future in futures:
-            while True:
-                try:
-                    results.append(future.result())
-                    break
-                except KeyboardInterrupt:
-                    interrupt_kernels()  # and wait for the notebooks to record it
-    return results
-
-
 def update_run_summary(output_dir: Path, profile: str, results: list[NotebookResult]) -> Path:
     """Merge this batch's results into ``run_summary.json`` (other notebooks' entries are kept)."""
     path = output_dir / RUN_SUMMARY_NAME
@@ -605,7 +486,8 @@ def run(
 ) -> int:
     """Run the selected notebooks; print a report; return 0 if all succeeded, 1 if one failed, 130 on Ctrl-C.
 
-    ``parallel``: up to this many notebooks of :data:`SHARES_THE_GPU` side by side (1: one after another).
+    ``parallel``: up to this many notebooks that time nothing side by side (:mod:`lora_lab.lab.side_by_side`; 1: one
+    after another).
     Selection and parameter problems raise RunnerError before anything runs.
     """
     from tqdm.auto import tqdm
@@ -640,7 +522,8 @@ def run(
         if len(group) > 1:
             bar.set_postfix_str(" + ".join(path.stem[:2] for path in group))
             tqdm.write(f"side by side: {', '.join(path.stem for path in group)}", file=stream)
-            group_results = _run_side_by_side([plans[path] for path in group], resolved, output_dir, cell_timeout)
+            group_results = run_side_by_side(run_notebook, [plans[path] for path in group], resolved, output_dir,
+                                             cell_timeout)
             results.extend(group_results)
             update_run_summary(output_dir, resolved, results)
             bar.update(len(group))

@@ -417,7 +417,7 @@ def test_an_orphaned_dead_kernel_task_is_not_printed_after_an_interrupt(capsys):
 
     from nbclient.exceptions import CellExecutionError, DeadKernelError
 
-    from lora_lab.lab import runner
+    from lora_lab.lab import kernel_processes
 
     async def dies():
         raise DeadKernelError("Kernel died")
@@ -445,9 +445,9 @@ def test_an_orphaned_dead_kernel_task_is_not_printed_after_an_interrupt(capsys):
     try:
         orphan(dies())
         assert "DeadKernelError" in capsys.readouterr().err  # asyncio reports it without the filter
-        runner.quiet_orphaned_kernel_tasks()
-        runner.quiet_orphaned_kernel_tasks()  # once is enough; twice adds nothing
-        assert logger.filters.count(runner._ORPHAN_FILTER) == 1
+        kernel_processes.quiet_orphaned_kernel_tasks()
+        kernel_processes.quiet_orphaned_kernel_tasks()  # once is enough; twice adds nothing
+        assert logger.filters.count(kernel_processes._ORPHAN_FILTER) == 1
         orphan(dies())
         orphan(interrupted_cell())
         orphan(other())
@@ -457,7 +457,7 @@ def test_an_orphaned_dead_kernel_task_is_not_printed_after_an_interrupt(capsys):
         assert "still reported" in err and "a real failure, still reported" in err
     finally:
         logger.removeHandler(handler)
-        logger.removeFilter(runner._ORPHAN_FILTER)
+        logger.removeFilter(kernel_processes._ORPHAN_FILTER)
 
 
 def test_a_notebook_that_needs_two_gpus_is_skipped_on_a_smaller_gpu_machine_and_says_why(tmp_path, monkeypatch,
@@ -605,7 +605,7 @@ def _sleeping_notebook(folder: Path, stem: str, seconds: float, record_first: bo
 
 
 def test_side_by_side_groups_hold_consecutive_notebooks_that_time_nothing():
-    from lora_lab.lab.runner import SHARES_THE_GPU, side_by_side_groups
+    from lora_lab.lab.side_by_side import SHARES_THE_GPU, side_by_side_groups
 
     assert {"01", "02", "03", "04"} == SHARES_THE_GPU
     paths = [Path(f"{n}_x.ipynb") for n in ("01", "02", "03", "04", "05", "06", "08")]
@@ -621,7 +621,7 @@ def test_side_by_side_groups_hold_consecutive_notebooks_that_time_nothing():
 
 
 def test_no_notebooks_side_by_side_under_a_memory_cap():
-    from lora_lab.lab.runner import side_by_side_allowed
+    from lora_lab.lab.side_by_side import side_by_side_allowed
 
     assert side_by_side_allowed("gpu", 4) == side_by_side_allowed("gpu-sm80", 4) == 4
     assert side_by_side_allowed("gpu-24g", 4) == side_by_side_allowed("gpu-40g", 4) == 1

@@ -111,6 +111,11 @@ FUSED_CONFIGS = {
     "fused_merged_overlap": {"dispatch": "triton", "base_gemm": "merged", "rank_ops": "torch", "overlap": "on"},
     "fused_merged_qdb_overlap": {"dispatch": "triton", "base_gemm": "merged", "rank_ops": "triton", "fuse_q_db": True,
                                  "overlap": "on"},
+    # the merged route with P and Q as r more output columns of its two GEMMs ([Y | P] = X [W' ; s·A]ᵀ,
+    # [dX | Q] = dY [W' | s·B], kernels/lora/stacked): the token reductions dB and dA are the only rank-r passes left,
+    # by Triton (with Triton's merge) or by cuBLAS (no Triton launch)
+    "fused_stacked": {"dispatch": "triton", "base_gemm": "stacked", "rank_ops": "triton"},
+    "fused_stacked_cublas": {"dispatch": "triton", "base_gemm": "stacked", "rank_ops": "torch"},
 }
 # a variant's forward and backward as CUDA graphs: {graphed variant: the variant it captures}
 GRAPHED = {"base_graphed": "base", "fused_graphed": "fused", "fused_cublas_base_graphed": "fused_cublas_base",
@@ -130,7 +135,7 @@ DROPPED_FROM_DEFAULT = ("fused_cublas_base", "fused_cublas_base_qdb", "fused_cub
 DEFAULT_VARIANTS = [v for v in ALL_VARIANTS
                     if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_qdb", "fused_quack_graphed",
                              "fused_merged", "fused_merged_qdb", "fused_merged_graphed", "fused_merged_overlap",
-                             "fused_merged_qdb_overlap")
+                             "fused_merged_qdb_overlap", "fused_stacked", "fused_stacked_cublas")
                     and v not in DROPPED_FROM_DEFAULT]
 # --variants quack: the QuACK epilogue route beside the best cuBLAS route, each also as CUDA graphs
 QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "fused_quack_qdb", "base_graphed", "fused_pure_cublas_graphed",
@@ -140,7 +145,8 @@ WIDE_ROUTES = ["fused_cublas_base_qdb", "fused_pure_cublas", "fused_wide", "base
                "fused_pure_cublas_graphed", "fused_wide_graphed"]
 # --variants merged: the merged-weight route beside the all-cuBLAS β = 1 route, each also as CUDA graphs
 MERGED_ROUTES = ["fused_pure_cublas", "fused_merged", "fused_merged_qdb", "fused_merged_overlap",
-                 "fused_merged_qdb_overlap", "base_graphed", "fused_pure_cublas_graphed", "fused_merged_graphed"]
+                 "fused_merged_qdb_overlap", "fused_stacked", "fused_stacked_cublas", "base_graphed",
+                 "fused_pure_cublas_graphed", "fused_merged_graphed"]
 PRESETS = {"routes": ROUTES, "quack": QUACK_ROUTES, "wide": WIDE_ROUTES, "merged": MERGED_ROUTES}
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}
 # --smoke: two cells of the grid with every dimension divided (M / 512, K and N / 128, r / 4): the Triton

@@ -6,7 +6,8 @@ Cases (bf16 on the GPU; forward + backward of a fixed upstream gradient, as the 
                 ``nn.Linear`` (``base``) and ``fused_lora_linear`` with the shipped ``KernelConfig`` (``fused``; with
                 ``--variants``, the GEMM core's forms ``fused_persistent`` and ``fused_fold`` and the routes
                 ``fused_pure_cublas``, ``fused_merged``, ``fused_merged_qdb`` and their rank-r passes on a side stream,
-                ``fused_merged_overlap`` and ``fused_merged_qdb_overlap``, as ``bench_lora_linear`` runs them)
+                ``fused_merged_overlap`` and ``fused_merged_qdb_overlap``, and P and Q from the GEMMs, ``fused_stacked``
+                and ``fused_stacked_cublas``, as ``bench_lora_linear`` runs them)
   lora_linear_8k  the same at M = 8192, where the shipped op hands the GEMMs to cuBLAS and the core's forms do not
   moe_full      the Qwen3-30B-A3B-like experts layer at T = 8192 (``--moe-shape``, ``--moe-tokens``: another
                 layer of notebook 06), full fine-tuning: ``ours`` (and, with
@@ -72,7 +73,8 @@ CASES = ["lora_linear", "lora_linear_8k", "moe_full", "moe_lora", "loss_trainabl
 # the routes of notebook 05's "other forms" beside them: every product a cuBLAS call, the merged weight (and with
 # Q and dB from one pass), where the idle gaps of a synchronised step say what the loop pays over their kernels
 LINEAR_VARIANTS = ["base", "fused", "fused_persistent", "fused_fold", "fused_pure_cublas", "fused_merged",
-                   "fused_merged_qdb", "fused_merged_overlap", "fused_merged_qdb_overlap"]
+                   "fused_merged_qdb", "fused_merged_overlap", "fused_merged_qdb_overlap", "fused_stacked",
+                   "fused_stacked_cublas"]
 MOE_VARIANTS = ["ours", "grouped_mm", *OURS_PERSISTENT, *OURS_KGROUPED, LIGER]
 LOSS_VARIANTS = {"ours": "lora_lab", "ours_r4096": "lora_lab_fwdgrad_r4096", LIGER: "liger",  # variant: bench_loss
                  "gemm_floor": "gemm_floor"}  # method (ours_r4096: 4,096-row chunks, frozen heads too)

@@ -32,7 +32,13 @@ field              variable                meaning
                                            shared-input op: the frozen layer's cuBLAS GEMMs
                                            on W + s·B A, merged per call and never kept,
                                            :mod:`lora_lab.kernels.lora.merged`; no
-                                           dropout), ``auto``: each op's default
+                                           dropout), ``stacked`` (the LoRA linear: the
+                                           merged route with P and Q as r more output
+                                           columns of its two GEMMs, s·A stacked under
+                                           W + s·B A and s·B beside it,
+                                           :mod:`lora_lab.kernels.lora.stacked`; no
+                                           dropout; the shared-input op takes its
+                                           default), ``auto``: each op's default
 ``overlap``        ``LORA_LAB_OVERLAP``    dA/dB on a side CUDA stream next to the dX GEMM (on the
                                            merged route also P next to the forward GEMM, Q beside dX's):
                                            ``on``, ``off``, ``auto`` (each op's default)
@@ -120,7 +126,7 @@ __all__ = ["KernelConfig", "ENV_VARIABLES", "resolve_config"]
 
 CHOICES = {
     "dispatch": ("auto", "triton", "cublas"),
-    "base_gemm": ("auto", "triton", "cublas", "quack", "wide", "merged"),
+    "base_gemm": ("auto", "triton", "cublas", "quack", "wide", "merged", "stacked"),
     "overlap": ("auto", "on", "off"),
     "gemm_loads": ("auto", "tma", "pointer", "persistent"),
     "moe_loads": ("pointer", "persistent"),

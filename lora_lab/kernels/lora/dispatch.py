@@ -62,7 +62,9 @@ def base_gemm_engine(config: KernelConfig, default: str = "triton", supported=("
     ``quack`` (the LoRA linear only): QuACK's GEMM adds the rank-r term in its epilogue
     (:mod:`lora_lab.kernels.lora.quack_gemm`): cuBLAS-class GEMMs with no extra pass over the output.
     ``merged`` (the LoRA linear only, :mod:`lora_lab.kernels.lora.merged`): the frozen layer's cuBLAS GEMMs on
-    ``W + s·B A``, merged per call (one pass over W, whatever the tokens), never kept.
+    ``W + s·B A``, merged per call (one pass over W, whatever the tokens), never kept. ``stacked`` (the LoRA linear
+    only, :mod:`lora_lab.kernels.lora.stacked`): the same GEMMs with P and Q as r more output columns
+    (``[Y | P] = X · [W' ; s·A]ᵀ``, ``[dX | Q] = dY · [W' | s·B]``).
     """
     return config.base_gemm if config.base_gemm in supported else default
 

@@ -33,7 +33,7 @@ import torch
 
 from lora_lab.dtypes import addmm_fp32_out_works
 from lora_lab.kernels.config import KernelConfig, resolve_config
-from lora_lab.kernels.lora import merged, quack_gemm, widened
+from lora_lab.kernels.lora import merged, quack_gemm, stacked, widened
 from lora_lab.kernels.lora.dispatch import base_gemm_engine, engine_for, join_side_stream, linear_route, side_stream
 from lora_lab.kernels.lora.gemm import lora_gemm
 from lora_lab.kernels.lora.rank_ops import q_and_db, rank_projection, rank_reduction
@@ -132,6 +132,19 @@ def _merged_route(config: KernelConfig, dropout_p: float) -> bool:
     reason = merged.unavailable_reason(dropout_p)
     if reason is not None:
         merged.warn_fallback(reason)
+        return False
+    return True
+
+
+def _stacked_route(config: KernelConfig, dropout_p: float) -> bool:
+    """Whether this call runs the merged route with P and Q as more output columns of its GEMMs
+    (``base_gemm="stacked"``, :mod:`.stacked`); with dropout, one warning names why and the call takes the Triton
+    route."""
+    if config.base_gemm != "stacked":
+        return False
+    reason = merged.unavailable_reason(dropout_p)
+    if reason is not None:
+        stacked.warn_fallback(reason)
         return False
     return True
 
@@ -237,6 +250,9 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             p = torch.empty((M, a.shape[0]), device=x.device, dtype=cdt)
             y = torch.empty((M, N), device=x.device, dtype=cdt)
             lora_gemm(y, [(x2, weight.t())], rt=b.t(), bias=bias, project=(a.t(), scaling, p), config=config)
+        elif _stacked_route(config, dropout_p):
+            # [Y | P] = X [W + s·B A ; s·A]ᵀ + [b | 0]: P as r more output columns of the frozen layer's GEMM
+            y, p = stacked.forward_gemm(x2, weight, bias, a, b, scaling, _merge_engine(config, dropout_p))
         else:
             merged_gemm = _merged_route(config, dropout_p)
             # with overlap on, the merged route's P pass (memory-bound) runs on a side stream beside its GEMM
@@ -333,8 +349,14 @@ class FusedLoRALinearFunction(torch.autograd.Function):
                 db = _wide_mm(p.t(), dy2).t().to(b_dtype)
             return dx, dw, dbias, da, db, None, None, None, None
 
-        merged_dx = merged_side = None
-        if need_x and ctx.dropout_p == 0.0 and config.base_gemm == "merged":
+        merged_dx = merged_side = stacked_q = None
+        if need_x and ctx.dropout_p == 0.0 and config.base_gemm == "stacked":
+            # [dX | Q] = dY [W + s·B A | s·B]: Q as r more output columns of the dX GEMM; dA and dB below read it
+            merged_dx, stacked_q = stacked.input_grad_gemm(dy2, weight, a, b, ctx.scaling,
+                                                           _merge_engine(config, ctx.dropout_p))
+            merged_dx = merged_dx.reshape(ctx.x_shape)
+            need_x = False
+        elif need_x and ctx.dropout_p == 0.0 and config.base_gemm == "merged":
             # dX = dY (W + s·B A), the weight merged again (never kept between forward and backward). It needs no Q,
             # so it is launched first and the rank-r passes below, for dA and dB alone, are prepared while it runs
             # (with overlap on, they run on a side stream beside it: memory-bound passes next to a compute-bound GEMM)
@@ -348,8 +370,10 @@ class FusedLoRALinearFunction(torch.autograd.Function):
         with _on_stream(merged_side):  # every rank-r pass below, on the merged route's side stream if any
             # Q = s · dY B               (M×r)
             fold = need_x and _folds(config, ctx.dropout_p, a.shape[0])
-            fused_q_db = need_lb and b.shape[1] <= 128 and config.fuse_q_db and not fold
-            if fold:
+            fused_q_db = need_lb and b.shape[1] <= 128 and config.fuse_q_db and not fold and stacked_q is None
+            if stacked_q is not None:
+                q = stacked_q  # from the dX GEMM
+            elif fold:
                 # Q inside the dX GEMM's K loop (over N: the dY tiles it loads anyway); dA and dB wait for it
                 q = torch.empty((dy2.shape[0], a.shape[0]), device=dy2.device, dtype=cdt)
                 dx = torch.empty((dy2.shape[0], K), device=dy2.device, dtype=cdt)

@@ -58,8 +58,8 @@ def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scalin
     (``engine="torch"``, written into ``out`` if given), or one Triton pass over W (``"triton"``, ranks up to
     ``MAX_TRITON_RANK``: cuBLAS's GEMM with a depth-r reduction ran well below the memory's speed in the route's
     component table)."""
-    if engine == "triton" and a.shape[0] <= MAX_TRITON_RANK and out is None:
-        return merge_weight(weight, a, b, scaling)
+    if engine == "triton" and a.shape[0] <= MAX_TRITON_RANK:
+        return merge_weight(weight, a, b, scaling, out=out)
     return torch.addmm(weight, b, a, beta=1.0, alpha=scaling, out=out)
 
 

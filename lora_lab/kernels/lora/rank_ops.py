@@ -341,15 +341,21 @@ _TMA_STATE: dict = {}
 
 
 
-def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``W + scale · B A`` (N×K, W's dtype) in one pass over W: B A accumulated with W in fp32, rounded once (what
-    ``torch.addmm(W, B, A, alpha=scale)`` computes, without cuBLAS's GEMM machinery for a depth-r product)."""
+    ``torch.addmm(W, B, A, alpha=scale)`` computes, without cuBLAS's GEMM machinery for a depth-r product); written
+    into ``out`` (N×K, W's dtype, any strides: a block of a larger buffer) when given."""
     check_interpreter_dtype(weight, op="merge_weight")
     N, K = weight.shape
     R = a.shape[0]
     if a.shape[1] != K or b.shape != (N, R):
         raise ValueError(f"merge_weight: A must be r×{K} and B {N}×r, got {tuple(a.shape)} and {tuple(b.shape)}")
-    out = torch.empty((N, K), device=weight.device, dtype=weight.dtype)
+    if out is None:
+        out = torch.empty((N, K), device=weight.device, dtype=weight.dtype)
+    elif out.shape != (N, K) or out.dtype != weight.dtype or out.device != weight.device:
+        raise ValueError(f"merge_weight: out must be {N}×{K} {weight.dtype} on {weight.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if N == 0 or K == 0:
         return out
     if R == 0:

@@ -113,9 +113,9 @@ def test_merge_engine_follows_rank_ops_and_the_rank(monkeypatch):
     engines = []
     real = merged.merge_weight
 
-    def spy(*args):
+    def spy(*args, **kwargs):
         engines.append("triton")
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(merged, "merge_weight", spy)
     for r, rank_ops in ((16, "triton"), (16, "torch"), (160, "triton")):

@@ -279,7 +279,7 @@ def components(x, dy, weight, A, B, shipped):
     dx = torch.empty_like(x)
     tma, pointer = shipped.replace(gemm_loads="tma"), shipped.replace(gemm_loads="pointer")
     quack = _quack_components(x, dy, weight, a, b, p, q, y, dx)
-    return {**quack, **_wide_components(x, dy, weight, a, b, p, q),
+    return {**quack, **_wide_components(x, dy, weight, a, b, p, q), **_stacked_components(x, dy, weight, a, b),
         # the merged-weight route's extra work per GEMM: W + s·B A (N×K), one cuBLAS call (rank_ops="torch") or
         # one Triton pass over W (rank_ops="triton")
         "merge_weight": lambda: torch.addmm(weight, b, a, alpha=2.0),
@@ -340,6 +340,25 @@ def _wide_components(x, dy, weight, a, b, p, q) -> dict:
         "wide_weight_dx": lambda: torch.cat([weight, a], dim=0),
         "wide_copy_p_pass": copy_p_pass,
         "wide_copy_q_db_pass": copy_q_db_pass,
+    }
+
+
+def _stacked_components(x, dy, weight, a, b) -> dict:
+    """The stacked route's two GEMMs (``base_gemm="stacked"``): the frozen layer's with r more output columns,
+    ``X · [W ; s·A]ᵀ`` (M×(N + r)) and ``dY · [W | s·B]`` (M×(K + r)), rank padded to 8 as the route pads it; beside
+    cublas_fwd_gemm and cublas_dx_gemm they say what the extra columns cost cuBLAS (the weights stacked once here:
+    the merge is merge_weight's row)."""
+    from lora_lab.kernels.lora.widened import padded_rank
+
+    (N, K), r = weight.shape, a.shape[0]
+    rp = padded_rank(r)
+    tall = weight.new_zeros(N + rp, K)
+    tall[:N], tall[N:N + r] = weight, 2.0 * a
+    wide = weight.new_zeros(N, K + rp)
+    wide[:, :K], wide[:, K:K + r] = weight, 2.0 * b
+    return {
+        "stacked_fwd_gemm": lambda: torch.mm(x, tall.t()),
+        "stacked_dx_gemm": lambda: torch.mm(dy, wide),
     }
 
 

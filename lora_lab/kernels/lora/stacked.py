@@ -51,14 +51,13 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rank = a.shape[0]
     rp = padded_rank(rank)
     stack = torch.empty((N + rp, K), device=weight.device, dtype=weight.dtype)
-    merged_weight(weight, a, b, scaling, engine, out=stack[:N])
     torch.mul(a, scaling, out=stack[N:N + rank])  # s·A under W'
     if rp > rank:
         stack[N + rank:].zero_()
-    if bias is not None:
-        yp = torch.addmm(torch.nn.functional.pad(bias, (0, rp)), x2, stack.t())
-    else:
-        yp = torch.mm(x2, stack.t())
+    bias_ext = torch.nn.functional.pad(bias, (0, rp)) if bias is not None else None
+    # the merge is the last launch before the GEMM that waits for it: the host then has little to do between them
+    merged_weight(weight, a, b, scaling, engine, out=stack[:N])
+    yp = torch.addmm(bias_ext, x2, stack.t()) if bias_ext is not None else torch.mm(x2, stack.t())
     return yp[:, :N], yp[:, N:N + rank].contiguous()
 
 
@@ -70,9 +69,9 @@ def input_grad_gemm(dy2: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b:
     rank = a.shape[0]
     rp = padded_rank(rank)
     stack = torch.empty((N, K + rp), device=weight.device, dtype=weight.dtype)
-    merged_weight(weight, a, b, scaling, engine, out=stack[:, :K])
     torch.mul(b, scaling, out=stack[:, K:K + rank])  # s·B beside W'
     if rp > rank:
         stack[:, K + rank:].zero_()
+    merged_weight(weight, a, b, scaling, engine, out=stack[:, :K])
     dxq = torch.mm(dy2, stack)
     return dxq[:, :K], dxq[:, K:K + rank]

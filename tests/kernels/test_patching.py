@@ -539,3 +539,37 @@ def test_unpatch_keeps_a_forward_set_after_the_swiglu_patch():
     mlp.forward = later
     unpatch_model(model)
     assert mlp.__dict__["forward"] is later
+
+
+def test_stacked_route_in_a_patched_model_matches(monkeypatch):
+    # base_gemm="stacked" returns Y and dX as column blocks of wider outputs (views, row stride N + r and K + r):
+    # the model around the patched projections (residual adds, the MLP) takes them as they come
+    from lora_lab.kernels import KernelConfig
+    from lora_lab.kernels.lora import stacked
+
+    calls = []
+
+    def counted(name):
+        fn = getattr(stacked, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for name in ("forward_gemm", "input_grad_gemm"):
+        monkeypatch.setattr(stacked, name, counted(name))
+    ref = peft_tiny(targets=["o_proj", "down_proj"])
+    fused = copy.deepcopy(ref)
+    patch_model(fused, config=KernelConfig.from_env(dispatch="triton", base_gemm="stacked"))
+    ids = torch.randint(0, 512, (2, 13), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out_r, out_f = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert rel_l2(out_f.logits, out_r.logits) < 1e-5
+    out_r.loss.backward()
+    out_f.loss.backward()
+    gr, gf = lora_grads(ref), lora_grads(fused)
+    assert gr.keys() == gf.keys() and len(gr) == 8
+    for n in gr:
+        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+    # 2 projections × 2 layers; the first layer's o_proj reads frozen activations only (no dX to compute)
+    assert calls.count("forward_gemm") == 4 and calls.count("input_grad_gemm") == 3

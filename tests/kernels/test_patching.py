@@ -39,6 +39,19 @@ def lora_grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_logits_and_lora_grads_match(ref, fused, ids, n_grads):
+    """One forward and backward of both models on ``ids``: logits within 1e-5 and each of the ``n_grads`` LoRA
+    gradients within 1e-4 (relative L2), fp32."""
+    out_r, out_f = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
+    assert rel_l2(out_f.logits, out_r.logits) < 1e-5
+    out_r.loss.backward()
+    out_f.loss.backward()
+    gr, gf = lora_grads(ref), lora_grads(fused)
+    assert gr.keys() == gf.keys() and len(gr) == n_grads
+    for n in gr:
+        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+
+
 def test_peft_model_forward_backward_and_training_match():
     ref = peft_tiny()
     fused = copy.deepcopy(ref)
@@ -49,15 +62,7 @@ def test_peft_model_forward_backward_and_training_match():
     ids = torch.randint(0, 512, (2, 13), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     ref.train()
     fused.train()
-    out_r = ref(input_ids=ids, labels=ids)
-    out_f = fused(input_ids=ids, labels=ids)
-    assert rel_l2(out_f.logits, out_r.logits) < 1e-5
-    out_r.loss.backward()
-    out_f.loss.backward()
-    gr, gf = lora_grads(ref), lora_grads(fused)
-    assert gr.keys() == gf.keys() and len(gr) == 28
-    for n in gr:
-        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+    assert_logits_and_lora_grads_match(ref, fused, ids, 28)
     ref.zero_grad(set_to_none=True)
     fused.zero_grad(set_to_none=True)
     lr_, lf = (lora_lab.train_steps(ref, {'input_ids': ids, 'labels': ids}, 5),
@@ -563,13 +568,6 @@ def test_stacked_route_in_a_patched_model_matches(monkeypatch):
     fused = copy.deepcopy(ref)
     patch_model(fused, config=KernelConfig.from_env(dispatch="triton", base_gemm="stacked"))
     ids = torch.randint(0, 512, (2, 13), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    out_r, out_f = ref(input_ids=ids, labels=ids), fused(input_ids=ids, labels=ids)
-    assert rel_l2(out_f.logits, out_r.logits) < 1e-5
-    out_r.loss.backward()
-    out_f.loss.backward()
-    gr, gf = lora_grads(ref), lora_grads(fused)
-    assert gr.keys() == gf.keys() and len(gr) == 8
-    for n in gr:
-        assert rel_l2(gf[n], gr[n]) < 1e-4, n
+    assert_logits_and_lora_grads_match(ref, fused, ids, 8)
     # 2 projections × 2 layers; the first layer's o_proj reads frozen activations only (no dX to compute)
     assert calls.count("forward_gemm") == 4 and calls.count("input_grad_gemm") == 3

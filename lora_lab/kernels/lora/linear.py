@@ -124,27 +124,15 @@ def _wide_route(config: KernelConfig, rank: int, dropout_p: float) -> bool:
     return True
 
 
-def _merged_route(config: KernelConfig, dropout_p: float) -> bool:
-    """Whether this call runs its big GEMMs on the merged weight W + s·B A (``base_gemm="merged"``,
-    :mod:`.merged`); with dropout, one warning names why and the call takes the Triton route."""
-    if config.base_gemm != "merged":
+def _merged_route(config: KernelConfig, dropout_p: float, route: str = "merged") -> bool:
+    """Whether this call runs its big GEMMs on the merged weight W + s·B A: ``route="merged"``
+    (``base_gemm="merged"``, :mod:`.merged`) or ``"stacked"`` (``base_gemm="stacked"``, :mod:`.stacked`: P and Q as
+    more output columns of those GEMMs). With dropout, one warning names why and the call takes the Triton route."""
+    if config.base_gemm != route:
         return False
     reason = merged.unavailable_reason(dropout_p)
     if reason is not None:
-        merged.warn_fallback(reason)
-        return False
-    return True
-
-
-def _stacked_route(config: KernelConfig, dropout_p: float) -> bool:
-    """Whether this call runs the merged route with P and Q as more output columns of its GEMMs
-    (``base_gemm="stacked"``, :mod:`.stacked`); with dropout, one warning names why and the call takes the Triton
-    route."""
-    if config.base_gemm != "stacked":
-        return False
-    reason = merged.unavailable_reason(dropout_p)
-    if reason is not None:
-        stacked.warn_fallback(reason)
+        (stacked if route == "stacked" else merged).warn_fallback(reason)
         return False
     return True
 
@@ -250,7 +238,7 @@ class FusedLoRALinearFunction(torch.autograd.Function):
             p = torch.empty((M, a.shape[0]), device=x.device, dtype=cdt)
             y = torch.empty((M, N), device=x.device, dtype=cdt)
             lora_gemm(y, [(x2, weight.t())], rt=b.t(), bias=bias, project=(a.t(), scaling, p), config=config)
-        elif _stacked_route(config, dropout_p):
+        elif _merged_route(config, dropout_p, route="stacked"):
             # [Y | P] = X [W + s·B A ; s·A]ᵀ + [b | 0]: P as r more output columns of the frozen layer's GEMM
             y, p = stacked.forward_gemm(x2, weight, bias, a, b, scaling, _merge_engine(config, dropout_p))
         else:

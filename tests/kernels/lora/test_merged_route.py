@@ -1,6 +1,7 @@
-"""The LoRA linear on a weight merged per call (KernelConfig(base_gemm="merged"), lora_lab.kernels.lora.merged)
-against the fp64 reference: forward and every gradient, odd shapes; its forward error held to the unfused layer's
-(the same two roundings); what it keeps for backward; the fallback where it cannot run.
+"""The LoRA linear on a weight merged per call (KernelConfig(base_gemm="merged"), lora_lab.kernels.lora.merged;
+where a test takes ``route``, its stacked form too, base_gemm="stacked") against the fp64 reference: forward and
+every gradient, odd shapes; its forward error held to the unfused layer's (the same two roundings); what it keeps
+for backward; the fallback where it cannot run.
 CPU: Triton interpreter (the rank-r passes) and CPU GEMMs, fp32 and fp16. GPU (@pytest.mark.gpu): bf16.
 """
 import warnings
@@ -10,21 +11,23 @@ import torch
 from test_lora_linear import DEVICE, TOL, TRITON, make_case, run_and_compare
 
 from lora_lab.kernels import fused_lora_linear
-from lora_lab.kernels.lora import linear, merged
+from lora_lab.kernels.lora import linear, merged, stacked
 from lora_lab.kernels.lora.linear import lora_linear_reference, lora_linear_unfused
 from lora_lab.numerics import rel_l2
 
 MERGED = TRITON.replace(base_gemm="merged")
-# (M, K, N, r, bias): no dimension a multiple of the interpreter's tiles
+# (M, K, N, r, bias): no dimension a multiple of the interpreter's tiles; ranks 1, 5 (the stacked route pads it to
+# 8), 16, 64
 CASES = [(37, 45, 53, 1, True), (70, 96, 80, 16, False), (29, 40, 36, 5, True), (5, 33, 17, 64, True)]
 
 
+@pytest.mark.parametrize("route", ["merged", "stacked"])
 @pytest.mark.parametrize("rank_ops", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("M,K,N,r,bias", CASES, ids=lambda v: str(v))
-def test_merged_route_matches_reference(M, K, N, r, bias, dtype, rank_ops):
+def test_merged_route_matches_reference(M, K, N, r, bias, dtype, rank_ops, route):
     x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
-    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[dtype], config=MERGED.replace(rank_ops=rank_ops))
+    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[dtype], config=TRITON.replace(base_gemm=route, rank_ops=rank_ops))
 
 
 def test_merged_route_with_q_and_db_in_one_pass_and_a_3d_input():
@@ -71,25 +74,29 @@ def test_merged_route_runs_no_triton_gemm_and_keeps_no_merged_weight(monkeypatch
     assert merges == [(48, 40), (48, 40)]  # merged once for the forward, once for dX
 
 
-def test_merged_route_without_input_gradient():
-    # X needs no gradient: no dX GEMM, no second merge; dA and dB as the Triton route's
+@pytest.mark.parametrize("route", ["merged", "stacked"])
+def test_merged_route_without_input_gradient(route):
+    # X needs no gradient: no dX GEMM, no second merge (on the stacked route Q then comes from a pass over dY);
+    # dA and dB as the Triton route's
     x, w, b, A, B = make_case(38, 40, 24, 16, torch.float32)
     dy = torch.randn(38, 24, generator=torch.Generator().manual_seed(1)).to(x.device)
-    fused_lora_linear(x, w, b, A, B, 2.0, config=MERGED).backward(dy)
+    fused_lora_linear(x, w, b, A, B, 2.0, config=TRITON.replace(base_gemm=route)).backward(dy)
     got = (A.grad.clone(), B.grad.clone())
     A.grad = B.grad = None
     fused_lora_linear(x, w, b, A, B, 2.0, config=TRITON).backward(dy)
     torch.testing.assert_close(got, (A.grad, B.grad), rtol=1e-5, atol=1e-5)
 
 
-def test_merged_route_falls_back_naming_why():
-    merged._WARNED.clear()
+@pytest.mark.parametrize("route,module", [("merged", merged), ("stacked", stacked)], ids=["merged", "stacked"])
+def test_merged_route_falls_back_naming_why(route, module):
+    module._WARNED.clear()
+    config = TRITON.replace(base_gemm=route)
     x, w, b, A, B = make_case(21, 32, 24, 8, torch.float32)
-    with pytest.warns(RuntimeWarning, match="base_gemm='merged' cannot run here.*dropout"):
-        run_and_compare(x, w, b, A, B, 2.0, p=0.25, seed=5, tol=TOL[torch.float32], config=MERGED)
+    with pytest.warns(RuntimeWarning, match=f"base_gemm='{route}' cannot run here.*dropout"):
+        run_and_compare(x, w, b, A, B, 2.0, p=0.25, seed=5, tol=TOL[torch.float32], config=config)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per reason, not one per call
-        run_and_compare(x, w, b, A, B, 2.0, p=0.25, seed=5, tol=TOL[torch.float32], config=MERGED)
+        run_and_compare(x, w, b, A, B, 2.0, p=0.25, seed=5, tol=TOL[torch.float32], config=config)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)

@@ -1,11 +1,10 @@
 """The merged route with P and Q as more output columns of its GEMMs (KernelConfig(base_gemm="stacked"),
-lora_lab.kernels.lora.stacked) against the fp64 reference: forward and every gradient, odd shapes and ranks that
-need padding; which passes it runs and what it keeps; the fallback where it cannot run.
+lora_lab.kernels.lora.stacked): a scale that is no power of two, which passes it runs and what it keeps, merging
+into a block of a larger buffer. Against the fp64 reference at odd shapes and padded ranks, without an input
+gradient, and the fallback where it cannot run: test_merged_route.py, for both merged routes.
 CPU: Triton interpreter (the merge and the token reductions) and CPU GEMMs, fp32 and fp16. GPU (@pytest.mark.gpu):
 bf16.
 """
-import warnings
-
 import pytest
 import torch
 from test_lora_linear import DEVICE, TOL, TRITON, make_case, run_and_compare
@@ -15,16 +14,6 @@ from lora_lab.kernels.lora import linear, merged, stacked
 from lora_lab.kernels.lora.rank_ops import merge_weight
 
 STACKED = TRITON.replace(base_gemm="stacked")
-# (M, K, N, r, bias): no dimension a multiple of the interpreter's tiles; ranks 1, 5 (padded to 8), 16, 64
-CASES = [(37, 45, 53, 1, True), (70, 96, 80, 16, False), (29, 40, 36, 5, True), (5, 33, 17, 64, True)]
-
-
-@pytest.mark.parametrize("rank_ops", ["triton", "torch"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("M,K,N,r,bias", CASES, ids=lambda v: str(v))
-def test_stacked_route_matches_reference(M, K, N, r, bias, dtype, rank_ops):
-    x, w, b, A, B = make_case(M, K, N, r, dtype, bias=bias)
-    run_and_compare(x, w, b, A, B, 2.0, tol=TOL[dtype], config=STACKED.replace(rank_ops=rank_ops))
 
 
 def test_stacked_route_with_a_scale_that_is_no_power_of_two_and_a_3d_input():
@@ -64,27 +53,6 @@ def test_stacked_route_takes_p_and_q_from_the_gemms(monkeypatch):
     y.sum().backward()
     assert merges == ["merge", "merge"] and passes == ["reduction", "reduction"]  # dB, dA
     assert x.grad.shape == (33, 40)
-
-
-def test_stacked_route_without_input_gradient():
-    # X needs no gradient: no dX GEMM, so Q comes from a pass over dY as on the merged route
-    x, w, b, A, B = make_case(38, 40, 24, 16, torch.float32)
-    dy = torch.randn(38, 24, generator=torch.Generator().manual_seed(1)).to(x.device)
-    fused_lora_linear(x, w, b, A, B, 2.0, config=STACKED).backward(dy)
-    got = (A.grad.clone(), B.grad.clone())
-    A.grad = B.grad = None
-    fused_lora_linear(x, w, b, A, B, 2.0, config=TRITON).backward(dy)
-    torch.testing.assert_close(got, (A.grad, B.grad), rtol=1e-5, atol=1e-5)
-
-
-def test_stacked_route_falls_back_naming_why():
-    stacked._WARNED.clear()
-    x, w, b, A, B = make_case(21, 32, 24, 8, torch.float32)
-    with pytest.warns(RuntimeWarning, match="base_gemm='stacked' cannot run here.*dropout"):
-        run_and_compare(x, w, b, A, B, 2.0, p=0.25, seed=5, tol=TOL[torch.float32], config=STACKED)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # one warning per reason, not one per call
-        run_and_compare(x, w, b, A, B, 2.0, p=0.25, seed=5, tol=TOL[torch.float32], config=STACKED)
 
 
 @pytest.mark.parametrize("engine", ["triton", "torch"])

@@ -22,10 +22,16 @@ def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), 
     class ContextKernelManager(AsyncKernelManager):
         async def _async_launch_kernel(self, kernel_cmd, **kw):
             await super()._async_launch_kernel(kernel_cmd, **kw)
-            pid = getattr(getattr(self, "provisioner", None), "pid", None)
-            if pid is not None:
+            self._lora_lab_pid = getattr(getattr(self, "provisioner", None), "pid", None)
+            if self._lora_lab_pid is not None:
                 with _LIVE_KERNELS_LOCK:
-                    _LIVE_KERNELS.add(pid)
+                    _LIVE_KERNELS.add(self._lora_lab_pid)
+
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            # the kernel has stopped: forget its process id, which the system may give to another process
+            with _LIVE_KERNELS_LOCK:
+                _LIVE_KERNELS.discard(getattr(self, "_lora_lab_pid", None))
+            await super()._async_cleanup_resources(restart=restart)
 
         async def _async_pre_start_kernel(self, **kw):
             env = dict(kw.get("env") or os.environ)
@@ -40,7 +46,7 @@ def kernel_manager_with(extra_env: dict[str, str], unset: tuple[str, ...] = (), 
     return ContextKernelManager
 
 
-_LIVE_KERNELS: set[int] = set()  # the process ids of the kernels this process started (a group's, for Ctrl-C)
+_LIVE_KERNELS: set[int] = set()  # the process ids of the running kernels this process started (for Ctrl-C)
 _LIVE_KERNELS_LOCK = threading.Lock()
 
 

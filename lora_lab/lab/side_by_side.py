@@ -41,9 +41,8 @@ def side_by_side_groups(notebooks: list[Path], parallel: int, alone: set[Path] |
 def run_side_by_side(run_one: Callable, plans: list, profile: str, output_dir: Path,
                      cell_timeout: float | None) -> list:
     """``run_one`` (the runner's ``run_notebook``) for each plan at once, each in a thread of its own (its kernel a
-    process of its own);
-    the results in the plans' order. Ctrl-C (here, in the main thread) interrupts every kernel, and each notebook
-    ends recorded as interrupted."""
+    process of its own); the results in the plans' order. Ctrl-C (here, in the main thread) interrupts every kernel,
+    and each notebook ends recorded as interrupted."""
     with ThreadPoolExecutor(max_workers=len(plans), thread_name_prefix="notebook") as pool:
         futures = [pool.submit(run_one, plan, profile, output_dir, cell_timeout, False) for plan in plans]
         results = []

@@ -644,6 +644,9 @@ def test_parallel_runs_notebooks_that_time_nothing_side_by_side_and_records_each
     assert second["started"] < first["finished"] and first["started"] < second["finished"]  # at the same time
     for stem in ("01_first", "02_second"):
         assert metrics(tmp_path / "runs" / "cpu", stem)["metrics"] == {"before": 1, "after": 1}
+    # both kernels shut down: none of their process ids is left for a later Ctrl-C to signal
+    from lora_lab.lab import kernel_processes
+    assert not kernel_processes._LIVE_KERNELS
     with pytest.raises(RunnerError, match="parallel must be a whole number"):
         run(profile="cpu", notebooks_dir=notebooks, outputs_root=tmp_path / "runs", parallel=0)
 

@@ -120,7 +120,8 @@ FUSED_CONFIGS = {
 # a variant's forward and backward as CUDA graphs: {graphed variant: the variant it captures}
 GRAPHED = {"base_graphed": "base", "fused_graphed": "fused", "fused_cublas_base_graphed": "fused_cublas_base",
            "fused_pure_cublas_graphed": "fused_pure_cublas", "fused_quack_graphed": "fused_quack",
-           "fused_wide_graphed": "fused_wide", "fused_merged_graphed": "fused_merged"}
+           "fused_wide_graphed": "fused_wide", "fused_merged_graphed": "fused_merged",
+           "fused_stacked_graphed": "fused_stacked", "fused_stacked_cublas_graphed": "fused_stacked_cublas"}
 ALL_VARIANTS = ["base", "peft", "peft_nocast", "chained", *FUSED_CONFIGS, *GRAPHED]
 # --variants routes: the big GEMMs by cuBLAS and the graphed steps, beside the frozen layer (graphed too)
 ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "base_graphed", "fused_graphed",
@@ -146,7 +147,8 @@ WIDE_ROUTES = ["fused_cublas_base_qdb", "fused_pure_cublas", "fused_wide", "base
 # --variants merged: the merged-weight route beside the all-cuBLAS β = 1 route, each also as CUDA graphs
 MERGED_ROUTES = ["fused_pure_cublas", "fused_merged", "fused_merged_qdb", "fused_merged_overlap",
                  "fused_merged_qdb_overlap", "fused_stacked", "fused_stacked_cublas", "base_graphed",
-                 "fused_pure_cublas_graphed", "fused_merged_graphed"]
+                 "fused_pure_cublas_graphed", "fused_merged_graphed", "fused_stacked_graphed",
+                 "fused_stacked_cublas_graphed"]
 PRESETS = {"routes": ROUTES, "quack": QUACK_ROUTES, "wide": WIDE_ROUTES, "merged": MERGED_ROUTES}
 GRID = {"tokens": [8192, 32768], "shapes": ["4096x4096", "4096x12288", "12288x4096"], "ranks": [16, 64]}
 # --smoke: two cells of the grid with every dimension divided (M / 512, K and N / 128, r / 4): the Triton

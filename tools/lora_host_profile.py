@@ -1,7 +1,8 @@
 """Where a LoRA linear's plain-loop time goes beyond its kernels: host time before the first kernel, GPU idle gaps
 between kernels, kernel busy time — per variant, at one cell (default: notebook 05's target, M 32768, 4096², r 16).
 
-For each variant (the frozen layer, the fused op as shipped, the fused op with the rank-r passes as cuBLAS calls):
+For each variant (by default the frozen layer, the fused op as shipped, the fused op with the rank-r passes as cuBLAS
+calls; ``--variants`` adds the merged-weight routes by their bench_lora_linear names):
   * ``loop_ms``: the user's loop (``measure.loop_ms``, synchronised after each call), median of ``--calls``;
   * ``host_ms``: the host's own time per call (``measure.host_ms``);
   * from a ``torch.profiler`` trace of ``--traced`` calls, each synchronised: per call, the time from the call's
@@ -9,7 +10,7 @@ For each variant (the frozen layer, the fused op as shipped, the fused op with t
     time (``busy_us``) and the number of kernels; medians over the traced calls.
 The top host operators of each variant (self CPU time) go to ``<variant>_host_ops.txt``.
 
-    python tools/lora_host_profile.py --out DIR [--cell 32768 4096 4096 16]
+    python tools/lora_host_profile.py --out DIR [--cell 32768 4096 4096 16] [--variants base fused_stacked ...]
 A diagnostic (no notebook reads it); on CPU it runs the code path only (no kernels, TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -28,7 +29,12 @@ VARIANTS = {
     "base": None,
     "fused": KernelConfig(),
     "fused_torch_rank": KernelConfig(dispatch="triton", rank_ops="torch"),
+    # the merged-weight routes (kernels/lora/merged, kernels/lora/stacked), as bench_lora_linear names them
+    "fused_merged_qdb": KernelConfig(dispatch="triton", base_gemm="merged", rank_ops="triton", fuse_q_db=True),
+    "fused_stacked": KernelConfig(dispatch="triton", base_gemm="stacked", rank_ops="triton"),
+    "fused_stacked_cublas": KernelConfig(dispatch="triton", base_gemm="stacked", rank_ops="torch"),
 }
+DEFAULT_VARIANTS = ["base", "fused", "fused_torch_rank"]
 
 
 def build(M, K, N, r, device, dtype):
@@ -98,19 +104,22 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--traced", type=int, default=5)
     ap.add_argument("--repetitions", type=int, default=3)
+    ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                    help=f"what to profile (default: {' '.join(DEFAULT_VARIANTS)}); base is always profiled")
     args = ap.parse_args(argv)
+    variants = list(dict.fromkeys(["base", *args.variants]))
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     M, K, N, r = args.cell if cuda else [64, 32, 32, 4]
     tensors = build(M, K, N, r, device, dtype)
-    steps = {v: step_fn(v, *tensors) for v in VARIANTS}
+    steps = {v: step_fn(v, *tensors) for v in variants}
     for step in steps.values():  # compile and tune outside every timed loop
         measure.loop_ms(step, calls=1, warmup=2)
     results = []
     for rep in range(args.repetitions):
-        for variant in measure.rotation(list(VARIANTS), rep):
+        for variant in measure.rotation(variants, rep):
             step = steps[variant]
             loop = statistics.median(measure.loop_ms(step, calls=args.calls, warmup=2))
             host = statistics.median(measure.host_ms(step, calls=args.calls, warmup=2))

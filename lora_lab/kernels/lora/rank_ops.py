@@ -27,7 +27,8 @@ from lora_lab.kernels.triton_helpers import (
     row_bucket,
 )
 
-__all__ = ["rank_projection", "rank_reduction", "q_and_db", "dropout_keep_mask", "dropout_args", "merge_weight"]
+__all__ = ["rank_projection", "rank_reduction", "q_and_db", "dropout_keep_mask", "dropout_args", "merge_weight",
+           "stack_weight"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -184,9 +185,13 @@ def _merge_weight_kernel(
     b_ptr, stride_bn, stride_br,
     a_ptr, stride_ar, stride_ak,
     out_ptr, stride_on, stride_ok,
-    N, K, R, scale,
+    N, K, R, N_OUT, K_OUT, scale,
     PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    EXTRA: tl.constexpr,
 ):
+    # out[:N, :K] = W + scale·B A; EXTRA 1: rows N.. of out (N_OUT in all) hold scale·A, then zeros; EXTRA 2:
+    # columns K.. (K_OUT in all) hold scale·B, then zeros. Beyond N (or K) W and B A load as zeros, so those tiles
+    # add the extra block alone.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ranks = tl.arange(0, BLOCK_R)
@@ -199,6 +204,20 @@ def _merge_weight_kernel(
     tile = row_ok[:, None] & col_ok[None, :]
     w = tl.load(w_ptr + rows64[:, None] * stride_wn + cols[None, :] * stride_wk, mask=tile, other=0.0)
     acc = w.to(tl.float32) + scale * tl.dot(b, a, input_precision=PRECISION)
+    if EXTRA == 1:
+        extra = rows - N
+        in_a = (extra >= 0) & (extra < R)
+        a_rows = tl.load(a_ptr + extra[:, None] * stride_ar + cols[None, :] * stride_ak,
+                         mask=in_a[:, None] & col_ok[None, :], other=0.0)
+        acc += scale * a_rows.to(tl.float32)
+        tile = (rows < N_OUT)[:, None] & col_ok[None, :]
+    elif EXTRA == 2:
+        extra = cols - K
+        in_b = (extra >= 0) & (extra < R)
+        b_cols = tl.load(b_ptr + rows64[:, None] * stride_bn + extra[None, :] * stride_br,
+                         mask=row_ok[:, None] & in_b[None, :], other=0.0)
+        acc += scale * b_cols.to(tl.float32)
+        tile = row_ok[:, None] & (cols < K_OUT)[None, :]
     tl.store(out_ptr + rows64[:, None] * stride_on + cols[None, :] * stride_ok, acc.to(out_ptr.dtype.element_ty),
              mask=tile)
 
@@ -360,17 +379,44 @@ def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: 
         return out
     if R == 0:
         return out.copy_(weight)
-    block_r = rank_block(R)
-    grid = (cdiv(N, MERGE_BLOCK_N), cdiv(K, MERGE_BLOCK_K))
+    _launch_merge(weight, a, b, scale, out, extra=0)
+    return out
+
+
+def _launch_merge(weight, a, b, scale, out, extra: int) -> None:
+    N, K = weight.shape
+    grid = (cdiv(out.shape[0], MERGE_BLOCK_N), cdiv(out.shape[1], MERGE_BLOCK_K))
     _merge_weight_kernel[grid](
         weight, weight.stride(0), weight.stride(1),
         b, b.stride(0), b.stride(1),
         a, a.stride(0), a.stride(1),
         out, out.stride(0), out.stride(1),
-        N, K, R, float(scale),
-        PRECISION=dot_precision(weight.dtype), BLOCK_N=MERGE_BLOCK_N, BLOCK_K=MERGE_BLOCK_K, BLOCK_R=block_r,
-        num_warps=4,
+        N, K, a.shape[0], out.shape[0], out.shape[1], float(scale),
+        PRECISION=dot_precision(weight.dtype), BLOCK_N=MERGE_BLOCK_N, BLOCK_K=MERGE_BLOCK_K,
+        BLOCK_R=rank_block(a.shape[0]), EXTRA=extra, num_warps=4,
     )
+
+
+def stack_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, side: str,
+                 padded: int) -> torch.Tensor:
+    """The stacked route's weight in one pass over W (:mod:`.stacked`): ``side="rows"``, ``[W + s·B A ; s·A ; 0]``
+    ((N + padded)×K, the forward's); ``side="cols"``, ``[W + s·B A | s·B | 0]`` (N×(K + padded), dX's). The r rows
+    or columns of the scaled factor are followed by zeros up to ``padded`` (>= r); W's dtype, B A accumulated with
+    W in fp32 and rounded once, the factor scaled in fp32 and rounded once."""
+    check_interpreter_dtype(weight, op="stack_weight")
+    N, K = weight.shape
+    R = a.shape[0]
+    if a.shape[1] != K or b.shape != (N, R):
+        raise ValueError(f"stack_weight: A must be r×{K} and B {N}×r, got {tuple(a.shape)} and {tuple(b.shape)}")
+    if side not in ("rows", "cols") or padded < R:
+        raise ValueError(f"stack_weight: side is 'rows' or 'cols' and padded >= r ({R}); got {side!r}, {padded}")
+    shape = (N + padded, K) if side == "rows" else (N, K + padded)
+    out = torch.empty(shape, device=weight.device, dtype=weight.dtype)
+    if R == 0:  # no factor: W, then zeros
+        out.zero_()
+        (out[:N] if side == "rows" else out[:, :K]).copy_(weight)
+    elif out.numel():
+        _launch_merge(weight, a, b, scale, out, extra=1 if side == "rows" else 2)
     return out
 
 

@@ -16,10 +16,12 @@ its speed for N + r is what ``benchmarks/bench_lora_linear.py`` (``fused_stacked
 ``benchmarks/profile_kernels.py`` measure.
 
 What it costs: the stacked weights are built per call and never kept, as the merged route's W' (N×K, r rows or
-columns more); P is copied out of ``[Y | P]`` (M×r) so that backward does not keep Y alive; Y is returned as the
-first N columns of ``[Y | P]`` (row stride N + r, a view) and dX as the first K columns of ``[dX | Q]``. The rank
-is padded to a multiple of 8 with zero rows or columns, so that every row of the outputs stays 16-byte aligned
-for cuBLAS.
+columns more). With ``rank_ops="triton"`` one Triton pass over W writes each of them whole
+(``rank_ops.stack_weight``: the merge, the scaled factor and the zero padding), so one launch stands between the
+call and its GEMM. P is copied out of ``[Y | P]`` (M×r) so that backward does not keep Y alive; Y is returned as
+the first N columns of ``[Y | P]`` (row stride N + r, a view) and dX as the first K columns of ``[dX | Q]``. The
+rank is padded to a multiple of 8 with zero rows or columns, so that every row of the outputs stays 16-byte
+aligned for cuBLAS.
 
 Numerics: Y and dX are the merged route's (W' rounded once, then the output). P and Q come from a GEMM on s·A and
 s·B rounded to the input's dtype, one rounding more than the passes' fp32 scaling (none when s is a power of
@@ -30,7 +32,8 @@ from __future__ import annotations
 import torch
 
 from lora_lab.kernels.lora.dispatch import warn_route_fallback
-from lora_lab.kernels.lora.merged import merged_weight
+from lora_lab.kernels.lora.merged import MAX_TRITON_RANK, merged_weight
+from lora_lab.kernels.lora.rank_ops import stack_weight
 from lora_lab.kernels.lora.widened import padded_rank
 
 __all__ = ["forward_gemm", "input_grad_gemm", "warn_fallback"]
@@ -43,6 +46,25 @@ def warn_fallback(reason: str) -> None:
     warn_route_fallback(_WARNED, "stacked", reason)
 
 
+def _stacked(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, engine: str, side: str,
+             rp: int) -> torch.Tensor:
+    """``[W' ; s·A ; 0]`` ((N + rp)×K, ``side="rows"``) or ``[W' | s·B | 0]`` (N×(K + rp), ``"cols"``), W' = W + s·B A:
+    one Triton pass that writes all of it (``engine="triton"``, ranks up to the merge's), else s times the factor,
+    the zero padding and cuBLAS's merge written into their blocks apart."""
+    N, K = weight.shape
+    rank = a.shape[0]
+    if engine == "triton" and rank <= MAX_TRITON_RANK:
+        return stack_weight(weight, a, b, scaling, side, rp)
+    rows = side == "rows"
+    stack = torch.empty((N + rp, K) if rows else (N, K + rp), device=weight.device, dtype=weight.dtype)
+    factor, pad = (stack[N:N + rank], stack[N + rank:]) if rows else (stack[:, K:K + rank], stack[:, K + rank:])
+    torch.mul(a if rows else b, scaling, out=factor)  # s·A under W', or s·B beside it
+    if rp > rank:
+        pad.zero_()
+    merged_weight(weight, a, b, scaling, engine, out=stack[:N] if rows else stack[:, :K])
+    return stack
+
+
 def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                  b: torch.Tensor, scaling: float, engine: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """(Y, P): ``[Y | P] = X · [W + s·B A ; s·A]ᵀ + [b | 0]`` in one merge and one GEMM; Y a view (row stride
@@ -50,13 +72,9 @@ def forward_gemm(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     N, K = weight.shape
     rank = a.shape[0]
     rp = padded_rank(rank)
-    stack = torch.empty((N + rp, K), device=weight.device, dtype=weight.dtype)
-    torch.mul(a, scaling, out=stack[N:N + rank])  # s·A under W'
-    if rp > rank:
-        stack[N + rank:].zero_()
     bias_ext = torch.nn.functional.pad(bias, (0, rp)) if bias is not None else None
-    # the merge is the last launch before the GEMM that waits for it: the host then has little to do between them
-    merged_weight(weight, a, b, scaling, engine, out=stack[:N])
+    # the stack is the last launch before the GEMM that waits for it: the host then has little to do between them
+    stack = _stacked(weight, a, b, scaling, engine, "rows", rp)
     yp = torch.addmm(bias_ext, x2, stack.t()) if bias_ext is not None else torch.mm(x2, stack.t())
     return yp[:, :N], yp[:, N:N + rank].contiguous()
 
@@ -67,11 +85,5 @@ def input_grad_gemm(dy2: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b:
     (dX = dY (W + s·B A), Q = s·dY B)."""
     N, K = weight.shape
     rank = a.shape[0]
-    rp = padded_rank(rank)
-    stack = torch.empty((N, K + rp), device=weight.device, dtype=weight.dtype)
-    torch.mul(b, scaling, out=stack[:, K:K + rank])  # s·B beside W'
-    if rp > rank:
-        stack[:, K + rank:].zero_()
-    merged_weight(weight, a, b, scaling, engine, out=stack[:, :K])
-    dxq = torch.mm(dy2, stack)
+    dxq = torch.mm(dy2, _stacked(weight, a, b, scaling, engine, "cols", padded_rank(rank)))
     return dxq[:, :K], dxq[:, K:K + rank]

@@ -11,7 +11,7 @@ from test_lora_linear import DEVICE, TOL, TRITON, make_case, run_and_compare
 
 from lora_lab.kernels import fused_lora_linear
 from lora_lab.kernels.lora import linear, merged, stacked
-from lora_lab.kernels.lora.rank_ops import merge_weight
+from lora_lab.kernels.lora.rank_ops import merge_weight, stack_weight
 
 STACKED = TRITON.replace(base_gemm="stacked")
 
@@ -42,7 +42,8 @@ def test_stacked_route_takes_p_and_q_from_the_gemms(monkeypatch):
     monkeypatch.setattr(linear, "rank_projection", refuse)
     monkeypatch.setattr(linear, "q_and_db", refuse)
     monkeypatch.setattr(linear, "rank_reduction", recorded("reduction", linear.rank_reduction, passes))
-    monkeypatch.setattr(stacked, "merged_weight", recorded("merge", stacked.merged_weight, merges))
+    monkeypatch.setattr(stacked, "merged_weight", refuse)  # the Triton engine writes each stack in one pass
+    monkeypatch.setattr(stacked, "stack_weight", recorded("merge", stacked.stack_weight, merges))
     x, w, b, A, B = make_case(33, 40, 48, 5, torch.float32)
     x = x.requires_grad_()
     y = fused_lora_linear(x, w, b, A, B, 2.0, config=STACKED.replace(fuse_q_db=True))
@@ -67,6 +68,35 @@ def test_merge_into_a_block_of_a_larger_buffer(engine):
         torch.testing.assert_close(block(buffer), alone)
         rest = buffer[37:] if buffer.shape[0] == 45 else buffer[:, 45:]
         assert (rest == 7.0).all()  # nothing outside the block written
+
+
+@pytest.mark.parametrize("side", ["rows", "cols"])
+@pytest.mark.parametrize("N,K,r,padded", [(37, 45, 5, 8), (64, 128, 16, 16), (70, 33, 3, 16)])
+def test_stack_weight_writes_the_merge_the_scaled_factor_and_zeros(side, N, K, r, padded):
+    # one pass writes [W + s·B A ; s·A ; 0] or [W + s·B A | s·B | 0]; fp32 against a float64 reference
+    g = torch.Generator().manual_seed(N + K)
+    w, a, b = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((N, K), (r, K), (N, r)))
+    got = stack_weight(w, a, b, 0.3, side, padded)
+    wd, ad, bd = w.double(), a.double(), b.double()
+    merged_ref = wd + 0.3 * bd @ ad
+    if side == "rows":
+        want = torch.cat([merged_ref, 0.3 * ad, torch.zeros(padded - r, K, dtype=torch.float64, device=DEVICE)])
+    else:
+        want = torch.cat([merged_ref, 0.3 * bd, torch.zeros(N, padded - r, dtype=torch.float64, device=DEVICE)], 1)
+    assert got.shape == want.shape and got.dtype == w.dtype
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    extra = got[N + r:] if side == "rows" else got[:, K + r:]
+    assert (extra == 0).all()
+
+
+def test_stack_weight_names_bad_input():
+    w, a, b = torch.zeros(6, 8, device=DEVICE), torch.zeros(2, 8, device=DEVICE), torch.zeros(6, 2, device=DEVICE)
+    with pytest.raises(ValueError, match="side is 'rows' or 'cols'"):
+        stack_weight(w, a, b, 1.0, "both", 8)
+    with pytest.raises(ValueError, match="padded >= r"):
+        stack_weight(w, a, b, 1.0, "rows", 1)
+    with pytest.raises(ValueError, match="A must be r×8 and B 6×r"):
+        stack_weight(w, a.t(), b, 1.0, "cols", 8)
 
 
 def test_merge_weight_names_a_wrong_output():

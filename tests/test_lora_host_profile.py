@@ -13,7 +13,7 @@ def tool(load_tool):
 
 def test_the_asked_variants_and_the_frozen_layer_are_profiled(tool, tmp_path):
     tool.main(["--out", str(tmp_path), "--variants", "fused_stacked", "fused_merged_qdb", "--calls", "2",
-               "--traced", "1", "--repetitions", "1"])
+               "--traced", "1", "--repetitions", "1", "--adapters", "input"])
     with open(tmp_path / "lora_host_profile.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert sorted(r["variant"] for r in rows) == ["base", "fused_merged_qdb", "fused_stacked"]

@@ -8,7 +8,8 @@ calls; ``--variants`` adds the merged-weight routes by their bench_lora_linear n
   * from a ``torch.profiler`` trace of ``--traced`` calls, each synchronised: per call, the time from the call's
     start to its first kernel (``lead_us``), the GPU idle time between its kernels (``gaps_us``), the kernels' busy
     time (``busy_us``) and the number of kernels; medians over the traced calls.
-The top host operators of each variant (self CPU time) go to ``<variant>_host_ops.txt``.
+The top host operators of each variant (self CPU time) go to ``<variant>_host_ops.txt``. The LoRA factors are fp32
+(PEFT's default) unless ``--adapters input`` makes them the input's dtype, as ``bench_lora_linear`` has them.
 
     python tools/lora_host_profile.py --out DIR [--cell 32768 4096 4096 16] [--variants base fused_stacked ...]
 A diagnostic (no notebook reads it); on CPU it runs the code path only (no kernels, TRITON_INTERPRET=1).
@@ -37,12 +38,12 @@ VARIANTS = {
 DEFAULT_VARIANTS = ["base", "fused", "fused_torch_rank"]
 
 
-def build(M, K, N, r, device, dtype):
+def build(M, K, N, r, device, dtype, adapter_dtype=torch.float32):
     g = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(M, K, generator=g).to(device, dtype).requires_grad_(True)
     w = (torch.randn(N, K, generator=g) / K**0.5).to(device, dtype)
-    a = (torch.randn(r, K, generator=g) / K**0.5).to(device, torch.float32).requires_grad_(True)
-    b = (0.02 * torch.randn(N, r, generator=g)).to(device, torch.float32).requires_grad_(True)
+    a = (torch.randn(r, K, generator=g) / K**0.5).to(device, adapter_dtype).requires_grad_(True)
+    b = (0.02 * torch.randn(N, r, generator=g)).to(device, adapter_dtype).requires_grad_(True)
     dy = torch.randn(M, N, generator=g).to(device, dtype)
     return x, w, a, b, dy
 
@@ -106,6 +107,9 @@ def main(argv=None):
     ap.add_argument("--repetitions", type=int, default=3)
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
                     help=f"what to profile (default: {' '.join(DEFAULT_VARIANTS)}); base is always profiled")
+    ap.add_argument("--adapters", choices=["fp32", "input"], default="fp32",
+                    help="the LoRA factors' dtype: fp32 (PEFT's default, cast per call; the default) or the input's "
+                         "(as bench_lora_linear builds them)")
     args = ap.parse_args(argv)
     variants = list(dict.fromkeys(["base", *args.variants]))
     cuda = torch.cuda.is_available()
@@ -113,7 +117,7 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     M, K, N, r = args.cell if cuda else [64, 32, 32, 4]
-    tensors = build(M, K, N, r, device, dtype)
+    tensors = build(M, K, N, r, device, dtype, torch.float32 if args.adapters == "fp32" else dtype)
     steps = {v: step_fn(v, *tensors) for v in variants}
     for step in steps.values():  # compile and tune outside every timed loop
         measure.loop_ms(step, calls=1, warmup=2)

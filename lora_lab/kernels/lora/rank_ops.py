@@ -360,16 +360,22 @@ _TMA_STATE: dict = {}
 
 
 
+def _merge_dims(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, op: str) -> tuple[int, int, int]:
+    """(N, K, r) of a merge of W (N×K) with B (N×r) A (r×K); a mismatch raises, naming ``op``."""
+    check_interpreter_dtype(weight, op=op)
+    N, K = weight.shape
+    R = a.shape[0]
+    if a.shape[1] != K or b.shape != (N, R):
+        raise ValueError(f"{op}: A must be r×{K} and B {N}×r, got {tuple(a.shape)} and {tuple(b.shape)}")
+    return N, K, R
+
+
 def merge_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """``W + scale · B A`` (N×K, W's dtype) in one pass over W: B A accumulated with W in fp32, rounded once (what
     ``torch.addmm(W, B, A, alpha=scale)`` computes, without cuBLAS's GEMM machinery for a depth-r product); written
     into ``out`` (N×K, W's dtype, any strides: a block of a larger buffer) when given."""
-    check_interpreter_dtype(weight, op="merge_weight")
-    N, K = weight.shape
-    R = a.shape[0]
-    if a.shape[1] != K or b.shape != (N, R):
-        raise ValueError(f"merge_weight: A must be r×{K} and B {N}×r, got {tuple(a.shape)} and {tuple(b.shape)}")
+    N, K, R = _merge_dims(weight, a, b, "merge_weight")
     if out is None:
         out = torch.empty((N, K), device=weight.device, dtype=weight.dtype)
     elif out.shape != (N, K) or out.dtype != weight.dtype or out.device != weight.device:
@@ -403,11 +409,7 @@ def stack_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: 
     ((N + padded)×K, the forward's); ``side="cols"``, ``[W + s·B A | s·B | 0]`` (N×(K + padded), dX's). The r rows
     or columns of the scaled factor are followed by zeros up to ``padded`` (>= r); W's dtype, B A accumulated with
     W in fp32 and rounded once, the factor scaled in fp32 and rounded once."""
-    check_interpreter_dtype(weight, op="stack_weight")
-    N, K = weight.shape
-    R = a.shape[0]
-    if a.shape[1] != K or b.shape != (N, R):
-        raise ValueError(f"stack_weight: A must be r×{K} and B {N}×r, got {tuple(a.shape)} and {tuple(b.shape)}")
+    N, K, R = _merge_dims(weight, a, b, "stack_weight")
     if side not in ("rows", "cols") or padded < R:
         raise ValueError(f"stack_weight: side is 'rows' or 'cols' and padded >= r ({R}); got {side!r}, {padded}")
     shape = (N + padded, K) if side == "rows" else (N, K + padded)

@@ -136,7 +136,8 @@ DROPPED_FROM_DEFAULT = ("fused_cublas_base", "fused_cublas_base_qdb", "fused_cub
 DEFAULT_VARIANTS = [v for v in ALL_VARIANTS
                     if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_qdb", "fused_quack_graphed",
                              "fused_merged", "fused_merged_qdb", "fused_merged_graphed", "fused_merged_overlap",
-                             "fused_merged_qdb_overlap", "fused_stacked", "fused_stacked_cublas")
+                             "fused_merged_qdb_overlap", "fused_stacked", "fused_stacked_cublas",
+                             "fused_stacked_graphed", "fused_stacked_cublas_graphed")
                     and v not in DROPPED_FROM_DEFAULT]
 # --variants quack: the QuACK epilogue route beside the best cuBLAS route, each also as CUDA graphs
 QUACK_ROUTES = ["fused_pure_cublas", "fused_quack", "fused_quack_qdb", "base_graphed", "fused_pure_cublas_graphed",

@@ -174,10 +174,12 @@ WIDE_VARIANTS = {"fused_wide": "base", "fused_wide_graphed": "base_graphed"}
 # the frozen layer's cuBLAS GEMMs on W + s·B A merged per call (kernels/lora/merged): rank-r products by cuBLAS, or Q
 # and dB in one Triton pass; ungraphed, graphed, and with the rank-r passes on a side stream beside the GEMMs
 # (overlap="on"), and with P and Q as more output columns of its GEMMs (base_gemm="stacked", kernels/lora/stacked:
-# Triton's merge and token reductions, or cuBLAS's): measured like the routes, kept out of their best-of figure
+# Triton's merge and token reductions, or cuBLAS's; ungraphed and graphed): measured like the routes, kept out of
+# their best-of figure
 MERGED_VARIANTS = {"fused_merged": "base", "fused_merged_qdb": "base", "fused_merged_graphed": "base_graphed",
                    "fused_merged_overlap": "base", "fused_merged_qdb_overlap": "base", "fused_stacked": "base",
-                   "fused_stacked_cublas": "base"}
+                   "fused_stacked_cublas": "base", "fused_stacked_graphed": "base_graphed",
+                   "fused_stacked_cublas_graphed": "base_graphed"}
 
 
 def _rows(path: Path, allow_smoke: bool) -> list[dict]:

@@ -129,10 +129,11 @@ ROUTES = ["fused_cublas_base", "fused_cublas_base_qdb", "fused_pure_cublas", "ba
 # what notebook 05 times: base, PEFT and ours as shipped, every GEMM by cuBLAS, the graphed step, QuACK's route
 # (skipped rows naming why where it cannot run) and the merged weight. The forms docs/changelog.md keeps as tried
 # and slower (fused_persistent, fused_fold, fused_torch_rank; the big GEMMs by cuBLAS onto a Triton rank-r term,
-# fused_cublas_base*; the widened reduction, fused_wide*: their predictions were graded by earlier runs) run only
-# when --variants names them (``routes``, ``wide``), which keeps the notebook's GPU run short
+# fused_cublas_base*; the widened reduction, fused_wide*; the shipped, all-cuBLAS and merged ops graphed, for which
+# the stacked route graphed stands: their predictions were graded by earlier runs) run only when --variants names
+# them (``routes``, ``wide``, ``merged``), which keeps the notebook's GPU run short
 DROPPED_FROM_DEFAULT = ("fused_cublas_base", "fused_cublas_base_qdb", "fused_cublas_base_graphed", "fused_wide",
-                        "fused_wide_graphed")
+                        "fused_wide_graphed", "fused_graphed", "fused_pure_cublas_graphed", "fused_merged_graphed")
 DEFAULT_VARIANTS = [v for v in ALL_VARIANTS
                     if v in (*REQUIRED_VARIANTS, *ROUTES, "fused_quack", "fused_quack_qdb", "fused_quack_graphed",
                              "fused_merged", "fused_merged_qdb", "fused_merged_graphed", "fused_merged_overlap",

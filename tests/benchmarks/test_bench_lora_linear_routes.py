@@ -41,23 +41,28 @@ def test_the_routes_command_line_parses(bench):
 
 def test_the_default_run_times_what_notebook_05_grades_and_no_more(bench):
     """The notebook passes no --variants: its default run must time the shipped op against its references, the
-    routes that are still contenders (every GEMM by cuBLAS, the graphed step, QuACK's route, the merged weight) and
+    routes that are still contenders (every GEMM by cuBLAS, QuACK's route, the merged and stacked weights, graphed) and
     their references, and leave out the forms the changelog keeps as tried and slower (the persistent GEMM core, P / Q
     folded into it, the rank-r passes by cuBLAS around the Triton GEMMs, the big GEMMs by cuBLAS onto a Triton rank-r
     term, the widened reduction: graded by earlier runs, timed on request), and skip the do_bench column."""
     args = bench.parse_args(["--out", "o"])
     timed = set(args.variants)
-    kept = {"fused_pure_cublas", "fused_graphed"}  # p05-merged-route-all-cublas, p05-graphed-host-ms
-    for routes in (kept, fused_lora_kernels.QUACK_VARIANTS, fused_lora_kernels.MERGED_VARIANTS):
+    kept = {"fused_pure_cublas"}  # the all-cuBLAS op, the route rule's pick at large cells
+    merged = set(fused_lora_kernels.MERGED_VARIANTS) - {"fused_merged_graphed"}
+    for routes in (kept, fused_lora_kernels.QUACK_VARIANTS, merged):
         references = {fused_lora_kernels.ROUTE_VARIANTS.get(v) or fused_lora_kernels.QUACK_VARIANTS.get(v)
                       or fused_lora_kernels.MERGED_VARIANTS[v] for v in routes}
         assert set(routes) | references | {"base", "peft", "fused"} <= timed
     assert not {"fused_persistent", "fused_fold", "fused_torch_rank"} & timed
     assert not set(bench.DROPPED_FROM_DEFAULT) & timed
     dropped = set(bench.DROPPED_FROM_DEFAULT)
+    # the graphed shipped and all-cuBLAS ops, and the graphed merged route, were graded by earlier runs; the graphed
+    # stacked routes stand in for them
     assert dropped == set(fused_lora_kernels.WIDE_VARIANTS) | {v for v in fused_lora_kernels.ROUTE_VARIANTS
-                                                               if v.startswith("fused_cublas_base")}
-    assert dropped <= set(bench.ROUTES) | set(bench.WIDE_ROUTES)  # each still timed on request
+                                                               if v.startswith("fused_cublas_base")} \
+        | {"fused_graphed", "fused_pure_cublas_graphed", "fused_merged_graphed"}
+    assert {"fused_stacked_graphed", "fused_stacked_cublas_graphed", "base_graphed"} <= timed
+    assert dropped <= set(bench.ROUTES) | set(bench.WIDE_ROUTES) | set(bench.MERGED_ROUTES)  # each timed on request
     assert args.back_to_back is False
     assert args.calls == bench.LOOP[False]["calls"] == 6
 

@@ -2,7 +2,7 @@
 between kernels, kernel busy time — per variant, at one cell (default: notebook 05's target, M 32768, 4096², r 16).
 
 For each variant (by default the frozen layer, the fused op as shipped, the fused op with the rank-r passes as cuBLAS
-calls; ``--variants`` adds the merged-weight routes by their bench_lora_linear names):
+calls; ``--variants`` picks any of bench_lora_linear's fused settings by its name):
   * ``loop_ms``: the user's loop (``measure.loop_ms``, synchronised after each call), median of ``--calls``;
   * ``host_ms``: the host's own time per call (``measure.host_ms``);
   * from a ``torch.profiler`` trace of ``--traced`` calls, each synchronised: per call, the time from the call's
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import statistics
+import sys
 from pathlib import Path
 
 import torch
@@ -26,15 +27,11 @@ import torch
 from lora_lab.kernels import KernelConfig, fused_lora_linear
 from lora_lab.lab import measure
 
-VARIANTS = {
-    "base": None,
-    "fused": KernelConfig(),
-    "fused_torch_rank": KernelConfig(dispatch="triton", rank_ops="torch"),
-    # the merged-weight routes (kernels/lora/merged, kernels/lora/stacked), as bench_lora_linear names them
-    "fused_merged_qdb": KernelConfig(dispatch="triton", base_gemm="merged", rank_ops="triton", fuse_q_db=True),
-    "fused_stacked": KernelConfig(dispatch="triton", base_gemm="stacked", rank_ops="triton"),
-    "fused_stacked_cublas": KernelConfig(dispatch="triton", base_gemm="stacked", rank_ops="torch"),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_lora_linear  # noqa: E402
+
+# the frozen layer, and the fused op in each setting bench_lora_linear times, under the benchmark's names
+VARIANTS = {"base": None, **{name: KernelConfig(**fields) for name, fields in bench_lora_linear.FUSED_CONFIGS.items()}}
 DEFAULT_VARIANTS = ["base", "fused", "fused_torch_rank"]
 
 
